@@ -1,0 +1,118 @@
+"""The cluster as plain data: nodes, GPUs and the claims leases hold on them.
+
+No I/O and no clock here. The allocator keeps one :class:`Cluster` in memory, mirrors every
+change into the ledger, and hands it to the pure functions of :mod:`allocator.policy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from allocator.protocol import Health
+
+
+@dataclass
+class GPU:
+    """One GPU: identity from its node agent, state from the allocator."""
+
+    uuid: str
+    host: str
+    index: int
+    model: str
+    memory_total_mib: int
+    share_slots: int = 1
+    """Shared slices this GPU can hold; 1 = exclusive only."""
+    health: Health = Health.HEALTHY
+    health_reasons: list[str] = field(default_factory=list)
+    drained: bool = False
+    present: bool = True
+    """False when the GPU's node stopped listing it (it stays in the ledger for history)."""
+    memory_used_mib: int = 0
+    utilization_pct: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+
+    @property
+    def placeable(self) -> bool:
+        """Healthy, listed by its node and not drained (node state is checked separately)."""
+        return self.present and self.health is Health.HEALTHY and not self.drained
+
+
+@dataclass
+class Node:
+    """One GPU host."""
+
+    host: str
+    last_heartbeat: float | None = None
+    drained: bool = False
+    agent_id: str | None = None
+    gpu_uuids: list[str] = field(default_factory=list)
+    """This node's GPUs, in index order."""
+
+    def is_up(self, now: float, down_after_s: float) -> bool:
+        """Whether its last heartbeat is recent enough."""
+        return self.last_heartbeat is not None and now - self.last_heartbeat <= down_after_s
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one lease holds on one GPU."""
+
+    lease_id: str
+    user: str
+    groups: tuple[str, ...]
+    exclusive: bool
+    memory_mib: int
+    """For a slice, its budget; for an exclusive claim, the GPU's whole memory."""
+    units: Fraction
+    """How much of a GPU this claim counts for quotas: 1, or 1/slots for a slice."""
+
+
+@dataclass
+class Cluster:
+    """Nodes, GPUs and claims, indexed for the policy."""
+
+    nodes: dict[str, Node] = field(default_factory=dict)
+    gpus: dict[str, GPU] = field(default_factory=dict)
+    claims: dict[str, list[Claim]] = field(default_factory=dict)
+    """GPU uuid -> claims on it."""
+
+    def claims_on(self, uuid: str) -> list[Claim]:
+        """The claims on one GPU (empty if free)."""
+        return self.claims.get(uuid, [])
+
+    def add_claim(self, uuid: str, claim: Claim) -> None:
+        """Record that a lease holds (part of) a GPU."""
+        self.claims.setdefault(uuid, []).append(claim)
+
+    def drop_claims(self, lease_id: str, uuids: list[str]) -> None:
+        """Forget a lease's claims on the given GPUs."""
+        for uuid in uuids:
+            remaining = [c for c in self.claims.get(uuid, []) if c.lease_id != lease_id]
+            if remaining:
+                self.claims[uuid] = remaining
+            else:
+                self.claims.pop(uuid, None)
+
+    def free_slots(self, gpu: GPU) -> int:
+        """Slots not taken; 0 when an exclusive claim holds it."""
+        held = self.claims_on(gpu.uuid)
+        if any(c.exclusive for c in held):
+            return 0
+        return max(gpu.share_slots - len(held), 0)
+
+    def free_memory_mib(self, gpu: GPU) -> int:
+        """Memory not promised to any claim."""
+        return max(gpu.memory_total_mib - sum(c.memory_mib for c in self.claims_on(gpu.uuid)), 0)
+
+    def is_free(self, gpu: GPU) -> bool:
+        """No claim at all on it."""
+        return not self.claims_on(gpu.uuid)
+
+    def gpus_of(self, host: str) -> list[GPU]:
+        """A node's GPUs in index order."""
+        node = self.nodes.get(host)
+        if node is None:
+            return []
+        return [self.gpus[u] for u in node.gpu_uuids if u in self.gpus]

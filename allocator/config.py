@@ -1,0 +1,102 @@
+"""Allocator settings: environment variables (``SWARM_GPU_*``) over an optional TOML file.
+
+Precedence, highest first: keyword arguments, environment, the TOML file named by
+``SWARM_GPU_CONFIG`` (or passed as ``config_file``), defaults. Nested tables in TOML map to
+dict settings, e.g.::
+
+    ledger_path = "/var/lib/swarm-gpu/ledger.sqlite"
+    [share_slots]
+    "NVIDIA GeForce GTX 1070" = 4
+    [aliases]
+    "1070" = "NVIDIA GeForce GTX 1070"
+    [group_quota]
+    students = 1
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class PolicySettings(BaseSettings):
+    """The knobs of placement: sharing, aliases, quotas. Plain data for the pure policy."""
+
+    model_config = SettingsConfigDict(env_prefix="SWARM_GPU_", extra="ignore")
+
+    share_slots: dict[str, int] = Field(
+        default_factory=dict,
+        description="Share slots per GPU, by canonical model name. 1 or absent = exclusive only.",
+    )
+    default_share_slots: int = Field(default=1, ge=1, le=64)
+    aliases: dict[str, str] = Field(
+        default_factory=dict, description="Extra model aliases: alias -> canonical NVML name."
+    )
+    user_quota: dict[str, float] = Field(
+        default_factory=dict, description="Max GPUs held at once, by user (a slice counts 1/slots)."
+    )
+    group_quota: dict[str, float] = Field(
+        default_factory=dict, description="Max GPUs held at once by all members of a group."
+    )
+    default_user_quota: float | None = Field(default=None, description="None = unlimited.")
+
+
+class AllocatorSettings(PolicySettings):
+    """Everything the allocator process reads at start."""
+
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    queue_name: str = Field(default="swarm-gpu.allocator", description="Inbound queue name.")
+    ledger_path: Path = Path("swarm-gpu-ledger.sqlite")
+    bind_timeout_s: float = Field(
+        default=300.0, gt=0, description="A granted lease no container binds by then is reclaimed."
+    )
+    node_down_after_s: float = Field(
+        default=15.0, gt=0, description="A node with no heartbeat for this long is down."
+    )
+    stop_grace_s: float = Field(
+        default=60.0, gt=0,
+        description="Leases on a node silent this long are released (reason node_silent).",
+    )
+    container_gone_grace_s: float = Field(
+        default=2.0, ge=0,
+        description="A bound lease whose container a heartbeat no longer lists is released once "
+        "the heartbeat is this much newer than the bind.",
+    )
+    tick_s: float = Field(default=0.5, gt=0, description="How often timers are checked.")
+    batch_max: int = Field(default=64, ge=1, le=4096, description="Messages per ledger commit.")
+    prefetch: int = Field(default=256, ge=1, le=65535)
+    telemetry_persist_s: float = Field(
+        default=30.0, ge=0, description="GPU telemetry is written to the ledger at most this often."
+    )
+    admin_users: list[str] = Field(
+        default_factory=lambda: ["admin"],
+        description="Broker users (AMQP user_id) allowed to drain and force-release.",
+    )
+    node_users: dict[str, str] = Field(
+        default_factory=dict, description="host -> broker user that may report for it."
+    )
+    node_user_template: str = Field(
+        default="agent-{host}", description="Broker user of a host not in node_users."
+    )
+    allow_any_node_user: bool = Field(
+        default=False,
+        description="Accept heartbeats for any host from any broker user (single-user setups).",
+    )
+    metrics_port: int | None = Field(default=None, description="Prometheus port; None = off.")
+    request_timeout_s: float = Field(default=10.0, gt=0, description="Bound on broker calls.")
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> AllocatorSettings:
+    """Read the TOML file (if any) under the environment and ``overrides``."""
+    path = config_file or os.environ.get("SWARM_GPU_CONFIG")
+    file_values: dict[str, Any] = {}
+    if path:
+        with open(path, "rb") as handle:
+            file_values = tomllib.load(handle)
+    env_values = AllocatorSettings().model_dump(exclude_unset=True)
+    return AllocatorSettings(**{**file_values, **env_values, **overrides})

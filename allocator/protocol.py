@@ -1,0 +1,615 @@
+"""The swarm-gpu wire protocol: every message that crosses the broker, as pydantic v2 models.
+
+Every body is one JSON object with ``"v": 1`` (the protocol version) and a ``"kind"``
+that names the message. Requests go to the allocator; replies come back through
+RabbitMQ's direct reply-to with the request's correlation id. Node messages
+(heartbeats and container events) are fire-and-forget. ``docs/protocol.md`` documents
+each message with an example; this module is the single source of truth for both.
+
+This module is the allocator's public surface: the node agent and the hub plugin import
+it (and :mod:`allocator.client`), never the ledger or the policy.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+PROTOCOL_VERSION = 1
+"""The protocol version this code speaks. A message with any other ``v`` is refused."""
+
+MAX_BODY_BYTES = 256 * 1024
+"""Bodies larger than this are refused unparsed (``too_large``): a heartbeat of a
+host with 16 GPUs and 64 containers is about 20 KiB."""
+
+MAX_COUNT = 64
+"""The largest GPU count one lease may ask for; more is a ``bad_request``, not a queue entry."""
+
+MAX_WAIT_S = 24 * 3600.0
+"""The longest a request may wait in the queue."""
+
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+"""A printable identifier (user, host, model, request key...)."""
+
+MiB = Annotated[int, Field(ge=0, le=1 << 30)]
+"""A memory size in MiB (up to 1 PiB)."""
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes. Clients branch on these; the message is for people."""
+
+    BAD_REQUEST = "bad_request"
+    """The message parsed but a field is missing, of the wrong type or out of range."""
+    UNSUPPORTED_VERSION = "unsupported_version"
+    """``v`` is not a version this allocator speaks."""
+    TOO_LARGE = "too_large"
+    """The body is larger than :data:`MAX_BODY_BYTES`."""
+    UNKNOWN_MODEL = "unknown_model"
+    """No GPU in the cluster has that model or alias; the message lists the known ones."""
+    UNKNOWN_HOST = "unknown_host"
+    """No node of that name has ever sent a heartbeat."""
+    UNSATISFIABLE = "unsatisfiable"
+    """Even an empty cluster could never satisfy the request (e.g. 9 GPUs on 8-GPU hosts)."""
+    NO_CAPACITY = "no_capacity"
+    """It could fit, but not now, and the request did not ask to wait (or its wait ran out)."""
+    QUOTA_EXCEEDED = "quota_exceeded"
+    """Granting would take the user or one of their groups over its GPU quota."""
+    NOT_SHAREABLE = "not_shareable"
+    """A shared slice was asked of a model that is configured exclusive-only."""
+    NOT_FOUND = "not_found"
+    """No lease or request with that id or key."""
+    FORBIDDEN = "forbidden"
+    """The sender may not do this (admin action from a non-admin, heartbeat for a host that
+    is not the sender's)."""
+    CONFLICT = "conflict"
+    """The request contradicts the ledger (e.g. a request key reused for another user)."""
+    STORAGE_ERROR = "storage_error"
+    """The ledger could not be written (disk full, read-only); nothing was granted."""
+    INTERNAL_ERROR = "internal_error"
+    """A bug; the message says where to look. The request had no effect."""
+    TIMEOUT = "timeout"
+    """Client side only: no reply arrived within the call's timeout."""
+    UNAVAILABLE = "unavailable"
+    """Client side only: the broker could not be reached."""
+
+
+class LeaseState(StrEnum):
+    """Life of a lease. ``queued`` leases hold no GPU yet."""
+
+    QUEUED = "queued"
+    GRANTED = "granted"
+    BOUND = "bound"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    """A queued request whose wait ran out before anything fitted."""
+
+    @property
+    def holds_gpus(self) -> bool:
+        """Whether a lease in this state counts against its GPUs."""
+        return self in (LeaseState.GRANTED, LeaseState.BOUND, LeaseState.RELEASING)
+
+    @property
+    def active(self) -> bool:
+        """Whether the lease is still alive for idempotency by request key."""
+        return self in (LeaseState.QUEUED, LeaseState.GRANTED, LeaseState.BOUND)
+
+    @property
+    def final(self) -> bool:
+        """Whether the lease is finished for good."""
+        return self in (LeaseState.RELEASED, LeaseState.EXPIRED)
+
+
+class ReleaseReason(StrEnum):
+    """Why a lease was released or its request ended. Every release records one."""
+
+    CONTAINER_EXITED = "container_exited"
+    """The node agent saw the container die, be killed by OOM, or be destroyed."""
+    CONTAINER_GONE = "container_gone"
+    """A heartbeat no longer listed the container (events were missed)."""
+    NODE_SILENT = "node_silent"
+    """The node sent no heartbeat for longer than the stop grace period."""
+    BIND_TIMEOUT = "bind_timeout"
+    """The lease was granted but no container bound it before its deadline."""
+    STOPPED = "stopped"
+    """The hub stopped the server and nothing was ever bound (a failed spawn)."""
+    ADMIN = "admin"
+    """An admin force-released it."""
+    CANCELLED = "cancelled"
+    """A queued request was withdrawn before it was granted."""
+    WAIT_EXPIRED = "wait_expired"
+    """A queued request waited ``wait_s`` without anything fitting."""
+    GPU_LOST = "gpu_lost"
+    """A GPU of the lease disappeared from its node's inventory."""
+
+
+class Health(StrEnum):
+    """A GPU's health as its node agent judges it. Unhealthy GPUs never fit a request."""
+
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+class _Message(BaseModel):
+    """Base of every message: strict about unknown fields so typos are reported, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class ShareRequest(BaseModel):
+    """A shared slice: one share slot of one GPU with a memory budget."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_mib: MiB | None = Field(
+        default=None,
+        description="Memory budget of the slice; default: the GPU's memory divided by its slots.",
+        examples=[4096],
+    )
+
+
+class AllocateRequest(_Message):
+    """Ask for GPUs. Idempotent by ``request_key`` while the earlier lease is active."""
+
+    kind: Literal["allocate"] = "allocate"
+    request_key: Name = Field(
+        description="Identifies the asking server (hub + user + server name). A retry with the "
+        "same key returns the same lease instead of a second one.",
+        examples=["hub1/alice/"],
+    )
+    user: Name = Field(examples=["alice"])
+    groups: list[Name] = Field(default_factory=list, max_length=64, examples=[["students"]])
+    model: Name | None = Field(
+        default=None, description="A model name or alias; None = any.", examples=["1070"]
+    )
+    models: list[Name] | None = Field(
+        default=None,
+        max_length=32,
+        description="Acceptable models in order of preference; excludes ``model``.",
+        examples=[["a100", "3090"]],
+    )
+    min_memory_mib: MiB | None = Field(default=None, examples=[16000])
+    count: int | Literal["all"] = Field(
+        default=1,
+        description='GPUs on one host, or "all" for every matching GPU of one host.',
+        examples=[1, 2, "all"],
+    )
+    host: Name | None = Field(default=None, description="Only this node.", examples=["gpu-a"])
+    share: ShareRequest | None = Field(
+        default=None, description="A shared slice instead of exclusive GPUs (count must be 1)."
+    )
+    wait_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=MAX_WAIT_S,
+        description="If nothing fits now, wait in the queue this long; 0 = answer no_capacity.",
+    )
+    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is served first.")
+    deadline: float | None = Field(
+        default=None,
+        description="Epoch seconds after which the sender no longer waits for the reply: "
+        "the allocator drops the request unanswered and grants nothing.",
+    )
+
+    @field_validator("count")
+    @classmethod
+    def _count_in_range(cls, count: int | str) -> int | str:
+        if isinstance(count, bool):  # bool is an int in Python; "true" GPUs is not a count.
+            raise ValueError("count must be a whole number or 'all'")
+        if isinstance(count, int) and not 1 <= count <= MAX_COUNT:
+            raise ValueError(f"count must be between 1 and {MAX_COUNT}, or 'all'")
+        return count
+
+    @field_validator("wait_s", "deadline")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AllocateRequest:
+        if self.model is not None and self.models is not None:
+            raise ValueError("give either 'model' or 'models', not both")
+        if self.models is not None and not self.models:
+            raise ValueError("'models' must not be empty (omit it to accept any model)")
+        if self.share is not None and self.count != 1:
+            raise ValueError("a shared slice is always one GPU: count must be 1")
+        return self
+
+    @property
+    def acceptable_models(self) -> list[str] | None:
+        """The requested model names or aliases, or None for any model."""
+        if self.model is not None:
+            return [self.model]
+        return list(self.models) if self.models is not None else None
+
+
+class ReleaseRequest(_Message):
+    """End a lease (or withdraw a queued request). Releasing twice is a no-op.
+
+    From the hub this means "the server stopped": a bound lease becomes ``releasing``
+    and frees its GPUs when the node reports the container gone. With ``force`` (admins
+    only) the GPUs are freed at once.
+    """
+
+    kind: Literal["release"] = "release"
+    lease_id: Name | None = None
+    request_key: Name | None = None
+    by: Name = Field(default="hub", description="Who asks, for the record.")
+    reason: str = Field(default="", max_length=500)
+    force: bool = False
+    deadline: float | None = None
+
+    @model_validator(mode="after")
+    def _one_key(self) -> ReleaseRequest:
+        if (self.lease_id is None) == (self.request_key is None):
+            raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+        return self
+
+
+class StatusRequest(_Message):
+    """Look up one lease (by id) or the newest lease of a request key, with queue position."""
+
+    kind: Literal["status"] = "status"
+    lease_id: Name | None = None
+    request_key: Name | None = None
+    deadline: float | None = None
+
+    @model_validator(mode="after")
+    def _one_key(self) -> StatusRequest:
+        if (self.lease_id is None) == (self.request_key is None):
+            raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+        return self
+
+
+class InventoryRequest(_Message):
+    """Ask for the cluster's nodes, GPUs, per-model summary and queue."""
+
+    kind: Literal["inventory"] = "inventory"
+    include_leases: bool = Field(default=False, description="Also list the active leases.")
+    deadline: float | None = None
+
+
+class DrainRequest(_Message):
+    """Admin: take a node (or one GPU of it) out of placement, or put it back.
+
+    Draining never touches running leases; it only stops new ones landing there.
+    """
+
+    kind: Literal["drain"] = "drain"
+    host: Name
+    gpu_uuid: Name | None = None
+    drained: bool = True
+    by: Name = "admin"
+    reason: str = Field(default="", max_length=500)
+    deadline: float | None = None
+
+
+class QueueRequest(_Message):
+    """List the queued requests in the order they will be served."""
+
+    kind: Literal["queue"] = "queue"
+    deadline: float | None = None
+
+
+Request = Annotated[
+    AllocateRequest
+    | ReleaseRequest
+    | StatusRequest
+    | InventoryRequest
+    | DrainRequest
+    | QueueRequest,
+    Field(discriminator="kind"),
+]
+"""Any request to the allocator's RPC exchange."""
+
+REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
+
+
+# --------------------------------------------------------------------------- node messages
+
+
+class GPUInfo(BaseModel):
+    """One GPU as its node agent sees it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uuid: Name = Field(examples=["GPU-5f8a1b2c-0000-4000-8000-000000000001"])
+    index: int = Field(ge=0, le=1024)
+    model: Name = Field(description="NVML's name, the canonical model.",
+                        examples=["NVIDIA GeForce GTX 1070"])
+    memory_total_mib: MiB
+    memory_used_mib: MiB = 0
+    utilization_pct: float | None = Field(default=None, ge=0, le=100)
+    temperature_c: float | None = Field(default=None, ge=-100, le=300)
+    power_w: float | None = Field(default=None, ge=0, le=10_000)
+    ecc_uncorrected: int | None = Field(default=None, ge=0)
+    retired_pages: int | None = Field(default=None, ge=0)
+    mig_mode: bool | None = None
+    recent_xids: list[int] = Field(default_factory=list, max_length=64)
+    health: Health = Health.HEALTHY
+    health_reasons: list[str] = Field(default_factory=list, max_length=32)
+
+
+class ProcessUse(BaseModel):
+    """GPU memory one container's processes use on one GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_uuid: Name
+    memory_used_mib: MiB
+    utilization_pct: float | None = Field(default=None, ge=0, le=100)
+
+
+class ContainerInfo(BaseModel):
+    """A running container that carries the lease label."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    container_id: Name
+    lease_id: Name
+    name: str = ""
+    started_at: float | None = None
+    gpu_use: list[ProcessUse] = Field(default_factory=list, max_length=64)
+
+
+class Heartbeat(_Message):
+    """Published by each node agent every few seconds: its GPUs and lease containers.
+
+    The allocator accepts it only if the AMQP ``user_id`` that published it owns ``host``.
+    ``containers`` is the complete list of lease-labelled running containers: a bound lease
+    of this host that is missing from it is released after a short grace.
+    """
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    host: Name
+    agent_id: Name = Field(description="Changes when the agent restarts.")
+    seq: int = Field(ge=0, description="Increases by one per heartbeat of one agent_id.")
+    sent_at: float = Field(description="Epoch seconds on the node.")
+    interval_s: float = Field(gt=0, le=3600)
+    gpus: list[GPUInfo] = Field(max_length=64)
+    containers: list[ContainerInfo] = Field(default_factory=list, max_length=1024)
+    containers_complete: bool = Field(
+        default=True,
+        description="False when the agent could not list containers (Docker engine down): the "
+        "allocator then releases nothing on the strength of this heartbeat.",
+    )
+    source: Literal["nvml", "simulated"] = "nvml"
+
+    @model_validator(mode="after")
+    def _unique_gpus(self) -> Heartbeat:
+        uuids = [gpu.uuid for gpu in self.gpus]
+        if len(set(uuids)) != len(uuids):
+            raise ValueError("duplicate GPU uuid in one heartbeat")
+        indices = [gpu.index for gpu in self.gpus]
+        if len(set(indices)) != len(indices):
+            raise ValueError("duplicate GPU index in one heartbeat")
+        return self
+
+
+class ContainerAction(StrEnum):
+    """Docker container events the agent forwards."""
+
+    START = "start"
+    DIE = "die"
+    OOM = "oom"
+    DESTROY = "destroy"
+
+
+class ContainerEvent(_Message):
+    """Published by a node agent the moment a lease-labelled container starts or ends."""
+
+    kind: Literal["container_event"] = "container_event"
+    host: Name
+    container_id: Name
+    lease_id: Name
+    action: ContainerAction
+    at: float = Field(description="Epoch seconds of the Docker event.")
+    exit_code: int | None = None
+
+
+NodeMessage = Annotated[Heartbeat | ContainerEvent, Field(discriminator="kind")]
+"""Any message from a node agent."""
+
+NODE_MESSAGE_ADAPTER: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
+
+AnyInbound = Annotated[
+    AllocateRequest
+    | ReleaseRequest
+    | StatusRequest
+    | InventoryRequest
+    | DrainRequest
+    | QueueRequest
+    | Heartbeat
+    | ContainerEvent,
+    Field(discriminator="kind"),
+]
+"""Anything that arrives on the allocator's inbound queue."""
+
+INBOUND_ADAPTER: TypeAdapter[AnyInbound] = TypeAdapter(AnyInbound)
+
+
+# --------------------------------------------------------------------------- replies
+
+
+class Lease(BaseModel):
+    """A lease as the allocator reports it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease_id: str
+    request_key: str
+    user: str
+    state: LeaseState
+    host: str | None = None
+    gpu_uuids: list[str] = Field(default_factory=list)
+    gpu_indices: list[int] = Field(default_factory=list)
+    model: str | None = None
+    shared: bool = False
+    memory_mib: int | None = Field(default=None, description="Budget of a shared slice.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment the container must get: NVIDIA_VISIBLE_DEVICES, the lease "
+        "id and, for shared slices, framework memory hints.",
+    )
+    created_at: float
+    granted_at: float | None = None
+    bound_at: float | None = None
+    released_at: float | None = None
+    release_reason: ReleaseReason | None = None
+    container_id: str | None = None
+    queue_position: int | None = Field(default=None, description="1 = next; queued leases only.")
+    wait_until: float | None = None
+
+
+class LeaseReply(_Message):
+    """A lease (new, existing, queued or finished)."""
+
+    kind: Literal["lease"] = "lease"
+    ok: Literal[True] = True
+    lease: Lease
+
+
+class ModelSummary(BaseModel):
+    """Free and total GPUs and slots of one model, for the spawn form."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    aliases: list[str] = Field(default_factory=list)
+    memory_total_mib: int
+    total: int
+    free: int
+    share_slots: int = Field(description="Slots per GPU; 1 = exclusive only.")
+    free_slots: int
+    hosts: dict[str, int] = Field(default_factory=dict, description="host -> free GPUs")
+
+
+class GPUView(BaseModel):
+    """One GPU in an inventory reply."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uuid: str
+    host: str
+    index: int
+    model: str
+    memory_total_mib: int
+    memory_used_mib: int
+    utilization_pct: float | None = None
+    temperature_c: float | None = None
+    health: Health
+    health_reasons: list[str] = Field(default_factory=list)
+    drained: bool = False
+    share_slots: int
+    holders: list[str] = Field(default_factory=list, description="Lease ids holding it.")
+    free_slots: int
+    free_memory_mib: int = Field(description="Memory not promised to shared slices.")
+
+
+class NodeView(BaseModel):
+    """One node in an inventory reply."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str
+    up: bool
+    drained: bool
+    last_heartbeat: float | None
+    gpus: int
+
+
+class InventoryReply(_Message):
+    """The cluster as the allocator sees it now."""
+
+    kind: Literal["inventory"] = "inventory"
+    ok: Literal[True] = True
+    at: float
+    nodes: list[NodeView]
+    gpus: list[GPUView]
+    models: list[ModelSummary]
+    queued: int
+    leases: list[Lease] | None = None
+
+
+class QueueReply(_Message):
+    """Queued requests in serving order."""
+
+    kind: Literal["queue"] = "queue"
+    ok: Literal[True] = True
+    leases: list[Lease]
+
+
+class DrainReply(_Message):
+    """Acknowledges a drain or undrain."""
+
+    kind: Literal["drained"] = "drained"
+    ok: Literal[True] = True
+    host: str
+    gpu_uuid: str | None = None
+    drained: bool
+
+
+class ErrorBody(BaseModel):
+    """What went wrong, for programs (``code``) and people (``message``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: ErrorCode
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorReply(_Message):
+    """A request that could not be done. It had no effect on the ledger."""
+
+    kind: Literal["error"] = "error"
+    ok: Literal[False] = False
+    error: ErrorBody
+
+
+Reply = Annotated[
+    LeaseReply | InventoryReply | QueueReply | DrainReply | ErrorReply,
+    Field(discriminator="kind"),
+]
+"""Any reply from the allocator."""
+
+REPLY_ADAPTER: TypeAdapter[Reply] = TypeAdapter(Reply)
+
+
+def error_reply(code: ErrorCode, message: str, **details: Any) -> ErrorReply:
+    """Build an :class:`ErrorReply`."""
+    return ErrorReply(error=ErrorBody(code=code, message=message, details=details))
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """Turn a pydantic error into one sentence a person can act on."""
+    parts = []
+    for err in exc.errors(include_url=False)[:5]:
+        where = ".".join(str(part) for part in err["loc"])
+        parts.append(f"{where or 'body'}: {err['msg']}")
+    more = len(exc.errors()) - len(parts)
+    suffix = f" (and {more} more)" if more > 0 else ""
+    return "; ".join(parts) + suffix
+
+
+def encode(message: BaseModel) -> bytes:
+    """Serialize a message to its wire form (compact JSON, no nulls dropped)."""
+    return message.model_dump_json().encode()

@@ -1,0 +1,75 @@
+"""The broker topology every part agrees on: exchange, queue and routing-key names and arguments.
+
+All traffic into the allocator lands on **one** quorum queue with single-active-consumer:
+requests from hubs (through :data:`RPC_EXCHANGE`) and node messages from agents (through
+:data:`NODES_EXCHANGE`). One queue, not two, because single-active-consumer elects the active
+consumer per queue: with two queues a standby could become active on one and not the other,
+and two allocators would then both write. Separate exchanges keep the broker permissions
+narrow: a hub may write only to the RPC exchange, an agent only to the nodes exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+RPC_EXCHANGE = "swarm-gpu.rpc"
+"""Direct exchange for requests to the allocator (hubs, admins)."""
+RPC_ROUTING_KEY = "request"
+
+NODES_EXCHANGE = "swarm-gpu.nodes"
+"""Topic exchange for node agents: ``heartbeat.<host>`` and ``event.<host>``."""
+
+ALLOCATOR_QUEUE = "swarm-gpu.allocator"
+"""The allocator's inbound queue (quorum, single-active-consumer)."""
+
+DEAD_LETTER_EXCHANGE = "swarm-gpu.dead"
+"""Fanout exchange that receives messages the allocator could not decode."""
+DEAD_LETTER_QUEUE = "swarm-gpu.dead-letters"
+
+DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
+"""RabbitMQ's pseudo-queue for replies without a reply queue per client."""
+
+DELIVERY_LIMIT = 5
+"""A message redelivered this often (it crashed the allocator each time) is dead-lettered."""
+
+
+def heartbeat_routing_key(host: str) -> str:
+    """Routing key of a node's heartbeats."""
+    return f"heartbeat.{host}"
+
+
+def event_routing_key(host: str) -> str:
+    """Routing key of a node's container events."""
+    return f"event.{host}"
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """A queue's name and declaration arguments, so every declarer uses the same ones.
+
+    RabbitMQ refuses a redeclaration with different arguments (PRECONDITION_FAILED), so the
+    allocator, the definitions file in ``compose/`` and the benchmarks all take them from here.
+    """
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    durable: bool = True
+
+
+def allocator_queue_spec(name: str = ALLOCATOR_QUEUE) -> QueueSpec:
+    """The inbound queue: quorum, single-active-consumer, dead-lettering after the limit."""
+    return QueueSpec(
+        name=name,
+        arguments={
+            "x-queue-type": "quorum",
+            "x-single-active-consumer": True,
+            "x-delivery-limit": DELIVERY_LIMIT,
+            "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
+        },
+    )
+
+
+def dead_letter_queue_spec() -> QueueSpec:
+    """Where undecodable messages wait for a person to look at them."""
+    return QueueSpec(name=DEAD_LETTER_QUEUE, arguments={"x-queue-type": "quorum"})
