@@ -1,0 +1,348 @@
+"""RPC client for the allocator, over AMQP with RabbitMQ's direct reply-to.
+
+Every call is bounded: connecting, publishing and waiting for the reply each have a
+timeout, and a call that runs out raises :class:`AllocatorTimeout` instead of hanging
+(a publish to a broker that is down blocks forever otherwise). The request carries its
+own ``deadline`` and an AMQP ``expiration`` with the same bound, so the allocator never
+grants a request whose caller has already given up.
+
+Replies are JSON (never pickle). Usage::
+
+    async with AllocatorClient("amqp://hub:secret@rabbit/") as client:
+        lease = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice",
+                                                      model="1070"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Self, TypeVar
+from urllib.parse import unquote, urlparse
+
+import aio_pika
+import aio_pika.abc
+from pydantic import BaseModel, ValidationError
+
+from allocator.protocol import (
+    REPLY_ADAPTER,
+    AllocateRequest,
+    DrainReply,
+    DrainRequest,
+    ErrorCode,
+    ErrorReply,
+    InventoryReply,
+    InventoryRequest,
+    Lease,
+    LeaseReply,
+    LeaseState,
+    QueueReply,
+    QueueRequest,
+    ReleaseRequest,
+    Reply,
+    StatusRequest,
+    encode,
+)
+from allocator.topology import DIRECT_REPLY_TO, RPC_EXCHANGE, RPC_ROUTING_KEY
+
+log = logging.getLogger(__name__)
+
+ReplyT = TypeVar("ReplyT", bound=BaseModel)
+
+
+class AllocatorError(Exception):
+    """The allocator answered with an error, or no answer could be had."""
+
+    def __init__(self, code: ErrorCode, message: str, details: dict[str, Any] | None = None):
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+        self.details = details or {}
+
+
+class AllocatorTimeout(AllocatorError):
+    """No reply arrived within the call's timeout (the allocator may be down or overloaded)."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.TIMEOUT, message)
+
+
+class AllocatorUnavailable(AllocatorError):
+    """The broker cannot be reached, or no allocator queue receives requests."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.UNAVAILABLE, message)
+
+
+PositionCallback = Callable[[int], Awaitable[None] | None]
+
+
+def broker_user(amqp_url: str) -> str:
+    """The broker user name in an AMQP URL (``guest`` when the URL names none)."""
+    return unquote(urlparse(amqp_url).username or "guest")
+
+
+class AllocatorClient:
+    """Typed RPC calls to the allocator. Safe to share between tasks of one event loop."""
+
+    def __init__(
+        self,
+        amqp_url: str,
+        *,
+        timeout_s: float = 10.0,
+        connect_timeout_s: float = 5.0,
+        exchange: str = RPC_EXCHANGE,
+        routing_key: str = RPC_ROUTING_KEY,
+    ) -> None:
+        self.amqp_url = amqp_url
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.exchange_name = exchange
+        self.routing_key = routing_key
+        self.user_id = broker_user(amqp_url)
+        self._connection: aio_pika.abc.AbstractRobustConnection | None = None
+        self._channel: aio_pika.abc.AbstractChannel | None = None
+        self._exchange: aio_pika.abc.AbstractExchange | None = None
+        self._pending: dict[str, asyncio.Future[bytes]] = {}
+        self._connect_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def connected(self) -> bool:
+        """Whether a channel is open now."""
+        return self._channel is not None and not self._channel.is_closed
+
+    async def connect(self) -> None:
+        """Open the connection and the reply consumer (idempotent)."""
+        async with self._connect_lock:
+            if self.connected:
+                return
+            await self._close_quietly()
+            try:
+                self._connection = await asyncio.wait_for(
+                    aio_pika.connect_robust(self.amqp_url, timeout=self.connect_timeout_s),
+                    self.connect_timeout_s,
+                )
+                # No publisher confirms: the reply is the confirmation, and a confirm on a
+                # quorum queue costs a replicated write per call.
+                channel = await self._connection.channel(publisher_confirms=False)
+                channel.return_callbacks.add(self._on_return)
+                reply_queue = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
+                await reply_queue.consume(self._on_reply, no_ack=True)
+                self._exchange = await channel.get_exchange(self.exchange_name, ensure=False)
+                self._channel = channel
+            except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
+                await self._close_quietly()
+                reason = str(exc) or type(exc).__name__
+                raise AllocatorUnavailable(
+                    f"cannot reach the broker at {_redact(self.amqp_url)}: {reason}"
+                ) from exc
+
+    async def close(self) -> None:
+        """Close the connection; pending calls fail with :class:`AllocatorUnavailable`."""
+        async with self._connect_lock:
+            await self._close_quietly()
+
+    async def _close_quietly(self) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(AllocatorUnavailable("the client was closed"))
+        self._pending.clear()
+        connection, self._connection, self._channel, self._exchange = (
+            self._connection, None, None, None,
+        )
+        if connection is not None:
+            try:
+                await asyncio.wait_for(connection.close(), self.connect_timeout_s)
+            except Exception:  # closing a broken connection may fail in many ways; it is gone
+                log.debug("error while closing the allocator connection", exc_info=True)
+
+    def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        future = self._pending.pop(message.correlation_id or "", None)
+        if future is not None and not future.done():
+            future.set_result(message.body)
+
+    def _on_return(self, _channel: Any, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        future = self._pending.pop(message.correlation_id or "", None)
+        if future is not None and not future.done():
+            future.set_exception(
+                AllocatorUnavailable("no allocator queue is bound to receive requests")
+            )
+
+    async def call(self, request: BaseModel, *, timeout_s: float | None = None) -> Reply:
+        """Send one request and return the allocator's reply (errors included, not raised)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
+        if not self.connected:
+            await self.connect()
+        assert self._exchange is not None
+        if "deadline" in type(request).model_fields:
+            request = request.model_copy(update={"deadline": time.time() + timeout})
+        correlation_id = uuid.uuid4().hex
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._pending[correlation_id] = future
+        message = aio_pika.Message(
+            body=encode(request),
+            content_type="application/json",
+            correlation_id=correlation_id,
+            reply_to=DIRECT_REPLY_TO,
+            expiration=max(timeout, 0.001),
+            user_id=self.user_id,
+            delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+        )
+        try:
+            try:
+                await self._exchange.publish(
+                    message, routing_key=self.routing_key, mandatory=True, timeout=timeout
+                )
+            except TimeoutError as exc:
+                raise AllocatorTimeout(
+                    f"publishing the request took longer than {timeout:g} s (is the broker down?)"
+                ) from exc
+            except aio_pika.exceptions.AMQPError as exc:
+                await self._close_quietly()
+                raise AllocatorUnavailable(f"the broker refused the request: {exc}") from exc
+            remaining = timeout - (time.monotonic() - started)
+            try:
+                body = await asyncio.wait_for(future, max(remaining, 0.001))
+            except TimeoutError as exc:
+                raise AllocatorTimeout(
+                    f"the allocator did not answer within {timeout:g} s "
+                    "(it may be down, restarting or overloaded)"
+                ) from exc
+        finally:
+            self._pending.pop(correlation_id, None)
+        try:
+            return REPLY_ADAPTER.validate_json(body)
+        except ValidationError as exc:
+            raise AllocatorError(
+                ErrorCode.INTERNAL_ERROR,
+                f"the allocator sent a reply this client cannot read: {exc}",
+            ) from exc
+
+    async def _expect(
+        self, request: BaseModel, expected: type[ReplyT], timeout_s: float | None
+    ) -> ReplyT:
+        reply = await self.call(request, timeout_s=timeout_s)
+        if isinstance(reply, ErrorReply):
+            raise AllocatorError(reply.error.code, reply.error.message, reply.error.details)
+        if not isinstance(reply, expected):
+            raise AllocatorError(
+                ErrorCode.INTERNAL_ERROR,
+                f"expected a {expected.__name__} reply, got {type(reply).__name__}",
+            )
+        return reply
+
+    async def allocate(self, request: AllocateRequest, *, timeout_s: float | None = None) -> Lease:
+        """Ask for GPUs. Returns a ``granted`` lease, or a ``queued`` one when it waits."""
+        return (await self._expect(request, LeaseReply, timeout_s)).lease
+
+    async def release(
+        self,
+        *,
+        lease_id: str | None = None,
+        request_key: str | None = None,
+        by: str = "hub",
+        reason: str = "",
+        force: bool = False,
+        timeout_s: float | None = None,
+    ) -> Lease:
+        """Release a lease (or withdraw a queued request). Releasing twice is harmless."""
+        request = ReleaseRequest(
+            lease_id=lease_id, request_key=request_key, by=by, reason=reason, force=force
+        )
+        return (await self._expect(request, LeaseReply, timeout_s)).lease
+
+    async def status(
+        self,
+        *,
+        lease_id: str | None = None,
+        request_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Lease:
+        """A lease by id, or the newest lease of a request key (with its queue position)."""
+        request = StatusRequest(lease_id=lease_id, request_key=request_key)
+        return (await self._expect(request, LeaseReply, timeout_s)).lease
+
+    async def inventory(
+        self, *, include_leases: bool = False, timeout_s: float | None = None
+    ) -> InventoryReply:
+        """Nodes, GPUs, per-model summary and queue length."""
+        return await self._expect(
+            InventoryRequest(include_leases=include_leases), InventoryReply, timeout_s
+        )
+
+    async def queue(self, *, timeout_s: float | None = None) -> list[Lease]:
+        """Queued requests in the order they will be served."""
+        return (await self._expect(QueueRequest(), QueueReply, timeout_s)).leases
+
+    async def drain(
+        self,
+        host: str,
+        *,
+        gpu_uuid: str | None = None,
+        drained: bool = True,
+        by: str = "admin",
+        reason: str = "",
+        timeout_s: float | None = None,
+    ) -> DrainReply:
+        """Admin: drain (or undrain) a node or one GPU."""
+        request = DrainRequest(host=host, gpu_uuid=gpu_uuid, drained=drained, by=by, reason=reason)
+        return await self._expect(request, DrainReply, timeout_s)
+
+    async def wait_for_grant(
+        self,
+        request_key: str,
+        *,
+        wait_s: float,
+        poll_s: float = 0.5,
+        on_position: PositionCallback | None = None,
+    ) -> Lease:
+        """Poll a queued request until it is granted.
+
+        Raises :class:`AllocatorError` with ``no_capacity`` when its wait ran out, and
+        :class:`AllocatorTimeout` if ``wait_s`` (plus one call timeout) passes first.
+        """
+        give_up = time.monotonic() + wait_s + self.timeout_s
+        last_position: int | None = None
+        while True:
+            lease = await self.status(request_key=request_key)
+            if lease.state in (LeaseState.GRANTED, LeaseState.BOUND):
+                return lease
+            if lease.state is not LeaseState.QUEUED:
+                raise AllocatorError(
+                    ErrorCode.NO_CAPACITY,
+                    f"the request ended without GPUs ({lease.state.value}"
+                    f"{', ' + lease.release_reason.value if lease.release_reason else ''})",
+                    {"lease": lease.model_dump(mode="json")},
+                )
+            if lease.queue_position != last_position and lease.queue_position is not None:
+                last_position = lease.queue_position
+                if on_position is not None:
+                    result = on_position(lease.queue_position)
+                    if inspect.isawaitable(result):
+                        await result
+            if time.monotonic() > give_up:
+                raise AllocatorTimeout(f"still queued after {wait_s:g} s")
+            await asyncio.sleep(poll_s)
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    parsed = urlparse(url)
+    if parsed.password:
+        netloc = f"{parsed.username}:***@{parsed.hostname}"
+        if parsed.port:
+            netloc += f":{parsed.port}"
+        return parsed._replace(netloc=netloc).geturl()
+    return url
