@@ -167,7 +167,7 @@ class AllocatorClient:
             except Exception:  # closing a broken connection may fail in many ways; it is gone
                 log.debug("error while closing the allocator connection", exc_info=True)
 
-    def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         future = self._pending.pop(message.correlation_id or "", None)
         if future is not None and not future.done():
             future.set_result(message.body)

@@ -12,6 +12,7 @@ it (and :mod:`allocator.client`), never the ledger or the policy.
 
 from __future__ import annotations
 
+import json
 import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -613,3 +614,40 @@ def describe_validation_error(exc: ValidationError) -> str:
 def encode(message: BaseModel) -> bytes:
     """Serialize a message to its wire form (compact JSON, no nulls dropped)."""
     return message.model_dump_json().encode()
+
+
+def decode_inbound(body: bytes) -> AnyInbound | ErrorReply:
+    """Parse a body from the allocator's queue, or say in an :class:`ErrorReply` why not.
+
+    Never raises on input: oversized, non-JSON, invalid UTF-8, deeply nested, wrong version
+    and wrong fields each map to a stable error code.
+    """
+    if len(body) > MAX_BODY_BYTES:
+        return error_reply(
+            ErrorCode.TOO_LARGE,
+            f"the message is {len(body)} bytes; the limit is {MAX_BODY_BYTES}",
+            limit=MAX_BODY_BYTES,
+        )
+    try:
+        return INBOUND_ADAPTER.validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            return error_reply(ErrorCode.BAD_REQUEST,
+                               f"the body is not valid JSON: {first['msg']}")
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            return error_reply(ErrorCode.BAD_REQUEST, "the body is not valid JSON")
+        if not isinstance(data, dict):
+            return error_reply(ErrorCode.BAD_REQUEST,
+                               "the body must be a JSON object with 'v' and 'kind'")
+        version = data.get("v")
+        if version != PROTOCOL_VERSION:
+            return error_reply(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"protocol version {version!r} is not supported; this allocator speaks "
+                f"version {PROTOCOL_VERSION}",
+                supported=[PROTOCOL_VERSION],
+            )
+        return error_reply(ErrorCode.BAD_REQUEST, describe_validation_error(exc))

@@ -112,3 +112,47 @@ def chromium_path() -> Path:
 def ledger_path(tmp_path: Path) -> Path:
     """Where a test's own allocation ledger (SQLite) goes; the file is not created."""
     return tmp_path / "ledger.sqlite"
+
+
+# ---------------------------------------------------------------------------- allocator
+
+
+@pytest.fixture
+async def allocator(amqp_vhost: services.AmqpVhost, ledger_path: Path):
+    """A real allocator consuming the test's vhost, with its own ledger file.
+
+    Nodes may report from the broker's guest user and guest is an admin, so tests can play
+    every role; the permission tests build their own settings.
+    """
+    from allocator.config import AllocatorSettings
+    from allocator.service import AllocatorService
+
+    settings = AllocatorSettings(
+        amqp_url=amqp_vhost.url, ledger_path=ledger_path, allow_any_node_user=True,
+        admin_users=["guest"], tick_s=0.1, share_slots={"NVIDIA GeForce GTX 1070": 4},
+        aliases={"1070": "NVIDIA GeForce GTX 1070", "3090": "NVIDIA GeForce RTX 3090"},
+    )
+    service = AllocatorService(settings)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+@pytest.fixture
+async def client(allocator, amqp_vhost: services.AmqpVhost):
+    """An RPC client connected to the test's allocator."""
+    from allocator.client import AllocatorClient
+
+    async with AllocatorClient(amqp_vhost.url, timeout_s=10) as rpc:
+        yield rpc
+
+
+@pytest.fixture
+async def nodes(amqp_vhost: services.AmqpVhost):
+    """A `support.NodeSimulator` publishing heartbeats and events into the test's vhost."""
+    from support import NodeSimulator
+
+    async with NodeSimulator(amqp_vhost.url) as simulator:
+        yield simulator

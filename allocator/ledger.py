@@ -1,0 +1,369 @@
+"""The ledger: SQLite in WAL mode, the allocator's durable record and decision log.
+
+One :class:`Ledger` owns one connection on one dedicated thread (sqlite connections are not
+thread-safe); every call goes through :meth:`Ledger.run`. Writes arrive as a
+:class:`Changes` batch and are committed in a single transaction, so a batch of requests
+costs one fsync. Nothing is answered "granted" before the batch holding it is committed.
+
+The schema is versioned with ``PRAGMA user_version`` and migrated forward at open; a ledger
+written by a newer release is refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlite_utils
+
+from allocator.cluster import GPU, Node
+from allocator.lease import LeaseRecord
+from allocator.protocol import Health, LeaseState
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+"""The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
+
+LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
+GPU_JSON_COLUMNS = ("health_reasons",)
+
+
+class LedgerError(Exception):
+    """The ledger cannot be opened or written; the message says why in plain words."""
+
+
+def _migrate_v1(db: sqlite_utils.Database) -> None:
+    """The first schema: nodes, GPUs, leases with history, and the event log."""
+    db["nodes"].create(
+        {
+            "host": str, "agent_id": str, "agent_user": str, "first_seen": float,
+            "last_heartbeat": float, "drained": int, "drain_reason": str, "drained_by": str,
+            "drained_at": float,
+        },
+        pk="host",
+    )
+    db["gpus"].create(
+        {
+            "uuid": str, "host": str, "idx": int, "model": str, "memory_total_mib": int,
+            "memory_used_mib": int, "utilization_pct": float, "temperature_c": float,
+            "power_w": float, "health": str, "health_reasons": str, "drained": int,
+            "present": int, "share_slots": int, "first_seen": float, "updated_at": float,
+        },
+        pk="uuid",
+    )
+    db["gpus"].create_index(["host"])
+    db["leases"].create(
+        {
+            "lease_id": str, "request_key": str, "user": str, "groups": str, "state": str,
+            "created_at": float, "request": str, "priority": int, "host": str,
+            "gpu_uuids": str, "model": str, "shared": int, "memory_mib": int, "units": float,
+            "units_num": int, "units_den": int, "env": str, "enqueued_at": float,
+            "wait_until": float, "granted_at": float, "bind_deadline": float, "bound_at": float,
+            "container_id": str, "releasing_at": float, "released_at": float,
+            "release_reason": str, "released_by": str, "release_note": str,
+        },
+        pk="lease_id",
+    )
+    db["leases"].create_index(["state"])
+    db["leases"].create_index(["request_key"])
+    db["leases"].create_index(["user"])
+    db["leases"].create_index(["created_at"])
+    db["lease_history"].create(
+        {"id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str,
+         "reason": str, "by": str},
+        pk="id",
+    )
+    db["lease_history"].create_index(["lease_id"])
+    db["events"].create(
+        {"id": int, "at": float, "kind": str, "host": str, "lease_id": str, "user": str,
+         "gpu_uuid": str, "detail": str},
+        pk="id",
+    )
+    db["events"].create_index(["at"])
+    db["events"].create_index(["kind"])
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1]
+"""``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
+
+
+@dataclass
+class Changes:
+    """Writes of one batch, committed together. Later writes of one row replace earlier ones."""
+
+    leases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gpus: dict[str, dict[str, Any]] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def lease(self, record: LeaseRecord) -> None:
+        """Write the lease's current row."""
+        self.leases[record.lease_id] = record.to_row()
+
+    def transition(
+        self, record: LeaseRecord, old: LeaseState | None, at: float, reason: str, by: str = ""
+    ) -> None:
+        """Write the lease and one line of its state history."""
+        self.lease(record)
+        self.history.append(
+            {"lease_id": record.lease_id, "at": at, "from_state": old.value if old else None,
+             "to_state": record.state.value, "reason": reason, "by": by}
+        )
+
+    def node(self, node: Node, *, agent_user: str | None = None, first_seen: float | None = None,
+             drain_reason: str | None = None, drained_by: str | None = None,
+             drained_at: float | None = None) -> None:
+        """Write a node's row."""
+        row = self.nodes.setdefault(node.host, {"host": node.host})
+        row.update(agent_id=node.agent_id, last_heartbeat=node.last_heartbeat,
+                   drained=int(node.drained))
+        for key, value in (("agent_user", agent_user), ("first_seen", first_seen),
+                           ("drain_reason", drain_reason), ("drained_by", drained_by),
+                           ("drained_at", drained_at)):
+            if value is not None:
+                row[key] = value
+
+    def gpu(self, gpu: GPU, at: float, *, first_seen: float | None = None) -> None:
+        """Write a GPU's row (identity, state and its latest telemetry)."""
+        row = {
+            "uuid": gpu.uuid, "host": gpu.host, "idx": gpu.index, "model": gpu.model,
+            "memory_total_mib": gpu.memory_total_mib, "memory_used_mib": gpu.memory_used_mib,
+            "utilization_pct": gpu.utilization_pct, "temperature_c": gpu.temperature_c,
+            "power_w": gpu.power_w, "health": gpu.health.value,
+            "health_reasons": list(gpu.health_reasons), "drained": int(gpu.drained),
+            "present": int(gpu.present), "share_slots": gpu.share_slots, "updated_at": at,
+        }
+        if first_seen is not None:
+            row["first_seen"] = first_seen
+        self.gpus.setdefault(gpu.uuid, {}).update(row)
+
+    def event(self, at: float, kind: str, **detail: Any) -> None:
+        """Append to the event log. ``host``, ``lease_id``, ``user``, ``gpu_uuid`` get columns."""
+        row = {"at": at, "kind": kind}
+        for column in ("host", "lease_id", "user", "gpu_uuid"):
+            row[column] = detail.pop(column, None)
+        row["detail"] = json.dumps(detail, default=str) if detail else None
+        self.events.append(row)
+
+    def __bool__(self) -> bool:
+        return bool(self.leases or self.nodes or self.gpus or self.history or self.events)
+
+
+@dataclass
+class LoadedState:
+    """What the allocator reads at start: every node and GPU, and the leases not yet final."""
+
+    nodes: list[Node]
+    gpus: list[GPU]
+    leases: list[LeaseRecord]
+    agent_users: dict[str, str]
+
+
+def _upsert_sql(table: str, columns: list[str], pk: str) -> str:
+    cols = ", ".join(f'"{c}"' for c in columns)
+    marks = ", ".join("?" for _ in columns)
+    updates = ", ".join(f'"{c}" = excluded."{c}"' for c in columns if c != pk)
+    return (f'INSERT INTO "{table}" ({cols}) VALUES ({marks}) '
+            f'ON CONFLICT("{pk}") DO UPDATE SET {updates}')
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return value
+
+
+class Ledger:
+    """The SQLite ledger, owned by one writer thread."""
+
+    def __init__(self, path: str | Path, *, create: bool = True, readonly: bool = False):
+        self.path = Path(path)
+        self._create = create
+        self._readonly = readonly
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._db: sqlite_utils.Database | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- threading -------------------------------------------------------------------------
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the ledger's thread and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the ledger's thread and block for its result (for CLIs and tests)."""
+        return self._executor.submit(fn).result()
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """The connection; only valid on the ledger's thread."""
+        if self._db is None:
+            raise LedgerError("the ledger is not open")
+        if threading.current_thread() is not self._thread:
+            raise LedgerError("the ledger connection may only be used on its own thread")
+        return self._db
+
+    # -- open / close ----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open (creating and migrating as needed). Runs on the ledger thread."""
+        self.call(self._open)
+
+    def _open(self) -> None:
+        self._thread = threading.current_thread()
+        if not self.path.exists() and (self._readonly or not self._create):
+            raise LedgerError(f"no ledger at {self.path}")
+        try:
+            if self._readonly:
+                conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
+                                       check_same_thread=True)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                conn = sqlite3.connect(str(self.path), check_same_thread=True)
+            conn.execute("PRAGMA busy_timeout = 5000")
+            db = sqlite_utils.Database(conn)
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            tables = set(db.table_names())
+        except sqlite3.DatabaseError as exc:
+            raise LedgerError(f"{self.path} is not a readable ledger: {exc}") from exc
+        if version > SCHEMA_VERSION:
+            conn.close()
+            raise LedgerError(
+                f"{self.path} has schema version {version}, newer than this release "
+                f"understands ({SCHEMA_VERSION}); upgrade swarm-gpu"
+            )
+        if version == 0 and tables:
+            conn.close()
+            raise LedgerError(f"{self.path} is an SQLite file but not a swarm-gpu ledger")
+        if not self._readonly:
+            # WAL: readers (the CLI, backups) never block the writer, and a commit is one
+            # sequential append. synchronous=FULL because a granted lease must survive a crash.
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = FULL")
+            for target in range(version, SCHEMA_VERSION):
+                with conn:
+                    MIGRATIONS[target](db)
+                    db.execute(f"PRAGMA user_version = {target + 1}")
+        self._db = db
+
+    def close(self) -> None:
+        """Close the connection and stop the thread."""
+        def _close() -> None:
+            if self._db is not None:
+                self._db.conn.close()
+                self._db = None
+        try:
+            self.call(_close)
+        finally:
+            self._executor.shutdown(wait=True)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def commit(self, changes: Changes) -> None:
+        """Write one batch in one transaction (on the ledger thread)."""
+        if not changes:
+            return
+        conn = self.db.conn
+        try:
+            with conn:
+                self._write_rows(conn, "nodes", "host", list(changes.nodes.values()))
+                self._write_rows(conn, "gpus", "uuid", list(changes.gpus.values()))
+                self._write_rows(conn, "leases", "lease_id", list(changes.leases.values()))
+                if changes.history:
+                    conn.executemany(
+                        "INSERT INTO lease_history (lease_id, at, from_state, to_state, reason, by)"
+                        " VALUES (:lease_id, :at, :from_state, :to_state, :reason, :by)",
+                        changes.history,
+                    )
+                if changes.events:
+                    conn.executemany(
+                        "INSERT INTO events (at, kind, host, lease_id, user, gpu_uuid, detail)"
+                        " VALUES (:at, :kind, :host, :lease_id, :user, :gpu_uuid, :detail)",
+                        changes.events,
+                    )
+        except sqlite3.Error as exc:
+            raise LedgerError(f"cannot write the ledger {self.path}: {exc}") from exc
+
+    @staticmethod
+    def _write_rows(conn: sqlite3.Connection, table: str, pk: str,
+                    rows: list[dict[str, Any]]) -> None:
+        # Rows of one table may carry different column sets (a partial node update): group them.
+        by_columns: dict[tuple[str, ...], list[list[Any]]] = {}
+        for row in rows:
+            columns = tuple(row)
+            by_columns.setdefault(columns, []).append([_encode(row[c]) for c in columns])
+        for columns, values in by_columns.items():
+            conn.executemany(_upsert_sql(table, list(columns), pk), values)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def load(self) -> LoadedState:
+        """Everything the allocator needs in memory (on the ledger thread)."""
+        db = self.db
+        nodes: dict[str, Node] = {}
+        agent_users: dict[str, str] = {}
+        for row in db["nodes"].rows:
+            nodes[row["host"]] = Node(
+                host=row["host"], last_heartbeat=row["last_heartbeat"],
+                drained=bool(row["drained"]), agent_id=row["agent_id"],
+            )
+            if row["agent_user"]:
+                agent_users[row["host"]] = row["agent_user"]
+        gpus = []
+        for row in db["gpus"].rows_where(order_by="host, idx"):
+            gpu = GPU(
+                uuid=row["uuid"], host=row["host"], index=row["idx"], model=row["model"],
+                memory_total_mib=row["memory_total_mib"], share_slots=row["share_slots"] or 1,
+                health=Health(row["health"] or "healthy"),
+                health_reasons=json.loads(row["health_reasons"] or "[]"),
+                drained=bool(row["drained"]), present=bool(row["present"]),
+                memory_used_mib=row["memory_used_mib"] or 0,
+                utilization_pct=row["utilization_pct"], temperature_c=row["temperature_c"],
+                power_w=row["power_w"],
+            )
+            gpus.append(gpu)
+            if gpu.host in nodes:
+                nodes[gpu.host].gpu_uuids.append(gpu.uuid)
+        active = [s.value for s in LeaseState if not s.final]
+        marks = ", ".join("?" for _ in active)
+        leases = [
+            LeaseRecord.from_row(self._decode_lease(row))
+            for row in db["leases"].rows_where(f"state in ({marks})", active,
+                                               order_by="created_at")
+        ]
+        return LoadedState(list(nodes.values()), gpus, leases, agent_users)
+
+    def find_lease(self, lease_id: str) -> LeaseRecord | None:
+        """A lease by id, final ones included (on the ledger thread)."""
+        rows = list(self.db["leases"].rows_where("lease_id = ?", [lease_id]))
+        return LeaseRecord.from_row(self._decode_lease(rows[0])) if rows else None
+
+    def latest_lease_for_key(self, request_key: str) -> LeaseRecord | None:
+        """The newest lease of a request key, final ones included (on the ledger thread)."""
+        rows = list(self.db["leases"].rows_where(
+            "request_key = ?", [request_key], order_by="created_at desc", limit=1))
+        return LeaseRecord.from_row(self._decode_lease(rows[0])) if rows else None
+
+    def iter_rows(self, sql: str, params: tuple[Any, ...] = ()) -> Iterator[dict[str, Any]]:
+        """Stream rows of a query as dicts (on the ledger thread)."""
+        cursor = self.db.conn.execute(sql, params)
+        names = [d[0] for d in cursor.description]
+        for values in cursor:
+            yield dict(zip(names, values, strict=True))
+
+    @staticmethod
+    def _decode_lease(row: dict[str, Any]) -> dict[str, Any]:
+        decoded = dict(row)
+        for column in LEASE_JSON_COLUMNS:
+            if decoded.get(column):
+                decoded[column] = json.loads(decoded[column])
+        return decoded

@@ -1,0 +1,315 @@
+"""The allocator process: consumes the inbound queue, applies, commits, then replies.
+
+One task (the applier) takes messages in arrival order, up to ``batch_max`` at a time,
+applies them to the :class:`~allocator.engine.Engine`, commits the whole batch to the
+ledger in one transaction, and only then sends the replies and acknowledges the messages.
+A crash before the commit loses nothing (the broker redelivers, requests are idempotent
+by ``request_key``); a failed commit grants nothing (memory is rebuilt from the ledger and
+every request in the batch is answered ``storage_error``).
+
+Timers (queue waits, bind deadlines, node silence) are ticks put into the same inbox, so
+they are serialized with messages and need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aio_pika
+import aio_pika.abc
+from aiormq.exceptions import AMQPError
+from pydantic import BaseModel
+
+from allocator.config import AllocatorSettings
+from allocator.engine import Engine, Sender
+from allocator.ledger import Changes, Ledger, LedgerError
+from allocator.protocol import (
+    ErrorCode,
+    ErrorReply,
+    ReleaseRequest,
+    StatusRequest,
+    decode_inbound,
+    encode,
+    error_reply,
+)
+from allocator.topology import (
+    DEAD_LETTER_EXCHANGE,
+    NODES_EXCHANGE,
+    RPC_EXCHANGE,
+    RPC_ROUTING_KEY,
+    allocator_queue_spec,
+    dead_letter_queue_spec,
+)
+
+log = logging.getLogger(__name__)
+
+_TICK = object()
+
+
+@dataclass
+class _Pending:
+    """One message of a batch, and what to send back once the batch is committed."""
+
+    message: aio_pika.abc.AbstractIncomingMessage
+    reply: BaseModel | None = None
+    lookup: tuple[str | None, str | None] | None = None
+    """(lease_id, request_key) to look up in the ledger when memory had no such lease."""
+
+
+@dataclass
+class ServiceStats:
+    """Counters of the service loop (the engine keeps its own)."""
+
+    counters: Counter[str] = field(default_factory=Counter)
+    request_seconds: list[float] = field(default_factory=list)
+
+
+async def declare_topology(
+    channel: aio_pika.abc.AbstractChannel, queue_name: str
+) -> aio_pika.abc.AbstractQueue:
+    """Declare exchanges, the inbound queue, the dead-letter queue and their bindings."""
+    rpc = await channel.declare_exchange(RPC_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True)
+    nodes = await channel.declare_exchange(NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                           durable=True)
+    dead = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT,
+                                          durable=True)
+    dead_spec = dead_letter_queue_spec()
+    dead_queue = await channel.declare_queue(dead_spec.name, durable=True,
+                                             arguments=dead_spec.arguments)
+    await dead_queue.bind(dead, routing_key="")
+    spec = allocator_queue_spec(queue_name)
+    queue = await channel.declare_queue(spec.name, durable=True, arguments=spec.arguments)
+    await queue.bind(rpc, routing_key=RPC_ROUTING_KEY)
+    await queue.bind(nodes, routing_key="#")
+    return queue
+
+
+class AllocatorService:
+    """The running allocator: broker consumer, engine and ledger writer."""
+
+    def __init__(self, settings: AllocatorSettings, *, clock: Callable[[], float] = time.time):
+        self.settings = settings
+        self.clock = clock
+        self.ledger = Ledger(settings.ledger_path)
+        self.engine = Engine(settings, started_at=clock())
+        self.stats = ServiceStats()
+        self._inbox: asyncio.Queue[object] = asyncio.Queue()
+        self._connection: aio_pika.abc.AbstractRobustConnection | None = None
+        self._channel: aio_pika.abc.AbstractChannel | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._consumer_tag: str | None = None
+        self._queue: aio_pika.abc.AbstractQueue | None = None
+        self._data_version: int | None = None
+        self._background: set[asyncio.Future[None]] = set()
+        self.started = asyncio.Event()
+
+    # ------------------------------------------------------------------ life
+
+    async def start(self) -> None:
+        """Open the ledger, load it, connect, declare the topology and start consuming."""
+        self.ledger.open()
+        await self._reload()
+        timeout = self.settings.request_timeout_s
+        self._connection = await asyncio.wait_for(
+            aio_pika.connect_robust(self.settings.amqp_url, timeout=timeout), timeout)
+        self._channel = await self._connection.channel(publisher_confirms=False)
+        await self._channel.set_qos(prefetch_count=self.settings.prefetch)
+        self._queue = await declare_topology(self._channel, self.settings.queue_name)
+        self._tasks = [
+            asyncio.create_task(self._apply_loop(), name="allocator-apply"),
+            asyncio.create_task(self._tick_loop(), name="allocator-tick"),
+        ]
+        self._consumer_tag = await self._queue.consume(self._on_message)
+        self.started.set()
+        log.info("allocator consuming %s; ledger %s", self.settings.queue_name,
+                 self.settings.ledger_path)
+
+    async def stop(self) -> None:
+        """Stop consuming, finish the batch in hand, close the broker and the ledger."""
+        if self._queue is not None and self._consumer_tag is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._queue.cancel(self._consumer_tag), 5)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._connection.close(), 5)
+            self._connection = None
+        self.ledger.close()
+
+    async def __aenter__(self) -> AllocatorService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def _reload(self) -> None:
+        """Rebuild the engine from the ledger (start, failed commit, takeover)."""
+        state = await self.ledger.run(self.ledger.load)
+        self.engine.load(state, self.clock())
+        self._data_version = await self.ledger.run(self._read_data_version)
+
+    def _read_data_version(self) -> int:
+        return int(self.ledger.db.execute("PRAGMA data_version").fetchone()[0])
+
+    # ------------------------------------------------------------------ loops
+
+    async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        await self._inbox.put(message)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            await self._inbox.put(_TICK)
+
+    async def _apply_loop(self) -> None:
+        while True:
+            first = await self._inbox.get()
+            batch = [first]
+            while len(batch) < self.settings.batch_max and not self._inbox.empty():
+                batch.append(self._inbox.get_nowait())
+            try:
+                await self._apply_batch(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must survive anything; the batch is answered below
+                log.exception("batch failed; rebuilding from the ledger")
+                self.stats.counters["batch_failures"] += 1
+                await self._recover(batch)
+
+    async def _apply_batch(self, batch: list[object]) -> None:
+        if await self.ledger.run(self._read_data_version) != self._data_version:
+            # Another allocator wrote the ledger since our last commit: we are a standby that
+            # just became active. Start from what it left.
+            log.warning("ledger changed under us (takeover); reloading")
+            self.stats.counters["takeovers"] += 1
+            await self._reload()
+        changes = Changes()
+        pending: list[_Pending] = []
+        for item in batch:
+            now = self.clock()
+            if item is _TICK:
+                self.engine.tick(now, changes)
+                continue
+            assert isinstance(item, aio_pika.abc.AbstractIncomingMessage)
+            entry = self._apply_message(item, now, changes)
+            if entry is not None:
+                pending.append(entry)
+        try:
+            await self.ledger.run(lambda: self.ledger.commit(changes))
+        except LedgerError as exc:
+            log.error("ledger commit failed: %s", exc)
+            self.stats.counters["commit_failures"] += 1
+            await self._reload()
+            failure = error_reply(ErrorCode.STORAGE_ERROR,
+                                  f"the allocator could not record the decision ({exc}); "
+                                  "nothing was granted, try again later")
+            # Every reply of the batch was computed on memory that has just been thrown away.
+            for entry in pending:
+                if entry.reply is not None:
+                    entry.reply = failure
+            await self._finish(pending)
+            return
+        self._data_version = await self.ledger.run(self._read_data_version)
+        await self._resolve_lookups(pending)
+        await self._finish(pending)
+
+    def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage, now: float,
+                       changes: Changes) -> _Pending | None:
+        self.stats.counters["received"] += 1
+        decoded = decode_inbound(message.body)
+        wants_reply = bool(message.reply_to and message.correlation_id)
+        if isinstance(decoded, ErrorReply):
+            self.stats.counters[f"invalid_{decoded.error.code.value}"] += 1
+            log.info("refused a message: %s", decoded.error.message)
+            if not wants_reply:
+                self._dead_letter(message)
+                return None
+            return _Pending(message, decoded)
+        deadline = getattr(decoded, "deadline", None)
+        if deadline is not None and now > deadline:
+            # The caller gave up already; granting now would leak a lease nobody holds.
+            self.stats.counters["expired_dropped"] += 1
+            return _Pending(message, None)
+        sender = Sender(user_id=message.user_id,
+                        via_nodes_exchange=message.exchange == NODES_EXCHANGE)
+        reply = self.engine.handle(decoded, sender, now, changes)
+        entry = _Pending(message, reply if wants_reply else None)
+        if (isinstance(decoded, StatusRequest | ReleaseRequest) and isinstance(reply, ErrorReply)
+                and reply.error.code is ErrorCode.NOT_FOUND):
+            entry.lookup = (decoded.lease_id, decoded.request_key)
+        return entry
+
+    def _dead_letter(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        self.stats.counters["dead_lettered"] += 1
+        # reject without requeue: the queue's dead-letter exchange keeps it for a person.
+        task = asyncio.ensure_future(_quietly(message.reject(requeue=False)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _resolve_lookups(self, pending: list[_Pending]) -> None:
+        """Answer status/release of leases that left memory long ago from the ledger."""
+        for entry in pending:
+            if entry.lookup is None:
+                continue
+            lease_id, request_key = entry.lookup
+            record = await self.ledger.run(
+                (lambda i=lease_id: self.ledger.find_lease(i)) if lease_id is not None
+                else (lambda k=request_key: self.ledger.latest_lease_for_key(k or "")))
+            if record is not None and entry.reply is not None:
+                entry.reply = self.engine.lease_reply(record)
+
+    async def _finish(self, pending: list[_Pending]) -> None:
+        """Send replies, then acknowledge (after the commit, never before)."""
+        channel = self._channel
+        for entry in pending:
+            if entry.reply is not None and channel is not None:
+                try:
+                    await channel.default_exchange.publish(
+                        aio_pika.Message(
+                            body=encode(entry.reply),
+                            content_type="application/json",
+                            correlation_id=entry.message.correlation_id,
+                        ),
+                        routing_key=entry.message.reply_to or "",
+                        timeout=self.settings.request_timeout_s,
+                    )
+                    self.stats.counters["replies"] += 1
+                except (AMQPError, aio_pika.exceptions.AMQPError, TimeoutError, OSError) as exc:
+                    # The client is gone (its direct reply-to consumer closed) or the broker
+                    # is down; the decision stands in the ledger and a retry will find it.
+                    self.stats.counters["reply_failures"] += 1
+                    log.info("could not send a reply: %s", exc)
+            with contextlib.suppress(Exception):
+                await entry.message.ack()
+
+    async def _recover(self, batch: list[object]) -> None:
+        """After an unexpected error: rebuild from disk and answer what was asked."""
+        try:
+            await self._reload()
+        except Exception:
+            log.exception("could not reload the ledger")
+        failure = error_reply(ErrorCode.INTERNAL_ERROR,
+                              "the allocator hit an internal error on this batch; nothing was "
+                              "granted; see the allocator log")
+        pending = [
+            _Pending(item, failure if item.reply_to and item.correlation_id else None)
+            for item in batch if isinstance(item, aio_pika.abc.AbstractIncomingMessage)
+        ]
+        await self._finish(pending)
+
+
+async def _quietly(awaitable: object) -> None:
+    with contextlib.suppress(Exception):
+        await awaitable  # type: ignore[misc]

@@ -1,0 +1,117 @@
+"""Helpers for tests that stand in for node agents by publishing heartbeats themselves.
+
+Publishing a ``Heartbeat`` on the nodes exchange is exactly what a node agent with a
+simulated inventory does; these helpers make the GPUs and messages short to write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import aio_pika
+import aio_pika.abc
+
+from allocator.protocol import (
+    ContainerAction,
+    ContainerEvent,
+    ContainerInfo,
+    GPUInfo,
+    Health,
+    Heartbeat,
+    encode,
+)
+from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
+
+T = TypeVar("T")
+
+GTX1070 = "NVIDIA GeForce GTX 1070"
+RTX3090 = "NVIDIA GeForce RTX 3090"
+A100 = "NVIDIA A100-SXM4-80GB"
+MEMORY = {GTX1070: 8192, RTX3090: 24576, A100: 81920}
+
+_seq = itertools.count(1)
+
+
+def gpus(host: str, model: str, count: int, *, start_index: int = 0,
+         health: Health = Health.HEALTHY) -> list[GPUInfo]:
+    """``count`` GPUs of one model on ``host`` with stable uuids."""
+    return [
+        GPUInfo(uuid=f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{host}/{i}')}", index=i, model=model,
+                memory_total_mib=MEMORY.get(model, 16384), health=health,
+                health_reasons=[] if health is Health.HEALTHY else ["test"])
+        for i in range(start_index, start_index + count)
+    ]
+
+
+def heartbeat(host: str, gpu_list: list[GPUInfo], containers: list[ContainerInfo] | None = None,
+              *, agent_id: str = "test-agent", sent_at: float | None = None,
+              containers_complete: bool = True) -> Heartbeat:
+    """A heartbeat with a fresh sequence number."""
+    return Heartbeat(host=host, agent_id=agent_id, seq=next(_seq),
+                     sent_at=time.time() if sent_at is None else sent_at, interval_s=2.0,
+                     gpus=gpu_list, containers=containers or [],
+                     containers_complete=containers_complete, source="simulated")
+
+
+class NodeSimulator:
+    """Publishes node messages to a vhost as the agents of several hosts would."""
+
+    def __init__(self, amqp_url: str):
+        self.amqp_url = amqp_url
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._exchange: aio_pika.abc.AbstractExchange | None = None
+        self.inventory: dict[str, list[GPUInfo]] = {}
+
+    async def __aenter__(self) -> NodeSimulator:
+        self._connection = await aio_pika.connect(self.amqp_url, timeout=10)
+        channel = await self._connection.channel()
+        self._exchange = await channel.declare_exchange(
+            NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+    async def publish(self, message: Heartbeat | ContainerEvent, *,
+                      user_id: str | None = "guest") -> None:
+        """Publish one node message (``user_id`` is checked by the broker)."""
+        assert self._exchange is not None
+        key = (heartbeat_routing_key(message.host) if isinstance(message, Heartbeat)
+               else event_routing_key(message.host))
+        await self._exchange.publish(
+            aio_pika.Message(encode(message), content_type="application/json", user_id=user_id),
+            routing_key=key, timeout=10)
+
+    async def beat(self, host: str, gpu_list: list[GPUInfo] | None = None,
+                   containers: list[ContainerInfo] | None = None, **kwargs: object) -> Heartbeat:
+        """Publish a heartbeat for ``host`` (remembering its GPUs for the next one)."""
+        if gpu_list is not None:
+            self.inventory[host] = gpu_list
+        beat = heartbeat(host, self.inventory[host], containers, **kwargs)  # type: ignore[arg-type]
+        await self.publish(beat)
+        return beat
+
+    async def event(self, host: str, lease_id: str, action: ContainerAction,
+                    container_id: str = "c0ffee") -> None:
+        """Publish a container event."""
+        await self.publish(ContainerEvent(host=host, container_id=container_id,
+                                          lease_id=lease_id, action=action, at=time.time()))
+
+
+async def wait_until(predicate: Callable[[], Awaitable[T | None]], within: float = 10.0,
+                     interval: float = 0.05) -> T:
+    """Poll an async predicate until it returns something truthy, and return that."""
+    deadline = time.monotonic() + within
+    while True:
+        result = await predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {within} s")
+        await asyncio.sleep(interval)

@@ -1,0 +1,161 @@
+"""The allocator over the real broker: every request kind, idempotency, queueing, release."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from support import A100, GTX1070, RTX3090, gpus, wait_until
+
+from allocator.client import AllocatorClient, AllocatorError
+from allocator.protocol import (
+    AllocateRequest,
+    ContainerAction,
+    ContainerInfo,
+    ErrorCode,
+    LeaseState,
+    ReleaseReason,
+    ShareRequest,
+)
+
+
+async def cluster_ready(client: AllocatorClient, hosts: int) -> None:
+    async def ready():
+        inventory = await client.inventory()
+        return sum(node.up for node in inventory.nodes) >= hosts
+    await wait_until(ready)
+
+
+@pytest.fixture
+async def mixed(client, nodes):
+    """gpu-a: 4x GTX 1070; gpu-b: 2x RTX 3090; gpu-c: 8x A100."""
+    await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 4))
+    await nodes.beat("gpu-b", gpus("gpu-b", RTX3090, 2))
+    await nodes.beat("gpu-c", gpus("gpu-c", A100, 8))
+    await cluster_ready(client, 3)
+    return nodes
+
+
+def ask(user: str = "alice", server: str = "", **fields) -> AllocateRequest:
+    return AllocateRequest(request_key=f"hub/{user}/{server}", user=user, **fields)
+
+
+async def test_allocate_by_alias_sets_visible_devices(client, mixed):
+    lease = await client.allocate(ask(model="1070"))
+    assert lease.state is LeaseState.GRANTED
+    assert lease.host == "gpu-a"
+    assert lease.model == GTX1070
+    assert len(lease.gpu_uuids) == 1
+    assert lease.env["NVIDIA_VISIBLE_DEVICES"] == lease.gpu_uuids[0]
+    assert lease.env["SWARM_GPU_LEASE"] == lease.lease_id
+
+
+async def test_retry_with_same_request_key_returns_same_lease(client, mixed):
+    first = await client.allocate(ask(model="3090"))
+    again = await client.allocate(ask(model="3090"))
+    assert again.lease_id == first.lease_id
+    inventory = await client.inventory(include_leases=True)
+    assert [lease.lease_id for lease in inventory.leases] == [first.lease_id]
+
+
+async def test_all_gpus_of_a_host(client, mixed):
+    lease = await client.allocate(ask(model=A100, count="all"))
+    assert lease.host == "gpu-c" and len(lease.gpu_uuids) == 8
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(ask(user="bob", model=A100))
+    assert refused.value.code is ErrorCode.NO_CAPACITY
+
+
+async def test_unknown_model_lists_known_ones(client, mixed):
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(ask(model="H100"))
+    assert refused.value.code is ErrorCode.UNKNOWN_MODEL
+    assert GTX1070 in refused.value.message and A100 in refused.value.message
+
+
+async def test_count_beyond_any_host_is_unsatisfiable(client, mixed):
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(ask(model="3090", count=3))
+    assert refused.value.code is ErrorCode.UNSATISFIABLE
+
+
+async def test_unknown_host(client, mixed):
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(ask(host="gpu-z"))
+    assert refused.value.code is ErrorCode.UNKNOWN_HOST
+    assert "gpu-a" in refused.value.message
+
+
+async def test_shared_slices_pack_and_respect_budget(client, mixed):
+    leases = [await client.allocate(ask(user=f"u{i}", model="1070",
+                                        share=ShareRequest(memory_mib=2048)))
+              for i in range(4)]
+    assert len({lease.gpu_uuids[0] for lease in leases}) == 1, "slices pack onto one GPU"
+    assert all(lease.shared and lease.memory_mib == 2048 for lease in leases)
+    assert leases[0].env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.25"
+    fifth = await client.allocate(ask(user="u5", model="1070", share=ShareRequest(memory_mib=2048)))
+    assert fifth.gpu_uuids[0] != leases[0].gpu_uuids[0]
+
+
+async def test_share_of_exclusive_model_is_refused(client, mixed):
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(ask(model="3090", share=ShareRequest(memory_mib=1024)))
+    assert refused.value.code is ErrorCode.NOT_SHAREABLE
+
+
+async def test_release_then_container_exit_frees_the_gpu(client, mixed):
+    lease = await client.allocate(ask(model="3090", count=2))
+    await mixed.event("gpu-b", lease.lease_id, ContainerAction.START, container_id="c1")
+    bound = await wait_until(lambda: _state_is(client, lease.lease_id, LeaseState.BOUND))
+    assert bound.container_id == "c1"
+    stopping = await client.release(lease_id=lease.lease_id)
+    assert stopping.state is LeaseState.RELEASING
+    again = await client.release(lease_id=lease.lease_id)
+    assert again.state is LeaseState.RELEASING, "releasing twice is a no-op"
+    await mixed.event("gpu-b", lease.lease_id, ContainerAction.DIE, container_id="c1")
+    done = await wait_until(lambda: _state_is(client, lease.lease_id, LeaseState.RELEASED))
+    assert done.release_reason is ReleaseReason.CONTAINER_EXITED
+    next_lease = await client.allocate(ask(user="bob", model="3090", count=2))
+    assert next_lease.state is LeaseState.GRANTED
+
+
+async def test_heartbeat_without_the_container_releases_it(client, mixed):
+    lease = await client.allocate(ask(model="3090"))
+    container = ContainerInfo(container_id="c2", lease_id=lease.lease_id)
+    await mixed.beat("gpu-b", containers=[container], sent_at=time.time() - 10)
+    await wait_until(lambda: _state_is(client, lease.lease_id, LeaseState.BOUND))
+    await mixed.beat("gpu-b", containers=[])
+    done = await wait_until(lambda: _state_is(client, lease.lease_id, LeaseState.RELEASED))
+    assert done.release_reason is ReleaseReason.CONTAINER_GONE
+
+
+async def test_queue_waits_in_order_and_reports_position(client, mixed):
+    holder = await client.allocate(ask(model="3090", count=2))
+    first = await client.allocate(ask(user="bob", model="3090", wait_s=30))
+    second = await client.allocate(ask(user="carol", model="3090", wait_s=30))
+    assert (first.state, first.queue_position) == (LeaseState.QUEUED, 1)
+    assert (second.state, second.queue_position) == (LeaseState.QUEUED, 2)
+    await client.release(lease_id=holder.lease_id, force=True)
+    granted = await client.wait_for_grant("hub/bob/", wait_s=5, poll_s=0.05)
+    assert granted.state is LeaseState.GRANTED
+    carol = await client.status(request_key="hub/carol/")
+    assert carol.state is LeaseState.GRANTED, "the second 3090 went to the next in line"
+
+
+async def test_queued_request_expires(client, mixed):
+    await client.allocate(ask(model="3090", count=2))
+    queued = await client.allocate(ask(user="bob", model="3090", wait_s=0.3))
+    assert queued.state is LeaseState.QUEUED
+    expired = await wait_until(lambda: _state_is(client, queued.lease_id, LeaseState.EXPIRED))
+    assert expired.release_reason is ReleaseReason.WAIT_EXPIRED
+
+
+async def test_status_of_unknown_lease_is_not_found(client, mixed):
+    with pytest.raises(AllocatorError) as refused:
+        await client.status(lease_id="nope")
+    assert refused.value.code is ErrorCode.NOT_FOUND
+
+
+async def _state_is(client: AllocatorClient, lease_id: str, state: LeaseState):
+    lease = await client.status(lease_id=lease_id)
+    return lease if lease.state is state else None
