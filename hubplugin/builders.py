@@ -1,0 +1,188 @@
+"""Turn a lease into what the Swarm service needs: environment, placement, labels.
+
+Pure functions over plain data, like kubespawner's ``objects.py``: given a
+:class:`~allocator.protocol.Lease` (or None for "no GPU") and the admin's own
+``SwarmSpawner`` settings, they return new dicts and never modify their inputs.
+
+- environment: ``NVIDIA_VISIBLE_DEVICES=<uuid,...>`` plus the lease's own env
+  (``void`` without a GPU, so the NVIDIA runtime exposes none);
+- placement: the admin's constraints plus ``node.hostname == <lease host>``;
+- labels: ``swarm-gpu.lease=<lease id>`` on the container (what node agents look for) and on
+  the service (for ``docker service ls --filter label=...``).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from allocator.protocol import Lease, LeaseState
+
+LEASE_LABEL = "swarm-gpu.lease"
+"""Container (and service) label carrying the lease id. Node agents report containers with it."""
+
+NO_GPU_DEVICES = "void"
+"""``NVIDIA_VISIBLE_DEVICES`` value that gives a container no GPU at all."""
+
+GPU_ENV_PREFIX = "SWARM_GPU_"
+
+_HOSTNAME_CONSTRAINT = re.compile(r"^\s*node\.hostname\s*(==|!=)\s*(.+?)\s*$")
+_SAFE_VALUE = re.compile(r"[^\x00-\x1f\x7f]*")
+
+
+class BuildError(ValueError):
+    """The lease and the admin's settings cannot make a runnable service."""
+
+
+@dataclass(frozen=True)
+class ServiceGPUSpec:
+    """What the spawner puts into the service for one start."""
+
+    env: dict[str, str]
+    extra_container_spec: dict[str, Any]
+    extra_placement_spec: dict[str, Any]
+    extra_create_kwargs: dict[str, Any]
+    lease_id: str | None = None
+    host: str | None = None
+    summary: str = field(default="no GPU")
+
+
+def _check_value(name: str, value: str) -> str:
+    if not _SAFE_VALUE.fullmatch(value):
+        raise BuildError(f"{name} contains control characters: {value[:60]!r}")
+    return value
+
+
+def _usable(lease: Lease) -> None:
+    if lease.state not in (LeaseState.GRANTED, LeaseState.BOUND):
+        raise BuildError(f"lease {lease.lease_id} is {lease.state.value}, not granted")
+    if not lease.host:
+        raise BuildError(f"lease {lease.lease_id} has no host")
+    if not lease.gpu_uuids:
+        raise BuildError(f"lease {lease.lease_id} has no GPU")
+    for uuid in lease.gpu_uuids:
+        if not uuid or "," in uuid or not _SAFE_VALUE.fullmatch(uuid):
+            raise BuildError(f"lease {lease.lease_id} has a malformed GPU uuid {uuid!r}")
+
+
+def gpu_env(lease: Lease | None, *, memory_total_mib: int | None = None) -> dict[str, str]:
+    """Environment for the container of a lease (or of a server without GPU).
+
+    ``memory_total_mib`` is the GPU's memory, when known, so a shared slice also gets
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if the allocator sent none.
+    """
+    if lease is None:
+        return {"NVIDIA_VISIBLE_DEVICES": NO_GPU_DEVICES}
+    _usable(lease)
+    env: dict[str, str] = {}
+    for key, value in lease.env.items():
+        env[_check_value(key, key)] = _check_value(key, str(value))
+    env["NVIDIA_VISIBLE_DEVICES"] = ",".join(lease.gpu_uuids)
+    env.setdefault("NVIDIA_DRIVER_CAPABILITIES", "compute,utility")
+    env[f"{GPU_ENV_PREFIX}LEASE_ID"] = lease.lease_id
+    env[f"{GPU_ENV_PREFIX}HOST"] = _check_value("host", lease.host or "")
+    env[f"{GPU_ENV_PREFIX}GPU_COUNT"] = str(len(lease.gpu_uuids))
+    if lease.model:
+        env[f"{GPU_ENV_PREFIX}MODEL"] = _check_value("model", lease.model)
+    env[f"{GPU_ENV_PREFIX}SHARED"] = "1" if lease.shared else "0"
+    if lease.shared:
+        # framework hints so a slice stays within its budget
+        env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        if lease.memory_mib:
+            env[f"{GPU_ENV_PREFIX}MEMORY_MIB"] = str(lease.memory_mib)
+            if memory_total_mib:
+                fraction = min(lease.memory_mib / memory_total_mib, 1.0)
+                env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{fraction:.3f}")
+    return env
+
+
+def placement_constraints(admin_constraints: Sequence[str] | None, host: str | None) -> list[str]:
+    """The admin's constraints plus ``node.hostname == host`` (deduplicated, order kept).
+
+    An admin constraint that pins another hostname (or excludes this one) would leave the
+    service pending forever, so it is an error rather than a silent hang.
+    """
+    constraints = [str(c) for c in (admin_constraints or [])]
+    if host is None:
+        return list(dict.fromkeys(constraints))
+    _check_value("host", host)
+    kept: list[str] = []
+    for constraint in constraints:
+        match = _HOSTNAME_CONSTRAINT.match(constraint)
+        if match:
+            op, value = match.groups()
+            if op == "==" and value != host:
+                raise BuildError(
+                    f"the spawner's placement constraint '{constraint}' excludes host "
+                    f"'{host}', where the GPUs were granted"
+                )
+            if op == "!=" and value == host:
+                raise BuildError(
+                    f"the spawner's placement constraint '{constraint}' excludes host "
+                    f"'{host}', where the GPUs were granted"
+                )
+            if op == "==":
+                continue  # same host: ours below
+        kept.append(constraint)
+    kept.append(f"node.hostname == {host}")
+    return list(dict.fromkeys(kept))
+
+
+def _with_label(spec: Mapping[str, Any], key: str, lease_id: str | None) -> dict[str, Any]:
+    out = copy.deepcopy(dict(spec))
+    labels = dict(out.get(key) or {})
+    labels.pop(LEASE_LABEL, None)
+    if lease_id is not None:
+        labels[LEASE_LABEL] = lease_id
+    if labels or key in out:
+        out[key] = labels
+    return out
+
+
+def build_service_spec(
+    lease: Lease | None,
+    *,
+    extra_container_spec: Mapping[str, Any] | None = None,
+    extra_placement_spec: Mapping[str, Any] | None = None,
+    extra_create_kwargs: Mapping[str, Any] | None = None,
+    memory_total_mib: int | None = None,
+) -> ServiceGPUSpec:
+    """Everything the service needs for this lease, merged with the admin's settings.
+
+    The admin's dicts are copied, never modified. Without a lease the placement is the
+    admin's own and any stale lease label is removed.
+    """
+    env = gpu_env(lease, memory_total_mib=memory_total_mib)
+    lease_id = lease.lease_id if lease is not None else None
+    host = lease.host if lease is not None else None
+    container = _with_label(extra_container_spec or {}, "labels", lease_id)
+    create = _with_label(extra_create_kwargs or {}, "labels", lease_id)
+    placement = copy.deepcopy(dict(extra_placement_spec or {}))
+    if host is not None or placement.get("constraints"):
+        placement["constraints"] = placement_constraints(placement.get("constraints"), host)
+    return ServiceGPUSpec(
+        env=env,
+        extra_container_spec=container,
+        extra_placement_spec=placement,
+        extra_create_kwargs=create,
+        lease_id=lease_id,
+        host=host,
+        summary=describe_lease(lease),
+    )
+
+
+def describe_lease(lease: Lease | None) -> str:
+    """A short human description, for progress messages and logs."""
+    if lease is None:
+        return "no GPU"
+    n = len(lease.gpu_uuids)
+    model = lease.model or "GPU"
+    if lease.shared:
+        budget = f" ({lease.memory_mib} MiB)" if lease.memory_mib else ""
+        return f"a shared slice of one {model}{budget} on {lease.host}"
+    what = f"1 {model}" if n == 1 else f"{n} x {model}"
+    return f"{what} on {lease.host}"

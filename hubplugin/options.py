@@ -1,0 +1,680 @@
+"""What a user picks on the spawn page or sends as REST ``user_options``, and the admin's policy.
+
+Pure: no I/O, no clock. The spawner parses user input into :class:`GPUOptions`, resolves a
+named profile, checks the result against the admin's :class:`GPUPolicy` (and, when it has
+one, the allocator's current :class:`~allocator.protocol.InventoryReply` for better messages),
+and builds the :class:`~allocator.protocol.AllocateRequest`.
+
+Both input paths produce the same model. REST clients send::
+
+    {"mode": "exclusive", "model": "1070", "count": 2}
+    {"mode": "exclusive", "model": "any", "all_gpus_of_host": true, "host": "gpu-a"}
+    {"mode": "shared", "model": "1070", "share_memory_mib": 2048}
+    {"profile": "small-share"}
+    {"mode": "none"}
+
+Every problem is an :class:`OptionsError` (a ``ValueError``) whose message a user can act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from allocator.protocol import (
+    MAX_COUNT,
+    MAX_WAIT_S,
+    AllocateRequest,
+    InventoryReply,
+    ModelSummary,
+    ShareRequest,
+)
+
+ANY_MODEL = "any"
+"""The ``model`` value that accepts every model the user may use."""
+
+CUSTOM_PROFILE = "custom"
+"""The form's profile value for "choose the GPU yourself"."""
+
+PASSTHROUGH_KEYS = frozenset({"image"})
+"""user_options keys that are not GPU options and are left to DockerSpawner (``image``)."""
+
+MAX_LISTED_MODELS = 32
+"""AllocateRequest.models holds at most this many names."""
+
+_PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
+
+
+class OptionsError(ValueError):
+    """User input that cannot be honoured. ``str(error)`` is the message for the user."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class GPUMode(StrEnum):
+    """How a server uses GPUs."""
+
+    NONE = "none"
+    """No GPU: the container gets ``NVIDIA_VISIBLE_DEVICES=void``."""
+    EXCLUSIVE = "exclusive"
+    """Whole GPUs, nobody else on them."""
+    SHARED = "shared"
+    """One share slot of one GPU with a memory budget."""
+
+
+class GPUOptions(BaseModel):
+    """A user's GPU choice, from the spawn form or REST ``user_options``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+    mode: GPUMode = Field(default=GPUMode.NONE, description="none, exclusive or shared.")
+    model: str = Field(
+        default=ANY_MODEL,
+        min_length=1,
+        max_length=200,
+        pattern=_PRINTABLE,
+        description='A model name or alias, or "any".',
+        examples=["any", "1070", "NVIDIA GeForce GTX 1070"],
+    )
+    count: int = Field(default=1, description="Whole GPUs on one host (exclusive mode).")
+    all_gpus_of_host: bool = Field(
+        default=False, description="Every GPU (of the model) of one host, instead of count."
+    )
+    host: str | None = Field(
+        default=None, min_length=1, max_length=200, pattern=_PRINTABLE,
+        description="Only this node.", examples=["gpu-a"],
+    )
+    share_memory_mib: int | None = Field(
+        default=None, description="Memory budget of a shared slice; default: the admin's."
+    )
+    profile: str | None = Field(
+        default=None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Slug of one of the admin's named profiles.",
+    )
+
+    @field_validator("count", mode="before")
+    @classmethod
+    def _count_is_whole(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("must be a whole number of GPUs")
+        return value
+
+    @field_validator("count")
+    @classmethod
+    def _count_in_range(cls, value: int) -> int:
+        if not 1 <= value <= MAX_COUNT:
+            raise ValueError(f"must be between 1 and {MAX_COUNT} (you asked for {value})")
+        return value
+
+    @field_validator("share_memory_mib", mode="before")
+    @classmethod
+    def _memory_is_whole(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("must be a whole number of MiB")
+        return value
+
+    @field_validator("share_memory_mib")
+    @classmethod
+    def _memory_in_range(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= 1 << 30:
+            raise ValueError(f"must be between 1 and {1 << 30} MiB (you asked for {value})")
+        return value
+
+    @property
+    def wants_gpu(self) -> bool:
+        return self.mode is not GPUMode.NONE
+
+    @property
+    def any_model(self) -> bool:
+        return self.model.lower() == ANY_MODEL
+
+    def normalized(self) -> GPUOptions:
+        """Drop fields that mean nothing in this mode, so equal choices compare equal."""
+        if self.mode is GPUMode.NONE:
+            return GPUOptions(mode=GPUMode.NONE, profile=self.profile)
+        if self.mode is GPUMode.SHARED:
+            return self.model_copy(update={"count": 1, "all_gpus_of_host": False})
+        return self.model_copy(update={"share_memory_mib": None})
+
+    def to_user_options(self) -> dict[str, Any]:
+        """The JSON ``user_options`` form of this choice (defaults left out)."""
+        return self.model_dump(mode="json", exclude_defaults=True) or {"mode": "none"}
+
+
+def _field_label(loc: Sequence[Any]) -> str:
+    labels = {
+        "mode": "GPU mode",
+        "model": "GPU model",
+        "count": "GPU count",
+        "all_gpus_of_host": "all GPUs of a host",
+        "host": "host",
+        "share_memory_mib": "shared memory budget (MiB)",
+        "profile": "profile",
+    }
+    name = str(loc[0]) if loc else ""
+    return labels.get(name, name or "options")
+
+
+def _describe(exc: ValidationError) -> OptionsError:
+    parts = []
+    first_field = None
+    for err in exc.errors(include_url=False)[:4]:
+        loc = err.get("loc", ())
+        first_field = first_field or (str(loc[0]) if loc else None)
+        label = _field_label(loc)
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted([*GPUOptions.model_fields, *PASSTHROUGH_KEYS]))
+            parts.append(f"unknown option '{loc[0] if loc else '?'}' (known options: {known})")
+            continue
+        if err["type"] == "enum":
+            msg = "must be one of: none, exclusive, shared"
+        msg = msg.removeprefix("Value error, ")
+        parts.append(f"{label}: {msg}")
+    return OptionsError("Invalid GPU options: " + "; ".join(parts) + ".", field=first_field)
+
+
+def parse_user_options(user_options: Mapping[str, Any] | None) -> GPUOptions:
+    """Parse REST/stored ``user_options``. Keys in :data:`PASSTHROUGH_KEYS` are ignored here."""
+    if user_options is None:
+        return GPUOptions()
+    if not isinstance(user_options, Mapping):
+        raise OptionsError("user_options must be a JSON object")
+    data = {k: v for k, v in user_options.items() if k not in PASSTHROUGH_KEYS}
+    try:
+        return GPUOptions.model_validate(data)
+    except ValidationError as exc:
+        raise _describe(exc) from None
+
+
+def _first(formdata: Mapping[str, Sequence[str]], key: str) -> str | None:
+    values = formdata.get(key)
+    if not values:
+        return None
+    value = values[0]
+    if not isinstance(value, str):
+        raise OptionsError(f"the form field '{key}' must be text")
+    value = value.strip()
+    return value or None
+
+
+def _whole_number(text: str, label: str, field: str) -> int:
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise OptionsError(f"{label} must be a whole number, not '{text[:40]}'",
+                           field=field) from None
+
+
+def options_from_form(formdata: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """Turn the spawn form's fields (``{name: [values]}``) into JSON ``user_options``.
+
+    Fields of the form: ``profile`` (a slug or ``custom``), ``mode``, ``model``, ``count``
+    (a number or ``all``), ``host`` (empty = any), ``share_memory_mib``, and ``image`` if the
+    admin offers images. Unknown fields (the hub's ``_xsrf``...) are ignored. Choosing a
+    profile ignores the custom fields, as a browser would still submit them.
+    """
+    out: dict[str, Any] = {}
+    image = _first(formdata, "image")
+    if image is not None:
+        out["image"] = image
+    profile = _first(formdata, "profile")
+    if profile is not None and profile != CUSTOM_PROFILE:
+        parse_user_options({"profile": profile})  # validates the slug
+        return {**out, "profile": profile}
+
+    raw: dict[str, Any] = {}
+    mode = _first(formdata, "mode")
+    if mode is not None:
+        raw["mode"] = mode
+    model = _first(formdata, "model")
+    if model is not None:
+        raw["model"] = model
+    count = _first(formdata, "count")
+    if count is not None:
+        if count.lower() == "all":
+            raw["all_gpus_of_host"] = True
+        else:
+            raw["count"] = _whole_number(count, "GPU count", "count")
+    if _first(formdata, "all_gpus_of_host") in ("on", "true", "1", "yes"):
+        raw["all_gpus_of_host"] = True
+    host = _first(formdata, "host")
+    if host is not None and host.lower() != "any":
+        raw["host"] = host
+    memory = _first(formdata, "share_memory_mib")
+    if memory is not None:
+        raw["share_memory_mib"] = _whole_number(
+            memory, "Shared memory budget", "share_memory_mib"
+        )
+    options = parse_user_options(raw).normalized()
+    return {**out, **options.to_user_options()}
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+class Profile(BaseModel):
+    """A named preset the admin offers first on the spawn page (like kubespawner's profiles).
+
+    A profile fixes the GPU request; ``spawner_override`` sets spawner traits for servers
+    started with it (``image``, ``mem_limit``, ``cpu_limit``, ``environment``...). Profiles
+    are the admin's own choice, so their GPU request is not held to ``group_models``,
+    ``user_max_gpus`` or ``allowed_hosts``; ``groups`` decides who may use them.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    slug: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    display_name: str = Field(min_length=1, max_length=200)
+    description: str = Field(default="", max_length=2000)
+    default: bool = False
+    groups: list[str] | None = Field(
+        default=None, description="Only members of these groups may use it; None = everyone."
+    )
+    mode: GPUMode = GPUMode.NONE
+    model: str = ANY_MODEL
+    count: int = Field(default=1, ge=1, le=MAX_COUNT)
+    all_gpus_of_host: bool = False
+    host: str | None = None
+    share_memory_mib: int | None = Field(default=None, ge=1)
+    spawner_override: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("slug")
+    @classmethod
+    def _not_custom(cls, slug: str) -> str:
+        if slug == CUSTOM_PROFILE:
+            raise ValueError(f"'{CUSTOM_PROFILE}' is reserved for the form's own choice")
+        return slug
+
+    def options(self) -> GPUOptions:
+        """The GPU choice this profile stands for."""
+        return GPUOptions(
+            mode=self.mode,
+            model=self.model,
+            count=self.count,
+            all_gpus_of_host=self.all_gpus_of_host,
+            host=self.host,
+            share_memory_mib=self.share_memory_mib,
+            profile=self.slug,
+        ).normalized()
+
+    def allowed_for(self, groups: Iterable[str]) -> bool:
+        return self.groups is None or bool(set(self.groups) & set(groups))
+
+    def summary(self) -> str:
+        """One line describing the GPU part, for the form."""
+        opts = self.options()
+        if opts.mode is GPUMode.NONE:
+            return "No GPU"
+        model = "any model" if opts.any_model else opts.model
+        where = f" on {opts.host}" if opts.host else ""
+        if opts.mode is GPUMode.SHARED:
+            budget = f", {opts.share_memory_mib} MiB" if opts.share_memory_mib else ""
+            return f"Shared slice of one GPU ({model}{budget}){where}"
+        if opts.all_gpus_of_host:
+            return f"All GPUs of one host ({model}){where}"
+        plural = "GPU" if opts.count == 1 else "GPUs"
+        return f"{opts.count} whole {plural} ({model}){where}"
+
+
+def load_profiles(raw: Iterable[Mapping[str, Any] | Profile]) -> list[Profile]:
+    """Validate the admin's ``gpu_profiles`` (raises ``ValueError`` naming the bad entry)."""
+    profiles: list[Profile] = []
+    for i, entry in enumerate(raw):
+        try:
+            profiles.append(entry if isinstance(entry, Profile) else Profile.model_validate(entry))
+        except ValidationError as exc:
+            raise ValueError(f"gpu_profiles[{i}] is invalid: {exc}") from None
+    slugs = [p.slug for p in profiles]
+    dupes = sorted({s for s in slugs if slugs.count(s) > 1})
+    if dupes:
+        raise ValueError(f"gpu_profiles has duplicate slugs: {', '.join(dupes)}")
+    return profiles
+
+
+def visible_profiles(profiles: Iterable[Profile], groups: Iterable[str]) -> list[Profile]:
+    groups = list(groups)
+    return [p for p in profiles if p.allowed_for(groups)]
+
+
+def resolve_profile(
+    options: GPUOptions, profiles: Sequence[Profile], groups: Iterable[str]
+) -> tuple[GPUOptions, Profile | None]:
+    """Replace a profile reference by the profile's own choice.
+
+    REST clients that name a profile must not also set GPU fields: the profile fixes them.
+    """
+    if options.profile is None:
+        return options, None
+    by_slug = {p.slug: p for p in profiles}
+    profile = by_slug.get(options.profile)
+    groups = list(groups)
+    if profile is None or not profile.allowed_for(groups):
+        offered = [p.slug for p in profiles if p.allowed_for(groups)]
+        listing = ", ".join(offered) if offered else "none"
+        raise OptionsError(
+            f"Unknown profile '{options.profile}'. Profiles you may use: {listing}.",
+            field="profile",
+        )
+    fixed = options.model_dump(exclude_defaults=True, exclude={"profile"})
+    if fixed:
+        raise OptionsError(
+            f"Profile '{profile.slug}' fixes the GPU choice; leave out "
+            f"{', '.join(sorted(fixed))} or choose no profile.",
+            field="profile",
+        )
+    return profile.options(), profile
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class GPUPolicy(BaseModel):
+    """What one user may ask for, derived from the spawner's admin settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    allowed_models: list[str] | None = Field(
+        default=None, description="Models (names or aliases) this user may use; None = any."
+    )
+    max_gpus: int = Field(default=1, ge=0, le=MAX_COUNT, description="Per server.")
+    allowed_hosts: list[str] | None = Field(default=None, description="None = any host.")
+    max_share_memory_mib: int | None = Field(default=None, ge=1)
+    default_share_memory_mib: int | None = Field(default=None, ge=1)
+    allow_all_gpus_of_host: bool = True
+    groups: list[str] = Field(default_factory=list, description="For messages.")
+
+    @property
+    def may_use_gpus(self) -> bool:
+        return self.max_gpus > 0 and (self.allowed_models is None or bool(self.allowed_models))
+
+
+def allowed_models_for(
+    groups: Iterable[str],
+    group_models: Mapping[str, Sequence[str]],
+    default_models: Sequence[str] | None,
+) -> list[str] | None:
+    """The models a user may use: the union over their groups; ``"*"`` means any (None).
+
+    A user in none of ``group_models``' groups gets ``default_models``.
+    """
+    groups = list(groups)
+    matched = [g for g in groups if g in group_models]
+    if not matched:
+        if default_models is None or "*" in default_models:
+            return None
+        return list(dict.fromkeys(default_models))
+    models: list[str] = []
+    for group in matched:
+        if "*" in group_models[group]:
+            return None
+        models.extend(group_models[group])
+    return list(dict.fromkeys(models))
+
+
+class ModelCatalog:
+    """Model names and aliases as the allocator reports them (case-insensitive)."""
+
+    def __init__(self, models: Iterable[ModelSummary]):
+        self.models = {m.model: m for m in models}
+        self._by_name: dict[str, str] = {}
+        for summary in self.models.values():
+            self._by_name[summary.model.lower()] = summary.model
+            for alias in summary.aliases:
+                self._by_name.setdefault(alias.lower(), summary.model)
+
+    def canonical(self, name: str) -> str | None:
+        return self._by_name.get(name.strip().lower())
+
+    def canonical_or_raw(self, name: str) -> str:
+        return self.canonical(name) or name
+
+    def known(self) -> list[str]:
+        return sorted(self.models)
+
+
+def _same_model(a: str, b: str, catalog: ModelCatalog | None) -> bool:
+    if catalog is not None:
+        a, b = catalog.canonical_or_raw(a), catalog.canonical_or_raw(b)
+    return a.strip().lower() == b.strip().lower()
+
+
+def _plural(n: int, word: str = "GPU") -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+class CheckedRequest(BaseModel):
+    """A GPU choice that passed the policy: what to ask the allocator for."""
+
+    model_config = ConfigDict(frozen=True)
+
+    options: GPUOptions
+    model: str | None = None
+    models: list[str] | None = None
+    count: int | str = 1
+    host: str | None = None
+    share_memory_mib: int | None = None
+    shared: bool = False
+
+
+def check_options(
+    options: GPUOptions,
+    policy: GPUPolicy,
+    inventory: InventoryReply | None = None,
+    *,
+    trusted: bool = False,
+) -> CheckedRequest | None:
+    """Check a choice against the policy (and the inventory, when known).
+
+    Returns None for "no GPU". ``trusted`` (an admin's profile) skips the per-user limits:
+    models, count, hosts and share size; sanity checks against the inventory still apply.
+    """
+    options = options.normalized()
+    if not options.wants_gpu:
+        return None
+    catalog = ModelCatalog(inventory.models) if inventory is not None else None
+    who = f" (groups: {', '.join(policy.groups)})" if policy.groups else ""
+
+    if not trusted and not policy.may_use_gpus:
+        raise OptionsError(
+            f"You may not use GPUs{who}. Start without a GPU, or ask an administrator.",
+            field="mode",
+        )
+
+    # --- model
+    model: str | None = None
+    models: list[str] | None = None
+    allowed = None if trusted else policy.allowed_models
+    if options.any_model:
+        if allowed is not None:
+            if catalog is not None:
+                # only models the cluster has: the allocator refuses unknown names
+                names = [c for c in (catalog.canonical(m) for m in allowed) if c is not None]
+                if not names:
+                    raise OptionsError(
+                        f"None of the GPU models you may use ({', '.join(allowed)}) is in "
+                        "the cluster right now.",
+                        field="model",
+                    )
+            else:
+                names = list(allowed)
+            models = list(dict.fromkeys(names))[:MAX_LISTED_MODELS]
+    else:
+        if catalog is not None and catalog.canonical(options.model) is None:
+            known = ", ".join(catalog.known()) or "none (no GPU has reported yet)"
+            raise OptionsError(
+                f"Unknown GPU model '{options.model}'. Models in the cluster: {known}.",
+                field="model",
+            )
+        if allowed is not None and not any(
+            _same_model(options.model, a, catalog) for a in allowed
+        ):
+            raise OptionsError(
+                f"You may not use GPU model '{options.model}'{who}. "
+                f"Models you may use: {', '.join(allowed) or 'none'}.",
+                field="model",
+            )
+        model = catalog.canonical_or_raw(options.model) if catalog else options.model
+
+    # the models this request could land on, as the inventory knows them
+    eligible: list[ModelSummary] | None = None
+    if catalog is not None:
+        if model is not None:
+            eligible = [catalog.models[model]]
+        elif models is not None:
+            eligible = [catalog.models[m] for m in models if m in catalog.models]
+        else:
+            eligible = list(catalog.models.values())
+
+    # --- host
+    host = options.host
+    if host is not None:
+        if not trusted and policy.allowed_hosts is not None and host not in policy.allowed_hosts:
+            raise OptionsError(
+                f"You may not use host '{host}'. "
+                f"Hosts you may use: {', '.join(policy.allowed_hosts) or 'none'}.",
+                field="host",
+            )
+        if inventory is not None and host not in {n.host for n in inventory.nodes}:
+            known_hosts = ", ".join(sorted(n.host for n in inventory.nodes)) or "none"
+            raise OptionsError(
+                f"Unknown host '{host}'. Hosts with GPUs: {known_hosts}.", field="host"
+            )
+
+    # GPUs per host of the eligible models (total, not just free)
+    per_host: dict[str, int] = {}
+    if inventory is not None and eligible is not None:
+        names = {m.model for m in eligible}
+        for gpu in inventory.gpus:
+            if gpu.model in names and (
+                trusted or policy.allowed_hosts is None or gpu.host in policy.allowed_hosts
+            ):
+                per_host[gpu.host] = per_host.get(gpu.host, 0) + 1
+        if host is not None:
+            per_host = {host: per_host.get(host, 0)}
+    what = "any model you may use" if model is None else model
+
+    # --- shared slice
+    if options.mode is GPUMode.SHARED:
+        memory = options.share_memory_mib or policy.default_share_memory_mib
+        if (
+            not trusted
+            and memory is not None
+            and policy.max_share_memory_mib is not None
+            and memory > policy.max_share_memory_mib
+        ):
+            raise OptionsError(
+                f"A shared slice may have at most {policy.max_share_memory_mib} MiB; "
+                f"you asked for {memory} MiB.",
+                field="share_memory_mib",
+            )
+        if eligible is not None:
+            shareable = [m for m in eligible if m.share_slots > 1]
+            if not shareable:
+                raise OptionsError(
+                    f"GPU model {what} cannot be shared (whole GPUs only); "
+                    "choose exclusive mode or another model.",
+                    field="mode",
+                )
+            if memory is not None:
+                fitting = [m for m in shareable if m.memory_total_mib >= memory]
+                if not fitting:
+                    largest = max(shareable, key=lambda m: m.memory_total_mib)
+                    raise OptionsError(
+                        f"A shared slice of {memory} MiB is larger than the GPU: "
+                        f"{largest.model} has {largest.memory_total_mib} MiB.",
+                        field="share_memory_mib",
+                    )
+                shareable = fitting
+            if model is None and len(shareable) < len(eligible):
+                models = [m.model for m in shareable][:MAX_LISTED_MODELS]
+        if host is not None and per_host and per_host.get(host, 0) == 0:
+            raise OptionsError(f"Host '{host}' has no GPU of {what}.", field="host")
+        return CheckedRequest(
+            options=options, model=model, models=models, count=1, host=host,
+            share_memory_mib=memory, shared=True,
+        )
+
+    # --- whole GPUs
+    limit = MAX_COUNT if trusted else policy.max_gpus
+    if options.all_gpus_of_host:
+        if not trusted and not policy.allow_all_gpus_of_host:
+            raise OptionsError(
+                "'All GPUs of a host' is not offered here; choose a number of GPUs.",
+                field="count",
+            )
+        if per_host:
+            if host is not None and per_host[host] == 0:
+                raise OptionsError(f"Host '{host}' has no GPU of {what}.", field="host")
+            largest = max(per_host.values())
+            if largest > limit:
+                fits = sorted(h for h, n in per_host.items() if 0 < n <= limit)
+                hint = (f" Hosts within your limit: {', '.join(fits)}." if fits else "")
+                raise OptionsError(
+                    f"'All GPUs of a host' could give you {_plural(largest)}, more than your "
+                    f"limit of {limit} per server.{hint}",
+                    field="count",
+                )
+        count: int | str = "all"
+    else:
+        if options.count > limit:
+            raise OptionsError(
+                f"You may use at most {_plural(limit)} per server; you asked for "
+                f"{options.count}.",
+                field="count",
+            )
+        if per_host:
+            largest = max(per_host.values())
+            if largest == 0 and host is not None:
+                raise OptionsError(f"Host '{host}' has no GPU of {what}.", field="host")
+            if options.count > largest and host is not None:
+                raise OptionsError(
+                    f"Host '{host}' has only {_plural(largest)} of {what}; you asked for "
+                    f"{options.count}.",
+                    field="count",
+                )
+            if options.count > largest:
+                raise OptionsError(
+                    f"No host has {_plural(options.count)} of {what} (the largest has "
+                    f"{largest}).",
+                    field="count",
+                )
+        count = options.count
+    return CheckedRequest(options=options, model=model, models=models, count=count, host=host)
+
+
+def request_key(hub_id: str, user: str, server_name: str) -> str:
+    """The idempotency key of one server: ``hub/user/server`` (server is "" by default)."""
+    return f"{hub_id}/{user}/{server_name}"
+
+
+def build_allocate_request(
+    checked: CheckedRequest,
+    *,
+    hub_id: str,
+    user: str,
+    server_name: str = "",
+    groups: Sequence[str] = (),
+    wait_s: float = 0.0,
+    priority: int = 0,
+) -> AllocateRequest:
+    """The RPC request for a checked choice."""
+    share = ShareRequest(memory_mib=checked.share_memory_mib) if checked.shared else None
+    return AllocateRequest(
+        request_key=request_key(hub_id, user, server_name),
+        user=user,
+        groups=list(groups)[:64],
+        model=checked.model,
+        models=checked.models,
+        count=checked.count,
+        host=checked.host,
+        share=share,
+        wait_s=min(max(wait_s, 0.0), MAX_WAIT_S),
+        priority=priority,
+    )

@@ -1,0 +1,140 @@
+"""From a lease to the service's env, placement constraints and labels (pure)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hub_inventory import GTX1070, lease
+
+from allocator.protocol import LeaseState
+from hubplugin.builders import (
+    LEASE_LABEL,
+    BuildError,
+    build_service_spec,
+    describe_lease,
+    gpu_env,
+    placement_constraints,
+)
+
+
+def test_no_gpu_means_void() -> None:
+    assert gpu_env(None) == {"NVIDIA_VISIBLE_DEVICES": "void"}
+    spec = build_service_spec(
+        None,
+        extra_container_spec={"labels": {"team": "x", LEASE_LABEL: "stale"}},
+        extra_placement_spec={"constraints": ["node.role == worker"]},
+    )
+    assert spec.env == {"NVIDIA_VISIBLE_DEVICES": "void"}
+    assert spec.extra_container_spec == {"labels": {"team": "x"}}
+    assert spec.extra_placement_spec == {"constraints": ["node.role == worker"]}
+    assert spec.lease_id is None and spec.summary == "no GPU"
+
+
+def test_exclusive_lease_env() -> None:
+    env = gpu_env(lease(gpu_uuids=["GPU-1", "GPU-2"], gpu_indices=[0, 1]))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1,GPU-2"
+    assert env["SWARM_GPU_LEASE_ID"] == "L-42"
+    assert env["SWARM_GPU_HOST"] == "gpu-a"
+    assert env["SWARM_GPU_GPU_COUNT"] == "2"
+    assert env["SWARM_GPU_MODEL"] == GTX1070
+    assert env["SWARM_GPU_SHARED"] == "0"
+    assert env["SWARM_GPU_LEASE"] == "L-42"  # the allocator's own env is kept
+    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in env
+
+
+def test_uuids_win_over_the_lease_env() -> None:
+    env = gpu_env(lease(env={"NVIDIA_VISIBLE_DEVICES": "all"}))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaaa"
+
+
+def test_shared_lease_gets_framework_hints() -> None:
+    shared = lease(shared=True, memory_mib=2048,
+                   env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.240"})
+    env = gpu_env(shared, memory_total_mib=8192)
+    assert env["SWARM_GPU_SHARED"] == "1"
+    assert env["SWARM_GPU_MEMORY_MIB"] == "2048"
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.240"  # the allocator's hint wins
+    env = gpu_env(shared.model_copy(update={"env": {}}), memory_total_mib=8192)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.250"
+    env = gpu_env(shared.model_copy(update={"env": {}}))
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"state": LeaseState.QUEUED}, "queued, not granted"),
+        ({"state": LeaseState.RELEASED}, "released, not granted"),
+        ({"host": None}, "no host"),
+        ({"gpu_uuids": []}, "no GPU"),
+        ({"gpu_uuids": ["GPU-1,GPU-2"]}, "malformed"),
+        ({"gpu_uuids": ["GPU-1\nX=1"]}, "malformed"),
+        ({"env": {"EVIL": "a\nb"}}, "control characters"),
+        ({"host": "gpu-a\n"}, "control characters"),
+    ],
+)
+def test_unusable_leases_are_refused(overrides: dict, needle: str) -> None:
+    with pytest.raises(BuildError, match=needle):
+        build_service_spec(lease(**overrides))
+
+
+def test_constraints_keep_the_admins_and_add_the_host() -> None:
+    admin = ["node.role == worker", "node.labels.gpu == true"]
+    assert placement_constraints(admin, "gpu-a") == [
+        "node.role == worker", "node.labels.gpu == true", "node.hostname == gpu-a",
+    ]
+    assert placement_constraints(None, "gpu-a") == ["node.hostname == gpu-a"]
+    assert placement_constraints(["node.hostname==gpu-a"], "gpu-a") == ["node.hostname == gpu-a"]
+    assert placement_constraints(["node.hostname != gpu-b"], "gpu-a") == [
+        "node.hostname != gpu-b", "node.hostname == gpu-a",
+    ]
+    assert placement_constraints(["a", "a"], None) == ["a"]
+
+
+@pytest.mark.parametrize("constraint", ["node.hostname == gpu-b", "node.hostname != gpu-a"])
+def test_admin_constraint_that_excludes_the_host(constraint: str) -> None:
+    with pytest.raises(BuildError, match="excludes host 'gpu-a'"):
+        placement_constraints([constraint], "gpu-a")
+
+
+def test_full_spec_merges_without_touching_the_admins_settings() -> None:
+    container = {"labels": {"team": "ml"}, "hostname": "nb"}
+    placement = {"constraints": ["node.role == worker"], "preferences": [("spread", "x")]}
+    create = {"labels": {"owner": "hub"}}
+    originals = copy.deepcopy((container, placement, create))
+    spec = build_service_spec(
+        lease(), extra_container_spec=container, extra_placement_spec=placement,
+        extra_create_kwargs=create,
+    )
+    assert (container, placement, create) == originals
+    assert spec.extra_container_spec == {
+        "labels": {"team": "ml", LEASE_LABEL: "L-42"}, "hostname": "nb",
+    }
+    assert spec.extra_placement_spec == {
+        "constraints": ["node.role == worker", "node.hostname == gpu-a"],
+        "preferences": [("spread", "x")],
+    }
+    assert spec.extra_create_kwargs == {"labels": {"owner": "hub", LEASE_LABEL: "L-42"}}
+    assert spec.lease_id == "L-42" and spec.host == "gpu-a"
+    assert spec.env["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaaa"
+
+
+def test_admin_cannot_override_the_lease_label() -> None:
+    spec = build_service_spec(lease(), extra_container_spec={"labels": {LEASE_LABEL: "forged"}})
+    assert spec.extra_container_spec["labels"][LEASE_LABEL] == "L-42"
+
+
+def test_bound_lease_is_usable() -> None:
+    spec = build_service_spec(lease(state=LeaseState.BOUND))
+    assert spec.extra_placement_spec["constraints"] == ["node.hostname == gpu-a"]
+
+
+def test_descriptions() -> None:
+    assert describe_lease(None) == "no GPU"
+    assert describe_lease(lease()) == f"1 {GTX1070} on gpu-a"
+    assert describe_lease(lease(gpu_uuids=["a", "b"])) == f"2 x {GTX1070} on gpu-a"
+    assert describe_lease(lease(shared=True, memory_mib=512)) == (
+        f"a shared slice of one {GTX1070} (512 MiB) on gpu-a"
+    )
