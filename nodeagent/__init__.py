@@ -1,0 +1,22 @@
+"""The swarm-gpu node agent: one per GPU host.
+
+It reads the host's GPUs (from NVML, or from a simulated inventory file on hosts without
+GPUs), judges their health, watches the Docker engine for containers that carry a lease
+label, and publishes heartbeats and container events to the broker. It imports only the
+allocator's public surface: :mod:`allocator.protocol`, :mod:`allocator.topology` and
+:mod:`allocator.client`.
+
+Modules, one concept each:
+
+- :mod:`nodeagent.config`     settings (environment ``SWARM_GPU_AGENT_*`` over a TOML file)
+- :mod:`nodeagent.inventory`  the :class:`~nodeagent.inventory.InventorySource` protocol and samples
+- :mod:`nodeagent.nvml`       the real inventory source (nvidia-ml-py)
+- :mod:`nodeagent.simulated`  the simulated inventory source (a JSON file) and its writer
+- :mod:`nodeagent.health`     pure health evaluation with recovery
+- :mod:`nodeagent.cgroups`    process → container mapping through ``/proc/<pid>/cgroup``
+- :mod:`nodeagent.containers` lease-labelled containers and their events (aiodocker)
+- :mod:`nodeagent.publisher`  bounded, buffered publishing to the nodes exchange (aio-pika)
+- :mod:`nodeagent.agent`      the agent itself: heartbeat loop, event forwarding, XID thread
+- :mod:`nodeagent.cli`        ``gpu-nodeagent``
+- :mod:`nodeagent.nvml_check` ``python -m nodeagent.nvml_check`` for a real GPU machine
+"""

@@ -1,0 +1,426 @@
+"""The node agent: reads GPUs, judges health, watches lease containers, publishes.
+
+One :class:`NodeAgent` runs per GPU host. Its parts run side by side:
+
+- the **heartbeat loop** (every ``interval_s``, or at once after a fatal XID or a Docker
+  resync): reads the inventory in a thread (bounded by ``inventory_timeout_s``), evaluates
+  health, maps GPU processes to lease containers, and publishes a heartbeat;
+- the **Docker watcher** (:mod:`nodeagent.containers`): every start/die/oom/destroy of a lease
+  container becomes a :class:`~allocator.protocol.ContainerEvent` at once;
+- the **XID thread**: blocks in the inventory source's ``wait_xids`` (NVML's event wait is a
+  blocking C call) and hands XIDs to the loop;
+- the **publisher** (:mod:`nodeagent.publisher`): bounded publishes, buffered events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from allocator.protocol import (
+    ContainerAction,
+    ContainerEvent,
+    ContainerInfo,
+    GPUInfo,
+    Health,
+    Heartbeat,
+    ProcessUse,
+)
+from nodeagent.cgroups import CgroupReader
+from nodeagent.config import AgentSettings, resolve_host
+from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
+from nodeagent.health import HealthPolicy, HealthTracker, Verdict
+from nodeagent.inventory import GPUSample, InventorySource, XidEvent
+from nodeagent.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+
+def open_source(settings: AgentSettings, host: str) -> InventorySource:
+    """The inventory source the settings ask for. Raises
+    :class:`~nodeagent.inventory.InventoryUnavailable` with an actionable message."""
+    if settings.inventory == "simulated":
+        from nodeagent.simulated import SimulatedSource
+
+        assert settings.simulated_file is not None  # checked by the settings
+        return SimulatedSource(settings.simulated_file, host)
+    from nodeagent.nvml import NvmlSource
+
+    return NvmlSource()
+
+
+def policy_of(settings: AgentSettings) -> HealthPolicy:
+    """The health policy part of the settings."""
+    return HealthPolicy(
+        fatal_xids=frozenset(settings.fatal_xids),
+        xid_quiet_s=settings.xid_quiet_s,
+        xid_repeat_count=settings.xid_repeat_count,
+        xid_repeat_window_s=settings.xid_repeat_window_s,
+        recent_xid_s=settings.recent_xid_s,
+        overheat_c=settings.overheat_c,
+        overheat_hysteresis_c=settings.overheat_hysteresis_c,
+        ecc_stable_s=settings.ecc_stable_s,
+    )
+
+
+def _within(value: float | None, low: float, high: float) -> float | None:
+    # A reading outside the protocol's range is a driver glitch, not a fact: drop it
+    # rather than fail the whole heartbeat.
+    if value is None or not low <= value <= high:
+        return None
+    return float(value)
+
+
+def gpu_info(sample: GPUSample, verdict: Verdict) -> GPUInfo:
+    """One GPU of a heartbeat from its sample and health verdict."""
+    return GPUInfo(
+        uuid=sample.uuid,
+        index=sample.index,
+        model=sample.model,
+        memory_total_mib=max(0, sample.memory_total_mib),
+        memory_used_mib=max(0, sample.memory_used_mib),
+        utilization_pct=_within(sample.utilization_pct, 0, 100),
+        temperature_c=_within(sample.temperature_c, -100, 300),
+        power_w=_within(sample.power_w, 0, 10_000),
+        ecc_uncorrected=sample.ecc_uncorrected,
+        retired_pages=sample.retired_pages,
+        mig_mode=sample.mig_mode,
+        recent_xids=list(verdict.recent_xids),
+        health=verdict.health,
+        health_reasons=list(verdict.reasons),
+    )
+
+
+def gpu_use_by_container(
+    samples: list[GPUSample], pid_containers: dict[int, str]
+) -> dict[str, list[ProcessUse]]:
+    """Per container id: memory (and utilization, where known) its processes use per GPU."""
+    totals: dict[tuple[str, str], list[float | None]] = {}
+    for sample in samples:
+        for proc in sample.processes:
+            container_id = pid_containers.get(proc.pid)
+            if container_id is None:
+                continue
+            entry = totals.setdefault((container_id, sample.uuid), [0, None])
+            entry[0] = (entry[0] or 0) + (proc.used_memory_mib or 0)
+            if proc.utilization_pct is not None:
+                entry[1] = min(100.0, (entry[1] or 0.0) + proc.utilization_pct)
+    result: dict[str, list[ProcessUse]] = {}
+    for (container_id, gpu_uuid), (memory, util) in sorted(totals.items()):
+        result.setdefault(container_id, []).append(
+            ProcessUse(gpu_uuid=gpu_uuid, memory_used_mib=int(memory or 0), utilization_pct=util)
+        )
+    return result
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What one inventory read in the worker thread produced."""
+
+    samples: list[GPUSample]
+    pid_containers: dict[int, str]
+
+
+class NodeAgent:
+    """The node agent of one host. ``await start()``, later ``await stop()``."""
+
+    def __init__(self, settings: AgentSettings, *, source: InventorySource | None = None) -> None:
+        self.settings = settings
+        self.agent_id = uuid.uuid4().hex
+        """Changes with every start of the process, so the allocator sees restarts."""
+        self.host: str = settings.host or ""
+        self.seq = 0
+        self.tracker = HealthTracker(policy_of(settings))
+        self.cgroups = CgroupReader(settings.proc_root)
+        self.source: InventorySource | None = source
+        self.publisher: Publisher | None = None
+        self.watcher: ContainerWatcher | None = None
+        self.last_heartbeat: Heartbeat | None = None
+        self.xids_received = 0
+        self.inventory_failures = 0
+        self._last_samples: list[GPUSample] | None = None
+        self._health: dict[str, Health] = {}
+        self._wake = asyncio.Event()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._xid_thread: threading.Thread | None = None
+        self._xid_stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ counters
+
+    @property
+    def heartbeats_sent(self) -> int:
+        """Heartbeats the broker confirmed."""
+        return self.publisher.heartbeats_sent if self.publisher else 0
+
+    @property
+    def publish_failures(self) -> int:
+        """Failed publishes (heartbeats and event attempts; events are retried)."""
+        if self.publisher is None:
+            return 0
+        return self.publisher.heartbeat_failures + self.publisher.event_failures
+
+    @property
+    def events_forwarded(self) -> int:
+        """Container events the broker confirmed."""
+        return self.publisher.events_sent if self.publisher else 0
+
+    @property
+    def events_dropped(self) -> int:
+        """Container events lost to a full buffer."""
+        return self.publisher.events_dropped if self.publisher else 0
+
+    @property
+    def docker_reconnects(self) -> int:
+        """Times the Docker event stream was re-established."""
+        return self.watcher.reconnects if self.watcher else 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Resolve the host name, open the inventory, connect, and start every loop.
+
+        Raises :class:`~nodeagent.inventory.InventoryUnavailable` if the inventory cannot
+        work here; a broker or Docker engine that is down is not fatal (retried).
+        """
+        settings = self.settings
+        self._loop = asyncio.get_running_loop()
+        if settings.docker:
+            self.watcher = ContainerWatcher(
+                settings.docker_url,
+                on_change=self._on_container_change,
+                on_resync=self.wake,
+                timeout_s=settings.docker_timeout_s,
+                backoff_s=settings.docker_backoff_s,
+                backoff_max_s=settings.docker_backoff_max_s,
+                replay_grace_s=settings.docker_replay_grace_s,
+            )
+        engine_name = None
+        if settings.host is None and self.watcher is not None:
+            engine_name = await self.watcher.engine_name()
+        self.host = resolve_host(settings, engine_name)
+        if self.source is None:
+            self.source = await asyncio.to_thread(open_source, settings, self.host)
+        self.publisher = Publisher(
+            settings.amqp_url,
+            self.host,
+            timeout_s=settings.publish_timeout_s,
+            reconnect_s=settings.amqp_reconnect_s,
+            buffer_size=settings.event_buffer,
+        )
+        log.info("agent %s for host %r: inventory %s, heartbeat every %gs, docker %s",
+                 self.agent_id[:8], self.host, self.source.kind, settings.interval_s,
+                 settings.docker_url if settings.docker else "off")
+        await self.publisher.start()
+        if self.watcher is not None:
+            await self.watcher.start()
+        self._xid_stop.clear()
+        self._xid_thread = threading.Thread(
+            target=self._xid_worker, name="nodeagent-xid", daemon=True
+        )
+        self._xid_thread.start()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")
+        self._started = True
+
+    async def stop(self) -> None:
+        """Stop every loop, send what is buffered (bounded), and close everything."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+            self._heartbeat_task = None
+        if self.watcher is not None:
+            await self.watcher.stop()
+        self._xid_stop.set()
+        # The simulated source's close() wakes its waiter at once; NVML's wait ends within
+        # xid_poll_s, and its event set must not be freed while the thread waits on it.
+        if self.source is not None and self.source.kind == "simulated":
+            self.source.close()
+        if self._xid_thread is not None:
+            await asyncio.to_thread(self._xid_thread.join, self.settings.xid_poll_s + 5)
+            self._xid_thread = None
+        if self.source is not None:
+            self.source.close()
+        if self.publisher is not None:
+            await self.publisher.stop()
+        if self._started:
+            log.info("agent stopped: %d heartbeats, %d events forwarded, %d publish failures, "
+                     "%d docker reconnects", self.heartbeats_sent, self.events_forwarded,
+                     self.publish_failures, self.docker_reconnects)
+        self._started = False
+
+    def wake(self) -> None:
+        """Send the next heartbeat now rather than at the end of the interval."""
+        self._wake.set()
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.interval_s
+        while True:
+            started = time.monotonic()
+            try:
+                await self.send_heartbeat()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("heartbeat failed")
+            # Wait out the interval from the start of this beat, or less if woken.
+            remaining = interval - (time.monotonic() - started)
+            if remaining > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await self._wake.wait()
+            self._wake.clear()
+
+    def _read_snapshot(self) -> _Snapshot:
+        # Runs in a worker thread: NVML calls and /proc reads block.
+        assert self.source is not None
+        samples = self.source.read_gpus()
+        pids = {proc.pid for sample in samples for proc in sample.processes}
+        return _Snapshot(samples, self.cgroups.containers_of(pids))
+
+    async def build_heartbeat(self) -> Heartbeat | None:
+        """Read the inventory and containers now; None if there is nothing to report yet."""
+        now = time.time()
+        unreadable: str | None = None
+        try:
+            async with asyncio.timeout(self.settings.inventory_timeout_s):
+                snapshot = await asyncio.to_thread(self._read_snapshot)
+            samples, pid_containers = snapshot.samples, snapshot.pid_containers
+            self._last_samples = samples
+        except Exception as exc:
+            # A heartbeat without the GPUs would read as "GPUs gone" and release their leases;
+            # report the last known GPUs as unhealthy instead, so nothing new lands on them.
+            self.inventory_failures += 1
+            unreadable = f"inventory: reading the GPUs failed ({type(exc).__name__}: {exc})"
+            log.error("%s", unreadable)
+            if self._last_samples is None:
+                return None
+            samples, pid_containers = self._last_samples, {}
+        self.tracker.forget(sample.uuid for sample in samples)
+        gpus = []
+        for sample in samples:
+            verdict = self.tracker.evaluate(sample, now)
+            if unreadable is not None:
+                verdict = Verdict(Health.UNHEALTHY, (unreadable, *verdict.reasons)[:32],
+                                  verdict.recent_xids)
+            self._log_health_change(sample, verdict)
+            gpus.append(gpu_info(sample, verdict))
+        running: list[LeaseContainer] = self.watcher.running() if self.watcher else []
+        use = gpu_use_by_container(samples, pid_containers)
+        containers = [
+            ContainerInfo(
+                container_id=c.container_id,
+                lease_id=c.lease_id,
+                name=c.name,
+                started_at=c.started_at,
+                gpu_use=use.get(c.container_id, []),
+            )
+            for c in running
+        ]
+        heartbeat = Heartbeat(
+            host=self.host,
+            agent_id=self.agent_id,
+            seq=self.seq,
+            sent_at=now,
+            interval_s=self.settings.interval_s,
+            gpus=gpus,
+            containers=containers,
+            containers_complete=self.watcher is not None and self.watcher.complete,
+            source=self.source.kind if self.source else "nvml",
+        )
+        self.seq += 1
+        return heartbeat
+
+    async def send_heartbeat(self) -> bool:
+        """Build and publish one heartbeat; False if it could not be built or sent."""
+        try:
+            heartbeat = await self.build_heartbeat()
+        except ValidationError as exc:
+            log.error("heartbeat does not validate (a bug, or a broken inventory): %s", exc)
+            return False
+        if heartbeat is None:
+            return False
+        self.last_heartbeat = heartbeat
+        assert self.publisher is not None
+        ok = await self.publisher.publish_heartbeat(heartbeat)
+        if ok and self.heartbeats_sent == 1:
+            log.info("first heartbeat sent: %d GPU(s), %d lease container(s)",
+                     len(heartbeat.gpus), len(heartbeat.containers))
+        return ok
+
+    def _log_health_change(self, sample: GPUSample, verdict: Verdict) -> None:
+        before = self._health.get(sample.uuid)
+        self._health[sample.uuid] = verdict.health
+        if before is None and verdict.healthy:
+            return
+        if before is not verdict.health:
+            if verdict.healthy:
+                log.info("GPU %d (%s) is healthy again", sample.index, sample.uuid)
+            else:
+                log.warning("GPU %d (%s) is unhealthy: %s", sample.index, sample.uuid,
+                            "; ".join(verdict.reasons))
+
+    # ------------------------------------------------------------------ containers
+
+    def _on_container_change(self, change: ContainerChange) -> None:
+        assert self.publisher is not None
+        try:
+            event = ContainerEvent(
+                host=self.host,
+                container_id=change.container_id,
+                lease_id=change.lease_id,
+                action=ContainerAction(change.action),
+                at=change.at,
+                exit_code=change.exit_code,
+            )
+        except ValidationError as exc:
+            log.error("cannot report container %s: %s", change.container_id[:12], exc)
+            return
+        log.info("container %s (lease %s): %s%s%s", change.container_id[:12], change.lease_id,
+                 change.action,
+                 f" exit {change.exit_code}" if change.exit_code is not None else "",
+                 " (inferred after a gap in the event stream)" if change.synthesized else "")
+        self.publisher.submit_event(event)
+        if change.action != "start":
+            # The heartbeat's container list changed too: send it now, not in an interval.
+            self.wake()
+
+    # ------------------------------------------------------------------ XIDs
+
+    def _xid_worker(self) -> None:
+        # Runs in its own thread: NVML's event wait blocks in C. Ends within xid_poll_s of
+        # stop() (or at once for the simulated source, which close() wakes).
+        source, loop = self.source, self._loop
+        assert source is not None and loop is not None
+        while not self._xid_stop.is_set():
+            try:
+                events = source.wait_xids(self.settings.xid_poll_s)
+            except Exception:
+                log.exception("waiting for XIDs failed")
+                self._xid_stop.wait(self.settings.xid_poll_s)
+                continue
+            if events:
+                with contextlib.suppress(RuntimeError):  # the loop closed under us
+                    loop.call_soon_threadsafe(self._on_xids, events)
+
+    def _on_xids(self, events: list[XidEvent]) -> None:
+        fatal = False
+        for event in events:
+            self.xids_received += 1
+            is_fatal = self.tracker.record_xid(event.gpu_uuid, event.xid, event.at)
+            fatal = fatal or is_fatal
+            (log.warning if is_fatal else log.info)(
+                "GPU %s: XID %d%s", event.gpu_uuid, event.xid, " (fatal)" if is_fatal else ""
+            )
+        if fatal:
+            self.wake()

@@ -1,0 +1,223 @@
+"""Node agent settings: environment variables (``SWARM_GPU_AGENT_*``) over an optional TOML file.
+
+Precedence, highest first: keyword arguments (the command line), environment, the TOML file
+named by ``--config`` or ``SWARM_GPU_AGENT_CONFIG``, defaults. Example file::
+
+    amqp_url = "amqp://agent-gpu-a:secret@rabbitmq:5672/"
+    interval_s = 5
+    inventory = "nvml"
+    fatal_xids = [48, 63, 64, 74, 79, 92, 94, 95, 119, 120]
+    overheat_c = 90
+    overheat_hysteresis_c = 10
+
+List settings may also be given in the environment as JSON or comma separated:
+``SWARM_GPU_AGENT_FATAL_XIDS=48,79``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "SWARM_GPU_AGENT_"
+CONFIG_ENV = "SWARM_GPU_AGENT_CONFIG"
+"""Environment variable naming the TOML file when ``--config`` is not given."""
+
+DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
+
+DEFAULT_FATAL_XIDS: tuple[int, ...] = (48, 63, 64, 74, 79, 92, 94, 95, 119, 120)
+"""XID codes that make a GPU unhealthy. Chosen from NVIDIA's XID catalogue for what they
+say about the *hardware*, not about the program that ran on it:
+
+- 48  double-bit (uncorrectable) ECC error: memory is bad until a reset retires the page.
+- 63  ECC page retirement / row-remap recorded: memory is degrading; a reset applies the remap.
+- 64  ECC page retirement / row-remap *failed*: the bad memory could not be fenced off.
+- 74  NVLink error: links between GPUs failed; multi-GPU jobs break until a reset.
+- 79  GPU has fallen off the bus: unreachable until the host reboots (usually also "lost").
+- 92  high single-bit ECC error rate: memory is degrading fast.
+- 94  contained ECC error: the affected program was killed; the GPU goes on, but new work
+      should not land on it at once.
+- 95  uncontained ECC error: every program on the GPU is affected; a reset is needed.
+- 119 GSP RPC timeout and 120 GSP error: the GPU's firmware stopped answering.
+
+Left out on purpose: 13 (graphics engine exception), 31 (GPU memory page fault), 43 (GPU
+stopped processing) and 45 (pre-emptive cleanup). These are what a user's own bug, an
+out-of-bounds access or a killed notebook produce; counting them would let any user take
+GPUs out of service. All of them still appear in ``recent_xids`` for the operator.
+"""
+
+
+def _int_list(value: Any) -> Any:
+    """Accept ``"48,79"`` as well as ``"[48, 79]"`` from the environment."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            text = text[1:-1] if text.endswith("]") else text[1:]
+        return [int(part) for part in text.split(",") if part.strip()]
+    return value
+
+
+class AgentSettings(BaseSettings):
+    """Everything the node agent reads at start."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    host: str | None = Field(
+        default=None,
+        description="This node's name as the allocator and Swarm know it (the spawner "
+        "constrains on node.hostname). None: the Docker engine's node name if the engine "
+        "answers, else socket.gethostname().",
+    )
+    amqp_url: str = Field(
+        default="amqp://guest:guest@127.0.0.1:5672/",
+        description="Broker URL. Its user is sent as the AMQP user_id of every message.",
+    )
+    interval_s: float = Field(default=5.0, gt=0, le=3600, description="Heartbeat period.")
+    inventory: Literal["nvml", "simulated"] = Field(
+        default="nvml", description="Where GPUs come from: NVML, or a simulated inventory file."
+    )
+    simulated_file: Path | None = Field(
+        default=None, description="The simulated inventory JSON (inventory = 'simulated')."
+    )
+    docker_url: str = Field(
+        default_factory=lambda: os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_URL,
+        description="Docker engine endpoint; default DOCKER_HOST or the standard socket.",
+    )
+    docker: bool = Field(
+        default=True,
+        description="Watch lease containers. Off: heartbeats list no containers and say "
+        "containers_complete=False, so the allocator releases nothing because of them.",
+    )
+    proc_root: Path = Field(
+        default=Path("/proc"),
+        description="Where the host's /proc is visible, to map GPU processes to containers. "
+        "In a Swarm service (which cannot share the host PID namespace) mount the host's "
+        "/proc read-only, e.g. at /host/proc.",
+    )
+
+    # Health policy: see nodeagent.health for what each knob does.
+    fatal_xids: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: list(DEFAULT_FATAL_XIDS),
+        description="XID codes that make a GPU unhealthy (see DEFAULT_FATAL_XIDS for why).",
+    )
+    xid_quiet_s: float = Field(
+        default=600.0, ge=0,
+        description="A GPU with a fatal XID is healthy again after this long without one.",
+    )
+    xid_repeat_count: int = Field(
+        default=3, ge=1,
+        description="This many fatal XIDs within xid_repeat_window_s keep the GPU unhealthy "
+        "until the agent restarts (after the GPU was reset or the host rebooted).",
+    )
+    xid_repeat_window_s: float = Field(default=3600.0, gt=0)
+    recent_xid_s: float = Field(
+        default=3600.0, gt=0, description="How long an XID is listed in recent_xids."
+    )
+    overheat_c: float = Field(
+        default=90.0,
+        description="Unhealthy at or above this temperature. Most data-centre and consumer "
+        "GPUs start to slow down between 85 and 95 C.",
+    )
+    overheat_hysteresis_c: float = Field(
+        default=10.0, ge=0,
+        description="An overheated GPU is healthy again below overheat_c minus this, so a GPU "
+        "hovering at the threshold does not flap.",
+    )
+    ecc_stable_s: float = Field(
+        default=600.0, ge=0,
+        description="After the uncorrected ECC count rises, the GPU is unhealthy until the "
+        "count has not changed for this long.",
+    )
+
+    # Bounds on everything that can hang.
+    publish_timeout_s: float = Field(
+        default=5.0, gt=0, description="Bound on one publish (and on connecting to the broker)."
+    )
+    amqp_reconnect_s: float = Field(
+        default=2.0, gt=0, description="Pause between broker connection attempts."
+    )
+    event_buffer: int = Field(
+        default=1000, ge=1,
+        description="Container events kept for retry while the broker is unreachable; when "
+        "full, the oldest is dropped (logged and counted).",
+    )
+    docker_timeout_s: float = Field(
+        default=10.0, gt=0, description="Bound on one Docker API call (list, info)."
+    )
+    docker_backoff_s: float = Field(
+        default=0.5, gt=0, description="First pause after the Docker event stream broke."
+    )
+    docker_backoff_max_s: float = Field(
+        default=30.0, gt=0, description="Longest pause between Docker reconnect attempts."
+    )
+    docker_replay_grace_s: float = Field(
+        default=1.0, ge=0,
+        description="After a reconnect, how long the replayed events may take to report a "
+        "container that vanished during the gap before the agent reports it itself.",
+    )
+    inventory_timeout_s: float = Field(
+        default=10.0, gt=0, description="Bound on one inventory read (NVML can hang)."
+    )
+    xid_poll_s: float = Field(
+        default=1.0, gt=0, le=60,
+        description="Timeout of one XID wait in the XID thread; bounds how long stop() waits.",
+    )
+
+    @field_validator("fatal_xids", mode="before")
+    @classmethod
+    def _parse_xids(cls, value: Any) -> Any:
+        return _int_list(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AgentSettings:
+        if self.inventory == "simulated" and self.simulated_file is None:
+            raise ValueError("inventory 'simulated' needs simulated_file")
+        if self.docker_backoff_max_s < self.docker_backoff_s:
+            raise ValueError("docker_backoff_max_s must not be less than docker_backoff_s")
+        return self
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> AgentSettings:
+    """Read the TOML file (if any) under the environment and ``overrides``.
+
+    ``overrides`` whose value is None are ignored, so a command line can pass every option
+    and only those the user gave count.
+    """
+    path = config_file or os.environ.get(CONFIG_ENV)
+    file_values: dict[str, Any] = {}
+    if path:
+        with open(path, "rb") as handle:
+            file_values = tomllib.load(handle)
+    # Fields set in the environment are "set" on a settings object built without arguments;
+    # they must win over the file, which is passed as keyword arguments below.
+    env_values = _EnvReader().model_dump(exclude_unset=True)
+    given = {key: value for key, value in overrides.items() if value is not None}
+    return AgentSettings(**{**file_values, **env_values, **given})
+
+
+class _EnvReader(AgentSettings):
+    """AgentSettings without the cross-field check, to read the environment on its own
+    (``SWARM_GPU_AGENT_INVENTORY=simulated`` alone is fine when the file names the path)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AgentSettings:
+        return self
+
+
+def resolve_host(settings: AgentSettings, engine_node_name: str | None) -> str:
+    """This node's name: the setting, else the Docker engine's node name, else the hostname.
+
+    The engine's name comes first because it is what Swarm's ``node.hostname`` constraint
+    matches, and the agent may run in a container whose own hostname is a container id.
+    """
+    if settings.host:
+        return settings.host
+    if engine_node_name:
+        return engine_node_name
+    return socket.gethostname()

@@ -1,0 +1,387 @@
+"""The Docker side: lease-labelled containers on this host and their start/end events.
+
+The hub's spawner puts the container label :data:`LEASE_LABEL` (value: the lease id) on every
+notebook container. :class:`ContainerWatcher` keeps the set of running containers that carry
+it and calls back at once on ``start``, ``die``, ``oom`` and ``destroy`` events, which is how a
+GPU comes back the moment its notebook dies.
+
+aiodocker's event stream does not reconnect by itself, and it ends *quietly* when the
+connection drops (its reader treats a closed connection as the end of the stream). So the
+watcher treats any end of the stream, any error, and an engine that stops answering pings as
+a broken stream, and then:
+
+1. marks the container list incomplete (heartbeats say ``containers_complete=False``, so the
+   allocator releases nothing on the strength of a list it cannot trust);
+2. backs off (bounded exponential) and re-lists the running lease containers;
+3. resumes the stream with ``since`` = the time of the last event it saw, so Docker replays
+   what happened during the gap (deaths included) — duplicates of events already seen are
+   dropped;
+4. after a short grace for that replay, reports a ``die`` itself for every container that was
+   running before the gap, is no longer running, and whose end no event reported (Docker keeps
+   only a bounded number of past events), so no death is missed silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiodocker
+import aiohttp
+from aiodocker.events import DockerEvents
+
+log = logging.getLogger(__name__)
+
+LEASE_LABEL = "swarm-gpu.lease"
+"""Container label the spawner sets; its value is the lease id."""
+
+WATCHED_ACTIONS = ("start", "die", "oom", "destroy")
+"""Docker container actions forwarded as container events."""
+
+_SEEN_EVENTS = 4096
+"""Recent event keys remembered to drop duplicates after a replay."""
+
+
+@dataclass(frozen=True)
+class LeaseContainer:
+    """A running container that carries the lease label."""
+
+    container_id: str
+    lease_id: str
+    name: str = ""
+    started_at: float | None = None
+    """Epoch seconds: from the start event, or the creation time when only listed."""
+
+
+@dataclass(frozen=True)
+class ContainerChange:
+    """One watched event of a lease container."""
+
+    container_id: str
+    lease_id: str
+    action: str
+    at: float
+    exit_code: int | None = None
+    name: str = ""
+    synthesized: bool = False
+    """True for a death the watcher inferred after a gap in the event stream."""
+
+
+ChangeCallback = Callable[[ContainerChange], Awaitable[None] | None]
+ResyncCallback = Callable[[], Awaitable[None] | None]
+
+
+async def _call(callback: Callable[..., Any] | None, *args: Any) -> None:
+    if callback is None:
+        return
+    try:
+        result = callback(*args)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        # A failing consumer must not kill the watcher: the next event still matters.
+        log.exception("container watcher callback failed")
+
+
+def change_from_event(event: dict[str, Any]) -> ContainerChange | None:
+    """A Docker events-API message as a :class:`ContainerChange`, or None if not ours.
+
+    Container events carry the container's labels in ``Actor.Attributes`` next to ``name``,
+    ``image`` and (for ``die``) ``exitCode``; Swarm adds ``com.docker.swarm.*`` labels.
+    """
+    if event.get("Type") != "container":
+        return None
+    action = str(event.get("Action") or event.get("status") or "")
+    # Docker reports some actions with a suffix ("exec_start: sh"); ours never have one.
+    if action not in WATCHED_ACTIONS:
+        return None
+    actor = event.get("Actor") or {}
+    attributes = actor.get("Attributes") or {}
+    lease_id = attributes.get(LEASE_LABEL)
+    container_id = actor.get("ID") or event.get("id")
+    if not lease_id or not container_id:
+        return None
+    time_nano = event.get("timeNano")
+    at = time_nano / 1e9 if isinstance(time_nano, int) else time.time()
+    exit_code = attributes.get("exitCode")
+    return ContainerChange(
+        container_id=container_id,
+        lease_id=lease_id,
+        action=action,
+        at=at,
+        exit_code=int(exit_code) if exit_code not in (None, "") else None,
+        name=attributes.get("name", ""),
+    )
+
+
+def _format_since_ns(nanos: int) -> str:
+    """Docker's ``since`` parameter (``seconds.nanoseconds``) for a time in nanoseconds."""
+    return f"{nanos // 1_000_000_000}.{nanos % 1_000_000_000:09d}"
+
+
+class ContainerWatcher:
+    """Tracks running lease containers of one Docker engine and reports their events.
+
+    ``on_change`` is called for every new watched event (and for inferred deaths) as soon as
+    it arrives; ``on_resync`` after every successful (re)listing, so the agent can send a
+    heartbeat with the fresh, complete list at once.
+    """
+
+    def __init__(
+        self,
+        docker_url: str,
+        *,
+        on_change: ChangeCallback | None = None,
+        on_resync: ResyncCallback | None = None,
+        timeout_s: float = 10.0,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        replay_grace_s: float = 1.0,
+        liveness_s: float = 15.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.docker_url = docker_url
+        self.on_change = on_change
+        self.on_resync = on_resync
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.replay_grace_s = replay_grace_s
+        self.liveness_s = liveness_s
+        self._clock = clock
+        self._docker: aiodocker.Docker | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._grace_tasks: set[asyncio.Task[None]] = set()
+        self._running: dict[str, LeaseContainer] = {}
+        self._complete = False
+        self._resume_from_ns: int | None = None
+        """Docker time (ns) to replay events from after a gap: the newest event seen, or
+        just before the first listing."""
+        self._seen: OrderedDict[tuple[str, str, int], None] = OrderedDict()
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self.reconnects = 0
+        """Times the event stream was re-established after it broke."""
+        self.events_seen = 0
+        """Watched events received from Docker (duplicates excluded)."""
+        self.deaths_inferred = 0
+        """Deaths reported by the watcher itself after a gap (no event said so)."""
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------------ public surface
+
+    @property
+    def complete(self) -> bool:
+        """Whether :meth:`running` is trustworthy: listed, and the stream is up since."""
+        return self._complete
+
+    def running(self) -> list[LeaseContainer]:
+        """The lease containers running now, as far as the watcher knows."""
+        return sorted(self._running.values(), key=lambda c: c.container_id)
+
+    async def start(self) -> None:
+        """Connect and start watching in the background (does not wait for the engine)."""
+        if self._task is not None:
+            return
+        self._docker = aiodocker.Docker(
+            url=self.docker_url,
+            timeout=aiohttp.ClientTimeout(connect=self.timeout_s, sock_connect=self.timeout_s),
+        )
+        self._task = asyncio.create_task(self._run(), name="docker-watcher")
+
+    async def stop(self) -> None:
+        """Stop watching and close the Docker client."""
+        tasks = [*self._grace_tasks]
+        if self._task is not None:
+            tasks.append(self._task)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._task = None
+        self._complete = False
+        if self._docker is not None:
+            await self._docker.close()
+            self._docker = None
+
+    async def engine_name(self) -> str | None:
+        """The engine's node name (``docker info`` Name), or None if it does not answer.
+
+        This is the name Swarm's ``node.hostname`` constraint matches.
+        """
+        docker = self._docker or aiodocker.Docker(url=self.docker_url)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                info = await docker.system.info()
+            return str(info.get("Name") or "") or None
+        except (aiodocker.DockerError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.info("docker engine at %s did not answer (%s)", self.docker_url, exc)
+            return None
+        finally:
+            if docker is not self._docker:
+                await docker.close()
+
+    async def list_lease_containers(self) -> list[LeaseContainer]:
+        """Ask the engine for the running lease containers (bounded by the timeout)."""
+        assert self._docker is not None, "start() first"
+        async with asyncio.timeout(self.timeout_s):
+            containers = await self._docker.containers.list(
+                filters=json.dumps({"label": [LEASE_LABEL], "status": ["running"]})
+            )
+        result = []
+        for container in containers:
+            labels = container["Labels"] or {}
+            names = container["Names"] or []
+            created = container["Created"]
+            result.append(
+                LeaseContainer(
+                    container_id=container["Id"],
+                    lease_id=labels.get(LEASE_LABEL, ""),
+                    name=names[0].lstrip("/") if names else "",
+                    started_at=float(created) if created else None,
+                )
+            )
+        return [c for c in result if c.lease_id]
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        backoff = self.backoff_s
+        first = True
+        while True:
+            try:
+                await self._connect_and_stream(first)
+                first = False
+                backoff = self.backoff_s  # the stream worked for a while: start over
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("docker (%s): %s; retrying in %.1fs", self.docker_url,
+                            self.last_error, backoff)
+            self._complete = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.backoff_max_s)
+
+    async def _connect_and_stream(self, first: bool) -> None:
+        assert self._docker is not None
+        before = dict(self._running)
+        listed_at = self._clock()
+        listed = await self.list_lease_containers()
+        # Replay from the last event seen; on the first connect, from just before the listing
+        # so nothing between listing and subscribing is lost (duplicates are dropped).
+        if self._resume_from_ns is None:
+            self._resume_from_ns = int((listed_at - 1.0) * 1e9)
+        since = _format_since_ns(self._resume_from_ns)
+        events = DockerEvents(self._docker)
+        subscriber = events.subscribe(create_task=False)
+        stream = asyncio.create_task(
+            events.run(
+                filters=json.dumps(
+                    {"type": ["container"], "event": list(WATCHED_ACTIONS),
+                     "label": [LEASE_LABEL]}
+                ),
+                since=since,
+            ),
+            name="docker-events",
+        )
+        try:
+            self._running = {c.container_id: c for c in listed}
+            self._complete = True
+            if first:
+                log.info("docker: %d lease container(s) running; watching events",
+                         len(listed))
+            else:
+                self.reconnects += 1
+                log.info("docker: reconnected (reconnect #%d); %d lease container(s) running",
+                         self.reconnects, len(listed))
+                vanished = [c for cid, c in before.items() if cid not in self._running]
+                if vanished:
+                    self._schedule_inferred_deaths(vanished)
+            await _call(self.on_resync)
+            await self._consume(subscriber, stream)
+        finally:
+            self._complete = False
+            await events.stop()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await stream
+
+    async def _consume(self, subscriber: Any, stream: asyncio.Task[None]) -> None:
+        while True:
+            try:
+                event = await asyncio.wait_for(subscriber.get(), self.liveness_s)
+            except TimeoutError:
+                # Quiet stream: make sure the engine is still there (a half-open
+                # connection never ends the stream on its own).
+                assert self._docker is not None
+                async with asyncio.timeout(self.timeout_s):
+                    await self._docker.version()
+                continue
+            if event is None:
+                # The stream ended: aiodocker ends it quietly on a dropped connection.
+                error = stream.exception() if stream.done() and not stream.cancelled() else None
+                raise ConnectionError(f"event stream ended ({error or 'connection closed'})")
+            await self._handle(event)
+
+    async def _handle(self, event: dict[str, Any]) -> None:
+        change = change_from_event(event)
+        if change is None:
+            return
+        key = (change.container_id, change.action, int(event.get("timeNano") or 0))
+        if key in self._seen:
+            return  # replayed after a reconnect: already handled
+        self._seen[key] = None
+        while len(self._seen) > _SEEN_EVENTS:
+            self._seen.popitem(last=False)
+        self.events_seen += 1
+        time_nano = event.get("timeNano")
+        if isinstance(time_nano, int):
+            self._resume_from_ns = max(self._resume_from_ns or 0, time_nano)
+        self._apply(change)
+        await _call(self.on_change, change)
+
+    def _apply(self, change: ContainerChange) -> None:
+        if change.action == "start":
+            self._running[change.container_id] = LeaseContainer(
+                change.container_id, change.lease_id, change.name, change.at
+            )
+            self._ended.pop(change.container_id, None)
+        elif change.action in ("die", "destroy"):
+            self._running.pop(change.container_id, None)
+            self._ended[change.container_id] = None
+            while len(self._ended) > _SEEN_EVENTS:
+                self._ended.popitem(last=False)
+
+    def _schedule_inferred_deaths(self, vanished: list[LeaseContainer]) -> None:
+        task = asyncio.create_task(self._infer_deaths(vanished), name="docker-infer-deaths")
+        self._grace_tasks.add(task)
+        task.add_done_callback(self._grace_tasks.discard)
+
+    async def _infer_deaths(self, vanished: list[LeaseContainer]) -> None:
+        # Give Docker's replay the first word: it knows the exit code and the real time.
+        await asyncio.sleep(self.replay_grace_s)
+        for container in vanished:
+            if container.container_id in self._ended or container.container_id in self._running:
+                continue
+            self.deaths_inferred += 1
+            log.warning("docker: container %s (lease %s) ended while the event stream was "
+                        "down and no event said so; reporting it dead",
+                        container.container_id[:12], container.lease_id)
+            change = ContainerChange(
+                container_id=container.container_id,
+                lease_id=container.lease_id,
+                action="die",
+                at=self._clock(),
+                name=container.name,
+                synthesized=True,
+            )
+            self._apply(change)
+            await _call(self.on_change, change)

@@ -1,0 +1,94 @@
+"""Where a host's GPUs come from: the :class:`InventorySource` protocol and its samples.
+
+Two sources implement it: :class:`nodeagent.nvml.NvmlSource` (the real GPUs) and
+:class:`nodeagent.simulated.SimulatedSource` (a JSON file, for hosts without GPUs).
+Everything above a source — health, heartbeats, container mapping — is the same code.
+
+Both methods block (NVML calls are synchronous C calls), so the agent runs them in threads:
+``read_gpus`` through :func:`asyncio.to_thread` under a timeout, ``wait_xids`` in a thread
+of its own that loops until the agent stops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+SourceKind = Literal["nvml", "simulated"]
+
+
+class InventoryUnavailable(RuntimeError):
+    """The source cannot work at all on this host (no NVML library, no driver, no file).
+
+    Raised at start, with a message a person can act on; the agent exits with it.
+    """
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One process that uses a GPU, as the driver reports it (host PID namespace)."""
+
+    pid: int
+    used_memory_mib: int | None = None
+    """None when the driver does not say (e.g. without the right permissions)."""
+    utilization_pct: float | None = None
+
+
+@dataclass(frozen=True)
+class GPUSample:
+    """One reading of one GPU. Fields a GPU does not support are None.
+
+    A *lost* GPU (NVML: ``GpuIsLost``) keeps the identity it had when it was last read, so
+    the allocator can tell which GPU went missing.
+    """
+
+    uuid: str
+    index: int
+    model: str
+    memory_total_mib: int
+    memory_used_mib: int = 0
+    utilization_pct: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    ecc_uncorrected: int | None = None
+    """Volatile (since the driver loaded) uncorrected ECC errors."""
+    retired_pages: int | None = None
+    """Retired pages (before Ampere) or remapped rows (Ampere and later)."""
+    remap_pending: bool | None = None
+    """A page retirement or row remap waits for a GPU reset to take effect."""
+    remap_failed: bool | None = None
+    """Row remapping failed: the memory cannot be repaired in the field."""
+    mig_mode: bool | None = None
+    lost: bool = False
+    processes: tuple[ProcessSample, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """A critical XID error the driver reported for one GPU."""
+
+    gpu_uuid: str
+    xid: int
+    at: float
+    """Epoch seconds when the agent received it."""
+
+
+@runtime_checkable
+class InventorySource(Protocol):
+    """A source of GPU samples and XID events. Implementations are thread-safe:
+    ``read_gpus`` and ``wait_xids`` are called from different threads at the same time."""
+
+    kind: SourceKind
+    """Reported in heartbeats (``source``), so a simulated host is never mistaken for a real one."""
+
+    def read_gpus(self) -> list[GPUSample]:
+        """Read every GPU of the host now. Blocks; raises only if the source itself broke."""
+        ...
+
+    def wait_xids(self, timeout_s: float) -> list[XidEvent]:
+        """Wait at most ``timeout_s`` for XID events and return those that arrived (maybe none)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds (NVML handles, event sets). Idempotent."""
+        ...

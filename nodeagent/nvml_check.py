@@ -1,0 +1,102 @@
+"""``python -m nodeagent.nvml_check``: print what the NVML source reads on this machine.
+
+For checking the real NVML path on a machine with NVIDIA GPUs. Prints one JSON object:
+the driver version, every GPU sample (with its processes), the health verdict of each GPU
+under the default policy (or the agent's settings from the environment / ``--config``),
+whether XID events could be registered, and the XIDs seen while waiting ``--xid-wait``
+seconds. On a machine without NVML it prints ``{"ok": false, "error": ...}`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from nodeagent.health import HealthPolicy, HealthTracker
+from nodeagent.inventory import InventoryUnavailable
+
+
+def policy_from_settings(config: str | None) -> HealthPolicy:
+    """The health policy of the agent's settings (defaults where nothing is set)."""
+    from nodeagent.config import load_settings
+
+    settings = load_settings(config, inventory="nvml")
+    return HealthPolicy(
+        fatal_xids=frozenset(settings.fatal_xids),
+        xid_quiet_s=settings.xid_quiet_s,
+        xid_repeat_count=settings.xid_repeat_count,
+        xid_repeat_window_s=settings.xid_repeat_window_s,
+        recent_xid_s=settings.recent_xid_s,
+        overheat_c=settings.overheat_c,
+        overheat_hysteresis_c=settings.overheat_hysteresis_c,
+        ecc_stable_s=settings.ecc_stable_s,
+    )
+
+
+def check(xid_wait_s: float, policy: HealthPolicy) -> dict[str, Any]:
+    """Read everything once (and wait for XIDs); the report as a JSON-ready dict."""
+    from nodeagent.nvml import NvmlSource
+
+    started = time.perf_counter()
+    source = NvmlSource()
+    try:
+        read_started = time.perf_counter()
+        samples = source.read_gpus()
+        read_s = time.perf_counter() - read_started
+        xids = source.wait_xids(xid_wait_s) if xid_wait_s > 0 else []
+        tracker = HealthTracker(policy)
+        now = time.time()
+        for event in xids:
+            tracker.record_xid(event.gpu_uuid, event.xid, now)
+        gpus = []
+        for sample in samples:
+            verdict = tracker.evaluate(sample, now)
+            gpus.append(
+                {
+                    **dataclasses.asdict(sample),
+                    "health": verdict.health.value,
+                    "health_reasons": list(verdict.reasons),
+                    "recent_xids": list(verdict.recent_xids),
+                }
+            )
+        return {
+            "ok": True,
+            "host": platform.node(),
+            "driver_version": source.driver_version,
+            "gpu_count": len(samples),
+            "gpus": gpus,
+            "xid_events_registered": source.xid_supported,
+            "xids_seen": [dataclasses.asdict(event) for event in xids],
+            "read_s": round(read_s, 4),
+            "total_s": round(time.perf_counter() - started, 4),
+            "policy": {**dataclasses.asdict(policy), "fatal_xids": sorted(policy.fatal_xids)},
+        }
+    finally:
+        source.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 NVML unavailable)."""
+    parser = argparse.ArgumentParser(prog="python -m nodeagent.nvml_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--xid-wait", type=float, default=1.0,
+                        help="seconds to wait for XID events (default 1)")
+    parser.add_argument("--config", default=None, help="agent TOML file for the health policy")
+    args = parser.parse_args(argv)
+    try:
+        report = check(args.xid_wait, policy_from_settings(args.config))
+    except InventoryUnavailable as exc:
+        print(json.dumps({"ok": False, "error": str(exc)}))
+        return 2
+    print(json.dumps(report, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

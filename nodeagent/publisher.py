@@ -1,0 +1,288 @@
+"""Publishing node messages to the broker: bounded in time, buffered for events.
+
+Messages go to :data:`~allocator.topology.NODES_EXCHANGE` with the routing keys of
+:mod:`allocator.topology`, as JSON, with the AMQP ``user_id`` set to the broker user of the
+URL (RabbitMQ refuses a ``user_id`` that is not the connection's user, so the allocator
+can trust it to tell which agent sent a heartbeat).
+
+- **Heartbeats** are transient and expire after two intervals: a heartbeat that waited longer
+  than that in a queue describes a past that the next one corrects. A failed heartbeat is
+  counted and dropped; the next one follows in one interval.
+- **Container events** are persistent, never expire, and are published ``mandatory``: an
+  event the broker could not route or confirm is kept in a bounded FIFO buffer and retried
+  in order until it goes through (the order matters: a ``die`` must not overtake its
+  ``start``). When the buffer is full the oldest event is dropped, logged and counted —
+  never silently.
+
+Every broker call is bounded by ``timeout_s``: aio-pika's publish on a robust connection
+waits for the connection to come back, which during an outage would block the agent's
+heartbeat loop indefinitely. The connection itself is aio-pika's robust connection, which
+reconnects and redeclares the exchange by itself; if even the first connection fails, a
+background task keeps trying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractExchange, AbstractRobustConnection
+from yarl import URL
+
+from allocator.protocol import ContainerEvent, Heartbeat, encode
+from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
+
+log = logging.getLogger(__name__)
+
+APP_ID = "swarm-gpu-nodeagent"
+
+
+def broker_user(amqp_url: str) -> str:
+    """The user an AMQP URL logs in as (aio-pika's default ``guest`` when none is given)."""
+    return URL(amqp_url).user or "guest"
+
+
+def redact(amqp_url: str) -> str:
+    """The URL without its password, for logs."""
+    url = URL(amqp_url)
+    return str(url.with_password("***")) if url.password else str(url)
+
+
+class Publisher:
+    """Publishes heartbeats and container events for one host."""
+
+    def __init__(
+        self,
+        amqp_url: str,
+        host: str,
+        *,
+        timeout_s: float = 5.0,
+        reconnect_s: float = 2.0,
+        buffer_size: int = 1000,
+    ) -> None:
+        self.amqp_url = amqp_url
+        self.host = host
+        self.user_id = broker_user(amqp_url)
+        self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
+        self.buffer_size = buffer_size
+        self._connection: AbstractRobustConnection | None = None
+        self._exchange: AbstractExchange | None = None
+        self._buffer: deque[ContainerEvent] = deque()
+        self._kick = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lock = asyncio.Lock()
+        """Serializes event publishes, so the buffer drains in order."""
+        self.heartbeats_sent = 0
+        self.heartbeat_failures = 0
+        self.events_sent = 0
+        self.event_failures = 0
+        """Event publish attempts that failed (the event stayed buffered)."""
+        self.events_dropped = 0
+        """Events lost because the buffer was full (each one logged)."""
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def connected(self) -> bool:
+        """Whether a broker connection is open now."""
+        connection = self._connection
+        return connection is not None and not connection.is_closed and self._exchange is not None
+
+    @property
+    def buffered(self) -> int:
+        """Container events waiting to be published."""
+        return len(self._buffer)
+
+    async def start(self) -> None:
+        """Try to connect once (bounded); on failure keep trying in the background."""
+        try:
+            await self._connect()
+        except Exception as exc:
+            self._note_error("connect", exc)
+            self._tasks.append(asyncio.create_task(self._connect_loop(), name="amqp-connect"))
+        self._tasks.append(asyncio.create_task(self._flush_loop(), name="amqp-flush"))
+
+    async def stop(self, drain_s: float | None = None) -> None:
+        """Try to send buffered events (at most ``drain_s``), then close."""
+        if self._buffer and self.connected:
+            await self.flush(drain_s if drain_s is not None else self.timeout_s)
+        if self._buffer:
+            log.error("stopping with %d container event(s) unsent", len(self._buffer))
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        connection, self._connection, self._exchange = self._connection, None, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    await connection.close()
+
+    async def _connect(self) -> None:
+        async with asyncio.timeout(self.timeout_s):
+            connection = await aio_pika.connect_robust(
+                self.amqp_url,
+                timeout=self.timeout_s,
+                reconnect_interval=self.reconnect_s,
+                client_properties={"connection_name": f"{APP_ID} {self.host}"},
+            )
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                self._exchange = await self._declare(connection)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await connection.close()
+            raise
+        self._connection = connection
+        connection.reconnect_callbacks.add(self._on_reconnect)
+        log.info("broker: connected to %s as %s", redact(self.amqp_url), self.user_id)
+        self._kick.set()
+
+    async def _declare(self, connection: AbstractRobustConnection) -> AbstractExchange:
+        # The allocator owns the topology; declaring the exchange with the same type and
+        # durability is idempotent and lets an agent start before the allocator ever ran.
+        # A least-privilege agent user may lack "configure" on it: fall back to a passive
+        # check (which needs no permission) on a fresh channel, since the refusal closed the
+        # first one.
+        channel = await connection.channel(on_return_raises=True)
+        try:
+            return await channel.declare_exchange(
+                NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
+            )
+        except aiormq.exceptions.ChannelAccessRefused:
+            log.info("broker: may not declare %s; checking that it exists", NODES_EXCHANGE)
+            channel = await connection.channel(on_return_raises=True)
+            return await channel.get_exchange(NODES_EXCHANGE, ensure=True)
+
+    async def _connect_loop(self) -> None:
+        while self._connection is None:
+            await asyncio.sleep(self.reconnect_s)
+            try:
+                await self._connect()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._note_error("connect", exc)
+
+    def _on_reconnect(self, *_: Any) -> None:
+        log.info("broker: reconnected")
+        self._kick.set()
+
+    def _note_error(self, what: str, exc: BaseException) -> None:
+        message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if message != self.last_error:
+            log.warning("broker: %s failed: %s", what, message)
+        self.last_error = message
+
+    # ------------------------------------------------------------------ publishing
+
+    async def _publish(self, body: bytes, routing_key: str, *, kind: str, persistent: bool,
+                       expiration: float | None, mandatory: bool) -> None:
+        exchange = self._exchange
+        if exchange is None:
+            raise ConnectionError("not connected to the broker")
+        message = aio_pika.Message(
+            body,
+            content_type="application/json",
+            user_id=self.user_id,
+            app_id=APP_ID,
+            type=kind,
+            timestamp=time.time(),
+            delivery_mode=(
+                aio_pika.DeliveryMode.PERSISTENT if persistent
+                else aio_pika.DeliveryMode.NOT_PERSISTENT
+            ),
+            expiration=expiration,
+        )
+        async with asyncio.timeout(self.timeout_s):
+            await exchange.publish(message, routing_key, mandatory=mandatory)
+
+    async def publish_heartbeat(self, heartbeat: Heartbeat) -> bool:
+        """Publish one heartbeat (expires after two intervals); False if it failed."""
+        try:
+            await self._publish(
+                encode(heartbeat),
+                heartbeat_routing_key(heartbeat.host),
+                kind=heartbeat.kind,
+                persistent=False,
+                expiration=2 * heartbeat.interval_s,
+                mandatory=False,  # no queue bound yet is not an error for a heartbeat
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.heartbeat_failures += 1
+            self._note_error("heartbeat publish", exc)
+            return False
+        self.heartbeats_sent += 1
+        return True
+
+    def submit_event(self, event: ContainerEvent) -> None:
+        """Queue a container event; the flush task publishes it at once, in order.
+
+        Never blocks, so a broker outage cannot hold up the Docker event stream. When the
+        buffer is full the oldest event is dropped (logged and counted).
+        """
+        if len(self._buffer) >= self.buffer_size:
+            dropped = self._buffer.popleft()
+            self.events_dropped += 1
+            log.error("event buffer full (%d): dropped %s of container %s (lease %s)",
+                      self.buffer_size, dropped.action, dropped.container_id[:12],
+                      dropped.lease_id)
+        self._buffer.append(event)
+        self._kick.set()
+
+    async def flush(self, timeout_s: float | None = None) -> bool:
+        """Try to publish every buffered event now; True if the buffer is empty after."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                async with self._lock:
+                    await self._drain()
+        return not self._buffer
+
+    async def _drain(self) -> None:
+        """Publish buffered events in order until one fails. Caller holds the lock."""
+        while self._buffer:
+            event = self._buffer[0]
+            try:
+                await self._publish(
+                    encode(event),
+                    event_routing_key(event.host),
+                    kind=event.kind,
+                    persistent=True,
+                    expiration=None,
+                    mandatory=True,  # unroutable = nobody got it: keep it and retry
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.event_failures += 1
+                self._note_error(
+                    f"event publish ({len(self._buffer)} buffered)", exc
+                )
+                return
+            if self._buffer and self._buffer[0] is event:
+                self._buffer.popleft()
+            self.events_sent += 1
+
+    async def _flush_loop(self) -> None:
+        # Publishes buffered events: at once when one is submitted or the connection comes
+        # back, and every reconnect_s while some wait (a retry after a failure).
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.reconnect_s if self._buffer else None):
+                    await self._kick.wait()
+            self._kick.clear()
+            if self._buffer:
+                async with self._lock:
+                    await self._drain()

@@ -1,0 +1,340 @@
+"""The SIMULATED inventory source: GPUs read from a JSON file instead of NVML.
+
+This is a documented feature, not a test double: hosts without GPUs (demos, tests, scale
+runs with hundreds of agents) run the real agent with ``--inventory simulated`` and every
+heartbeat says ``"source": "simulated"`` so nobody mistakes it for hardware. One file can
+describe many hosts; each agent takes its own host's list::
+
+    {"hosts": {"gpu-a": [
+        {"uuid": "GPU-...", "index": 0, "model": "NVIDIA GeForce GTX 1070",
+         "memory_total_mib": 8192, "memory_used_mib": 0, "utilization_pct": 0,
+         "temperature_c": 40, "power_w": 30, "ecc_uncorrected": 0,
+         "xids": [], "lost": false,
+         "processes": [{"pid": 1234, "used_memory_mib": 512}]}
+    ]}}
+
+``processes``, ``retired_pages``, ``remap_pending``, ``remap_failed`` and ``mig_mode`` are
+optional. The file is re-read whenever it changes (inode, mtime or size), so a test or a
+demo changes load and health while the agent runs. Every entry appended to a GPU's
+``xids`` list is delivered once as an XID event (entries present at the first read too);
+shortening the list delivers nothing. A file that does not parse while the agent runs is
+logged and the last good content kept, since an editor may be halfway through saving it.
+
+:func:`make_hosts` and :func:`write_inventory` write such files (demos and benchmarks);
+``python -m nodeagent.simulated --hosts 8 --out inventory.json`` does it from a shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid as uuid_module
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nodeagent.inventory import (
+    GPUSample,
+    InventoryUnavailable,
+    ProcessSample,
+    SourceKind,
+    XidEvent,
+)
+
+log = logging.getLogger(__name__)
+
+RELOAD_POLL_S = 0.05
+"""How often ``wait_xids`` looks at the file while it waits: a changed file's XIDs reach the
+agent within this, so tests stay fast without busy-waiting."""
+
+
+class SimulatedProcess(BaseModel):
+    """A process using a simulated GPU. ``pid`` is a real host PID when the container
+    mapping is to be exercised (its ``/proc/<pid>/cgroup`` is read like NVML's PIDs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pid: int = Field(ge=1)
+    used_memory_mib: int | None = Field(default=None, ge=0)
+    utilization_pct: float | None = Field(default=None, ge=0, le=100)
+
+
+class SimulatedGPU(BaseModel):
+    """One GPU entry of the file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uuid: str = Field(min_length=1)
+    index: int = Field(ge=0)
+    model: str = Field(min_length=1)
+    memory_total_mib: int = Field(ge=0)
+    memory_used_mib: int = Field(default=0, ge=0)
+    utilization_pct: float | None = Field(default=None, ge=0, le=100)
+    temperature_c: float | None = None
+    power_w: float | None = Field(default=None, ge=0)
+    ecc_uncorrected: int | None = Field(default=None, ge=0)
+    retired_pages: int | None = Field(default=None, ge=0)
+    remap_pending: bool | None = None
+    remap_failed: bool | None = None
+    mig_mode: bool | None = None
+    xids: list[int] = Field(default_factory=list)
+    lost: bool = False
+    processes: list[SimulatedProcess] = Field(default_factory=list)
+
+    def sample(self) -> GPUSample:
+        """This entry as an inventory sample."""
+        return GPUSample(
+            uuid=self.uuid,
+            index=self.index,
+            model=self.model,
+            memory_total_mib=self.memory_total_mib,
+            memory_used_mib=self.memory_used_mib,
+            utilization_pct=self.utilization_pct,
+            temperature_c=self.temperature_c,
+            power_w=self.power_w,
+            ecc_uncorrected=self.ecc_uncorrected,
+            retired_pages=self.retired_pages,
+            remap_pending=self.remap_pending,
+            remap_failed=self.remap_failed,
+            mig_mode=self.mig_mode,
+            lost=self.lost,
+            processes=tuple(
+                ProcessSample(p.pid, p.used_memory_mib, p.utilization_pct) for p in self.processes
+            ),
+        )
+
+
+class SimulatedInventory(BaseModel):
+    """The whole file: host name → its GPUs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hosts: dict[str, list[SimulatedGPU]] = Field(default_factory=dict)
+
+
+def parse_inventory(text: str) -> SimulatedInventory:
+    """Parse the file's content; raises ``ValueError`` with a readable message."""
+    try:
+        return SimulatedInventory.model_validate_json(text)
+    except ValidationError as exc:
+        raise ValueError(f"not a simulated inventory: {exc}") from exc
+
+
+class SimulatedSource:
+    """An :class:`~nodeagent.inventory.InventorySource` over a simulated inventory file."""
+
+    kind: SourceKind = "simulated"
+
+    def __init__(
+        self, path: Path | str, host: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.path = Path(path)
+        self.host = host
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._signature: tuple[int, int, int] | None = None
+        self._gpus: list[SimulatedGPU] = []
+        self._xids_seen: dict[str, int] = {}
+        self._pending: list[XidEvent] = []
+        self._closed = False
+        self.reloads = 0
+        """How often the file was (re)read successfully."""
+        with self._lock:
+            try:
+                self._refresh_locked(strict=True)
+            except (OSError, ValueError) as exc:
+                raise InventoryUnavailable(
+                    f"simulated inventory {self.path}: {exc}"
+                ) from exc
+        if not self._gpus:
+            log.warning("simulated inventory %s lists no GPUs for host %r", self.path, host)
+
+    def read_gpus(self) -> list[GPUSample]:
+        """This host's GPUs as the file says now."""
+        with self._lock:
+            self._refresh_locked(strict=False)
+            return [gpu.sample() for gpu in self._gpus]
+
+    def wait_xids(self, timeout_s: float) -> list[XidEvent]:
+        """XIDs appended to the file since the last call, waiting at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                self._refresh_locked(strict=False)
+                if self._pending or self._closed:
+                    events, self._pending = self._pending, []
+                    return events
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._changed.wait(min(remaining, RELOAD_POLL_S))
+
+    def close(self) -> None:
+        """Wake a waiting ``wait_xids`` so the XID thread can end at once."""
+        with self._lock:
+            self._closed = True
+            self._changed.notify_all()
+
+    def _refresh_locked(self, *, strict: bool) -> None:
+        # Re-read only when the file changed: an atomic replace changes the inode, an
+        # in-place edit the mtime or size.
+        try:
+            stat = self.path.stat()
+        except OSError:
+            if strict:
+                raise
+            log.warning("simulated inventory %s is unreadable; keeping the last one", self.path)
+            return
+        signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if signature == self._signature:
+            return
+        try:
+            inventory = parse_inventory(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            if strict:
+                raise
+            log.warning("simulated inventory %s: %s; keeping the last good one", self.path, exc)
+            self._signature = signature  # do not re-parse a broken file on every call
+            return
+        self._signature = signature
+        self._gpus = sorted(inventory.hosts.get(self.host, []), key=lambda gpu: gpu.index)
+        self.reloads += 1
+        now = self._clock()
+        for gpu in self._gpus:
+            seen = self._xids_seen.get(gpu.uuid, 0)
+            if len(gpu.xids) > seen:
+                self._pending.extend(XidEvent(gpu.uuid, xid, now) for xid in gpu.xids[seen:])
+            self._xids_seen[gpu.uuid] = len(gpu.xids)
+        if self._pending:
+            self._changed.notify_all()
+
+
+# --------------------------------------------------------------------------- writing files
+
+MODELS: dict[str, tuple[int, float]] = {
+    "NVIDIA GeForce GTX 1070": (8192, 150.0),
+    "NVIDIA GeForce RTX 3090": (24576, 350.0),
+    "Tesla V100-SXM2-16GB": (16384, 300.0),
+    "NVIDIA A100-SXM4-40GB": (40960, 400.0),
+    "NVIDIA H100 80GB HBM3": (81559, 700.0),
+}
+"""Models the generator mixes: NVML name → (memory MiB, power limit W)."""
+
+
+def simulated_uuid(host: str, index: int) -> str:
+    """A stable, NVML-shaped UUID for GPU ``index`` of ``host`` (same input, same UUID)."""
+    return "GPU-" + str(uuid_module.uuid5(uuid_module.NAMESPACE_DNS, f"{host}/gpu{index}"))
+
+
+def make_gpu(host: str, index: int, model: str, **fields: Any) -> dict[str, Any]:
+    """One idle, healthy GPU entry; ``fields`` override any key."""
+    memory, _power = MODELS.get(model, (16384, 250.0))
+    entry: dict[str, Any] = {
+        "uuid": simulated_uuid(host, index),
+        "index": index,
+        "model": model,
+        "memory_total_mib": memory,
+        "memory_used_mib": 0,
+        "utilization_pct": 0.0,
+        "temperature_c": 35.0,
+        "power_w": 25.0,
+        "ecc_uncorrected": 0,
+        "xids": [],
+        "lost": False,
+    }
+    entry.update(fields)
+    return entry
+
+
+def make_hosts(
+    n_hosts: int,
+    gpus_per_host: int | Sequence[int] = 4,
+    models: Sequence[str] | None = None,
+    prefix: str = "gpu-node",
+) -> dict[str, list[dict[str, Any]]]:
+    """``n_hosts`` hosts of mixed models: host *i* has only ``models[i % len(models)]`` GPUs
+    (real clusters are mostly homogeneous per host) and ``gpus_per_host`` of them (an int,
+    or a sequence cycled over the hosts)."""
+    model_list = list(models or MODELS)
+    counts = [gpus_per_host] if isinstance(gpus_per_host, int) else list(gpus_per_host)
+    hosts: dict[str, list[dict[str, Any]]] = {}
+    for i in range(n_hosts):
+        host = f"{prefix}-{i:03d}"
+        model = model_list[i % len(model_list)]
+        hosts[host] = [make_gpu(host, j, model) for j in range(counts[i % len(counts)])]
+    return hosts
+
+
+def write_inventory(path: Path | str, hosts: dict[str, list[dict[str, Any]]]) -> None:
+    """Write (atomically: temp file + rename) a simulated inventory file.
+
+    Atomic so a running agent never reads half a file, and so every write changes the
+    inode and is noticed even when it lands in the same mtime tick as the last one.
+    """
+    target = Path(path)
+    parse_inventory(json.dumps({"hosts": hosts}))  # refuse to write what the agent would refuse
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"hosts": hosts}, handle, indent=1)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_inventory(path: Path | str) -> dict[str, list[dict[str, Any]]]:
+    """The file's hosts as plain dicts, for editing and writing back."""
+    data: dict[str, list[dict[str, Any]]] = json.loads(Path(path).read_text())["hosts"]
+    return data
+
+
+def update_gpu(path: Path | str, host: str, index: int, **changes: Any) -> dict[str, Any]:
+    """Change fields of one GPU in the file (e.g. ``temperature_c=95``); returns the entry.
+
+    ``xid=N`` is a shorthand that appends N to the GPU's ``xids``.
+    """
+    hosts = read_inventory(path)
+    for entry in hosts.get(host, []):
+        if entry["index"] == index:
+            if "xid" in changes:
+                entry.setdefault("xids", []).append(int(changes.pop("xid")))
+            entry.update(changes)
+            write_inventory(path, hosts)
+            return entry
+    raise KeyError(f"no GPU {index} on host {host!r} in {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Write a simulated inventory file for demos and benchmarks."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nodeagent.simulated", description=main.__doc__
+    )
+    parser.add_argument("--hosts", type=int, default=4, help="number of hosts")
+    parser.add_argument("--gpus", type=int, default=4, help="GPUs per host")
+    parser.add_argument("--prefix", default="gpu-node", help="host name prefix")
+    parser.add_argument("--host", action="append", default=[],
+                        help="also add this host name (e.g. this machine's), repeatable")
+    parser.add_argument("--model", action="append", default=None,
+                        help="model to mix in (repeatable); default: all known models")
+    parser.add_argument("--out", required=True, help="file to write")
+    args = parser.parse_args(argv)
+    hosts = make_hosts(args.hosts, args.gpus, args.model, args.prefix)
+    models = list(args.model or MODELS)
+    for i, name in enumerate(args.host):
+        hosts[name] = [make_gpu(name, j, models[i % len(models)]) for j in range(args.gpus)]
+    write_inventory(args.out, hosts)
+    print(json.dumps({"path": str(args.out), "hosts": len(hosts),
+                      "gpus": sum(len(g) for g in hosts.values())}))
+
+
+if __name__ == "__main__":
+    main()
