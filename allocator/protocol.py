@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -43,7 +44,7 @@ MAX_WAIT_S = 24 * 3600.0
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
 """A printable identifier (user, host, model, request key...)."""
 
-MiB = Annotated[int, Field(ge=0, le=1 << 30)]
+MiB = Annotated[StrictInt, Field(ge=0, le=1 << 30)]
 """A memory size in MiB (up to 1 PiB)."""
 
 
@@ -186,7 +187,7 @@ class AllocateRequest(_Message):
         examples=[["a100", "3090"]],
     )
     min_memory_mib: MiB | None = Field(default=None, examples=[16000])
-    count: int | Literal["all"] = Field(
+    count: StrictInt | Literal["all"] = Field(
         default=1,
         description='GPUs on one host, or "all" for every matching GPU of one host.',
         examples=[1, 2, "all"],
@@ -201,7 +202,7 @@ class AllocateRequest(_Message):
         le=MAX_WAIT_S,
         description="If nothing fits now, wait in the queue this long; 0 = answer no_capacity.",
     )
-    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is served first.")
+    priority: StrictInt = Field(default=0, ge=-1000, le=1000, description="Higher is served first.")
     deadline: float | None = Field(
         default=None,
         description="Epoch seconds after which the sender no longer waits for the reply: "

@@ -283,6 +283,9 @@ class AllocatorService:
                             correlation_id=entry.message.correlation_id,
                         ),
                         routing_key=entry.message.reply_to or "",
+                        # Not mandatory: RabbitMQ 3.10 returns mandatory publishes to a
+                        # direct reply-to address even when it delivered them.
+                        mandatory=False,
                         timeout=self.settings.request_timeout_s,
                     )
                     self.stats.counters["replies"] += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -115,3 +116,45 @@ async def wait_until(predicate: Callable[[], Awaitable[T | None]], within: float
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not reached within {within} s")
         await asyncio.sleep(interval)
+
+
+class RawRPC:
+    """Publishes arbitrary bytes to the allocator, as a buggy or hostile client would."""
+
+    def __init__(self, amqp_url: str):
+        self.amqp_url = amqp_url
+        self._replies: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+
+    async def __aenter__(self) -> RawRPC:
+        self._connection = await aio_pika.connect(self.amqp_url, timeout=10)
+        self.channel = await self._connection.channel(publisher_confirms=False)
+        reply_queue = await self.channel.get_queue("amq.rabbitmq.reply-to", ensure=False)
+        await reply_queue.consume(self._replies.put, no_ack=True)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._connection.close()
+
+    async def send(self, body: bytes, *, exchange: str = "swarm-gpu.rpc",
+                   routing_key: str = "request", reply: bool = True,
+                   user_id: str | None = None, expiration: float | None = None) -> None:
+        """Publish ``body``; with ``reply`` it asks for an answer through direct reply-to."""
+        target = await self.channel.get_exchange(exchange, ensure=False)
+        await target.publish(
+            aio_pika.Message(body, correlation_id=uuid.uuid4().hex if reply else None,
+                             reply_to="amq.rabbitmq.reply-to" if reply else None,
+                             user_id=user_id, expiration=expiration),
+            routing_key=routing_key, timeout=10)
+
+    async def reply(self, within: float = 10.0) -> dict[str, object]:
+        """The next reply, decoded."""
+        message = await asyncio.wait_for(self._replies.get(), within)
+        return json.loads(message.body)
+
+    async def no_reply(self, within: float = 1.0) -> bool:
+        """True when nothing arrives for ``within`` seconds."""
+        try:
+            await asyncio.wait_for(self._replies.get(), within)
+        except TimeoutError:
+            return True
+        return False

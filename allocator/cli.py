@@ -1,0 +1,159 @@
+"""``gpu-allocator``: run the allocator, or ask it for GPUs from a shell.
+
+    gpu-allocator serve [--config allocator.toml]
+    gpu-allocator ask --user alice --model 1070 [--count 2 | --count all] [--host gpu-a]
+                      [--share 4096] [--wait 60]
+    gpu-allocator release LEASE_ID
+    gpu-allocator inventory
+
+Settings come from ``SWARM_GPU_*`` environment variables over the TOML file
+(see :mod:`allocator.config`); the client commands take ``--amqp`` or ``SWARM_GPU_AMQP_URL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from allocator.client import AllocatorClient, AllocatorError
+from allocator.config import load_settings
+from allocator.ledger import LedgerError
+from allocator.protocol import AllocateRequest, LeaseState, ShareRequest
+
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpu-allocator", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the allocator until SIGTERM")
+    serve.add_argument("--config", help="TOML settings file (default: $SWARM_GPU_CONFIG)")
+    serve.add_argument("--ledger", help="ledger file (overrides the settings)")
+
+    def client_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--amqp", default=os.environ.get("SWARM_GPU_AMQP_URL", DEFAULT_AMQP_URL),
+                         help="broker URL (default: $SWARM_GPU_AMQP_URL)")
+        sub.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+        sub.add_argument("--json", action="store_true", help="print the raw reply as JSON")
+
+    ask = commands.add_parser("ask", help="allocate GPUs and print the lease")
+    client_options(ask)
+    ask.add_argument("--user", required=True)
+    ask.add_argument("--server", default="", help="server name (part of the request key)")
+    ask.add_argument("--key", help="request key (default: cli/<user>/<server>)")
+    ask.add_argument("--group", action="append", default=[], dest="groups")
+    ask.add_argument("--model", action="append", help="model or alias; repeat for a list")
+    ask.add_argument("--count", default="1", help='a number, or "all"')
+    ask.add_argument("--host")
+    ask.add_argument("--min-memory", type=int, help="MiB")
+    ask.add_argument("--share", type=int, metavar="MIB", help="a shared slice with this budget")
+    ask.add_argument("--wait", type=float, default=0.0, help="seconds to wait in the queue")
+
+    release = commands.add_parser("release", help="release a lease")
+    client_options(release)
+    release.add_argument("lease_id")
+    release.add_argument("--force", action="store_true", help="free at once (admins)")
+    release.add_argument("--reason", default="")
+
+    inventory = commands.add_parser("inventory", help="print free and total GPUs per model")
+    client_options(inventory)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gpu-allocator``."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            return asyncio.run(_serve(args))
+        return asyncio.run(_client_command(args))
+    except (AllocatorError, LedgerError, ValidationError, OSError) as exc:
+        print(f"gpu-allocator: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: Exception) -> str:
+    if isinstance(exc, AllocatorError):
+        return f"{exc.code.value}: {exc.message}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from allocator.service import AllocatorService
+
+    overrides = {"ledger_path": args.ledger} if args.ledger else {}
+    settings = load_settings(args.config, **overrides)
+    service = AllocatorService(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await service.start()
+    try:
+        await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await service.stop()
+    return 0
+
+
+async def _client_command(args: argparse.Namespace) -> int:
+    async with AllocatorClient(args.amqp, timeout_s=args.timeout) as client:
+        if args.command == "inventory":
+            inventory = await client.inventory()
+            if args.json:
+                print(inventory.model_dump_json(indent=2))
+                return 0
+            for model in inventory.models:
+                hosts = ", ".join(f"{h}: {n}" for h, n in sorted(model.hosts.items()) if n)
+                slots = f", {model.free_slots} free slices" if model.share_slots > 1 else ""
+                print(f"{model.model}: {model.free}/{model.total} free{slots}"
+                      f"{' (' + hosts + ')' if hosts else ''}")
+            print(f"{len(inventory.nodes)} nodes, {inventory.queued} queued requests")
+            return 0
+        if args.command == "release":
+            lease = await client.release(lease_id=args.lease_id, force=args.force,
+                                         reason=args.reason, by=f"cli:{os.environ.get('USER', '')}")
+            print(lease.model_dump_json(indent=2) if args.json
+                  else f"lease {lease.lease_id}: {lease.state.value}")
+            return 0
+        models = args.model or []
+        count: int | str = "all" if args.count == "all" else int(args.count)
+        request = AllocateRequest(
+            request_key=args.key or f"cli/{args.user}/{args.server}", user=args.user,
+            groups=args.groups, model=models[0] if len(models) == 1 else None,
+            models=models if len(models) > 1 else None, count=count, host=args.host,
+            min_memory_mib=args.min_memory, wait_s=args.wait,
+            share=ShareRequest(memory_mib=args.share) if args.share else None,
+        )
+        lease = await client.allocate(request)
+        if lease.state is LeaseState.QUEUED:
+            print(f"queued at position {lease.queue_position}; waiting up to {args.wait:g} s",
+                  file=sys.stderr)
+            lease = await client.wait_for_grant(
+                request.request_key, wait_s=args.wait,
+                on_position=lambda p: print(f"position {p}", file=sys.stderr))
+        if args.json:
+            print(lease.model_dump_json(indent=2))
+        else:
+            print(json.dumps({"lease_id": lease.lease_id, "host": lease.host,
+                              "model": lease.model, "gpus": lease.gpu_uuids,
+                              "env": lease.env}, indent=2))
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Bad input gets a clear answer and loses nothing: every kind, against the live consumer."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import aio_pika
+import pytest
+from support import GTX1070, RawRPC, gpus, wait_until
+
+from allocator.protocol import MAX_BODY_BYTES, AllocateRequest, encode
+from allocator.topology import DEAD_LETTER_QUEUE
+
+
+@pytest.fixture
+async def raw(allocator, amqp_vhost, nodes, client):
+    await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 2))
+
+    async def known():
+        return (await client.inventory()).nodes
+    await wait_until(known)
+    async with RawRPC(amqp_vhost.url) as rpc:
+        yield rpc
+
+
+def allocate_body(**fields) -> bytes:
+    body = {"v": 1, "kind": "allocate", "request_key": "k/alice/", "user": "alice"}
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "words"),
+    [
+        (b"not json", "bad_request", "not valid JSON"),
+        (b"\xff\xfe\x00garbage", "bad_request", "not valid JSON"),
+        (b"[1, 2, 3]", "bad_request", "JSON object"),
+        (b"[" * 5000 + b"]" * 5000, "bad_request", "JSON"),
+        (b'{"v": 2, "kind": "allocate"}', "unsupported_version", "version 2"),
+        (b'{"kind": "allocate", "user": "a"}', "unsupported_version", "version None"),
+        (b'{"v": 1, "kind": "teleport"}', "bad_request", "teleport"),
+        (b'{"v": 1, "kind": "allocate", "user": "alice"}', "bad_request", "request_key"),
+        (allocate_body(count=0), "bad_request", "count"),
+        (allocate_body(count=10**6), "bad_request", "count"),
+        (allocate_body(count=-3), "bad_request", "count"),
+        (allocate_body(count=True), "bad_request", "count"),
+        (allocate_body(count="lots"), "bad_request", "count"),
+        (allocate_body(wait_s=-1), "bad_request", "wait_s"),
+        (allocate_body(wait_s=10**300), "bad_request", "wait_s"),
+        (allocate_body(min_memory_mib=2**70), "bad_request", "min_memory_mib"),
+        (allocate_body(user=""), "bad_request", "user"),
+        (allocate_body(user=123), "bad_request", "user"),
+        (allocate_body(share={"memory_mib": 1024}, count=2), "bad_request", "count must be 1"),
+        (allocate_body(model="a", models=["b"]), "bad_request", "either"),
+        (allocate_body(colour="blue"), "bad_request", "colour"),
+        (allocate_body(model="H100"), "unknown_model", GTX1070),
+        (allocate_body(host="nowhere"), "unknown_host", "gpu-a"),
+        (allocate_body(count=3), "unsatisfiable", "2"),
+        (allocate_body(share={"memory_mib": 100_000}), "unsatisfiable", ""),
+        (b"x" * (MAX_BODY_BYTES + 1), "too_large", str(MAX_BODY_BYTES)),
+    ],
+    ids=lambda value: value[:40].decode("utf-8", "replace") if isinstance(value, bytes) else None,
+)
+async def test_each_bad_request_gets_a_coded_reply(raw, client, body, code, words):
+    await raw.send(body)
+    reply = await raw.reply()
+    assert reply["ok"] is False
+    assert reply["error"]["code"] == code, reply
+    assert words in reply["error"]["message"]
+    inventory = await client.inventory(include_leases=True)
+    assert inventory.leases == [], "bad input must not create a lease"
+
+
+async def test_consumer_survives_a_flood_of_garbage(raw, client):
+    for i in range(200):
+        await raw.send(bytes([i % 256]) * (i + 1))
+    for _ in range(200):
+        assert (await raw.reply())["ok"] is False
+    lease = await client.allocate(AllocateRequest(request_key="k/bob/", user="bob"))
+    assert lease.host == "gpu-a"
+
+
+async def test_undecodable_message_without_reply_to_is_dead_lettered(raw, amqp_vhost, allocator):
+    await raw.send(b"\x00\x01 not a message", reply=False)
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(DEAD_LETTER_QUEUE)
+
+        async def dead_letter():
+            async with queue.iterator(timeout=0.5) as messages:
+                async for message in messages:
+                    await message.ack()
+                    return message.body
+            return None
+        try:
+            body = await wait_until(dead_letter, within=10)
+        except TimeoutError:
+            body = None
+    assert body == b"\x00\x01 not a message"
+    assert allocator.stats.counters["dead_lettered"] == 1
+
+
+async def test_request_whose_caller_gave_up_is_dropped_and_never_granted(raw, client):
+    stale = AllocateRequest(request_key="k/late/", user="late", deadline=time.time() - 1)
+    await raw.send(encode(stale))
+    assert await raw.no_reply(within=1.0)
+    inventory = await client.inventory(include_leases=True)
+    assert inventory.leases == []
+    assert inventory.models[0].free == 2
+
+
+async def test_broker_drops_request_expired_in_the_queue(raw, allocator, client):
+    # The broker drops it if it expires while queued; if the consumer already holds it, the
+    # allocator's own deadline check drops it. Either way: no reply, no lease.
+    body = encode(AllocateRequest(request_key="k/exp/", user="exp", deadline=time.time() - 0.5))
+    await raw.send(body, expiration=0.001)
+    assert await raw.no_reply(within=1.0)
+    assert (await client.inventory(include_leases=True)).leases == []
+
+
+async def test_heartbeat_sent_to_the_rpc_exchange_is_refused(raw):
+    beat = {"v": 1, "kind": "heartbeat", "host": "gpu-x", "agent_id": "a", "seq": 1,
+            "sent_at": time.time(), "interval_s": 2, "gpus": []}
+    await raw.send(json.dumps(beat).encode())
+    reply = await raw.reply()
+    assert reply["error"]["code"] == "forbidden"
+
+
+async def test_allocate_sent_to_the_nodes_exchange_grants_nothing(raw, client, allocator):
+    await raw.send(allocate_body(), exchange="swarm-gpu.nodes", routing_key="heartbeat.gpu-a")
+    assert await raw.no_reply(within=1.0)
+    assert (await client.inventory(include_leases=True)).leases == []
+    assert allocator.engine.counters["request_from_node_exchange"] == 1
