@@ -1,0 +1,861 @@
+"""The placement policy: pure functions over a :class:`~allocator.cluster.Cluster`.
+
+Nothing here does I/O or reads the clock (``now`` is passed in), so every rule can be tested
+directly. The allocator calls, in order: :func:`make_demand` (validate and resolve the
+request), :func:`feasible` (could it ever fit?), :func:`place` (where does it fit now?),
+:func:`check_quota` (may this user take it?), :func:`apply_placement` (record the claims)
+and :func:`lease_env` (what the container gets).
+
+Rules, as in ``DESIGN.md``:
+
+* All GPUs of one lease are on one host, which is up and not drained; unhealthy, drained
+  and no-longer-present GPUs never fit.
+* Exclusive ``count=n``: *n* free GPUs of one model. ``count=None`` ("all"): every present
+  GPU of the host that matches the request must be free and placeable (at least one); such a
+  lease mixes models only when no model was asked for.
+* Acceptable models are tried in order of preference: the first that fits anywhere wins.
+* Best fit: the host with the fewest free placeable GPUs, so whole hosts stay free for "all"
+  requests; ties by host name, then the lowest GPU indices.
+* A shared slice takes one slot and a memory budget of one GPU whose model has more than one
+  slot and which no exclusive lease holds; slices are packed onto GPUs already shared.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from allocator.cluster import GPU, Claim, Cluster
+from allocator.config import PolicySettings
+from allocator.protocol import AllocateRequest, ErrorCode, ModelSummary
+
+BRAND_WORDS = frozenset({"nvidia", "geforce", "tesla", "quadro"})
+"""Vendor and brand words a user may leave out of a model name ("gtx 1070")."""
+
+_TOKEN = re.compile(r"[a-z0-9]+")
+
+# Quotas are floats in the settings; a quota of "one slice of three" is written 0.333...,
+# which must compare equal to 1/3. Slots are at most 64, so a bounded denominator is exact
+# for every sensible quota.
+_QUOTA_DENOMINATOR = 1_000_000
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A validated request with its models resolved to canonical names."""
+
+    user: str
+    groups: tuple[str, ...]
+    models: tuple[str, ...] | None
+    """Canonical model names in order of preference; None = any model."""
+    min_memory_mib: int | None
+    count: int | None
+    """GPUs wanted; None = every matching GPU of one host. Always 1 for a shared slice."""
+    host: str | None
+    shared: bool
+    share_memory_mib: int | None
+    """Budget of a slice; None = the GPU's memory divided by its share slots."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request cannot be done, for programs (``code``, ``details``) and people."""
+
+    code: ErrorCode
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a demand goes: GPUs of one host."""
+
+    host: str
+    gpu_uuids: tuple[str, ...]
+    """Ordered by GPU index."""
+    shared: bool
+    memory_mib: int | None
+    """The slice budget of a shared placement, else None."""
+    units: Fraction
+    """Quota units: the GPU count for exclusive leases, 1/share_slots for a slice."""
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _tokens(name: str) -> list[str]:
+    return _TOKEN.findall(name.lower())
+
+
+def _compact(name: str) -> str:
+    """The name without anything but letters and digits: "GTX-1070" -> "gtx1070"."""
+    return "".join(_tokens(name))
+
+
+def _unbranded(name: str) -> str:
+    """The compact name without vendor words: "NVIDIA GeForce GTX 1070" -> "gtx1070"."""
+    return "".join(token for token in _tokens(name) if token not in BRAND_WORDS)
+
+
+@dataclass(frozen=True)
+class _ModelIndex:
+    spellings: dict[str, str]
+    """Accepted spelling (lowercase) -> canonical model."""
+    ambiguous: dict[str, tuple[str, ...]]
+    """Derived spellings that fit more than one model, so they are not accepted."""
+    known: tuple[str, ...]
+    """Canonical models, sorted."""
+    aliases: dict[str, list[str]]
+    """Canonical model -> configured aliases that point to it, sorted."""
+
+
+def _build_index(cluster: Cluster, aliases: Mapping[str, str]) -> _ModelIndex:
+    gpu_models = sorted({gpu.model for gpu in cluster.gpus.values()})
+    by_compact: dict[str, set[str]] = {}
+    for model in gpu_models:
+        by_compact.setdefault(_compact(model), set()).add(model)
+
+    # An admin who writes an alias target in another case or spacing still means the
+    # model the agents report, so targets are matched against the reported names first.
+    alias_targets: dict[str, str] = {}
+    for alias, target in aliases.items():
+        matches = by_compact.get(_compact(target), set())
+        alias_targets[alias] = next(iter(matches)) if len(matches) == 1 else target.strip()
+    known = sorted(set(gpu_models) | set(alias_targets.values()))
+
+    spellings: dict[str, str] = {}
+    ambiguous: dict[str, tuple[str, ...]] = {}
+
+    # Tiers, strongest first: a spelling taken by an earlier tier is not overridden, so an
+    # exact model name always beats an alias, and an alias beats a derived spelling.
+    def add_tier(pairs: list[tuple[str, str]]) -> None:
+        tier: dict[str, set[str]] = {}
+        for key, model in pairs:
+            if key and key not in spellings and key not in ambiguous:
+                tier.setdefault(key, set()).add(model)
+        for key, models in tier.items():
+            if len(models) == 1:
+                spellings[key] = next(iter(models))
+            else:
+                ambiguous[key] = tuple(sorted(models))
+
+    add_tier([(model.strip().lower(), model) for model in known])
+    add_tier(
+        [(alias.strip().lower(), target) for alias, target in alias_targets.items()]
+        + [(_compact(alias), target) for alias, target in alias_targets.items()]
+    )
+    add_tier([(_compact(model), model) for model in known])
+    add_tier([(_unbranded(model), model) for model in known])
+
+    by_model: dict[str, list[str]] = {model: [] for model in known}
+    for alias, target in alias_targets.items():
+        by_model[target].append(alias)
+    return _ModelIndex(
+        spellings=spellings,
+        ambiguous=ambiguous,
+        known=tuple(known),
+        aliases={model: sorted(names) for model, names in by_model.items()},
+    )
+
+
+def _lookup(name: str, index: _ModelIndex) -> str | tuple[str, ...] | None:
+    """The canonical model for a spelling, the candidates if it is ambiguous, or None."""
+    for key in (name.strip().lower(), _compact(name), _unbranded(name)):
+        if key in index.spellings:
+            return index.spellings[key]
+        if key in index.ambiguous:
+            return index.ambiguous[key]
+    return None
+
+
+def canonical_models(cluster: Cluster, aliases: Mapping[str, str]) -> dict[str, str]:
+    """Every accepted spelling (lowercase) of every known model -> its canonical NVML name.
+
+    Known models are those of the cluster's GPUs (present or not) and the targets of the
+    configured aliases. Accepted: the exact name in any case, the name with everything but
+    letters and digits removed, that without the words nvidia/geforce/tesla/quadro, and the
+    aliases. A derived spelling that two models share is left out (it would be a guess).
+    Callers with user input should use :func:`resolve_models`, which also normalises spaces.
+    """
+    return dict(_build_index(cluster, aliases).spellings)
+
+
+def _known_text(index: _ModelIndex) -> str:
+    if not index.known:
+        return "No GPU model is known yet: no node has reported a GPU."
+    parts = []
+    for model in index.known:
+        names = index.aliases.get(model, [])
+        parts.append(f"{model} (aliases: {', '.join(names)})" if names else model)
+    return "Known models: " + "; ".join(parts) + "."
+
+
+def resolve_models(
+    requested: Sequence[str] | None, cluster: Cluster, aliases: Mapping[str, str]
+) -> tuple[str, ...] | Refusal | None:
+    """Resolve requested names or aliases to canonical models, keeping the order of preference.
+
+    None means any model and stays None. Duplicates are dropped. Unknown or ambiguous names
+    give ``unknown_model`` with the known models (and their aliases) in the message.
+    """
+    if requested is None:
+        return None
+    index = _build_index(cluster, aliases)
+    if not requested:
+        return Refusal(
+            ErrorCode.BAD_REQUEST,
+            "The list of acceptable models is empty; leave it out to accept any model.",
+            {},
+        )
+    resolved: list[str] = []
+    unknown: list[str] = []
+    ambiguous: dict[str, list[str]] = {}
+    for name in requested:
+        found = _lookup(name, index)
+        if found is None:
+            unknown.append(name)
+        elif isinstance(found, tuple):
+            ambiguous[name] = list(found)
+        elif found not in resolved:
+            resolved.append(found)
+    if unknown or ambiguous:
+        sentences = []
+        if unknown:
+            quoted = ", ".join(repr(name) for name in unknown)
+            sentences.append(f"Unknown GPU model {quoted}.")
+        for name, candidates in ambiguous.items():
+            sentences.append(f"{name!r} could mean {' or '.join(candidates)}; name one.")
+        sentences.append(_known_text(index))
+        return Refusal(
+            ErrorCode.UNKNOWN_MODEL,
+            " ".join(sentences),
+            {
+                "unknown": unknown,
+                "ambiguous": ambiguous,
+                "known": {model: index.aliases.get(model, []) for model in index.known},
+            },
+        )
+    return tuple(resolved)
+
+
+def share_slots_for(model: str, settings: PolicySettings) -> int:
+    """Share slots a GPU of this canonical model has (1 = exclusive only)."""
+    return max(int(settings.share_slots.get(model, settings.default_share_slots)), 1)
+
+
+# --------------------------------------------------------------------------- demand
+
+
+def _models_text(models: Sequence[str]) -> str:
+    return " or ".join(models)
+
+
+def make_demand(
+    request: AllocateRequest, cluster: Cluster, settings: PolicySettings
+) -> Demand | Refusal:
+    """Validate a request against the cluster and settings and resolve its models.
+
+    Refuses unknown models (``unknown_model``), unknown hosts (``unknown_host``), slices of
+    models configured exclusive-only (``not_shareable``), an empty slice budget
+    (``bad_request``) and a slice budget larger than every shareable GPU (``unsatisfiable``).
+    For a slice, models that cannot be shared are dropped from the list of preferences.
+    """
+    models = resolve_models(request.acceptable_models, cluster, settings.aliases)
+    if isinstance(models, Refusal):
+        return models
+
+    if request.host is not None and request.host not in cluster.nodes:
+        hosts = ", ".join(sorted(cluster.nodes)) or "none yet"
+        return Refusal(
+            ErrorCode.UNKNOWN_HOST,
+            f"No GPU node is called {request.host!r}. Known hosts: {hosts}.",
+            {"host": request.host, "known": sorted(cluster.nodes)},
+        )
+
+    count = None if request.count == "all" else int(request.count)
+    share_memory: int | None = None
+    if request.share is not None:
+        count = 1
+        known = sorted({gpu.model for gpu in cluster.gpus.values()} | set(models or ()))
+        shareable = [m for m in known if share_slots_for(m, settings) > 1]
+        if models is not None:
+            wanted = tuple(m for m in models if share_slots_for(m, settings) > 1)
+            if not wanted:
+                return Refusal(
+                    ErrorCode.NOT_SHAREABLE,
+                    f"{_models_text(models)} cannot be shared (exclusive only). "
+                    + (
+                        f"Shareable models: {', '.join(shareable)}."
+                        if shareable
+                        else "No model in the cluster is configured for sharing."
+                    ),
+                    {"models": list(models), "shareable": shareable},
+                )
+            models = wanted
+        elif not shareable:
+            return Refusal(
+                ErrorCode.NOT_SHAREABLE,
+                "No GPU model in the cluster is configured for sharing; ask for a whole GPU.",
+                {"shareable": []},
+            )
+        share_memory = request.share.memory_mib
+        if share_memory is not None:
+            if share_memory < 1:
+                return Refusal(
+                    ErrorCode.BAD_REQUEST,
+                    "A shared slice needs a memory budget of at least 1 MiB; "
+                    "leave it out for an equal share of the GPU.",
+                    {"memory_mib": share_memory},
+                )
+            candidates = models if models is not None else tuple(shareable)
+            sizes = [g.memory_total_mib for g in cluster.gpus.values() if g.model in candidates]
+            if sizes and share_memory > max(sizes):
+                return Refusal(
+                    ErrorCode.UNSATISFIABLE,
+                    f"A slice of {share_memory} MiB is larger than any shareable GPU; "
+                    f"the largest has {max(sizes)} MiB.",
+                    {"memory_mib": share_memory, "largest_mib": max(sizes)},
+                )
+
+    return Demand(
+        user=request.user,
+        groups=tuple(request.groups),
+        models=models,
+        min_memory_mib=request.min_memory_mib,
+        count=count,
+        host=request.host,
+        shared=request.share is not None,
+        share_memory_mib=share_memory,
+    )
+
+
+def _slice_budget(demand: Demand, gpu: GPU) -> int:
+    if demand.share_memory_mib is not None:
+        return demand.share_memory_mib
+    return gpu.memory_total_mib // max(gpu.share_slots, 1)
+
+
+def _big_enough(demand: Demand, gpu: GPU) -> bool:
+    return demand.min_memory_mib is None or gpu.memory_total_mib >= demand.min_memory_mib
+
+
+def _of_model(demand: Demand, gpu: GPU) -> bool:
+    return demand.models is None or gpu.model in demand.models
+
+
+def _slice_fits_size(demand: Demand, gpu: GPU) -> bool:
+    """Whether a slice of this demand could ever fit this GPU (ignoring other claims)."""
+    budget = _slice_budget(demand, gpu)
+    return gpu.share_slots > 1 and 1 <= budget <= gpu.memory_total_mib
+
+
+def _describe(demand: Demand) -> str:
+    """The demand in words: "2 GPUs of NVIDIA A100 with at least 40000 MiB on gpu-a"."""
+    models = _models_text(demand.models) if demand.models else None
+    if demand.shared:
+        size = f"{demand.share_memory_mib} MiB " if demand.share_memory_mib is not None else ""
+        text = f"a {size}shared slice" + (f" of {models}" if models else "")
+    elif demand.count is None:
+        text = "all GPUs of one host" + (f" of model {models}" if models else "")
+    else:
+        plural = "s" if demand.count != 1 else ""
+        text = f"{demand.count} GPU{plural}"
+        if models:
+            text += f" of {models}"
+        elif demand.count > 1:
+            text += " of one model"
+    if demand.min_memory_mib is not None:
+        text += f" with at least {demand.min_memory_mib} MiB"
+    if demand.host is not None:
+        text += f" on {demand.host}"
+    return text
+
+
+# --------------------------------------------------------------------------- feasibility
+
+
+def feasible(demand: Demand, cluster: Cluster) -> Refusal | None:
+    """Whether the demand could ever fit: ``unsatisfiable`` if not even an idle cluster would do.
+
+    Claims, health, drain and whether nodes are up are ignored (they change); only present
+    GPUs count, with their model, memory and share slots.
+    """
+    if demand.host is not None and demand.host not in cluster.nodes:
+        return Refusal(
+            ErrorCode.UNKNOWN_HOST,
+            f"No GPU node is called {demand.host!r}.",
+            {"host": demand.host, "known": sorted(cluster.nodes)},
+        )
+    hosts = [demand.host] if demand.host is not None else sorted(cluster.nodes)
+    where = f"on {demand.host}" if demand.host is not None else "in the cluster"
+    present = [gpu for host in hosts for gpu in cluster.gpus_of(host) if gpu.present]
+    if not present:
+        return Refusal(
+            ErrorCode.UNSATISFIABLE, f"No GPU has been reported {where}.", {"host": demand.host}
+        )
+
+    matching = [gpu for gpu in present if _of_model(demand, gpu)]
+    if not matching:
+        there = sorted({gpu.model for gpu in present})
+        assert demand.models is not None  # any-model demands match every present GPU
+        return Refusal(
+            ErrorCode.UNSATISFIABLE,
+            f"There is no GPU of {_models_text(demand.models)} {where}; "
+            f"models there: {', '.join(there)}.",
+            {"models": list(demand.models), "available": there},
+        )
+
+    big = [gpu for gpu in matching if _big_enough(demand, gpu)]
+    if not big:
+        largest = max(gpu.memory_total_mib for gpu in matching)
+        of = f" of {_models_text(demand.models)}" if demand.models else ""
+        return Refusal(
+            ErrorCode.UNSATISFIABLE,
+            f"No GPU{of} {where} has at least {demand.min_memory_mib} MiB; "
+            f"the largest has {largest} MiB.",
+            {"min_memory_mib": demand.min_memory_mib, "largest_mib": largest},
+        )
+
+    if demand.shared:
+        shareable = [gpu for gpu in big if gpu.share_slots > 1]
+        if not shareable:
+            return Refusal(
+                ErrorCode.UNSATISFIABLE,
+                f"No GPU {where} that matches can be shared: "
+                f"{', '.join(sorted({g.model for g in big}))} are exclusive only there.",
+                {"models": sorted({g.model for g in big})},
+            )
+        if not any(_slice_fits_size(demand, gpu) for gpu in shareable):
+            largest = max(gpu.memory_total_mib for gpu in shareable)
+            return Refusal(
+                ErrorCode.UNSATISFIABLE,
+                f"A slice of {demand.share_memory_mib} MiB does not fit any shareable GPU "
+                f"{where}; the largest has {largest} MiB.",
+                {"memory_mib": demand.share_memory_mib, "largest_mib": largest},
+            )
+        return None
+
+    if demand.count is None:
+        return None  # "all" needs only one matching GPU on some host.
+
+    groups: dict[tuple[str, str], int] = {}
+    for gpu in big:
+        groups[(gpu.host, gpu.model)] = groups.get((gpu.host, gpu.model), 0) + 1
+    # Largest group first, then host and model names for a stable message.
+    (host, model), most = min(groups.items(), key=lambda item: (-item[1], item[0]))
+    if most >= demand.count:
+        return None
+    if demand.models is not None and len(demand.models) == 1:
+        of, biggest = f"of model {demand.models[0]}", f"{most} ({host})"
+    elif demand.models is not None:
+        of = f"of one model among {', '.join(demand.models)}"
+        biggest = f"{most} of {model} ({host})"
+    else:
+        of, biggest = "of one model", f"{most} of {model} ({host})"
+    if demand.min_memory_mib is not None:
+        of += f" with at least {demand.min_memory_mib} MiB"
+    scope = f"Host {demand.host} does not have" if demand.host is not None else "No host has"
+    return Refusal(
+        ErrorCode.UNSATISFIABLE,
+        f"{scope} {demand.count} GPUs {of}; the largest has {biggest}.",
+        {"count": demand.count, "largest": {"host": host, "model": model, "count": most}},
+    )
+
+
+# --------------------------------------------------------------------------- placement
+
+
+@dataclass
+class _View:
+    """What is placeable right now, computed once per call."""
+
+    hosts: list[str]
+    """Candidate hosts that are up and not drained, sorted."""
+    placeable: dict[str, list[GPU]]
+    """Host -> its placeable GPUs, by index."""
+    host_free: dict[str, int]
+    """Host -> placeable GPUs with no claim at all."""
+
+
+def _usable(cluster: Cluster, host: str, now: float, down_after_s: float) -> bool:
+    node = cluster.nodes.get(host)
+    return node is not None and node.is_up(now, down_after_s) and not node.drained
+
+
+def _view(cluster: Cluster, hosts: Sequence[str], now: float, down_after_s: float) -> _View:
+    usable = sorted(h for h in hosts if _usable(cluster, h, now, down_after_s))
+    placeable = {
+        host: sorted((gpu for gpu in cluster.gpus_of(host) if gpu.placeable), key=lambda g: g.index)
+        for host in usable
+    }
+    host_free = {
+        host: sum(1 for gpu in gpus if cluster.is_free(gpu)) for host, gpus in placeable.items()
+    }
+    return _View(usable, placeable, host_free)
+
+
+def _preferences(demand: Demand) -> list[str | None]:
+    """Models to try, one at a time in order of preference; [None] = all models at once."""
+    return list(demand.models) if demand.models is not None else [None]
+
+
+def _exclusive(demand: Demand, count: int, cluster: Cluster, view: _View) -> Placement | None:
+    for wanted in _preferences(demand):
+        best: tuple[tuple[int, str, int, str], list[GPU]] | None = None
+        for host in view.hosts:
+            by_model: dict[str, list[GPU]] = {}
+            for gpu in view.placeable[host]:
+                if (
+                    (wanted is None or gpu.model == wanted)
+                    and _big_enough(demand, gpu)
+                    and cluster.is_free(gpu)
+                ):
+                    by_model.setdefault(gpu.model, []).append(gpu)
+            for model, gpus in by_model.items():
+                if len(gpus) < count:
+                    continue
+                # Fewest free GPUs on the host first; with any model allowed, also prefer the
+                # model with the fewest free GPUs there, so larger groups stay whole.
+                key = (view.host_free[host], host, len(gpus), model)
+                if best is None or key < best[0]:
+                    best = (key, gpus[:count])
+        if best is not None:
+            chosen = best[1]
+            return Placement(
+                host=best[0][1],
+                gpu_uuids=tuple(gpu.uuid for gpu in chosen),
+                shared=False,
+                memory_mib=None,
+                units=Fraction(len(chosen)),
+            )
+    return None
+
+
+def _whole_host(demand: Demand, cluster: Cluster, view: _View) -> Placement | None:
+    for wanted in _preferences(demand):
+        best: tuple[tuple[int, str], list[GPU]] | None = None
+        for host in view.hosts:
+            gpus = [
+                gpu
+                for gpu in cluster.gpus_of(host)
+                if gpu.present
+                and (wanted is None or gpu.model == wanted)
+                and _big_enough(demand, gpu)
+            ]
+            # Every matching GPU must be free and placeable: "all" means all of them, and a
+            # lease that silently got fewer would be a surprise.
+            if not gpus or not all(gpu.placeable and cluster.is_free(gpu) for gpu in gpus):
+                continue
+            key = (view.host_free[host], host)
+            if best is None or key < best[0]:
+                best = (key, sorted(gpus, key=lambda g: g.index))
+        if best is not None:
+            return Placement(
+                host=best[0][1],
+                gpu_uuids=tuple(gpu.uuid for gpu in best[1]),
+                shared=False,
+                memory_mib=None,
+                units=Fraction(len(best[1])),
+            )
+    return None
+
+
+def _slice(demand: Demand, cluster: Cluster, view: _View) -> Placement | None:
+    for wanted in _preferences(demand):
+        best: tuple[tuple[bool, int, int, str, int], GPU] | None = None
+        for host in view.hosts:
+            for gpu in view.placeable[host]:
+                if wanted is not None and gpu.model != wanted:
+                    continue
+                if not (_big_enough(demand, gpu) and _slice_fits_size(demand, gpu)):
+                    continue
+                slots = cluster.free_slots(gpu)  # 0 under an exclusive claim
+                if slots < 1 or cluster.free_memory_mib(gpu) < _slice_budget(demand, gpu):
+                    continue
+                # Pack: GPUs already shared first, then the fewest free slots, so untouched
+                # GPUs stay whole for exclusive leases.
+                key = (cluster.is_free(gpu), slots, view.host_free[host], host, gpu.index)
+                if best is None or key < best[0]:
+                    best = (key, gpu)
+        if best is not None:
+            gpu = best[1]
+            return Placement(
+                host=best[0][3],
+                gpu_uuids=(gpu.uuid,),
+                shared=True,
+                memory_mib=_slice_budget(demand, gpu),
+                units=Fraction(1, gpu.share_slots),
+            )
+    return None
+
+
+def free_by_model(
+    cluster: Cluster, now: float, down_after_s: float
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """Free placeable GPUs and free slices, each as {model: {host: n}} (only non-zero)."""
+    free: dict[str, dict[str, int]] = {}
+    slots: dict[str, dict[str, int]] = {}
+    view = _view(cluster, sorted(cluster.nodes), now, down_after_s)
+    for host in view.hosts:
+        for gpu in view.placeable[host]:
+            if cluster.is_free(gpu):
+                per_host = free.setdefault(gpu.model, {})
+                per_host[host] = per_host.get(host, 0) + 1
+            if gpu.share_slots > 1 and cluster.free_slots(gpu) > 0:
+                per_host = slots.setdefault(gpu.model, {})
+                per_host[host] = per_host.get(host, 0) + cluster.free_slots(gpu)
+    return (
+        {m: dict(sorted(h.items())) for m, h in sorted(free.items())},
+        {m: dict(sorted(h.items())) for m, h in sorted(slots.items())},
+    )
+
+
+def _free_text(label: str, free: dict[str, dict[str, int]]) -> str:
+    parts = [
+        f"{model}: " + ", ".join(f"{n} on {host}" for host, n in hosts.items())
+        for model, hosts in free.items()
+    ]
+    return f"{label}: " + "; ".join(parts) + "."
+
+
+def _no_capacity(demand: Demand, cluster: Cluster, now: float, down_after_s: float) -> Refusal:
+    free, slots = free_by_model(cluster, now, down_after_s)
+    sentences = [f"Nothing free fits {_describe(demand)} right now."]
+    details: dict[str, Any] = {"free": free}
+    if demand.host is not None:
+        node = cluster.nodes[demand.host]
+        if node.drained:
+            sentences.append(f"Host {demand.host} is drained by an admin.")
+            details["host_drained"] = True
+        elif not node.is_up(now, down_after_s):
+            sentences.append(f"Host {demand.host} is not reporting (no recent heartbeat).")
+            details["host_up"] = False
+    if demand.shared:
+        details["free_slots"] = slots
+        if slots:
+            sentences.append(_free_text("Free slices now", slots))
+    if free:
+        sentences.append(_free_text("Free GPUs now", free))
+    elif not (demand.shared and slots):
+        sentences.append("No GPU is free anywhere at the moment.")
+    return Refusal(ErrorCode.NO_CAPACITY, " ".join(sentences), details)
+
+
+def place(demand: Demand, cluster: Cluster, now: float, down_after_s: float) -> Placement | Refusal:
+    """Where the demand fits now (best fit), or why not.
+
+    ``unknown_host``/``unsatisfiable`` (from :func:`feasible`) when it could never fit,
+    else ``no_capacity`` naming what is free instead, with ``details["free"]`` as
+    ``{model: {host: free GPUs}}`` (and ``details["free_slots"]`` for slices).
+    """
+    if demand.host is not None and demand.host not in cluster.nodes:
+        refusal = feasible(demand, cluster)
+        assert refusal is not None
+        return refusal
+    hosts = [demand.host] if demand.host is not None else sorted(cluster.nodes)
+    view = _view(cluster, hosts, now, down_after_s)
+    found: Placement | None
+    if demand.shared:
+        found = _slice(demand, cluster, view)
+    elif demand.count is None:
+        found = _whole_host(demand, cluster, view)
+    else:
+        found = _exclusive(demand, demand.count, cluster, view)
+    if found is not None:
+        return found
+    # Only on failure: an impossible request must not queue forever as "no capacity".
+    return feasible(demand, cluster) or _no_capacity(demand, cluster, now, down_after_s)
+
+
+def apply_placement(cluster: Cluster, placement: Placement, lease_id: str, demand: Demand) -> None:
+    """Record the lease's claims on its GPUs: the only function here that changes anything.
+
+    An exclusive claim promises the GPU's whole memory; a slice its budget and one slot.
+    """
+    for uuid in placement.gpu_uuids:
+        gpu = cluster.gpus[uuid]
+        if placement.shared:
+            assert placement.memory_mib is not None
+            claim = Claim(
+                lease_id=lease_id,
+                user=demand.user,
+                groups=demand.groups,
+                exclusive=False,
+                memory_mib=placement.memory_mib,
+                units=placement.units,
+            )
+        else:
+            claim = Claim(
+                lease_id=lease_id,
+                user=demand.user,
+                groups=demand.groups,
+                exclusive=True,
+                memory_mib=gpu.memory_total_mib,
+                units=Fraction(1),
+            )
+        cluster.add_claim(uuid, claim)
+
+
+# --------------------------------------------------------------------------- quota
+
+
+def _fmt_units(units: Fraction | float) -> str:
+    """1 -> "1", 1/4 -> "0.25", 1/3 -> "0.333"."""
+    value = Fraction(units)
+    if value.denominator == 1:
+        return str(value.numerator)
+    return f"{float(value):.3f}".rstrip("0")
+
+
+def _gpus(units: Fraction | float) -> str:
+    return f"{_fmt_units(units)} GPU" + ("" if Fraction(units) == 1 else "s")
+
+
+def _limit(value: float | None) -> Fraction | None:
+    if value is None or not math.isfinite(value):
+        return None  # unlimited (a NaN quota is a typo, not a ban)
+    return Fraction(value).limit_denominator(_QUOTA_DENOMINATOR)
+
+
+def check_quota(
+    demand_units: Fraction,
+    user: str,
+    groups: Sequence[str],
+    cluster: Cluster,
+    settings: PolicySettings,
+) -> Refusal | None:
+    """``quota_exceeded`` if granting ``demand_units`` more would pass a user or group quota.
+
+    Holdings are the claims in the cluster: one per GPU a lease holds (1 unit each for
+    exclusive leases, 1/slots for a slice). The user's limit is ``user_quota[user]``, else
+    ``default_user_quota`` (None = unlimited); each of the user's groups in ``group_quota``
+    limits what all claims carrying that group hold together.
+    """
+    claims = [claim for held in cluster.claims.values() for claim in held]
+    user_limit = _limit(settings.user_quota.get(user, settings.default_user_quota))
+    if user_limit is not None:
+        held = sum((c.units for c in claims if c.user == user), Fraction(0))
+        if held + demand_units > user_limit:
+            return Refusal(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"User {user} may hold {_gpus(user_limit)} at once and holds "
+                f"{_fmt_units(held)}; this request asks for {_fmt_units(demand_units)} more.",
+                {
+                    "scope": "user",
+                    "name": user,
+                    "limit": float(user_limit),
+                    "held": float(held),
+                    "asked": float(demand_units),
+                },
+            )
+    for group in dict.fromkeys(groups):  # each group once, in the order given
+        if group not in settings.group_quota:
+            continue
+        group_limit = _limit(settings.group_quota[group])
+        if group_limit is None:
+            continue
+        held = sum((c.units for c in claims if group in c.groups), Fraction(0))
+        if held + demand_units > group_limit:
+            return Refusal(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"Group {group} may hold {_gpus(group_limit)} at once and its members hold "
+                f"{_fmt_units(held)}; this request asks for {_fmt_units(demand_units)} more.",
+                {
+                    "scope": "group",
+                    "name": group,
+                    "limit": float(group_limit),
+                    "held": float(held),
+                    "asked": float(demand_units),
+                },
+            )
+    return None
+
+
+# --------------------------------------------------------------------------- queue, env, summary
+
+
+def queue_order_key(priority: int, enqueued_at: float, lease_id: str) -> tuple[int, float, str]:
+    """Sort key of queued requests: higher priority first, then first come first served.
+
+    The lease id only breaks exact ties so the order is total and stable across restarts.
+    """
+    return (-priority, enqueued_at, lease_id)
+
+
+def lease_env(placement: Placement, cluster: Cluster, lease_id: str) -> dict[str, str]:
+    """Environment the lease's container gets.
+
+    Always ``NVIDIA_VISIBLE_DEVICES`` and ``SWARM_GPU_LEASE``. A slice also gets its budget
+    and framework hints that keep JAX, TensorFlow and PyTorch from taking the whole GPU.
+    """
+    env = {
+        "NVIDIA_VISIBLE_DEVICES": ",".join(placement.gpu_uuids),
+        "SWARM_GPU_LEASE": lease_id,
+    }
+    if placement.shared and placement.memory_mib is not None and placement.gpu_uuids:
+        total = cluster.gpus[placement.gpu_uuids[0]].memory_total_mib
+        # Integer arithmetic so the fraction is rounded down exactly: rounding up would let
+        # XLA preallocate more than the budget.
+        hundredths = placement.memory_mib * 100 // total if total > 0 else 0
+        hundredths = min(hundredths, 100)
+        env.update(
+            {
+                "SWARM_GPU_MEMORY_LIMIT_MIB": str(placement.memory_mib),
+                "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{hundredths // 100}.{hundredths % 100:02d}",
+                "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+            }
+        )
+    return env
+
+
+def summarize_models(
+    cluster: Cluster, settings: PolicySettings, now: float, down_after_s: float
+) -> list[ModelSummary]:
+    """Per canonical model with at least one present GPU, sorted by name: what the form shows.
+
+    ``free`` counts placeable GPUs on up, undrained nodes with no claim; ``free_slots`` sums
+    the free slots of those placeable GPUs; ``hosts`` gives every host with a present GPU of
+    the model and its free GPUs (0 included, so the form can show it).
+    """
+    index = _build_index(cluster, settings.aliases)
+    present: dict[str, list[tuple[str, GPU]]] = {}
+    for host in sorted(cluster.nodes):
+        for gpu in cluster.gpus_of(host):
+            if gpu.present:
+                present.setdefault(gpu.model, []).append((host, gpu))
+    summaries = []
+    for model in sorted(present):
+        gpus = present[model]
+        free = 0
+        free_slots = 0
+        hosts: dict[str, int] = {}
+        for host, gpu in gpus:
+            hosts.setdefault(host, 0)
+            if not (gpu.placeable and _usable(cluster, host, now, down_after_s)):
+                continue
+            free_slots += cluster.free_slots(gpu)
+            if cluster.is_free(gpu):
+                free += 1
+                hosts[host] += 1
+        summaries.append(
+            ModelSummary(
+                model=model,
+                aliases=index.aliases.get(model, []),
+                memory_total_mib=max(gpu.memory_total_mib for _, gpu in gpus),
+                total=len(gpus),
+                free=free,
+                share_slots=share_slots_for(model, settings),
+                free_slots=free_slots,
+                hosts=hosts,
+            )
+        )
+    return summaries
