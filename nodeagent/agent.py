@@ -222,6 +222,7 @@ class NodeAgent:
         await self.publisher.start()
         if self.watcher is not None:
             await self.watcher.start()
+            await self.watcher.wait_first_listing(settings.docker_timeout_s)
         self._xid_stop.clear()
         self._xid_thread = threading.Thread(
             target=self._xid_worker, name="nodeagent-xid", daemon=True

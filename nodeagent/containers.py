@@ -174,6 +174,8 @@ class ContainerWatcher:
         self.deaths_inferred = 0
         """Deaths reported by the watcher itself after a gap (no event said so)."""
         self.last_error: str | None = None
+        self._first_attempt = asyncio.Event()
+        self._listed_once = False
 
     # ------------------------------------------------------------------ public surface
 
@@ -195,6 +197,15 @@ class ContainerWatcher:
             timeout=aiohttp.ClientTimeout(connect=self.timeout_s, sock_connect=self.timeout_s),
         )
         self._task = asyncio.create_task(self._run(), name="docker-watcher")
+
+    async def wait_first_listing(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until the first listing succeeded or failed, so the
+        agent's first heartbeat carries a complete list when the engine is up; True if
+        the list is complete now."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._first_attempt.wait()
+        return self._complete
 
     async def stop(self) -> None:
         """Stop watching and close the Docker client."""
@@ -255,23 +266,25 @@ class ContainerWatcher:
 
     async def _run(self) -> None:
         backoff = self.backoff_s
-        first = True
         while True:
+            attempt_started = time.monotonic()
             try:
-                await self._connect_and_stream(first)
-                first = False
-                backoff = self.backoff_s  # the stream worked for a while: start over
+                await self._connect_and_stream()  # returns only by raising
+                error = "event stream ended"
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("docker (%s): %s; retrying in %.1fs", self.docker_url,
-                            self.last_error, backoff)
+                error = f"{type(exc).__name__}: {exc}"
+            self._first_attempt.set()
             self._complete = False
+            if time.monotonic() - attempt_started > self.backoff_max_s:
+                backoff = self.backoff_s  # the stream ran for a while: a fresh failure
+            self.last_error = error
+            log.warning("docker (%s): %s; retrying in %.1fs", self.docker_url, error, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.backoff_max_s)
 
-    async def _connect_and_stream(self, first: bool) -> None:
+    async def _connect_and_stream(self) -> None:
         assert self._docker is not None
         before = dict(self._running)
         listed_at = self._clock()
@@ -296,7 +309,9 @@ class ContainerWatcher:
         try:
             self._running = {c.container_id: c for c in listed}
             self._complete = True
-            if first:
+            self._first_attempt.set()
+            if not self._listed_once:
+                self._listed_once = True
                 log.info("docker: %d lease container(s) running; watching events",
                          len(listed))
             else:

@@ -1,0 +1,630 @@
+"""The node agent end to end: real broker, real Docker engine in Swarm mode, simulated GPUs.
+
+Each test runs a real :class:`~nodeagent.agent.NodeAgent` with a simulated inventory file and
+reads what it publishes from a queue bound to the nodes exchange in the test's own vhost.
+Outages are made with a small proxy the test controls (a unix socket in front of the Docker
+engine, a TCP port in front of the broker): the shared broker and engine are never stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import aiodocker
+import pytest
+from yarl import URL
+
+from allocator.protocol import (
+    NODE_MESSAGE_ADAPTER,
+    ContainerAction,
+    ContainerEvent,
+    Health,
+    Heartbeat,
+    ProcessUse,
+)
+from allocator.topology import NODES_EXCHANGE
+from nodeagent.agent import NodeAgent
+from nodeagent.config import AgentSettings
+from nodeagent.containers import LEASE_LABEL, ContainerChange, ContainerWatcher, LeaseContainer
+from nodeagent.simulated import make_gpu, simulated_uuid, update_gpu, write_inventory
+
+pytestmark = pytest.mark.docker
+
+WAIT_S = 10.0
+"""Bound on every wait for a message: generous for a loaded machine, far above the normal."""
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+@dataclass(frozen=True)
+class Received:
+    """A node message as the test queue received it, with the AMQP properties that matter."""
+
+    message: Heartbeat | ContainerEvent
+    routing_key: str
+    user_id: str | None
+    content_type: str | None
+    expiration: Any
+    persistent: bool
+
+
+class Inbox:
+    """Every message published to the nodes exchange of one vhost, in arrival order."""
+
+    def __init__(self) -> None:
+        self.messages: list[Received] = []
+        self._arrived = asyncio.Condition()
+
+    async def on_message(self, incoming: aio_pika.abc.AbstractIncomingMessage) -> None:
+        async with incoming.process():
+            received = Received(
+                message=NODE_MESSAGE_ADAPTER.validate_json(incoming.body),
+                routing_key=incoming.routing_key or "",
+                user_id=incoming.user_id,
+                content_type=incoming.content_type,
+                expiration=incoming.expiration,
+                persistent=incoming.delivery_mode == aio_pika.DeliveryMode.PERSISTENT,
+            )
+        async with self._arrived:
+            self.messages.append(received)
+            self._arrived.notify_all()
+
+    def mark(self) -> int:
+        """Position to wait from: only messages after it count."""
+        return len(self.messages)
+
+    async def wait_for(self, predicate: Callable[[Received], bool], *, after: int = 0,
+                       within: float = WAIT_S, what: str = "message") -> Received:
+        """The first message after ``after`` that satisfies ``predicate``."""
+        position = after
+
+        def find() -> Received | None:
+            nonlocal position
+            while position < len(self.messages):
+                candidate = self.messages[position]
+                position += 1
+                if predicate(candidate):
+                    return candidate
+            return None
+
+        try:
+            async with asyncio.timeout(within), self._arrived:
+                while (found := find()) is None:
+                    await self._arrived.wait()
+                return found
+        except TimeoutError:
+            raise AssertionError(f"no {what} within {within}s") from None
+
+    async def heartbeat(self, host: str, predicate: Callable[[Heartbeat], bool] = lambda _: True,
+                        **kwargs: Any) -> Heartbeat:
+        """The next heartbeat of ``host`` that satisfies ``predicate``."""
+        received = await self.wait_for(
+            lambda r: isinstance(r.message, Heartbeat) and r.message.host == host
+            and predicate(r.message), what=f"matching heartbeat of {host}", **kwargs)
+        assert isinstance(received.message, Heartbeat)
+        return received.message
+
+    async def event(self, lease_id: str, action: ContainerAction, **kwargs: Any) -> ContainerEvent:
+        """The next container event of ``lease_id`` with ``action``."""
+        received = await self.wait_for(
+            lambda r: isinstance(r.message, ContainerEvent) and r.message.lease_id == lease_id
+            and r.message.action is action, what=f"{action.value} event of {lease_id}", **kwargs)
+        assert isinstance(received.message, ContainerEvent)
+        return received.message
+
+
+class Proxy:
+    """A byte-for-byte stream proxy (unix socket or TCP) whose link the test can break.
+
+    ``cut()`` closes every connection and stops listening (the service looks down: new
+    connections are refused); ``freeze()`` keeps connections open but passes no bytes (a
+    black hole, where calls hang rather than fail); ``restore()`` undoes either.
+    """
+
+    def __init__(self, upstream: Callable[[], Awaitable[tuple[asyncio.StreamReader,
+                                                                asyncio.StreamWriter]]]) -> None:
+        self._upstream = upstream
+        self._server: asyncio.Server | None = None
+        self._listen: Callable[[], Awaitable[asyncio.Server]] | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    async def serve_unix(self, path: Path) -> str:
+        async def listen() -> asyncio.Server:
+            # asyncio removes a stale socket file itself before binding
+            return await asyncio.start_unix_server(self._handle, path=str(path))
+
+        self._listen = listen
+        self._server = await listen()
+        return f"unix://{path}"
+
+    async def serve_tcp(self) -> int:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+
+        async def listen() -> asyncio.Server:
+            return await asyncio.start_server(self._handle, "127.0.0.1", port,
+                                              reuse_address=True)
+
+        self._listen = listen
+        return int(port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await self._upstream()
+        except OSError:
+            writer.close()
+            return
+        self._writers.update((writer, up_writer))
+        tasks = [asyncio.create_task(self._pipe(reader, up_writer)),
+                 asyncio.create_task(self._pipe(up_reader, writer))]
+        self._pipes.update(tasks)
+        for task in tasks:
+            task.add_done_callback(self._pipes.discard)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            self._writers.discard(writer)
+
+    async def _close_connections(self) -> None:
+        for task in list(self._pipes):
+            task.cancel()
+        for writer in list(self._writers):
+            writer.close()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        self._writers.clear()
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        await self._close_connections()
+
+    def freeze(self) -> None:
+        self._flowing.clear()
+
+    async def restore(self) -> None:
+        """Listen again; frozen connections are dropped (the peers reconnect)."""
+        if not self._flowing.is_set():
+            await self._close_connections()
+            self._flowing.set()
+        if self._server is None:
+            assert self._listen is not None
+            self._server = await self._listen()
+
+    async def close(self) -> None:
+        self._flowing.set()
+        await self.cut()
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+async def inbox(amqp_vhost: Any) -> AsyncIterator[Inbox]:
+    """A queue bound to every node message of the vhost, consumed into an :class:`Inbox`."""
+    connection = await aio_pika.connect(amqp_vhost.url, timeout=10)
+    try:
+        channel = await connection.channel()
+        exchange = await channel.declare_exchange(NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                                  durable=True)
+        queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+        await queue.bind(exchange, "#")
+        box = Inbox()
+        await queue.consume(box.on_message)
+        yield box
+    finally:
+        await connection.close()
+
+
+@pytest.fixture
+def host() -> str:
+    return f"test-node-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def inventory(tmp_path: Path, host: str) -> Path:
+    path = tmp_path / "inventory.json"
+    write_inventory(path, {
+        host: [make_gpu(host, 0, "NVIDIA GeForce GTX 1070"),
+               make_gpu(host, 1, "NVIDIA GeForce GTX 1070")],
+        "someone-else": [make_gpu("someone-else", 0, "NVIDIA A100-SXM4-40GB")],
+    })
+    return path
+
+
+def agent_settings(host: str | None, amqp_url: str, inventory: Path, **overrides: Any
+                   ) -> AgentSettings:
+    """Settings with every period short, so each test takes seconds."""
+    values: dict[str, Any] = {
+        "host": host, "amqp_url": amqp_url, "inventory": "simulated",
+        "simulated_file": inventory, "interval_s": 0.25, "publish_timeout_s": 1.0,
+        "amqp_reconnect_s": 0.2, "docker_backoff_s": 0.1, "docker_backoff_max_s": 0.5,
+        "docker_replay_grace_s": 0.5, "docker_timeout_s": 3.0, "xid_poll_s": 0.2,
+        "xid_quiet_s": 1.0, "ecc_stable_s": 1.0, "overheat_c": 90.0,
+        "overheat_hysteresis_c": 10.0, "docker": False,
+    }
+    values.update(overrides)
+    return AgentSettings(**values)
+
+
+@contextlib.asynccontextmanager
+async def running(settings: AgentSettings) -> AsyncIterator[NodeAgent]:
+    agent = NodeAgent(settings)
+    await agent.start()
+    try:
+        yield agent
+    finally:
+        await agent.stop()
+
+
+@pytest.fixture
+async def docker(docker_engine: str) -> AsyncIterator[aiodocker.Docker]:
+    client = aiodocker.Docker(url=docker_engine)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+async def lease_containers(docker: aiodocker.Docker, busybox_image: str
+                           ) -> AsyncIterator[Callable[[str], Awaitable[str]]]:
+    """Starts plain containers with the lease label (faster than a service); removed after."""
+    started: list[str] = []
+
+    async def run(lease_id: str) -> str:
+        container = await docker.containers.run(
+            config={"Image": busybox_image, "Cmd": ["sleep", "300"],
+                    "Labels": {LEASE_LABEL: lease_id},
+                    "HostConfig": {"NetworkMode": "host"}},
+            name=f"nodeagent-test-{lease_id}",
+        )
+        started.append(container.id)
+        return container.id
+
+    yield run
+    for container_id in started:
+        with contextlib.suppress(aiodocker.DockerError):
+            await docker.containers.container(container_id).delete(force=True)
+
+
+async def docker_cli(*args: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        "docker", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(30):
+        out, err = await process.communicate()
+    assert process.returncode == 0, f"docker {' '.join(args)}: {err.decode()}"
+    return out.decode().strip()
+
+
+def lease() -> str:
+    return f"lease-{uuid.uuid4().hex[:10]}"
+
+
+# -------------------------------------------------------------------------------- tests
+
+
+async def test_swarm_service_lifecycle(amqp_vhost: Any, inbox: Inbox, host: str,
+                                       inventory: Path, docker_engine: str,
+                                       busybox_image: str) -> None:
+    """Heartbeats carry the GPUs, the user_id and the service's container (with its GPU use);
+    start and die reach the broker as events the moment they happen."""
+    lease_id = lease()
+    settings = agent_settings(host, amqp_vhost.url, inventory, docker=True,
+                              docker_url=docker_engine)
+    service = f"nodeagent-test-{lease_id}"
+    async with running(settings) as agent:
+        first = await inbox.wait_for(lambda r: isinstance(r.message, Heartbeat))
+        beat = first.message
+        assert isinstance(beat, Heartbeat)
+        assert (beat.host, beat.agent_id, beat.source) == (host, agent.agent_id, "simulated")
+        assert [(g.uuid, g.index, g.model, g.memory_total_mib, g.health) for g in beat.gpus] == [
+            (simulated_uuid(host, i), i, "NVIDIA GeForce GTX 1070", 8192, Health.HEALTHY)
+            for i in (0, 1)]
+        assert beat.containers_complete is True
+        assert first.user_id == "guest"  # the broker checked it against the connection
+        assert first.content_type == "application/json"
+        assert first.routing_key == f"heartbeat.{host}"
+        assert not first.persistent
+        assert float(first.expiration) == pytest.approx(2 * settings.interval_s)
+
+        try:
+            await docker_cli("service", "create", "--detach", "--quiet", "--name", service,
+                             "--network", "host", "--no-resolve-image",
+                             "--restart-condition", "none",
+                             "--container-label", f"{LEASE_LABEL}={lease_id}",
+                             busybox_image, "sleep", "300")
+            started = await inbox.event(lease_id, ContainerAction.START, within=30)
+            assert started.host == host
+            container_id = started.container_id
+            assert len(container_id) == 64
+
+            beat = await inbox.heartbeat(host, lambda b: any(
+                c.lease_id == lease_id for c in b.containers))
+            listed = next(c for c in beat.containers if c.lease_id == lease_id)
+            assert listed.container_id == container_id
+            assert listed.name.startswith(f"{service}.1.")  # Swarm's task container name
+            assert listed.gpu_use == []
+
+            # The container's main process uses GPU 1: the agent finds it by its cgroup.
+            pid = int(await docker_cli("inspect", "-f", "{{.State.Pid}}", container_id))
+            update_gpu(inventory, host, 1, memory_used_mib=1500,
+                       processes=[{"pid": pid, "used_memory_mib": 1234},
+                                  {"pid": os.getpid(), "used_memory_mib": 99}])
+            beat = await inbox.heartbeat(host, lambda b: any(
+                c.lease_id == lease_id and c.gpu_use for c in b.containers))
+            listed = next(c for c in beat.containers if c.lease_id == lease_id)
+            assert listed.gpu_use == [ProcessUse(gpu_uuid=simulated_uuid(host, 1),
+                                                 memory_used_mib=1234)]
+
+            mark = inbox.mark()
+            killed_at = time.monotonic()
+            await docker_cli("kill", container_id)
+            died = await inbox.event(lease_id, ContainerAction.DIE, after=mark, within=5)
+            latency = time.monotonic() - killed_at
+            assert died.container_id == container_id
+            assert died.exit_code == 137
+            assert latency < 2.0, f"die took {latency:.2f}s to reach the broker"
+            # the next heartbeat no longer lists it (and comes at once, not an interval later)
+            await inbox.heartbeat(host, lambda b: all(c.lease_id != lease_id
+                                                      for c in b.containers), after=mark)
+            died_received = next(r for r in inbox.messages[mark:]
+                                 if r.message == died)
+            assert died_received.persistent and died_received.expiration is None
+            assert died_received.routing_key == f"event.{host}"
+            assert died_received.user_id == "guest"
+        finally:
+            with contextlib.suppress(AssertionError):
+                await docker_cli("service", "rm", service)
+        assert agent.events_forwarded >= 2
+        assert agent.publish_failures == 0
+
+
+async def test_host_defaults_to_the_engines_node_name(amqp_vhost: Any, inbox: Inbox,
+                                                      tmp_path: Path, docker_engine: str) -> None:
+    engine = aiodocker.Docker(url=docker_engine)
+    try:
+        node_name = (await engine.system.info())["Name"]
+    finally:
+        await engine.close()
+    path = tmp_path / "inventory.json"
+    write_inventory(path, {node_name: [make_gpu(node_name, 0, "NVIDIA GeForce RTX 3090")]})
+    settings = agent_settings(None, amqp_vhost.url, path, docker=True, docker_url=docker_engine)
+    async with running(settings) as agent:
+        assert agent.host == node_name
+        beat = await inbox.heartbeat(node_name)
+        assert [g.model for g in beat.gpus] == ["NVIDIA GeForce RTX 3090"]
+
+
+async def test_health_follows_the_inventory_and_recovers(amqp_vhost: Any, inbox: Inbox,
+                                                         host: str, inventory: Path) -> None:
+    """XID, overheat, lost and ECC make a GPU unhealthy in the next heartbeat; each recovers."""
+    uuid0 = simulated_uuid(host, 0)
+
+    def gpu0(beat: Heartbeat) -> Any:
+        return next(g for g in beat.gpus if g.uuid == uuid0)
+
+    def unhealthy_because(prefix: str) -> Callable[[Heartbeat], bool]:
+        return lambda b: gpu0(b).health is Health.UNHEALTHY and any(
+            r.startswith(prefix) for r in gpu0(b).health_reasons)
+
+    def healthy(b: Heartbeat) -> bool:
+        return gpu0(b).health is Health.HEALTHY
+
+    settings = agent_settings(host, amqp_vhost.url, inventory)
+    async with running(settings) as agent:
+        beat = await inbox.heartbeat(host)
+        assert beat.containers_complete is False  # docker watching is off
+        assert all(g.health is Health.HEALTHY for g in beat.gpus)
+
+        # fatal XID: unhealthy at once (the agent does not wait for the interval) ...
+        mark = inbox.mark()
+        written = time.monotonic()
+        update_gpu(inventory, host, 0, xid=79)
+        beat = await inbox.heartbeat(host, unhealthy_because("xid 79"), after=mark)
+        assert time.monotonic() - written < 1.0
+        assert gpu0(beat).recent_xids == [79]
+        assert next(g for g in beat.gpus if g.uuid != uuid0).health is Health.HEALTHY
+        # ... and healthy again after the quiet period, still listing the XID
+        beat = await inbox.heartbeat(host, healthy, after=inbox.mark(), within=5)
+        assert gpu0(beat).recent_xids == [79]
+
+        # a non-fatal XID (a user's faulting kernel) is listed but changes nothing
+        mark = inbox.mark()
+        update_gpu(inventory, host, 0, xid=13)
+        beat = await inbox.heartbeat(host, lambda b: 13 in gpu0(b).recent_xids, after=mark)
+        assert healthy(beat)
+
+        # overheat, with hysteresis
+        update_gpu(inventory, host, 0, temperature_c=95.0)
+        await inbox.heartbeat(host, unhealthy_because("overheat"), after=inbox.mark())
+        update_gpu(inventory, host, 0, temperature_c=85.0)
+        beat = await inbox.heartbeat(host, lambda b: gpu0(b).temperature_c == 85.0,
+                                     after=inbox.mark())
+        assert not healthy(beat)
+        update_gpu(inventory, host, 0, temperature_c=70.0)
+        await inbox.heartbeat(host, healthy, after=inbox.mark())
+
+        # lost and found
+        update_gpu(inventory, host, 0, lost=True)
+        await inbox.heartbeat(host, unhealthy_because("lost"), after=inbox.mark())
+        update_gpu(inventory, host, 0, lost=False)
+        await inbox.heartbeat(host, healthy, after=inbox.mark())
+
+        # uncorrected ECC errors rising: unhealthy until the count is stable
+        update_gpu(inventory, host, 0, ecc_uncorrected=3)
+        await inbox.heartbeat(host, unhealthy_because("ecc"), after=inbox.mark())
+        await inbox.heartbeat(host, healthy, after=inbox.mark(), within=5)
+        assert agent.xids_received == 2
+        assert agent.publish_failures == 0
+
+
+async def test_docker_stream_cut_resumes_and_reports_a_death_in_the_gap(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, tmp_path: Path,
+        docker_engine: str, docker: aiodocker.Docker,
+        lease_containers: Callable[[str], Awaitable[str]]) -> None:
+    engine_socket = URL(docker_engine).path
+    proxy = Proxy(lambda: asyncio.open_unix_connection(engine_socket))
+    proxy_url = await proxy.serve_unix(tmp_path / "docker.sock")
+    lease_id = lease()
+    settings = agent_settings(host, amqp_vhost.url, inventory, docker=True, docker_url=proxy_url)
+    try:
+        async with running(settings) as agent:
+            container_id = await lease_containers(lease_id)
+            await inbox.event(lease_id, ContainerAction.START)
+            await inbox.heartbeat(host, lambda b: b.containers_complete and any(
+                c.container_id == container_id for c in b.containers))
+
+            await proxy.cut()  # the engine is unreachable for the agent
+            mark = inbox.mark()
+            await inbox.heartbeat(host, lambda b: not b.containers_complete, after=mark)
+            await docker.containers.container(container_id).kill()  # dies during the gap
+            await asyncio.sleep(0.5)  # a few failed reconnects
+            assert not any(isinstance(r.message, ContainerEvent) for r in inbox.messages[mark:])
+
+            await proxy.restore()
+            died = await inbox.event(lease_id, ContainerAction.DIE, after=mark)
+            assert died.container_id == container_id
+            assert died.exit_code == 137  # replayed by Docker, not inferred
+            await inbox.heartbeat(host, lambda b: b.containers_complete and all(
+                c.container_id != container_id for c in b.containers), after=mark)
+            assert agent.docker_reconnects >= 1
+            assert agent.watcher is not None and agent.watcher.deaths_inferred == 0
+
+            # the resumed stream is live: a new container is reported as before
+            second = await lease_containers(lease())
+            started = await inbox.wait_for(
+                lambda r: isinstance(r.message, ContainerEvent)
+                and r.message.container_id == second, after=mark)
+            assert started.message.action is ContainerAction.START
+            await docker.containers.container(second).delete(force=True)
+            destroyed = await inbox.wait_for(
+                lambda r: isinstance(r.message, ContainerEvent)
+                and r.message.container_id == second
+                and r.message.action is ContainerAction.DESTROY, after=mark)
+            assert destroyed.message.host == host
+            # each event exactly once, even though the replay repeated some of them
+            keys = [(r.message.container_id, r.message.action) for r in inbox.messages
+                    if isinstance(r.message, ContainerEvent)]
+            assert len(keys) == len(set(keys)), keys
+    finally:
+        await proxy.close()
+
+
+async def test_engine_unreachable_means_incomplete_container_list(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, tmp_path: Path) -> None:
+    settings = agent_settings(host, amqp_vhost.url, inventory, docker=True,
+                              docker_url=f"unix://{tmp_path}/no-engine.sock")
+    async with running(settings) as agent:
+        beats = [await inbox.heartbeat(host, after=inbox.mark()) for _ in range(2)]
+        assert all(not b.containers_complete and b.containers == [] for b in beats)
+        assert [g.index for g in beats[-1].gpus] == [0, 1]  # GPUs are reported regardless
+        assert agent.watcher is not None and agent.watcher.last_error
+
+
+async def test_deaths_no_event_reported_are_inferred_after_a_gap() -> None:
+    """Docker keeps a bounded number of past events; a death the replay does not cover is
+    reported by the watcher itself once the replay had its chance."""
+    changes: list[ContainerChange] = []
+    watcher = ContainerWatcher("unix:///nonexistent.sock", on_change=changes.append,
+                               replay_grace_s=0.05)
+    gone = LeaseContainer("a" * 64, "lease-a", "nb-a")
+    reported = LeaseContainer("b" * 64, "lease-b", "nb-b")
+    await watcher._handle({"Type": "container", "Action": "die", "timeNano": 5,
+                           "Actor": {"ID": reported.container_id,
+                                     "Attributes": {LEASE_LABEL: "lease-b", "exitCode": "1"}}})
+    watcher._schedule_inferred_deaths([gone, reported])
+    await asyncio.sleep(0.2)
+    assert [(c.container_id, c.action, c.synthesized, c.exit_code) for c in changes] == [
+        (reported.container_id, "die", False, 1), (gone.container_id, "die", True, None)]
+    assert watcher.deaths_inferred == 1
+
+
+async def test_publish_to_an_unreachable_broker_is_bounded(host: str, inventory: Path) -> None:
+    """Nothing listens on the port: the agent keeps beating (and counting failures), and
+    stops promptly."""
+    settings = agent_settings(host, "amqp://guest:guest@127.0.0.1:1/", inventory,
+                              publish_timeout_s=0.3, interval_s=0.1)
+    started = time.monotonic()
+    async with running(settings) as agent:
+        assert time.monotonic() - started < 2.0
+        await asyncio.sleep(0.6)
+        assert agent.heartbeats_sent == 0
+        assert agent.publish_failures >= 3
+        assert agent.seq >= 3  # the heartbeat loop was never blocked
+    assert time.monotonic() - started < 5.0
+
+
+async def test_broker_outage_buffers_events_and_delivers_them_after(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, docker_engine: str,
+        docker: aiodocker.Docker, lease_containers: Callable[[str], Awaitable[str]]) -> None:
+    """A broker that stops answering (black hole, then refused): heartbeats fail within the
+    publish timeout, the death that happens meanwhile is kept and published on reconnect."""
+    broker = URL(amqp_vhost.url)
+    proxy = Proxy(lambda: asyncio.open_connection(broker.host, broker.port))
+    port = await proxy.serve_tcp()
+    lease_id = lease()
+    settings = agent_settings(host, str(broker.with_port(port)), inventory, docker=True,
+                              docker_url=docker_engine, publish_timeout_s=0.5)
+    try:
+        async with running(settings) as agent:
+            container_id = await lease_containers(lease_id)
+            await inbox.event(lease_id, ContainerAction.START)
+            await inbox.heartbeat(host, lambda b: any(c.lease_id == lease_id
+                                                      for c in b.containers))
+
+            proxy.freeze()  # publishes now hang: the timeout must end them
+            failures, seq = agent.publish_failures, agent.seq
+            mark = inbox.mark()
+            await docker.containers.container(container_id).kill()
+            await asyncio.sleep(1.5)
+            assert agent.publish_failures > failures
+            assert agent.seq >= seq + 2  # heartbeats went on being attempted
+            assert agent.publisher is not None and agent.publisher.buffered >= 1
+
+            await proxy.cut()  # and now the broker refuses connections
+            await asyncio.sleep(0.5)
+            await proxy.restore()
+            died = await inbox.event(lease_id, ContainerAction.DIE, after=mark)
+            assert died.container_id == container_id and died.exit_code == 137
+            await inbox.heartbeat(host, lambda b: all(c.lease_id != lease_id
+                                                      for c in b.containers), after=mark)
+            assert agent.publisher.buffered == 0
+            assert agent.events_dropped == 0
+    finally:
+        await proxy.close()
+
+
+def test_inventory_json_is_what_a_person_would_write(tmp_path: Path) -> None:
+    """The documented file format, written by hand, is accepted as is."""
+    from nodeagent.simulated import SimulatedSource
+
+    path = tmp_path / "hand.json"
+    path.write_text(json.dumps({"hosts": {"gpu-a": [
+        {"uuid": "GPU-1", "index": 0, "model": "NVIDIA GeForce GTX 1070",
+         "memory_total_mib": 8192, "memory_used_mib": 0, "utilization_pct": 0,
+         "temperature_c": 40, "power_w": 30, "ecc_uncorrected": 0, "xids": [], "lost": False}]}}))
+    assert [g.uuid for g in SimulatedSource(path, "gpu-a").read_gpus()] == ["GPU-1"]
