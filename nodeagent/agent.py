@@ -146,6 +146,7 @@ class NodeAgent:
         self.xids_received = 0
         self.inventory_failures = 0
         self._last_samples: list[GPUSample] | None = None
+        self._pending_read: asyncio.Future[_Snapshot] | None = None
         self._health: dict[str, Health] = {}
         self._wake = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -202,6 +203,7 @@ class NodeAgent:
                 backoff_s=settings.docker_backoff_s,
                 backoff_max_s=settings.docker_backoff_max_s,
                 replay_grace_s=settings.docker_replay_grace_s,
+                liveness_s=settings.docker_liveness_s,
             )
         engine_name = None
         if settings.host is None and self.watcher is not None:
@@ -289,13 +291,31 @@ class NodeAgent:
         pids = {proc.pid for sample in samples for proc in sample.processes}
         return _Snapshot(samples, self.cgroups.containers_of(pids))
 
+    async def _read_inventory(self) -> _Snapshot:
+        """One inventory snapshot, bounded by ``inventory_timeout_s``.
+
+        A thread cannot be cancelled: a read that hangs (NVML on a GPU that fell off the bus)
+        keeps its thread. So a timed-out read is not abandoned but awaited again by the next
+        heartbeat, rather than starting another thread that would hang the same way.
+        """
+        pending = self._pending_read
+        if pending is None or pending.done():
+            if pending is not None and not pending.cancelled():
+                pending.exception()  # a late failure nobody awaited: mark it seen
+            pending = self._pending_read = asyncio.ensure_future(
+                asyncio.to_thread(self._read_snapshot)
+            )
+        async with asyncio.timeout(self.settings.inventory_timeout_s):
+            snapshot = await asyncio.shield(pending)
+        self._pending_read = None
+        return snapshot
+
     async def build_heartbeat(self) -> Heartbeat | None:
         """Read the inventory and containers now; None if there is nothing to report yet."""
         now = time.time()
         unreadable: str | None = None
         try:
-            async with asyncio.timeout(self.settings.inventory_timeout_s):
-                snapshot = await asyncio.to_thread(self._read_snapshot)
+            snapshot = await self._read_inventory()
             samples, pid_containers = snapshot.samples, snapshot.pid_containers
             self._last_samples = samples
         except Exception as exc:

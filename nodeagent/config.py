@@ -156,6 +156,11 @@ class AgentSettings(BaseSettings):
     docker_backoff_max_s: float = Field(
         default=30.0, gt=0, description="Longest pause between Docker reconnect attempts."
     )
+    docker_liveness_s: float = Field(
+        default=15.0, gt=0,
+        description="After this long without a Docker event the agent pings the engine: a "
+        "half-open connection never ends the event stream by itself.",
+    )
     docker_replay_grace_s: float = Field(
         default=1.0, ge=0,
         description="After a reconnect, how long the replayed events may take to report a "

@@ -87,6 +87,9 @@ class Publisher:
         self.events_dropped = 0
         """Events lost because the buffer was full (each one logged)."""
         self.last_error: str | None = None
+        self._failing: dict[str, str] = {}
+        """What is failing now (connect, heartbeat, event) → the last error, so an outage is
+        logged once per kind and per new error, not once per attempt."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -129,7 +132,9 @@ class Publisher:
                     await connection.close()
 
     async def _connect(self) -> None:
-        async with asyncio.timeout(self.timeout_s):
+        # aio-pika's own timeout normally ends a failed attempt cleanly; the outer bound is
+        # the backstop, a little later so it does not cut aio-pika's clean-up short.
+        async with asyncio.timeout(self.timeout_s + 1.0):
             connection = await aio_pika.connect_robust(
                 self.amqp_url,
                 timeout=self.timeout_s,
@@ -144,6 +149,7 @@ class Publisher:
                 await connection.close()
             raise
         self._connection = connection
+        self._note_success("connect")
         connection.reconnect_callbacks.add(self._on_reconnect)
         log.info("broker: connected to %s as %s", redact(self.amqp_url), self.user_id)
         self._kick.set()
@@ -178,11 +184,16 @@ class Publisher:
         log.info("broker: reconnected")
         self._kick.set()
 
-    def _note_error(self, what: str, exc: BaseException) -> None:
+    def _note_error(self, what: str, exc: BaseException, detail: str = "") -> None:
         message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if message != self.last_error:
-            log.warning("broker: %s failed: %s", what, message)
+        if self._failing.get(what) != message:
+            log.warning("broker: %s failed%s: %s", what, detail, message)
+        self._failing[what] = message
         self.last_error = message
+
+    def _note_success(self, what: str) -> None:
+        if self._failing.pop(what, None) is not None:
+            log.info("broker: %s works again", what)
 
     # ------------------------------------------------------------------ publishing
 
@@ -224,6 +235,7 @@ class Publisher:
             self.heartbeat_failures += 1
             self._note_error("heartbeat publish", exc)
             return False
+        self._note_success("heartbeat publish")
         self.heartbeats_sent += 1
         return True
 
@@ -267,10 +279,9 @@ class Publisher:
                 raise
             except Exception as exc:
                 self.event_failures += 1
-                self._note_error(
-                    f"event publish ({len(self._buffer)} buffered)", exc
-                )
+                self._note_error("event publish", exc, f" ({len(self._buffer)} buffered)")
                 return
+            self._note_success("event publish")
             if self._buffer and self._buffer[0] is event:
                 self._buffer.popleft()
             self.events_sent += 1

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,6 +41,8 @@ from nodeagent.containers import LEASE_LABEL, ContainerChange, ContainerWatcher,
 from nodeagent.simulated import make_gpu, simulated_uuid, update_gpu, write_inventory
 
 pytestmark = pytest.mark.docker
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 WAIT_S = 10.0
 """Bound on every wait for a message: generous for a loaded machine, far above the normal."""
@@ -628,3 +632,51 @@ def test_inventory_json_is_what_a_person_would_write(tmp_path: Path) -> None:
          "memory_total_mib": 8192, "memory_used_mib": 0, "utilization_pct": 0,
          "temperature_c": 40, "power_w": 30, "ecc_uncorrected": 0, "xids": [], "lost": False}]}}))
     assert [g.uuid for g in SimulatedSource(path, "gpu-a").read_gpus()] == ["GPU-1"]
+
+
+async def test_a_silent_engine_is_noticed(amqp_vhost: Any, inbox: Inbox, host: str,
+                                          inventory: Path, tmp_path: Path,
+                                          docker_engine: str) -> None:
+    """An engine that stops answering without closing the connection (a black hole) never
+    ends the event stream: the liveness ping notices, and the list becomes incomplete."""
+    engine_socket = URL(docker_engine).path
+    proxy = Proxy(lambda: asyncio.open_unix_connection(engine_socket))
+    proxy_url = await proxy.serve_unix(tmp_path / "docker.sock")
+    settings = agent_settings(host, amqp_vhost.url, inventory, docker=True, docker_url=proxy_url,
+                              docker_liveness_s=0.3, docker_timeout_s=0.5)
+    try:
+        async with running(settings):
+            await inbox.heartbeat(host, lambda b: b.containers_complete)
+            proxy.freeze()
+            await inbox.heartbeat(host, lambda b: not b.containers_complete,
+                                  after=inbox.mark(), within=5)
+            await proxy.restore()
+            await inbox.heartbeat(host, lambda b: b.containers_complete,
+                                  after=inbox.mark(), within=5)
+    finally:
+        await proxy.close()
+
+
+async def test_command_line_runs_until_sigterm(amqp_vhost: Any, inbox: Inbox, host: str,
+                                               inventory: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_AGENT_")}
+    env["SWARM_GPU_AGENT_INTERVAL_S"] = "0.2"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nodeagent", "--host", host, "--amqp-url", amqp_vhost.url,
+        "--inventory", "simulated", "--simulated-file", str(inventory), "--no-docker",
+        cwd=REPO_ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        beat = await inbox.heartbeat(host, within=20)
+        assert beat.interval_s == 0.2 and len(beat.gpus) == 2
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            _, err = await process.communicate()
+        assert process.returncode == 0, err.decode()
+        log = err.decode()
+        assert "first heartbeat sent: 2 GPU(s)" in log
+        assert "agent stopped:" in log
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
