@@ -247,11 +247,18 @@ class NodeAgent:
         # xid_poll_s, and its event set must not be freed while the thread waits on it.
         if self.source is not None and self.source.kind == "simulated":
             self.source.close()
+        xid_thread_alive = False
         if self._xid_thread is not None:
             await asyncio.to_thread(self._xid_thread.join, self.settings.xid_poll_s + 5)
+            xid_thread_alive = self._xid_thread.is_alive()
             self._xid_thread = None
         if self.source is not None:
-            self.source.close()
+            if xid_thread_alive:
+                # Freeing NVML's event set under a thread still waiting on it could crash
+                # the process; the process is ending anyway, so leave it to the OS.
+                log.warning("XID thread did not end; not closing the inventory source")
+            else:
+                self.source.close()
         if self.publisher is not None:
             await self.publisher.stop()
         if self._started:

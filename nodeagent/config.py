@@ -211,7 +211,7 @@ class _EnvReader(AgentSettings):
     (``SWARM_GPU_AGENT_INVENTORY=simulated`` alone is fine when the file names the path)."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> AgentSettings:
+    def _consistent(self) -> _EnvReader:
         return self
 
 

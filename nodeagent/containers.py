@@ -294,8 +294,8 @@ class ContainerWatcher:
         if self._resume_from_ns is None:
             self._resume_from_ns = int((listed_at - 1.0) * 1e9)
         since = _format_since_ns(self._resume_from_ns)
-        events = DockerEvents(self._docker)
-        subscriber = events.subscribe(create_task=False)
+        events = DockerEvents(self._docker)  # type: ignore[no-untyped-call]
+        subscriber = events.subscribe(create_task=False)  # type: ignore[no-untyped-call]
         stream = asyncio.create_task(
             events.run(
                 filters=json.dumps(
@@ -325,7 +325,8 @@ class ContainerWatcher:
             await self._consume(subscriber, stream)
         finally:
             self._complete = False
-            await events.stop()
+            await events.stop()  # type: ignore[no-untyped-call]
+            stream.cancel()  # in case closing the response did not end it (a frozen socket)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await stream
 

@@ -45,7 +45,7 @@ HINT = (
 
 def _load_pynvml() -> Any:
     try:
-        import pynvml
+        import pynvml  # type: ignore[import-untyped]
     except ImportError as exc:  # the agent's optional dependency is missing
         raise InventoryUnavailable(
             f"the nvidia-ml-py package is not installed (pip install nvidia-ml-py). {HINT}"

@@ -237,3 +237,12 @@ def test_agent_without_nvml_exits_with_a_clear_message() -> None:
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2, result.stderr
     assert "--inventory simulated" in result.stderr
+
+
+def test_the_agent_imports_only_the_allocators_public_surface() -> None:
+    code = ("import sys, nodeagent.cli, nodeagent.nvml_check, nodeagent.nvml; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('allocator.'))))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60, check=True)
+    allowed = {"allocator.protocol", "allocator.topology", "allocator.client"}
+    assert set(result.stdout.split()) <= allowed, result.stdout
