@@ -98,8 +98,11 @@ _STYLE = """
 .sg-form label.sg-card.sg-off { opacity: .55; cursor: not-allowed; }
 .sg-form .sg-card-title { font-weight: 600; }
 .sg-form .sg-card small, .sg-form .sg-hint { color: #555; display: block; }
-.sg-form .sg-avail-ok { color: #1a7f37; }
-.sg-form .sg-avail-none { color: #b35900; }
+.sg-form .sg-card small.sg-tag { display: inline-block; margin: .3rem 0 .1rem 0;
+  padding: .05rem .4rem; border-radius: .25rem; background: #eef2f7; color: #1f3a5a;
+  font-weight: 600; }
+.sg-form .sg-card small.sg-avail-ok, .sg-form .sg-avail-ok { color: #1a7f37; }
+.sg-form .sg-card small.sg-avail-none, .sg-form .sg-avail-none { color: #a04d00; }
 .sg-form .sg-grid { display: grid; grid-template-columns: 9rem 1fr; gap: .45rem .75rem;
   align-items: center; }
 .sg-form .sg-grid > label { margin: 0; font-weight: 600; }
@@ -217,7 +220,7 @@ def _render_profiles(
         ]
         if profile.description:
             parts.append(f"<small>{_e(profile.description)}</small>")
-        parts.append(f"<small>{_e(profile.summary())}</small>")
+        parts.append(f'<small class="sg-tag">{_e(profile.summary())}</small>')
         if availability is not None:
             cls, text = availability
             parts.append(f'<small class="{cls}">{_e(text)}</small>')

@@ -356,10 +356,10 @@ class GPUSwarmSpawner(SwarmSpawner):
         return state
 
     def clear_state(self) -> None:
+        # The lease fields survive clear_state on purpose: DockerSpawner.stop() clears the state
+        # *before* JupyterHub runs the post-stop hook that releases the lease. They are reset
+        # by release_gpus() and at the start of the next spawn.
         super().clear_state()
-        self.gpu_lease_id = None
-        self.gpu_request_key = None
-        self._gpu_lease = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -578,6 +578,9 @@ class GPUSwarmSpawner(SwarmSpawner):
         self._gpu_events = []
         self._gpu_events_done = False
         self._gpu_memory_total = None
+        if self.gpu_lease_id or self.gpu_request_key:
+            # a stop path that skipped the post-stop hook: do not carry its lease over
+            await self.release_gpus(reason="stale lease before a new spawn")
         try:
             options, profile = self.gpu_choice()
             self._apply_profile_override(profile)

@@ -1,0 +1,330 @@
+"""A real JupyterHub in a subprocess, configured from ``compose/jupyterhub_config.py``.
+
+The example configuration is loaded first (so the tests prove it works), then the overrides
+TEST-INFRA.md verified for this machine: host networking, ``use_internal_ip``, 127.0.0.1,
+one fixed port per user, busybox ``httpd`` as the server, ``get_ip_and_port`` overridden.
+Users talk to the hub over its REST API with their own tokens, as they would in real life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_CONFIG = REPO_ROOT / "compose" / "jupyterhub_config.py"
+
+CONFIG_TEMPLATE = """\
+import json
+from hubplugin.spawner import GPUSwarmSpawner
+
+load_subconfig(__EXAMPLE__)
+c = get_config()
+SETTINGS = json.loads(__SETTINGS__)
+
+
+class E2ESwarmSpawner(GPUSwarmSpawner):
+    # host networking: the server listens on the host's loopback at a fixed port
+    async def get_ip_and_port(self):
+        return self.host_ip, self.port
+
+
+def pre_spawn_hook(spawner):
+    port = SETTINGS["ports"][spawner.user.name]
+    spawner.port = port
+    # `sh -c` swallows the hub's --arguments, which httpd would refuse
+    spawner.cmd = ["sh", "-c", "exec httpd -f -p 127.0.0.1:%d" % port, "server"]
+
+
+c.JupyterHub.spawner_class = E2ESwarmSpawner
+c.JupyterHub.ip = "127.0.0.1"
+c.JupyterHub.port = SETTINGS["hub_port"]
+c.JupyterHub.hub_ip = "127.0.0.1"
+c.JupyterHub.hub_port = SETTINGS["hub_api_port"]
+c.JupyterHub.hub_connect_ip = "127.0.0.1"
+c.JupyterHub.cleanup_servers = SETTINGS["cleanup_servers"]
+c.JupyterHub.db_url = "sqlite:///" + SETTINGS["dir"] + "/hub.sqlite"
+c.JupyterHub.cookie_secret_file = SETTINGS["dir"] + "/cookie_secret"
+c.JupyterHub.pid_file = SETTINGS["dir"] + "/hub.pid"
+c.JupyterHub.log_level = "DEBUG"
+c.ConfigurableHTTPProxy.command = [SETTINGS["chp"]]
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:%d" % SETTINGS["proxy_api_port"]
+c.ConfigurableHTTPProxy.pid_file = SETTINGS["dir"] + "/proxy.pid"
+c.JupyterHub.authenticator_class = "dummy"
+c.Authenticator.allowed_users = set(SETTINGS["users"])
+c.JupyterHub.load_groups = {g: {"users": u} for g, u in SETTINGS["groups"].items()}
+c.JupyterHub.services = [{"name": "e2e", "api_token": SETTINGS["admin_token"]}]
+c.JupyterHub.load_roles = [{
+    "name": "e2e-admin",
+    "scopes": ["admin:users", "admin:servers", "tokens", "list:users", "read:users"],
+    "services": ["e2e"],
+}]
+
+c.Spawner.pre_spawn_hook = pre_spawn_hook
+c.Spawner.http_timeout = 30
+c.GPUSwarmSpawner.image = SETTINGS["image"]
+c.GPUSwarmSpawner.network_name = "host"
+c.GPUSwarmSpawner.use_internal_ip = True
+c.GPUSwarmSpawner.host_ip = "127.0.0.1"
+c.GPUSwarmSpawner.prefix = SETTINGS["prefix"]
+c.GPUSwarmSpawner.allocator_url = SETTINGS["amqp_url"]
+c.GPUSwarmSpawner.hub_id = SETTINGS["hub_id"]
+c.GPUSwarmSpawner.allocator_timeout = SETTINGS["allocator_timeout"]
+c.GPUSwarmSpawner.allocator_connect_timeout = 3.0
+c.GPUSwarmSpawner.release_timeout = 3.0
+c.GPUSwarmSpawner.wait_s = SETTINGS["wait_s"]
+c.GPUSwarmSpawner.wait_poll_s = 0.2
+# the single test node is a manager, and busybox httpd as PID 1 ignores SIGTERM
+c.GPUSwarmSpawner.extra_placement_spec = {"constraints": ["node.role == manager"]}
+c.GPUSwarmSpawner.extra_container_spec = {"stop_grace_period": 1_000_000_000,
+                                          "labels": {"swarm-gpu.test": "e2e"}}
+for key, value in SETTINGS["extra"].items():
+    setattr(c.GPUSwarmSpawner, key, value)
+"""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class HubError(AssertionError):
+    pass
+
+
+class Hub:
+    """One JupyterHub process and an HTTP session to talk to it."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        chp: Path,
+        amqp_url: str,
+        docker_host: str,
+        image: str,
+        users: dict[str, list[str]],
+        hub_id: str = "e2e",
+        wait_s: float = 0.0,
+        allocator_timeout: float = 5.0,
+        extra: dict[str, Any] | None = None,
+        cleanup_servers: bool = True,
+    ) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_token = secrets.token_hex(16)
+        self.prefix = f"sgtest-{secrets.token_hex(3)}"
+        self.hub_id = hub_id
+        self.users = users
+        self.ports = {user: free_port() for user in users}
+        groups: dict[str, list[str]] = {}
+        for user, user_groups in users.items():
+            for group in user_groups:
+                groups.setdefault(group, []).append(user)
+        self.settings = {
+            "dir": str(self.dir), "hub_port": self.port, "hub_api_port": free_port(),
+            "proxy_api_port": free_port(), "chp": str(chp), "users": sorted(users),
+            "groups": groups, "admin_token": self.admin_token, "image": image,
+            "prefix": self.prefix, "amqp_url": amqp_url, "hub_id": hub_id,
+            "allocator_timeout": allocator_timeout, "wait_s": wait_s, "ports": self.ports,
+            "extra": extra or {}, "cleanup_servers": cleanup_servers,
+        }
+        self.env = {**os.environ, "DOCKER_HOST": docker_host, "PYTHONUNBUFFERED": "1"}
+        self.config_path = self.dir / "jupyterhub_config.py"
+        self.log_path = self.dir / "hub.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.tokens: dict[str, str] = {}
+
+    def service_name(self, user: str, server: str = "") -> str:
+        return f"{self.prefix}-{user}" + (f"--{server}" if server else "")
+
+    def request_key(self, user: str, server: str = "") -> str:
+        return f"{self.hub_id}/{user}/{server}"
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _launch(self) -> subprocess.Popen[bytes]:
+        self.config_path.write_text(
+            CONFIG_TEMPLATE.replace("__EXAMPLE__", repr(str(EXAMPLE_CONFIG)))
+            .replace("__SETTINGS__", repr(json.dumps(self.settings))))
+        with open(self.log_path, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "jupyterhub", "-f", str(self.config_path)],
+                cwd=self.dir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    async def start(self, within: float = 60.0) -> None:
+        """Start the hub (again, after stop(): same ports, same database)."""
+        self.proc = self._launch()
+        timeout = within
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise HubError(f"JupyterHub exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                status, _ = await self.api("GET", "/", token=self.admin_token)
+                if status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise HubError(f"JupyterHub did not answer within {timeout} s:\n{self.log_tail()}")
+            await asyncio.sleep(0.3)
+        for user in self.users:
+            status, body = await self.api("POST", f"/users/{user}/tokens",
+                                          {"note": "e2e", "expires_in": 3600},
+                                          token=self.admin_token)
+            if status != 201:
+                raise HubError(f"token for {user}: {status} {body}")
+            self.tokens[user] = body["token"]
+
+    async def stop(self, within: float = 40.0) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, within)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait, 10)
+        # the proxy runs in the hub's session; make sure it is gone too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 80) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    # ---------------------------------------------------------------- REST API
+
+    async def api(self, method: str, path: str, body: Any = None, *,
+                  token: str | None = None, user: str | None = None) -> tuple[int, Any]:
+        assert self.session is not None
+        token = token or (self.tokens[user] if user else self.admin_token)
+        headers = {"Authorization": f"token {token}"}
+        async with self.session.request(
+            method, f"{self.url}/hub/api{path}", headers=headers,
+            data=json.dumps(body) if body is not None else None,
+        ) as response:
+            text = await response.text()
+            try:
+                data = json.loads(text) if text else None
+            except ValueError:
+                data = text
+            return response.status, data
+
+    async def spawn(self, user: str, options: dict[str, Any] | None,
+                    server: str = "") -> tuple[int, Any]:
+        path = f"/users/{user}/servers/{server}" if server else f"/users/{user}/server"
+        body = {"user_options": options} if options is not None else None
+        return await self.api("POST", path, body, user=user)
+
+    async def server_model(self, user: str, server: str = "") -> dict[str, Any] | None:
+        status, body = await self.api("GET", f"/users/{user}", user=user)
+        if status != 200:
+            raise HubError(f"GET user {user}: {status} {body}")
+        return (body.get("servers") or {}).get(server)
+
+    async def wait_ready(self, user: str, server: str = "", within: float = 60.0) -> dict:
+        """Wait until the server is ready; fails at once if the spawn ended without it."""
+        timeout = within
+        deadline = time.monotonic() + timeout
+        model = None
+        while time.monotonic() < deadline:
+            model = await self.server_model(user, server)
+            if model and model.get("ready"):
+                return model
+            if not model or not model.get("pending"):
+                raise HubError(f"{user}'s server is not starting ({model}):\n{self.log_tail()}")
+            await asyncio.sleep(0.3)
+        raise HubError(f"{user}'s server not ready in {timeout} s ({model}):\n{self.log_tail()}")
+
+    async def stop_server(self, user: str, server: str = "", within: float = 40.0) -> None:
+        timeout = within
+        path = f"/users/{user}/servers/{server}" if server else f"/users/{user}/server"
+        status, body = await self.api("DELETE", path, user=user)
+        if status not in (202, 204):
+            raise HubError(f"DELETE {path}: {status} {body}")
+        deadline = time.monotonic() + timeout
+        while await self.server_model(user, server):
+            if time.monotonic() > deadline:
+                raise HubError(f"{user}'s server still there {timeout} s after DELETE")
+            await asyncio.sleep(0.3)
+
+    async def progress_events(self, user: str, server: str = "", *, until: str,
+                              within: float = 30.0) -> list[dict[str, Any]]:
+        """Read the spawn progress stream until an event's message contains ``until``.
+
+        The stream answers 404 until the spawn is pending: retried until ``within``.
+        """
+        assert self.session is not None
+        path = f"/users/{user}/servers/{server}/progress" if server else \
+            f"/users/{user}/server/progress"
+        events: list[dict[str, Any]] = []
+        headers = {"Authorization": f"token {self.tokens[user]}"}
+        async with asyncio.timeout(within):
+            while True:
+                async with self.session.get(
+                    f"{self.url}/hub/api{path}", headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=None, sock_read=within),
+                ) as response:
+                    if response.status == 404:
+                        await asyncio.sleep(0.1)
+                        continue
+                    if response.status != 200:
+                        raise HubError(f"progress: {response.status} {await response.text()}")
+                    async for raw in response.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data:"):
+                            continue
+                        event = json.loads(line[5:])
+                        events.append(event)
+                        if until in str(event.get("message", "")) or event.get("failed"):
+                            return events
+                    return events
+
+    # ---------------------------------------------------------------- browser login
+
+    async def login_cookies(self, user: str) -> dict[str, str]:
+        """Log in through the login form (as a browser does) and return the session cookies."""
+        jar = aiohttp.CookieJar(unsafe=True)
+        async with aiohttp.ClientSession(cookie_jar=jar) as session:
+            async with session.get(f"{self.url}/hub/login") as response:
+                await response.text()
+            xsrf = next((c.value for c in jar if c.key == "_xsrf"), "")
+            async with session.post(
+                f"{self.url}/hub/login?next=", data={"username": user, "password": "x",
+                                                     "_xsrf": xsrf},
+                allow_redirects=False,
+            ) as response:
+                if response.status not in (302, 303):
+                    raise HubError(f"login as {user}: {response.status}")
+            return {c.key: c.value for c in jar}

@@ -1,0 +1,450 @@
+"""End to end: a real JupyterHub with GPUSwarmSpawner, the real allocator, the real Swarm engine.
+
+Users act through the hub's REST API with their own tokens (and, in the browser test, through
+the spawn form in headless Chromium). A small stand-in for the node agent reports the
+simulated GPUs of this machine's Swarm node and the lease-labelled containers that really run
+on the engine, so leases bind and free as they would in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiodocker
+import pytest
+from hub_harness import Hub
+from support import GTX1070, RTX3090, gpus, heartbeat
+
+from allocator.client import AllocatorClient, AllocatorError
+from allocator.protocol import ContainerInfo, ErrorCode, Lease, LeaseState
+
+pytestmark = [pytest.mark.hub, pytest.mark.docker, pytest.mark.slow]
+
+LEASE_LABEL = "swarm-gpu.lease"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TEST_BUDGET_S = 150
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+async def docker(docker_engine: str) -> AsyncIterator[aiodocker.Docker]:
+    async with aiodocker.Docker(url=docker_engine) as client:
+        yield client
+
+
+@pytest.fixture
+async def swarm_host(docker: aiodocker.Docker) -> str:
+    """The hostname of this engine's Swarm node (what ``node.hostname ==`` matches)."""
+    info = await docker.system.info()
+    node = await docker.nodes.inspect(node_id=info["Swarm"]["NodeID"])
+    return str(node["Description"]["Hostname"])
+
+
+class FakeAgent:
+    """Stands in for the node agent: GPUs of a simulated inventory, containers for real."""
+
+    def __init__(self, nodes: Any, docker: aiodocker.Docker, host: str,
+                 inventory: dict[str, list[Any]]) -> None:
+        self.nodes = nodes
+        self.docker = docker
+        self.host = host
+        self.inventory = inventory
+        self._task: asyncio.Task[None] | None = None
+
+    async def containers(self) -> list[ContainerInfo]:
+        found = await self.docker.containers.list(
+            filters=json.dumps({"label": [LEASE_LABEL], "status": ["running"]}))
+        return [
+            ContainerInfo(container_id=c.id, lease_id=c["Labels"][LEASE_LABEL],
+                          name=(c["Names"] or [""])[0].lstrip("/"))
+            for c in found
+        ]
+
+    async def beat_once(self) -> None:
+        for host, gpu_list in self.inventory.items():
+            containers = await self.containers() if host == self.host else []
+            await self.nodes.publish(heartbeat(host, gpu_list, containers,
+                                               agent_id=f"fake-{host}"))
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.beat_once()
+            await asyncio.sleep(0.5)
+
+    async def __aenter__(self) -> FakeAgent:
+        await self.beat_once()
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+@pytest.fixture
+async def agent(nodes: Any, docker: aiodocker.Docker, swarm_host: str,
+                allocator: Any) -> AsyncIterator[FakeAgent]:
+    inventory = {
+        swarm_host: gpus(swarm_host, GTX1070, 2),
+        "gpu-remote": gpus("gpu-remote", RTX3090, 4),
+    }
+    async with FakeAgent(nodes, docker, swarm_host, inventory) as fake:
+        yield fake
+
+
+HubFactory = Callable[..., Awaitable[Hub]]
+
+
+@pytest.fixture
+async def hub_factory(
+    tmp_path: Path, chp_path: Path, amqp_vhost: Any, docker_engine: str, busybox_image: str,
+    docker: aiodocker.Docker,
+) -> AsyncIterator[HubFactory]:
+    hubs: list[Hub] = []
+
+    async def make(users: dict[str, list[str]] | None = None, **kwargs: Any) -> Hub:
+        hub = Hub(
+            tmp_path / f"hub{len(hubs)}", chp=chp_path,
+            amqp_url=kwargs.pop("amqp_url", amqp_vhost.url), docker_host=docker_engine,
+            image=busybox_image,
+            users=users or {"alice": ["students"], "bob": ["students"], "carol": ["staff"]},
+            **kwargs,
+        )
+        hubs.append(hub)
+        await hub.start()
+        return hub
+
+    yield make
+    for hub in hubs:
+        await hub.stop()
+        for service in await docker.services.list():
+            if service["Spec"]["Name"].startswith(hub.prefix):
+                with contextlib.suppress(aiodocker.DockerError):
+                    await docker.services.delete(service["ID"])
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], *, within: float = 30.0,
+                     what: str = "condition") -> Any:
+    timeout = within
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{what} not reached within {timeout} s (last: {last!r})")
+
+
+async def lease_of(client: AllocatorClient, key: str) -> Lease | None:
+    try:
+        return await client.status(request_key=key)
+    except AllocatorError as exc:
+        if exc.code is ErrorCode.NOT_FOUND:
+            return None
+        raise
+
+
+async def service_spec(docker: aiodocker.Docker, name: str) -> dict[str, Any]:
+    service = await docker.services.inspect(name)
+    return dict(service["Spec"])
+
+
+def env_of(spec: dict[str, Any]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in spec["TaskTemplate"]["ContainerSpec"]["Env"])
+
+
+def spawner_state(hub: Hub, user: str) -> dict[str, Any]:
+    """What the hub persisted for a user's default server (get_state)."""
+    with contextlib.closing(sqlite3.connect(hub.dir / "hub.sqlite")) as db:
+        row = db.execute(
+            "SELECT spawners.state FROM spawners JOIN users ON users.id = spawners.user_id "
+            "WHERE users.name = ? AND spawners.name = ''", (user,)).fetchone()
+    return json.loads(row[0]) if row and row[0] else {}
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+async def test_gpu_server_through_rest(
+    agent: FakeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    docker: aiodocker.Docker, swarm_host: str,
+) -> None:
+    async with asyncio.timeout(TEST_BUDGET_S):
+        hub = await hub_factory()
+        key = hub.request_key("alice")
+        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
+        assert status in (201, 202), (body, hub.log_tail())
+        await hub.wait_ready("alice")
+
+        lease = await lease_of(client, key)
+        assert lease is not None and lease.user == "alice"
+        assert lease.host == swarm_host and lease.model == GTX1070 and len(lease.gpu_uuids) == 1
+
+        spec = await service_spec(docker, hub.service_name("alice"))
+        env = env_of(spec)
+        assert env["NVIDIA_VISIBLE_DEVICES"] == lease.gpu_uuids[0]
+        assert env["SWARM_GPU_LEASE_ID"] == lease.lease_id
+        assert env["SWARM_GPU_HOST"] == swarm_host
+        assert env["JUPYTER_ENABLE_LAB"] == "1"  # the example config's environment is kept
+        container = spec["TaskTemplate"]["ContainerSpec"]
+        assert container["Labels"] == {LEASE_LABEL: lease.lease_id, "swarm-gpu.test": "e2e"}
+        assert spec["Labels"][LEASE_LABEL] == lease.lease_id
+        constraints = spec["TaskTemplate"]["Placement"]["Constraints"]
+        assert constraints == ["node.role == manager", f"node.hostname == {swarm_host}"]
+
+        # the hub persisted the lease, so a restarted hub can release it
+        assert spawner_state(hub, "alice")["gpu_lease_id"] == lease.lease_id
+
+        # the container runs: the node (agent) binds the lease
+        bound = await eventually(
+            lambda: _in_state(client, lease.lease_id, LeaseState.BOUND), what="bound lease")
+        assert bound.container_id
+
+        inventory = await client.inventory(include_leases=True)
+        assert lease.lease_id in {held.lease_id for held in inventory.leases or []}
+        one070 = next(m for m in inventory.models if m.model == GTX1070)
+        assert one070.free == 1
+
+        # stop: the hub marks it releasing, the GPU frees when the container is gone
+        await hub.stop_server("alice")
+        after = await client.status(lease_id=lease.lease_id)
+        assert after.state in (LeaseState.RELEASING, LeaseState.RELEASED)
+        released = await eventually(
+            lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED), what="released")
+        assert released.release_reason is not None
+        with pytest.raises(aiodocker.DockerError):
+            await docker.services.inspect(hub.service_name("alice"))
+        assert "gpu_lease_id" not in spawner_state(hub, "alice")
+        assert hub.alive()
+
+
+async def _in_state(client: AllocatorClient, lease_id: str, state: LeaseState) -> Lease | None:
+    lease = await client.status(lease_id=lease_id)
+    return lease if lease.state is state else None
+
+
+FORGED = [
+    ({"mode": "exclusive", "model": "3090"}, 400, "may not use GPU model '3090'"),
+    ({"mode": "exclusive", "count": 0}, 400, "between 1 and 64"),
+    ({"mode": "exclusive", "count": 10**6}, 400, "between 1 and 64"),
+    ({"mode": "exclusive", "count": 2}, 400, "at most 1 GPU per server"),
+    ({"mode": "exclusive", "host": "nowhere"}, 400, "Unknown host 'nowhere'"),
+    ({"mode": "shared", "model": "1070", "share_memory_mib": 10**6}, 400,
+     "at most 8192 MiB; you asked for 1000000"),
+    ({"mode": "exclusive", "profile": "two-3090"}, 400, "Unknown profile 'two-3090'"),
+    ({"mode": "root"}, 400, "GPU mode"),
+    ({"gpus": "all"}, 400, "unknown option 'gpus'"),
+]
+
+
+async def test_forged_options_are_refused_without_a_lease(
+    agent: FakeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    docker: aiodocker.Docker,
+) -> None:
+    async with asyncio.timeout(TEST_BUDGET_S):
+        hub = await hub_factory()
+        for options, want, needle in FORGED:
+            status, body = await hub.spawn("alice", options)
+            assert status == want, (options, status, body)
+            assert needle in body["message"], (options, body)
+            assert await lease_of(client, hub.request_key("alice")) is None
+            assert await hub.server_model("alice") is None or not (
+                await hub.server_model("alice") or {}).get("ready")
+        services = [s["Spec"]["Name"] for s in await docker.services.list()]
+        assert hub.service_name("alice") not in services
+        status, _ = await hub.api("GET", "/")
+        assert status == 200 and hub.alive()
+
+
+async def test_allocator_unreachable_fails_clearly_and_cpu_servers_still_start(
+    hub_factory: HubFactory, docker: aiodocker.Docker,
+) -> None:
+    async with asyncio.timeout(TEST_BUDGET_S):
+        # nothing listens on port 1: the broker is unreachable
+        hub = await hub_factory(amqp_url="amqp://guest:guest@127.0.0.1:1/")
+        started = time.monotonic()
+        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
+        assert status == 503, body
+        assert "GPU allocator cannot be reached" in body["message"]
+        assert "start a server without a GPU" in body["message"]
+        assert time.monotonic() - started < 15
+        assert hub.alive()
+
+        # the spawn form still renders, with a note, and "no GPU" works
+        cookies = await hub.login_cookies("alice")
+        assert hub.session is not None
+        async with hub.session.get(f"{hub.url}/hub/spawn", cookies=cookies) as response:
+            page = await response.text()
+        assert response.status == 200
+        assert "GPU allocator is not reachable" in page
+        assert 'name="mode" value="none" checked' in page
+
+        status, body = await hub.spawn("alice", {"mode": "none"})
+        assert status in (201, 202), (body, hub.log_tail())
+        await hub.wait_ready("alice")
+        spec = await service_spec(docker, hub.service_name("alice"))
+        assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == "void"
+        assert LEASE_LABEL not in spec["TaskTemplate"]["ContainerSpec"].get("Labels", {})
+        assert spec["TaskTemplate"]["Placement"]["Constraints"] == ["node.role == manager"]
+        await hub.stop_server("alice")
+        assert hub.alive()
+
+
+async def test_queued_request_reports_its_position_and_gets_the_freed_gpu(
+    nodes: Any, client: AllocatorClient, hub_factory: HubFactory, docker: aiodocker.Docker,
+    swarm_host: str,
+) -> None:
+    inventory = {swarm_host: gpus(swarm_host, GTX1070, 1)}
+    async with asyncio.timeout(TEST_BUDGET_S), FakeAgent(nodes, docker, swarm_host, inventory):
+        hub = await hub_factory(wait_s=60.0)
+        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
+        assert status in (201, 202), body
+        await hub.wait_ready("alice")
+        alice = await lease_of(client, hub.request_key("alice"))
+        assert alice is not None
+
+        # bob asks for the same GPU: queued, and the spawn page says where he stands
+        spawn = asyncio.create_task(hub.spawn("bob", {"mode": "exclusive", "model": "1070"}))
+        events = await hub.progress_events("bob", until="queued (position 1)")
+        assert any("Asking the GPU allocator" in e["message"] for e in events), events
+        bob = await lease_of(client, hub.request_key("bob"))
+        assert bob is not None and bob.state is LeaseState.QUEUED and bob.queue_position == 1
+
+        await hub.stop_server("alice")
+        status, body = await spawn
+        assert status in (201, 202), body
+        await hub.wait_ready("bob", within=60)
+        bob = await lease_of(client, hub.request_key("bob"))
+        assert bob is not None and bob.state in (LeaseState.GRANTED, LeaseState.BOUND)
+        assert bob.gpu_uuids == alice.gpu_uuids
+        spec = await service_spec(docker, hub.service_name("bob"))
+        assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == alice.gpu_uuids[0]
+        await hub.stop_server("bob")
+
+
+async def test_queue_wait_runs_out_with_a_clear_message(
+    nodes: Any, client: AllocatorClient, hub_factory: HubFactory, docker: aiodocker.Docker,
+    swarm_host: str,
+) -> None:
+    inventory = {swarm_host: gpus(swarm_host, GTX1070, 1)}
+    async with asyncio.timeout(TEST_BUDGET_S), FakeAgent(nodes, docker, swarm_host, inventory):
+        hub = await hub_factory(wait_s=2.0)
+        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
+        assert status in (201, 202), body
+        await hub.wait_ready("alice")
+        status, body = await hub.spawn("bob", {"mode": "exclusive", "model": "1070"})
+        assert status == 409, body
+        assert "No GPU is free" in body["message"]
+        bob = await lease_of(client, hub.request_key("bob"))
+        assert bob is None or bob.state.final
+        await hub.stop_server("alice")
+
+
+async def test_hub_restart_keeps_the_lease_and_releases_it_later(
+    agent: FakeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    docker: aiodocker.Docker,
+) -> None:
+    async with asyncio.timeout(TEST_BUDGET_S):
+        hub = await hub_factory(cleanup_servers=False)
+        status, body = await hub.spawn("carol", {"mode": "exclusive", "model": "1070",
+                                                 "count": 2})
+        assert status in (201, 202), body
+        await hub.wait_ready("carol")
+        lease = await lease_of(client, hub.request_key("carol"))
+        assert lease is not None and len(lease.gpu_uuids) == 2
+
+        await hub.stop()  # the server keeps running while the hub is away
+        await eventually(lambda: _in_state(client, lease.lease_id, LeaseState.BOUND),
+                         what="bound lease")
+        await hub.start()
+        model = await hub.server_model("carol")
+        assert model is not None and model["ready"]
+        again = await client.status(lease_id=lease.lease_id)
+        assert again.state is LeaseState.BOUND  # nothing double-booked, nothing leaked
+
+        await hub.stop_server("carol")
+        await eventually(lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED),
+                         what="released after restart")
+
+
+async def test_spawn_form_in_chromium(
+    agent: FakeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    docker: aiodocker.Docker, swarm_host: str, chromium_path: Path, tmp_path: Path,
+) -> None:
+    from hub_browser import Browser
+
+    async with asyncio.timeout(TEST_BUDGET_S):
+        hub = await hub_factory()
+        shot = REPO_ROOT / "docs" / "spawn-form.png"
+
+        def drive() -> dict[str, Any]:
+            with Browser(chromium_path, tmp_path / "chromium") as browser:
+                page = browser.page()
+                browser.navigate(page, f"{hub.url}/hub/login")
+                browser.submit(page, """
+                    document.querySelector('#username_input').value = 'carol';
+                    document.querySelector('#password_input').value = 'x';
+                    document.querySelector('form').submit();
+                """)
+                browser.navigate(page, f"{hub.url}/hub/spawn")
+                seen = browser.evaluate(page, """({
+                    profiles: [...document.querySelectorAll('input[name=profile]')]
+                        .map(e => e.value),
+                    checked: document.querySelector('input[name=profile]:checked').value,
+                    customDisabled: document.getElementById('sg-custom').disabled,
+                    models: [...document.querySelectorAll('#sg-model option')]
+                        .map(o => o.value),
+                    text: document.body.innerText,
+                })""")
+                # choose the GPU ourselves: one whole GTX 1070 on this host
+                browser.evaluate(page, f"""
+                    document.querySelector('input[name=profile][value=custom]').click();
+                    document.querySelector('input[name=mode][value=exclusive]').click();
+                    document.getElementById('sg-model').value = {json.dumps(GTX1070)};
+                    document.getElementById('sg-count').value = '1';
+                    document.getElementById('sg-host').value = {json.dumps(swarm_host)};
+                    document.getElementById('sg-form').dispatchEvent(
+                        new Event('change', {{bubbles: true}}));
+                """)
+                seen["after"] = browser.evaluate(page, """({
+                    customDisabled: document.getElementById('sg-custom').disabled,
+                    countDisabled: document.getElementById('sg-count').disabled,
+                    memoryDisabled: document.getElementById('sg-memory').disabled,
+                    host: document.getElementById('sg-host').selectedOptions[0].textContent,
+                })""")
+                browser.screenshot(page, shot, full_page=True)
+                browser.submit(page, "document.querySelector('#spawn_form').requestSubmit()")
+                seen["url"] = browser.url(page)
+                return seen
+
+        seen = await asyncio.to_thread(drive)
+        assert seen["profiles"] == ["cpu", "gtx1070", "gtx1070-share", "two-3090", "a100-node",
+                                    "custom"]
+        assert seen["checked"] == "cpu" and seen["customDisabled"] is True
+        assert seen["models"] == ["any", GTX1070, RTX3090]
+        assert "Available now" in seen["text"] and "gpu-remote" in seen["text"]
+        assert seen["after"]["customDisabled"] is False
+        assert seen["after"]["countDisabled"] is False and seen["after"]["memoryDisabled"] is True
+        assert seen["after"]["host"] == f"{swarm_host} — 2 free GPUs"
+        assert "/spawn-pending/carol" in seen["url"] or "/user/carol" in seen["url"], seen["url"]
+        assert shot.stat().st_size > 10_000
+
+        await hub.wait_ready("carol")
+        lease = await lease_of(client, hub.request_key("carol"))
+        assert lease is not None and lease.host == swarm_host and lease.model == GTX1070
+        spec = await service_spec(docker, hub.service_name("carol"))
+        assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == lease.gpu_uuids[0]
+        await hub.stop_server("carol")
