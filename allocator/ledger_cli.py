@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import getpass
 import json
+import logging
 import os
 import sqlite3
 import sys
@@ -37,6 +38,7 @@ from typing import Any, NoReturn, TextIO
 import aio_pika
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -70,12 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="See, account for and administer the swarm-gpu cluster.",
         epilog="Times are ISO 8601 (UTC unless an offset is given), epoch seconds, or 'now'.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log what the broker client does (to stderr)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def ledger_option(sub: argparse.ArgumentParser, group: Any = None) -> None:
         (group or sub).add_argument(
             "--ledger", type=Path,
-            default=None if group else os.environ.get("SWARM_GPU_LEDGER_PATH"),
+            default=None if group else (os.environ.get("SWARM_GPU_LEDGER_PATH") or None),
             help="ledger file, opened read-only (default: $SWARM_GPU_LEDGER_PATH)")
         sub.add_argument("--busy-timeout", type=float, default=5.0, metavar="S",
                          help="how long to wait for a ledger another process locked")
@@ -246,7 +250,7 @@ def render_status(status: reports.ClusterStatus, console: Console) -> None:
         state = "[green]up[/green]" if host.up else "[red]down[/red]"
         if host.drained:
             state += " [yellow]drained[/yellow]"
-        hosts.add_row(host.host, state, _when(host.last_heartbeat, now), str(host.gpus))
+        hosts.add_row(escape(host.host), state, _when(host.last_heartbeat, now), str(host.gpus))
     console.print(hosts)
     gpus = Table(title="GPUs", title_justify="left")
     for name in ("host", "#", "model", "health", "state", "util", "memory MiB", "slots",
@@ -265,8 +269,9 @@ def render_status(status: reports.ClusterStatus, console: Console) -> None:
             + (f" slice {h.memory_mib} MiB" if h.shared else "")
             for h in gpu.holders)
         state = gpu.state + (" [yellow]drained[/yellow]" if gpu.drained and gpu.holders else "")
-        gpus.add_row(gpu.host, str(gpu.index), gpu.model, health, state, util, memory, slots,
-                     holders)
+        # Names come from users and nodes: escaped, so "[x]" is shown, not taken as markup.
+        gpus.add_row(escape(gpu.host), str(gpu.index), escape(gpu.model), escape(health),
+                     state, util, memory, slots, escape(holders))
     console.print(gpus)
     if not status.queued:
         console.print("Queue: empty")
@@ -275,8 +280,8 @@ def render_status(status: reports.ClusterStatus, console: Console) -> None:
     for name in ("#", "user", "request key", "models", "count", "waiting since", "until"):
         queue.add_column(name)
     for item in status.queued:
-        queue.add_row(str(item.position), item.user, item.request_key,
-                      ", ".join(item.models) if item.models else "any",
+        queue.add_row(str(item.position), escape(item.user), escape(item.request_key),
+                      escape(", ".join(item.models)) if item.models else "any",
                       f"{item.count}" + (" (slice)" if item.shared else ""),
                       _when(item.enqueued_at, now), reports.iso(item.wait_until) or "")
     console.print(queue)
@@ -351,7 +356,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
     table.add_column("GPU-hours", justify="right")
     table.add_column("leases", justify="right")
     for row in rows:
-        table.add_row(row.key, row.model, f"{row.gpu_hours:.2f}", str(row.leases))
+        table.add_row(escape(row.key), escape(row.model), f"{row.gpu_hours:.2f}",
+                      str(row.leases))
     if args.by != "group":
         # Group totals overlap (a user may be in several groups), so they get no total.
         table.add_section()
@@ -491,6 +497,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpu-ledger`` console script."""
     args = _parser().parse_args(argv)
+    # The broker client logs every failed connection attempt; the error it ends in is printed
+    # below in one line, so its log stays quiet unless asked for.
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.CRITICAL,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return COMMANDS[args.command](args)
     except (CommandError, LedgerError, AllocatorError) as exc:
