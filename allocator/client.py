@@ -137,6 +137,7 @@ class AllocatorClient:
                 # quorum queue costs a replicated write per call.
                 channel = await self._connection.channel(publisher_confirms=False)
                 channel.return_callbacks.add(self._on_return)
+                channel.close_callbacks.add(self._on_channel_close)
                 reply_queue = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
                 await reply_queue.consume(self._on_reply, no_ack=True)
                 self._exchange = await channel.get_exchange(self.exchange_name, ensure=False)
@@ -171,6 +172,16 @@ class AllocatorClient:
         future = self._pending.pop(message.correlation_id or "", None)
         if future is not None and not future.done():
             future.set_result(message.body)
+
+    def _on_channel_close(self, _channel: Any, exc: BaseException | None = None) -> None:
+        # A channel error (e.g. the RPC exchange does not exist yet) closes the channel; the
+        # calls waiting on it would otherwise sit out their whole timeout.
+        reason = f": {exc}" if exc else ""
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(AllocatorUnavailable(f"the broker closed the channel{reason}"))
+        self._pending.clear()
+        self._channel = None
 
     def _on_return(self, _channel: Any, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         future = self._pending.pop(message.correlation_id or "", None)

@@ -1,0 +1,258 @@
+"""Allocation RPC throughput and latency, against the transport's own floor, in one run.
+
+    python bench/rpc.py [--hosts 1000] [--gpus-per-host 8] [--calls 600] [--clients 64]
+
+Starts, each in its own process on a fresh vhost of the local broker:
+- the real allocator (``gpu-allocator serve``) with a fresh ledger, fed 1,000 simulated
+  hosts x 8 GPUs of mixed models by heartbeats;
+- an echo server consuming a queue of the same type and arguments as the allocator's
+  (quorum, single-active-consumer) and answering every call with a canned lease reply
+  through direct reply-to — the floor no allocator on this transport can beat.
+
+Then the same client code (:class:`allocator.client.AllocatorClient`) makes allocation
+calls, first with one client, then with ``--clients`` concurrent clients (one connection
+each), against each server. Prints one JSON object: calls/s, p50 and p99 per case, and the
+allocator/floor ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aio_pika
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import services  # noqa: E402  (the test helpers that create and delete vhosts)
+
+from allocator.client import AllocatorClient, AllocatorError  # noqa: E402
+from allocator.protocol import (  # noqa: E402
+    AllocateRequest,
+    GPUInfo,
+    Heartbeat,
+    Lease,
+    LeaseReply,
+    LeaseState,
+    encode,
+)
+from allocator.topology import (  # noqa: E402
+    NODES_EXCHANGE,
+    allocator_queue_spec,
+    heartbeat_routing_key,
+)
+
+MODELS = [("NVIDIA GeForce GTX 1070", 8192), ("NVIDIA GeForce RTX 3090", 24576),
+          ("NVIDIA A100-SXM4-80GB", 81920), ("NVIDIA RTX A6000", 49152)]
+ECHO_EXCHANGE = "bench.echo"
+ECHO_QUEUE = "bench.echo"
+
+
+# ----------------------------------------------------------------------------- echo server
+
+
+async def echo_server(amqp_url: str) -> None:
+    """Answer every request on the echo queue with a canned lease, as fast as aio-pika can."""
+    lease = Lease(lease_id="0" * 32, request_key="bench/echo/", user="echo",
+                  state=LeaseState.GRANTED, host="gpu-0000", gpu_uuids=["GPU-echo"],
+                  gpu_indices=[0], model=MODELS[0][0],
+                  env={"NVIDIA_VISIBLE_DEVICES": "GPU-echo", "SWARM_GPU_LEASE": "0" * 32},
+                  created_at=time.time(), granted_at=time.time())
+    body = encode(LeaseReply(lease=lease))
+    connection = await aio_pika.connect_robust(amqp_url)
+    channel = await connection.channel(publisher_confirms=False)
+    await channel.set_qos(prefetch_count=256)
+    exchange = await channel.declare_exchange(ECHO_EXCHANGE, aio_pika.ExchangeType.DIRECT,
+                                              durable=True)
+    spec = allocator_queue_spec(ECHO_QUEUE)
+    queue = await channel.declare_queue(spec.name, durable=True, arguments=spec.arguments)
+    await queue.bind(exchange, routing_key="request")
+
+    async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        await channel.default_exchange.publish(
+            aio_pika.Message(body, content_type="application/json",
+                             correlation_id=message.correlation_id),
+            routing_key=message.reply_to or "", mandatory=False)
+        await message.ack()
+
+    await queue.consume(on_message)
+    print("ready", flush=True)
+    await asyncio.Future()
+
+
+# ----------------------------------------------------------------------------- clients
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The value below which ``fraction`` of ``values`` lie (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+async def run_case(amqp_url: str, *, exchange: str, clients: int, calls: int,
+                   prefix: str) -> dict[str, float]:
+    """``calls`` allocations spread over ``clients`` concurrent clients; figures in ms."""
+    connections = [AllocatorClient(amqp_url, timeout_s=30, exchange=exchange)
+                   for _ in range(clients)]
+    await asyncio.gather(*(c.connect() for c in connections))
+    latencies: list[float] = []
+    per_client = max(calls // clients, 1)
+
+    async def worker(index: int, client: AllocatorClient) -> None:
+        for call in range(per_client):
+            request = AllocateRequest(request_key=f"{prefix}/{index}/{call}", user=f"u{index}")
+            started = time.perf_counter()
+            lease = await client.allocate(request)
+            latencies.append(time.perf_counter() - started)
+            assert lease.state is LeaseState.GRANTED, lease
+
+    # Warm-up: connections, JIT-free but caches and the broker's queue leader.
+    await asyncio.gather(*(connections[0].allocate(AllocateRequest(
+        request_key=f"{prefix}/warm/{i}", user="warm")) for i in range(20)))
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(i, c) for i, c in enumerate(connections)))
+    elapsed = time.perf_counter() - started
+    await asyncio.gather(*(c.close() for c in connections))
+    return {
+        "calls": len(latencies),
+        "calls_per_s": round(len(latencies) / elapsed, 1),
+        "p50_ms": round(statistics.median(latencies) * 1000, 3),
+        "p99_ms": round(percentile(latencies, 0.99) * 1000, 3),
+    }
+
+
+async def feed_inventory(amqp_url: str, hosts: int, gpus_per_host: int) -> None:
+    """One heartbeat per simulated host, as their node agents would send."""
+    connection = await aio_pika.connect(amqp_url)
+    channel = await connection.channel()
+    exchange = await channel.declare_exchange(NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                              durable=True)
+    for h in range(hosts):
+        host = f"gpu-{h:04d}"
+        model, memory = MODELS[h % len(MODELS)]
+        beat = Heartbeat(host=host, agent_id="bench", seq=1, sent_at=time.time(), interval_s=2,
+                         source="simulated",
+                         gpus=[GPUInfo(uuid=f"GPU-{h:04d}-{i}", index=i, model=model,
+                                       memory_total_mib=memory) for i in range(gpus_per_host)])
+        await exchange.publish(aio_pika.Message(encode(beat), user_id="guest"),
+                               routing_key=heartbeat_routing_key(host))
+    await connection.close()
+
+
+async def wait_for_allocator(amqp_url: str) -> None:
+    """Until the allocator answers (it declares the topology when it starts)."""
+    for _ in range(100):
+        try:
+            async with AllocatorClient(amqp_url, timeout_s=1) as client:
+                await client.inventory()
+                return
+        except AllocatorError:
+            await asyncio.sleep(0.1)
+    raise RuntimeError("the allocator did not start")
+
+
+async def wait_for_inventory(amqp_url: str, gpus: int) -> None:
+    async with AllocatorClient(amqp_url, timeout_s=30) as client:
+        for _ in range(600):
+            inventory = await client.inventory()
+            if sum(model.total for model in inventory.models) >= gpus:
+                return
+            await asyncio.sleep(0.1)
+    raise RuntimeError("the allocator did not take in the whole inventory")
+
+
+def start_process(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+    """A server process whose output goes to a log file (a pipe nobody reads would block it)."""
+    with log.open("w") as handle:
+        return subprocess.Popen(args, env={**os.environ, **env}, stdout=handle,
+                                stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, object]:
+    broker = services.rabbitmq_from_env()
+    with services.temporary_vhost(broker) as vhost, tempfile.TemporaryDirectory() as tmp:
+        allocator_env = {
+            "SWARM_GPU_AMQP_URL": vhost.url,
+            "SWARM_GPU_LEDGER_PATH": str(Path(tmp) / "ledger.sqlite"),
+            "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
+            "SWARM_GPU_NODE_DOWN_AFTER_S": "86400",
+            "SWARM_GPU_STOP_GRACE_S": "86400",
+        }
+        allocator_log, echo_log = Path(tmp) / "allocator.log", Path(tmp) / "echo.log"
+        allocator = start_process([sys.executable, "-m", "allocator.cli", "serve"],
+                                  allocator_env, allocator_log)
+        echo = start_process([sys.executable, __file__, "--echo-server", vhost.url], {}, echo_log)
+        try:
+            for _ in range(300):
+                if "ready" in echo_log.read_text():
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise RuntimeError(f"echo server did not start: {echo_log.read_text()}")
+            await wait_for_allocator(vhost.url)
+            await feed_inventory(vhost.url, args.hosts, args.gpus_per_host)
+            await wait_for_inventory(vhost.url, args.hosts * args.gpus_per_host)
+            results: dict[str, dict[str, float]] = {}
+            for name, exchange in (("floor", ECHO_EXCHANGE), ("allocator", "swarm-gpu.rpc")):
+                results[f"{name}_1_client"] = await run_case(
+                    vhost.url, exchange=exchange, clients=1, calls=args.calls // 2,
+                    prefix=f"{name}1")
+                results[f"{name}_{args.clients}_clients"] = await run_case(
+                    vhost.url, exchange=exchange, clients=args.clients, calls=args.calls,
+                    prefix=f"{name}{args.clients}")
+        except BaseException:
+            print(allocator_log.read_text()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            for process in (allocator, echo):
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+    many = f"{args.clients}_clients"
+    return {
+        "benchmark": "rpc",
+        "inventory": {"hosts": args.hosts, "gpus": args.hosts * args.gpus_per_host},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        **results,
+        "ratios": {
+            f"throughput_{many}_vs_floor": round(
+                results[f"allocator_{many}"]["calls_per_s"]
+                / results[f"floor_{many}"]["calls_per_s"], 3),
+            "p50_1_client_vs_floor": round(
+                results["allocator_1_client"]["p50_ms"] / results["floor_1_client"]["p50_ms"], 3),
+            "p99_1_client_vs_floor": round(
+                results["allocator_1_client"]["p99_ms"] / results["floor_1_client"]["p99_ms"], 3),
+        },
+        "targets": {f"throughput_{many}_vs_floor": ">= 0.67", "p50_1_client_vs_floor": "<= 1.5"},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hosts", type=int, default=1000)
+    parser.add_argument("--gpus-per-host", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=1280, help="calls in the many-client case")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--echo-server", metavar="AMQP_URL", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.echo_server:
+        asyncio.run(echo_server(args.echo_server))
+        return
+    print(json.dumps(asyncio.run(bench(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
