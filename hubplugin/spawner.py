@@ -107,7 +107,11 @@ def allocator_http_error(exc: AllocatorError, *, what: str = "GPU request") -> w
             "minute, or start a server without a GPU.",
         )
     if exc.code is ErrorCode.NO_CAPACITY:
-        return user_error(409, f"No GPU is free for this {what}: {exc.message}")
+        return user_error(
+            409,
+            f"No GPU is free for your request right now ({exc.message}). Try again later, "
+            "ask for fewer GPUs or another model, or start without a GPU.",
+        )
     status = _REFUSALS.get(exc.code) or _FAILURES.get(exc.code, 500)
     if status >= 500:
         return user_error(status, f"The GPU allocator failed ({exc.code.value}): {exc.message}")
@@ -539,9 +543,12 @@ class GPUSwarmSpawner(SwarmSpawner):
             self.gpu_lease_id = lease.lease_id
             if lease.state is LeaseState.QUEUED:
                 self._emit(_queue_message(lease.queue_position, wait), 15)
+                shown = [lease.queue_position]
 
                 def on_position(position: int) -> None:
-                    self._emit(_queue_message(position, wait), 15)
+                    if position != shown[-1]:
+                        shown.append(position)
+                        self._emit(_queue_message(position, wait), 15)
 
                 try:
                     lease = await client.wait_for_grant(
@@ -554,7 +561,14 @@ class GPUSwarmSpawner(SwarmSpawner):
                     if "still queued" not in exc.message:
                         raise
                     raise AllocatorError(
-                        ErrorCode.NO_CAPACITY, f"no GPU became free within {wait:g} s"
+                        ErrorCode.NO_CAPACITY, f"none became free within {wait:g} s"
+                    ) from None
+                except AllocatorError as exc:
+                    if exc.code is not ErrorCode.NO_CAPACITY:
+                        raise
+                    raise AllocatorError(
+                        ErrorCode.NO_CAPACITY,
+                        f"none became free while you waited {wait:g} s in the queue",
                     ) from None
                 self.gpu_lease_id = lease.lease_id
         except AllocatorError as exc:
@@ -607,6 +621,18 @@ class GPUSwarmSpawner(SwarmSpawner):
             finally:
                 (self.extra_container_spec, self.extra_placement_spec,
                  self.extra_create_kwargs) = saved
+        except asyncio.CancelledError:
+            # The hub gave up (start_timeout) or the user cancelled a pending spawn. JupyterHub
+            # does not always reach the post-stop hook after a cancellation, so withdraw the
+            # request now, in a task of its own that the cancellation cannot interrupt.
+            if self.gpu_lease_id or self.gpu_request_key:
+                task = asyncio.ensure_future(
+                    self._release(self.gpu_request_key, self.gpu_lease_id,
+                                  reason="spawn cancelled")
+                )
+                _BACKGROUND.add(task)
+                task.add_done_callback(_BACKGROUND.discard)
+            raise
         finally:
             self._gpu_events_done = True
 
@@ -702,6 +728,9 @@ def _queue_message(position: int | None, wait: float) -> str:
     where = f"position {position}" if position else "waiting"
     return f"No GPU free yet: queued ({where}); waiting up to {wait:g} s for one to free up"
 
+
+_BACKGROUND: set[asyncio.Future[None]] = set()
+"""Release tasks started from a cancelled spawn (kept referenced until they finish)."""
 
 _CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[Any, ...], Any]] = (
     weakref.WeakKeyDictionary()

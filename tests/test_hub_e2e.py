@@ -303,6 +303,30 @@ async def test_allocator_unreachable_fails_clearly_and_cpu_servers_still_start(
         assert hub.alive()
 
 
+async def test_silent_allocator_times_out_with_a_clear_message(
+    amqp_vhost: Any, hub_factory: HubFactory,
+) -> None:
+    import aio_pika
+
+    from allocator.service import declare_topology
+    from allocator.topology import ALLOCATOR_QUEUE
+
+    async with asyncio.timeout(TEST_BUDGET_S):
+        # the broker and the queue are there, but no allocator consumes it
+        connection = await aio_pika.connect(amqp_vhost.url, timeout=10)
+        async with connection:
+            await declare_topology(await connection.channel(), ALLOCATOR_QUEUE)
+        hub = await hub_factory(allocator_timeout=2.0)
+        started = time.monotonic()
+        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
+        assert status == 503, body
+        assert "GPU allocator cannot be reached" in body["message"]
+        assert "did not answer within 2 s" in body["message"]
+        assert time.monotonic() - started < 10
+        status, _ = await hub.api("GET", "/")
+        assert status == 200 and hub.alive()
+
+
 async def test_queued_request_reports_its_position_and_gets_the_freed_gpu(
     nodes: Any, client: AllocatorClient, hub_factory: HubFactory, docker: aiodocker.Docker,
     swarm_host: str,
@@ -333,6 +357,44 @@ async def test_queued_request_reports_its_position_and_gets_the_freed_gpu(
         spec = await service_spec(docker, hub.service_name("bob"))
         assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == alice.gpu_uuids[0]
         await hub.stop_server("bob")
+
+
+async def test_cancelling_a_queued_spawn_withdraws_the_request(
+    nodes: Any, client: AllocatorClient, hub_factory: HubFactory, docker: aiodocker.Docker,
+    swarm_host: str,
+) -> None:
+    inventory = {swarm_host: gpus(swarm_host, GTX1070, 1)}
+    async with asyncio.timeout(TEST_BUDGET_S), FakeAgent(nodes, docker, swarm_host, inventory):
+        hub = await hub_factory(wait_s=60.0)
+        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
+        assert status in (201, 202), body
+        await hub.wait_ready("alice")
+        spawn = asyncio.create_task(hub.spawn("bob", {"mode": "exclusive", "model": "1070"}))
+        await hub.progress_events("bob", until="queued (position 1)")
+        bob = await lease_of(client, hub.request_key("bob"))
+        assert bob is not None and bob.state is LeaseState.QUEUED
+
+        status, body = await hub.api("DELETE", "/users/bob/server", user="bob")
+        assert status in (202, 204), body
+        with contextlib.suppress(Exception):
+            await spawn
+        withdrawn = await eventually(
+            lambda: _final(client, bob.lease_id), what="withdrawn queued request")
+        assert withdrawn.state is LeaseState.RELEASED
+        assert withdrawn.release_reason is not None
+        assert withdrawn.release_reason.value == "cancelled"
+        assert hub.alive()
+        # alice's GPU was never touched, and the queue is empty
+        inventory_now = await client.inventory()
+        assert inventory_now.queued == 0
+        alice = await lease_of(client, hub.request_key("alice"))
+        assert alice is not None and alice.state.holds_gpus
+        await hub.stop_server("alice")
+
+
+async def _final(client: AllocatorClient, lease_id: str) -> Lease | None:
+    lease = await client.status(lease_id=lease_id)
+    return lease if lease.state.final else None
 
 
 async def test_queue_wait_runs_out_with_a_clear_message(
