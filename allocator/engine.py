@@ -26,6 +26,7 @@ from allocator.cluster import GPU, Claim, Cluster, Node
 from allocator.config import AllocatorSettings
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes, LoadedState
+from allocator.placement_index import PlacementIndex
 from allocator.protocol import (
     AllocateRequest,
     AnyInbound,
@@ -90,6 +91,8 @@ class Engine:
         """lease id -> node-clock time its container was known to run (start event or listing)."""
         self._down: set[str] = set()
         self._over_budget: set[str] = set()
+        self.index = PlacementIndex()
+        self._catalog: Cluster | None = None
 
     # ------------------------------------------------------------------ loading
 
@@ -120,6 +123,8 @@ class Engine:
         self._down = {host for host, node in self.cluster.nodes.items()
                       if not node.is_up(now, self.settings.node_down_after_s)}
         self._last_seq.clear()
+        self.index.rebuild(self.cluster)
+        self._catalog = None
 
     def _track(self, record: LeaseRecord) -> None:
         self.leases[record.lease_id] = record
@@ -260,12 +265,9 @@ class Engine:
                 )
             self.counters["allocate_retry"] += 1
             return self.lease_reply(existing)
-        demand = policy.make_demand(request, self.cluster, self.settings)
+        demand = policy.make_demand(request, self._model_catalog(), self.settings)
         if isinstance(demand, policy.Refusal):
             return self._refuse(demand)
-        refusal = policy.feasible(demand, self.cluster)
-        if refusal is not None:
-            return self._refuse(refusal)
         placement = self._place(demand, now)
         record = LeaseRecord(
             lease_id=uuid.uuid4().hex, request_key=request.request_key, user=request.user,
@@ -286,12 +288,38 @@ class Engine:
             return self.lease_reply(record)
         return self._refuse(placement)
 
+    def _model_catalog(self) -> Cluster:
+        """The cluster as model resolution needs it: every node, one GPU per model and size.
+
+        :func:`policy.make_demand` only asks which models, sizes and hosts exist; a catalog of
+        a few GPUs answers that in microseconds where the whole cluster takes milliseconds.
+        It is rebuilt after an inventory change.
+        """
+        if self._catalog is None:
+            representatives: dict[tuple[str, int, bool], GPU] = {}
+            for gpu in self.cluster.gpus.values():
+                representatives.setdefault((gpu.model, gpu.memory_total_mib, gpu.present), gpu)
+            self._catalog = Cluster(nodes=self.cluster.nodes,
+                                    gpus={g.uuid: g for g in representatives.values()})
+        return self._catalog
+
     def _place(self, demand: policy.Demand, now: float) -> policy.Placement | policy.Refusal:
-        """Quota first (waiting would not help), then placement."""
+        """Best-fit placement (narrowed by the index when it can be), then the quota."""
+        down_after = self.settings.node_down_after_s
+        view = self._placement_view(now)
+        placement: policy.Placement | policy.Refusal | None = None
+        narrowed = self.index.narrow(
+            demand, view,
+            lambda node: node.host not in self._down and not node.drained
+            and node.is_up(now, down_after))
+        if narrowed is not None:
+            placement = policy.place(demand, narrowed, now, down_after)
+        if not isinstance(placement, policy.Placement):
+            # Nothing among the candidates (or no narrowing possible): the exact answer, with
+            # the refusal's full explanation, from the whole cluster.
+            placement = policy.place(demand, view, now, down_after)
         # Quotas need a placement's units; a slice's units depend on the GPU it lands on, so
         # place first and check the quota of the actual placement.
-        placement = policy.place(demand, self._placement_view(now), now,
-                                 self.settings.node_down_after_s)
         if isinstance(placement, policy.Refusal):
             return placement
         refusal = policy.check_quota(placement.units, demand.user, demand.groups,
@@ -326,6 +354,7 @@ class Engine:
         record.granted_at = now
         record.bind_deadline = now + self.settings.bind_timeout_s
         policy.apply_placement(self.cluster, placement, record.lease_id, demand)
+        self.index.refresh(self.cluster, placement.host)
         self.by_key[record.request_key] = record.lease_id
         changes.transition(record, old, now, "granted", by=record.user)
         self.counters["granted"] += 1
@@ -344,7 +373,7 @@ class Engine:
                 self._finish(record, LeaseState.EXPIRED, ReleaseReason.CANCELLED, now, changes,
                              by="allocator", note="stored request no longer valid")
                 continue
-            demand = policy.make_demand(request, self.cluster, self.settings)
+            demand = policy.make_demand(request, self._model_catalog(), self.settings)
             if isinstance(demand, policy.Refusal):
                 continue
             placement = self._place(demand, now)
@@ -399,6 +428,8 @@ class Engine:
         old = record.state
         if old.holds_gpus:
             self.cluster.drop_claims(record.lease_id, list(record.gpu_uuids))
+            if record.host is not None:
+                self.index.refresh(self.cluster, record.host)
         if old is LeaseState.QUEUED:
             self._dequeue(record.lease_id)
         record.state = state
@@ -447,6 +478,7 @@ class Engine:
                                    f"no GPU {request.gpu_uuid!r} on {request.host!r}")
             gpu.drained = request.drained
             changes.gpu(gpu, now)
+            self.index.refresh(self.cluster, request.host)
         else:
             node.drained = request.drained
             changes.node(node, drain_reason=request.reason, drained_by=by, drained_at=now)
@@ -496,6 +528,9 @@ class Engine:
             if not new_node:
                 changes.event(now, "node_up", host=beat.host)
         inventory_changed = self._update_gpus(node, beat, now, changes)
+        if inventory_changed:
+            self.index.refresh(self.cluster, beat.host)
+            self._catalog = None
         persist = (new_node or agent_changed or inventory_changed or
                    now - self._telemetry_saved.get(beat.host, 0.0)
                    >= self.settings.telemetry_persist_s)
@@ -527,6 +562,7 @@ class Engine:
                 old_node = self.cluster.nodes.get(gpu.host)
                 if old_node is not None and info.uuid in old_node.gpu_uuids:
                     old_node.gpu_uuids.remove(info.uuid)
+                    self.index.refresh(self.cluster, old_node.host)
                 changes.event(now, "gpu_moved", host=node.host, gpu_uuid=info.uuid,
                               old_host=gpu.host)
                 gpu = None
