@@ -95,8 +95,10 @@ def gpu_env(lease: Lease | None, *, memory_total_mib: int | None = None) -> dict
         if lease.memory_mib:
             env[f"{GPU_ENV_PREFIX}MEMORY_MIB"] = str(lease.memory_mib)
             if memory_total_mib:
-                fraction = min(lease.memory_mib / memory_total_mib, 1.0)
-                env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{fraction:.3f}")
+                # rounded down, like the allocator's own hint: never more than the budget
+                hundredths = min(lease.memory_mib * 100 // memory_total_mib, 100)
+                env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                               f"{hundredths // 100}.{hundredths % 100:02d}")
     return env
 
 

@@ -57,7 +57,10 @@ def test_shared_lease_gets_framework_hints() -> None:
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.240"  # the allocator's hint wins
     env = gpu_env(shared.model_copy(update={"env": {}}), memory_total_mib=8192)
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.250"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.25"
+    env = gpu_env(shared.model_copy(update={"env": {}, "memory_mib": 2047}),
+                  memory_total_mib=8192)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.24"  # rounded down
     env = gpu_env(shared.model_copy(update={"env": {}}))
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
 

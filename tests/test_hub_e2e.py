@@ -218,6 +218,21 @@ async def test_gpu_server_through_rest(
         one070 = next(m for m in inventory.models if m.model == GTX1070)
         assert one070.free == 1
 
+        # a named profile over REST: a shared slice of the other GTX 1070
+        status, body = await hub.spawn("bob", {"profile": "gtx1070-share"})
+        assert status in (201, 202), (body, hub.log_tail())
+        await hub.wait_ready("bob")
+        share = await lease_of(client, hub.request_key("bob"))
+        assert share is not None and share.shared and share.memory_mib == 2048
+        assert share.gpu_uuids != lease.gpu_uuids
+        share_env = env_of(await service_spec(docker, hub.service_name("bob")))
+        assert share_env["NVIDIA_VISIBLE_DEVICES"] == share.gpu_uuids[0]
+        assert share_env["SWARM_GPU_SHARED"] == "1"
+        assert share_env["SWARM_GPU_MEMORY_MIB"] == "2048"
+        assert share_env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+        assert float(share_env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == pytest.approx(0.25, abs=0.01)
+        await hub.stop_server("bob")
+
         # stop: the hub marks it releasing, the GPU frees when the container is gone
         await hub.stop_server("alice")
         after = await client.status(lease_id=lease.lease_id)
