@@ -40,6 +40,10 @@ class LedgerError(Exception):
     """The ledger cannot be opened or written; the message says why in plain words."""
 
 
+class LedgerChanged(LedgerError):
+    """Another process committed to the ledger since this one last looked (a takeover)."""
+
+
 def _migrate_v1(db: sqlite_utils.Database) -> None:
     """The first schema: nodes, GPUs, leases with history, and the event log."""
     db["nodes"].create(
@@ -268,8 +272,19 @@ class Ledger:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def commit(self, changes: Changes) -> None:
-        """Write one batch in one transaction (on the ledger thread)."""
+    def data_version(self) -> int:
+        """SQLite's data_version: changes when *another* connection commits (ledger thread)."""
+        return int(self.db.execute("PRAGMA data_version").fetchone()[0])
+
+    def commit(self, changes: Changes, *, expect_version: int | None = None) -> None:
+        """Write one batch in one transaction (on the ledger thread).
+
+        With ``expect_version``, first check that no other process wrote since then, and
+        raise :class:`LedgerChanged` (writing nothing) if one did: an allocator that was a
+        standby must not write decisions made on a stale picture.
+        """
+        if expect_version is not None and self.data_version() != expect_version:
+            raise LedgerChanged(f"{self.path} was written by another process")
         if not changes:
             return
         conn = self.db.conn

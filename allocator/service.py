@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger import Changes, Ledger, LedgerError
+from allocator.ledger import Changes, Ledger, LedgerChanged, LedgerError
 from allocator.protocol import (
     ErrorCode,
     ErrorReply,
@@ -60,6 +60,8 @@ class _Pending:
     reply: BaseModel | None = None
     lookup: tuple[str | None, str | None] | None = None
     """(lease_id, request_key) to look up in the ledger when memory had no such lease."""
+    dead_letter: bool = False
+    """Reject it to the dead-letter queue instead of acknowledging it."""
 
 
 @dataclass
@@ -106,7 +108,6 @@ class AllocatorService:
         self._consumer_tag: str | None = None
         self._queue: aio_pika.abc.AbstractQueue | None = None
         self._data_version: int | None = None
-        self._background: set[asyncio.Future[None]] = set()
         self.started = asyncio.Event()
 
     # ------------------------------------------------------------------ life
@@ -158,10 +159,7 @@ class AllocatorService:
         """Rebuild the engine from the ledger (start, failed commit, takeover)."""
         state = await self.ledger.run(self.ledger.load)
         self.engine.load(state, self.clock())
-        self._data_version = await self.ledger.run(self._read_data_version)
-
-    def _read_data_version(self) -> int:
-        return int(self.ledger.db.execute("PRAGMA data_version").fetchone()[0])
+        self._data_version = await self.ledger.run(self.ledger.data_version)
 
     # ------------------------------------------------------------------ loops
 
@@ -189,12 +187,29 @@ class AllocatorService:
                 await self._recover(batch)
 
     async def _apply_batch(self, batch: list[object]) -> None:
-        if await self.ledger.run(self._read_data_version) != self._data_version:
-            # Another allocator wrote the ledger since our last commit: we are a standby that
-            # just became active. Start from what it left.
-            log.warning("ledger changed under us (takeover); reloading")
-            self.stats.counters["takeovers"] += 1
-            await self._reload()
+        # One trip to the ledger thread per batch: the commit itself checks that no other
+        # allocator wrote since our last look. If one did, we are a standby that has just
+        # become active: start from what it left and apply the batch again.
+        for _attempt in range(3):
+            changes, pending = self._apply_in_memory(batch)
+            try:
+                await self.ledger.run(
+                    lambda c=changes: self.ledger.commit(c, expect_version=self._data_version))
+            except LedgerChanged:
+                log.warning("the ledger was written by another allocator (takeover); reloading")
+                self.stats.counters["takeovers"] += 1
+                await self._reload()
+                continue
+            except LedgerError as exc:
+                await self._commit_failed(exc, pending)
+                return
+            break
+        else:
+            raise LedgerError("the ledger keeps changing under this allocator")
+        await self._resolve_lookups(pending)
+        await self._finish(pending)
+
+    def _apply_in_memory(self, batch: list[object]) -> tuple[Changes, list[_Pending]]:
         changes = Changes()
         pending: list[_Pending] = []
         for item in batch:
@@ -203,30 +218,25 @@ class AllocatorService:
                 self.engine.tick(now, changes)
                 continue
             assert isinstance(item, aio_pika.abc.AbstractIncomingMessage)
-            entry = self._apply_message(item, now, changes)
-            if entry is not None:
-                pending.append(entry)
-        try:
-            await self.ledger.run(lambda: self.ledger.commit(changes))
-        except LedgerError as exc:
-            log.error("ledger commit failed: %s", exc)
-            self.stats.counters["commit_failures"] += 1
-            await self._reload()
-            failure = error_reply(ErrorCode.STORAGE_ERROR,
-                                  f"the allocator could not record the decision ({exc}); "
-                                  "nothing was granted, try again later")
-            # Every reply of the batch was computed on memory that has just been thrown away.
-            for entry in pending:
-                if entry.reply is not None:
-                    entry.reply = failure
-            await self._finish(pending)
-            return
-        self._data_version = await self.ledger.run(self._read_data_version)
-        await self._resolve_lookups(pending)
+            pending.append(self._apply_message(item, now, changes))
+        return changes, pending
+
+    async def _commit_failed(self, exc: LedgerError, pending: list[_Pending]) -> None:
+        """Nothing of the batch was written: forget it in memory and say so to every caller."""
+        log.error("ledger commit failed: %s", exc)
+        self.stats.counters["commit_failures"] += 1
+        await self._reload()
+        failure = error_reply(ErrorCode.STORAGE_ERROR,
+                              f"the allocator could not record the decision ({exc}); "
+                              "nothing was granted, try again later")
+        # Every reply of the batch was computed on memory that has just been thrown away.
+        for entry in pending:
+            if entry.reply is not None:
+                entry.reply = failure
         await self._finish(pending)
 
     def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage, now: float,
-                       changes: Changes) -> _Pending | None:
+                       changes: Changes) -> _Pending:
         self.stats.counters["received"] += 1
         decoded = decode_inbound(message.body)
         wants_reply = bool(message.reply_to and message.correlation_id)
@@ -234,8 +244,7 @@ class AllocatorService:
             self.stats.counters[f"invalid_{decoded.error.code.value}"] += 1
             log.info("refused a message: %s", decoded.error.message)
             if not wants_reply:
-                self._dead_letter(message)
-                return None
+                return _Pending(message, None, dead_letter=True)
             return _Pending(message, decoded)
         deadline = getattr(decoded, "deadline", None)
         if deadline is not None and now > deadline:
@@ -250,13 +259,6 @@ class AllocatorService:
                 and reply.error.code is ErrorCode.NOT_FOUND):
             entry.lookup = (decoded.lease_id, decoded.request_key)
         return entry
-
-    def _dead_letter(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        self.stats.counters["dead_lettered"] += 1
-        # reject without requeue: the queue's dead-letter exchange keeps it for a person.
-        task = asyncio.ensure_future(_quietly(message.reject(requeue=False)))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def _resolve_lookups(self, pending: list[_Pending]) -> None:
         """Answer status/release of leases that left memory long ago from the ledger."""
@@ -295,7 +297,13 @@ class AllocatorService:
                     self.stats.counters["reply_failures"] += 1
                     log.info("could not send a reply: %s", exc)
             with contextlib.suppress(Exception):
-                await entry.message.ack()
+                if entry.dead_letter:
+                    # Rejected without requeue: the queue's dead-letter exchange keeps it
+                    # for a person to look at.
+                    self.stats.counters["dead_lettered"] += 1
+                    await entry.message.reject(requeue=False)
+                else:
+                    await entry.message.ack()
 
     async def _recover(self, batch: list[object]) -> None:
         """After an unexpected error: rebuild from disk and answer what was asked."""
@@ -311,8 +319,3 @@ class AllocatorService:
             for item in batch if isinstance(item, aio_pika.abc.AbstractIncomingMessage)
         ]
         await self._finish(pending)
-
-
-async def _quietly(awaitable: object) -> None:
-    with contextlib.suppress(Exception):
-        await awaitable  # type: ignore[misc]
