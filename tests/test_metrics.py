@@ -1,0 +1,136 @@
+"""Prometheus metrics of a real allocator, scraped over HTTP as Prometheus would."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+
+import aio_pika
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import GTX1070, RTX3090, gpus, wait_until
+
+from allocator import metrics
+from allocator.protocol import AllocateRequest, ShareRequest
+from allocator.topology import RPC_EXCHANGE, RPC_ROUTING_KEY
+
+
+def scrape(port: int) -> dict[str, float]:
+    """GET /metrics and flatten it to {'name{label="v",...}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+@pytest.fixture
+async def served(allocator):
+    server = metrics.serve(allocator, port=0, addr="127.0.0.1")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def test_scrape_reports_gpus_leases_queue_and_counters(allocator, client, nodes, served,
+                                                             amqp_vhost):
+    await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 2))
+    await nodes.beat("gpu-b", gpus("gpu-b", RTX3090, 2))
+
+    async def up():
+        return sum(n.up for n in (await client.inventory()).nodes) == 2
+    await wait_until(up)
+    whole = await client.allocate(AllocateRequest(request_key="h/a/", user="a", model="3090",
+                                                  count=2))
+    await client.allocate(AllocateRequest(request_key="h/s/", user="s", model="1070",
+                                          share=ShareRequest(memory_mib=1024)))
+    await client.allocate(AllocateRequest(request_key="h/q/", user="q", model="3090",
+                                          wait_s=60))
+    await client.drain("gpu-a", gpu_uuid=gpus("gpu-a", GTX1070, 2)[1].uuid)
+    await client.release(lease_id=whole.lease_id, force=True, reason="metrics test")
+    # A body that does not decode and wants no reply: dead-lettered.
+    connection = await aio_pika.connect(amqp_vhost.url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(RPC_EXCHANGE, ensure=False)
+        await exchange.publish(aio_pika.Message(b"{not json"), routing_key=RPC_ROUTING_KEY)
+    await wait_until(lambda: _dead_lettered(allocator))
+    metrics.observe_request("allocate", 0.004)
+    metrics.observe_request("made-up-kind", 0.5)
+
+    samples = await asyncio.to_thread(scrape, served.port)
+    assert samples["swarm_gpu_metrics_ok"] == 1
+    # The forced release handed both 3090s to the queue... which wanted one.
+    assert samples['swarm_gpu_gpus{model="NVIDIA GeForce RTX 3090",state="held"}'] == 1
+    assert samples['swarm_gpu_gpus{model="NVIDIA GeForce RTX 3090",state="free"}'] == 1
+    assert samples['swarm_gpu_gpus{model="NVIDIA GeForce GTX 1070",state="held"}'] == 1
+    assert samples['swarm_gpu_gpus{model="NVIDIA GeForce GTX 1070",state="drained"}'] == 1
+    assert samples['swarm_gpu_gpus{model="NVIDIA GeForce GTX 1070",state="unhealthy"}'] == 0
+    assert samples['swarm_gpu_share_slots{model="NVIDIA GeForce GTX 1070",state="held"}'] == 1
+    assert samples['swarm_gpu_share_slots{model="NVIDIA GeForce GTX 1070",state="free"}'] == 7
+    assert samples['swarm_gpu_leases{state="granted"}'] == 2
+    assert samples['swarm_gpu_leases{state="queued"}'] == 0
+    assert samples["swarm_gpu_queue_length"] == 0
+    assert samples['swarm_gpu_releases_total{reason="admin"}'] == 1
+    assert samples["swarm_gpu_grants_total"] == 3 and samples["swarm_gpu_queued_total"] == 1
+    assert samples['swarm_gpu_nodes{state="up"}'] == 2
+    assert samples['swarm_gpu_node_up{host="gpu-a"}'] == 1
+    assert samples["swarm_gpu_heartbeats_total"] >= 2
+    assert samples["swarm_gpu_dead_lettered_total"] == 1
+    assert samples['swarm_gpu_invalid_messages_total{code="bad_request"}'] == 1
+    assert samples['swarm_gpu_request_seconds_count{kind="allocate"}'] >= 1
+    assert samples['swarm_gpu_request_seconds_count{kind="other"}'] >= 1
+    assert not any("made-up-kind" in name for name in samples)
+
+
+async def _dead_lettered(allocator) -> bool:
+    return allocator.stats.counters["dead_lettered"] >= 1
+
+
+async def test_queue_wait_is_reported(allocator, client, nodes, served):
+    await nodes.beat("gpu-b", gpus("gpu-b", RTX3090, 1))
+
+    async def up():
+        return any(n.up for n in (await client.inventory()).nodes)
+    await wait_until(up)
+    await client.allocate(AllocateRequest(request_key="h/a/", user="a", model="3090"))
+    await client.allocate(AllocateRequest(request_key="h/b/", user="b", model="3090", wait_s=60))
+    await asyncio.sleep(0.3)
+    samples = await asyncio.to_thread(scrape, served.port)
+    assert samples["swarm_gpu_queue_length"] == 1
+    assert samples['swarm_gpu_leases{state="queued"}'] == 1
+    assert samples["swarm_gpu_queue_oldest_wait_seconds"] >= 0.3
+
+
+async def test_a_blocked_loop_makes_a_short_failed_scrape(allocator):
+    """The collector waits for the event loop, bounded; it never reads the engine racily."""
+    collector = metrics.AllocatorCollector(allocator, asyncio.get_running_loop(), timeout_s=0.2)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.extend(collector.collect()))
+    thread.start()
+    time.sleep(0.5)  # noqa: ASYNC251 - blocks the loop on purpose, as a long sync step would
+    thread.join(timeout=5)
+    names = {family.name: family for family in result}
+    assert names["swarm_gpu_metrics_ok"].samples[0].value == 0
+    assert "swarm_gpu_gpus" not in names
+    # Once the loop runs again, a scrape reads it.
+    again = await asyncio.to_thread(lambda: list(collector.collect()))
+    assert {f.name: f for f in again}["swarm_gpu_metrics_ok"].samples[0].value == 1
+
+
+async def test_a_second_service_replaces_the_first_collector(allocator):
+    first = metrics.install(allocator)
+    second = metrics.install(allocator)
+    try:
+        names = [m.name for m in metrics.REGISTRY.collect()]
+        assert names.count("swarm_gpu_gpus") == 1
+    finally:
+        metrics.uninstall(second)
+        metrics.uninstall(first)
+    assert "swarm_gpu_gpus" not in [m.name for m in metrics.REGISTRY.collect()]
