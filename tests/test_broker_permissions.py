@@ -1,0 +1,329 @@
+"""``compose/rabbitmq-definitions.json`` on the real broker: least privilege, proved.
+
+The committed definitions are rendered (compose/render_definitions.py) with test passwords, a
+vhost and user names of this run's own, and loaded through the management API
+(``POST /api/definitions``, which creates the vhost, users, permissions and topology). A real
+allocator then runs as the ``allocator`` user, and each other user tries what it may and
+may not do. Users are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import aio_pika
+import aiormq.exceptions
+import pytest
+import services
+from support import GTX1070, gpus, heartbeat, wait_until
+
+from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
+from allocator.config import AllocatorSettings
+from allocator.protocol import AllocateRequest, ErrorCode, LeaseState, encode
+from allocator.service import AllocatorService
+from allocator.topology import (
+    DEAD_LETTER_EXCHANGE,
+    DEAD_LETTER_QUEUE,
+    NODES_EXCHANGE,
+    RPC_EXCHANGE,
+    RPC_ROUTING_KEY,
+    allocator_queue_spec,
+    dead_letter_queue_spec,
+    heartbeat_routing_key,
+)
+
+COMPOSE = Path(__file__).resolve().parents[1] / "compose"
+
+
+def load_renderer() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("render_definitions",
+                                                  COMPOSE / "render_definitions.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+render_definitions = load_renderer()
+TEMPLATE = json.loads((COMPOSE / "rabbitmq-definitions.json").read_text())
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+def test_topology_is_exactly_what_the_allocator_declares():
+    """Same names, types and arguments as allocator.topology (a mismatch would make the
+    allocator's own declaration fail with PRECONDITION_FAILED at start)."""
+    queues = {q["name"]: q for q in TEMPLATE["queues"]}
+    for spec in (allocator_queue_spec(), dead_letter_queue_spec()):
+        assert queues[spec.name]["arguments"] == spec.arguments
+        assert queues[spec.name]["durable"] is spec.durable
+        assert queues[spec.name]["auto_delete"] is False
+    exchanges = {e["name"]: (e["type"], e["durable"], e["auto_delete"], e["internal"])
+                 for e in TEMPLATE["exchanges"]}
+    assert exchanges == {RPC_EXCHANGE: ("direct", True, False, False),
+                         NODES_EXCHANGE: ("topic", True, False, False),
+                         DEAD_LETTER_EXCHANGE: ("fanout", True, False, False)}
+    bindings = {(b["source"], b["destination"], b["routing_key"]) for b in TEMPLATE["bindings"]}
+    assert bindings == {(RPC_EXCHANGE, allocator_queue_spec().name, RPC_ROUTING_KEY),
+                        (NODES_EXCHANGE, allocator_queue_spec().name, "#"),
+                        (DEAD_LETTER_EXCHANGE, DEAD_LETTER_QUEUE, "")}
+    assert all(u["password_hash"] == "" for u in TEMPLATE["users"]), \
+        "the committed file carries no password"
+
+
+def test_render_adds_one_agent_per_host_with_hashed_passwords():
+    passwords = {"admin": "a", "allocator": "b", "hub": "c", "gpu-x.lab": "d"}
+    rendered = render_definitions.render(TEMPLATE, passwords=passwords,
+                                         agents=["gpu-x.lab", "n2"], vhost="v", user_prefix="p-")
+    users = {u["name"]: u for u in rendered["users"]}
+    assert sorted(users) == ["p-admin", "p-agent-gpu-x.lab", "p-agent-n2", "p-allocator",
+                             "p-hub"]
+    assert users["p-hub"]["password_hash"] and users["p-agent-n2"]["password_hash"] == ""
+    topics = {t["user"]: t["write"] for t in rendered["topic_permissions"]}
+    assert topics["p-agent-gpu-x.lab"] == r"^(heartbeat|event)\.gpu\-x\.lab$"
+    assert {p["vhost"] for p in rendered["permissions"]} == {"v"}
+    assert [v["name"] for v in rendered["vhosts"]] == ["v"]
+
+
+def test_password_hash_is_rabbitmqs():
+    # The example of RabbitMQ's docs ("Computing Password Hash"): salt 908DC60A, password
+    # "test12" -> kI3GCqW5JLMJa4iX1lo7X4D6XbYqlLgxIs30+P6tENUV2POR.
+    salt = bytes.fromhex("908DC60A")
+    assert render_definitions.rabbit_password_hash("test12", salt) == \
+        "kI3GCqW5JLMJa4iX1lo7X4D6XbYqlLgxIs30+P6tENUV2POR"
+
+
+def test_render_script_needs_every_password(tmp_path):
+    for user in ("admin", "allocator", "hub"):
+        (tmp_path / user).write_text(f"{user}-pw\n")
+    assert render_definitions.main(["--passwords", str(tmp_path), "--agent", "g1",
+                                    "-o", str(tmp_path / "out.json")]) == 2
+    (tmp_path / "agent-g1").write_text("g1-pw\n")
+    assert render_definitions.main(["--passwords", str(tmp_path), "--agent", "g1",
+                                    "-o", str(tmp_path / "out.json")]) == 0
+    assert oct((tmp_path / "out.json").stat().st_mode & 0o777) == "0o600"
+
+
+# ----------------------------------------------------------------------------- the broker
+
+
+@dataclass
+class Broker:
+    """The loaded definitions: URLs per user and the settings of an allocator among them."""
+
+    rabbitmq: services.RabbitMQ
+    vhost: str
+    prefix: str
+    passwords: dict[str, str]
+
+    def url(self, user: str) -> str:
+        name = self.prefix + user
+        return (f"amqp://{urllib.parse.quote(name, safe='')}:{self.passwords[user]}@"
+                f"{self.rabbitmq.host}:{self.rabbitmq.port}/"
+                f"{urllib.parse.quote(self.vhost, safe='')}")
+
+    def settings(self, ledger: Path) -> AllocatorSettings:
+        return AllocatorSettings(
+            amqp_url=self.url("allocator"), ledger_path=ledger, allow_any_node_user=False,
+            node_user_template=self.prefix + "agent-{host}",
+            admin_users=[self.prefix + "admin"], tick_s=0.1)
+
+
+def load(rabbitmq: services.RabbitMQ, template: dict, vhost: str, prefix: str,
+         passwords: dict[str, str]) -> None:
+    definitions = render_definitions.render(template, passwords=passwords,
+                                            agents=["gpu-a", "gpu-b"], vhost=vhost,
+                                            user_prefix=prefix)
+    rabbitmq.api("POST", "/api/definitions", definitions)
+    deadline = time.monotonic() + 30
+    while True:
+        info = rabbitmq.api("GET", f"/api/vhosts/{urllib.parse.quote(vhost, safe='')}")
+        states = (info or {}).get("cluster_state") or {}
+        if states and all(state == "running" for state in states.values()):
+            return
+        assert time.monotonic() < deadline, f"vhost {vhost} not running: {states}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def broker(rabbitmq) -> Iterator[Broker]:
+    """The committed definitions, loaded under a vhost and user names of this test's own."""
+    tag = uuid.uuid4().hex[:8]
+    vhost = f"{services.VHOST_PREFIX}{os.getpid()}-defs-{tag}"
+    prefix = f"t{tag}-"
+    users = ["admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b"]
+    passwords = {user: uuid.uuid4().hex for user in users}
+    try:
+        load(rabbitmq, TEMPLATE, vhost, prefix, passwords)
+        yield Broker(rabbitmq, vhost, prefix, passwords)
+    finally:
+        services.delete_vhost(rabbitmq, vhost)
+        rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
+
+
+@pytest.fixture
+async def running(broker, ledger_path):
+    """A real allocator consuming as the ``allocator`` user (its declarations must pass)."""
+    service = AllocatorService(broker.settings(ledger_path))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+async def publish(url: str, exchange: str, routing_key: str, body: bytes, *,
+                  user_id: str | None = None) -> None:
+    """Publish once with publisher confirms, so a refusal surfaces here as an exception."""
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        target = await channel.get_exchange(exchange, ensure=False)
+        await target.publish(aio_pika.Message(body, user_id=user_id), routing_key=routing_key,
+                             timeout=10)
+
+
+async def ignore(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    """A consumer that is never meant to receive anything."""
+
+
+def agent_beat(host: str, **kwargs) -> bytes:
+    return encode(heartbeat(host, gpus(host, GTX1070, 2), **kwargs))
+
+
+async def test_hub_allocates_from_gpus_an_agent_reported(broker, running):
+    agent = broker.prefix + "agent-gpu-a"
+    await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                  agent_beat("gpu-a"), user_id=agent)
+    async with AllocatorClient(broker.url("hub"), timeout_s=10) as hub:
+        async def reported():
+            return (await hub.inventory()).nodes
+        nodes = await wait_until(reported)
+        assert [n.host for n in nodes] == ["gpu-a"]
+        lease = await hub.allocate(AllocateRequest(request_key="hub/alice/", user="alice"))
+        assert lease.state is LeaseState.GRANTED and lease.host == "gpu-a"
+        with pytest.raises(AllocatorError) as refused:
+            await hub.drain("gpu-a")
+        assert refused.value.code is ErrorCode.FORBIDDEN, "the hub is no admin"
+    async with AllocatorClient(broker.url("admin"), timeout_s=10) as admin:
+        assert (await admin.drain("gpu-a", reason="permission test")).drained
+
+
+async def test_hub_cannot_publish_heartbeats(broker, running):
+    with pytest.raises(aiormq.exceptions.ChannelAccessRefused, match="ACCESS_REFUSED"):
+        await publish(broker.url("hub"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                      agent_beat("gpu-a"), user_id=broker.prefix + "hub")
+
+
+async def test_hub_cannot_read_or_create_queues(broker, running):
+    connection = await aio_pika.connect(broker.url("hub"), timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(allocator_queue_spec().name, ensure=False)
+        with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+            await queue.consume(ignore)
+        channel = await connection.channel()
+        with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+            await channel.declare_queue("hub-owned", auto_delete=True)
+
+
+async def test_agent_cannot_request_gpus(broker, running):
+    agent = broker.prefix + "agent-gpu-a"
+    request = encode(AllocateRequest(request_key="agent/x/", user="x"))
+    with pytest.raises(aiormq.exceptions.ChannelAccessRefused, match="ACCESS_REFUSED"):
+        await publish(broker.url("agent-gpu-a"), RPC_EXCHANGE, RPC_ROUTING_KEY, request,
+                      user_id=agent)
+
+
+async def test_agent_cannot_use_another_hosts_routing_key(broker, running):
+    agent = broker.prefix + "agent-gpu-a"
+    with pytest.raises(aiormq.exceptions.ChannelAccessRefused, match="ACCESS_REFUSED"):
+        await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-b"),
+                      agent_beat("gpu-b"), user_id=agent)
+
+
+async def test_allocator_refuses_a_heartbeat_for_another_host(broker, running):
+    """agent-gpu-a reports gpu-b under its own routing key: the broker lets it through
+    (the key is gpu-a's), the allocator refuses it because the user is not agent-gpu-b."""
+    agent = broker.prefix + "agent-gpu-a"
+    await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                  agent_beat("gpu-b"), user_id=agent)
+
+    async def refused():
+        return running.engine.counters["heartbeat_rejected"]
+    assert await wait_until(refused) == 1
+    assert "gpu-b" not in running.engine.cluster.nodes
+    # Its own host is accepted from the same connection's user.
+    await publish(broker.url("agent-gpu-b"), NODES_EXCHANGE, heartbeat_routing_key("gpu-b"),
+                  agent_beat("gpu-b"), user_id=broker.prefix + "agent-gpu-b")
+
+    async def accepted():
+        return "gpu-b" in running.engine.cluster.nodes
+    await wait_until(accepted)
+
+
+async def test_agent_without_user_id_is_refused_by_the_allocator(broker, running):
+    await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                  agent_beat("gpu-a"))
+
+    async def refused():
+        return running.engine.counters["heartbeat_rejected"]
+    assert await wait_until(refused) == 1
+
+
+async def test_forged_user_id_is_refused_by_the_broker(broker, running):
+    with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed, match="user_id"):
+        await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                      agent_beat("gpu-a"), user_id=broker.prefix + "agent-gpu-b")
+
+
+async def test_agent_cannot_read_anything(broker, running):
+    connection = await aio_pika.connect(broker.url("agent-gpu-a"), timeout=10)
+    async with connection:
+        for name in (allocator_queue_spec().name, DEAD_LETTER_QUEUE):
+            channel = await connection.channel()
+            queue = await channel.get_queue(name, ensure=False)
+            with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+                await queue.consume(ignore)
+
+
+async def test_replies_need_write_on_the_default_exchange(rabbitmq, ledger_path):
+    """Direct reply-to on 3.10: the *client* needs no permission to consume
+    amq.rabbitmq.reply-to (the hub reads nothing), but the *allocator* publishes the reply
+    to the default exchange, which permissions name ``amq.default``. Without write on it,
+    every reply is refused and the hub times out."""
+    template = json.loads(json.dumps(TEMPLATE))
+    for permission in template["permissions"]:
+        if permission["user"] == "allocator":
+            permission["write"] = r"^swarm-gpu\.(allocator|dead-letters|dead)$"
+    tag = uuid.uuid4().hex[:8]
+    vhost, prefix = f"{services.VHOST_PREFIX}{os.getpid()}-noreply-{tag}", f"t{tag}-"
+    users = ["admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b"]
+    passwords = {user: uuid.uuid4().hex for user in users}
+    try:
+        load(rabbitmq, template, vhost, prefix, passwords)
+        broker = Broker(rabbitmq, vhost, prefix, passwords)
+        service = AllocatorService(broker.settings(ledger_path))
+        await service.start()
+        try:
+            async with AllocatorClient(broker.url("hub"), timeout_s=2) as hub:
+                with pytest.raises(AllocatorTimeout):
+                    await hub.inventory()
+        finally:
+            await asyncio.wait_for(service.stop(), 30)
+    finally:
+        services.delete_vhost(rabbitmq, vhost)
+        rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
