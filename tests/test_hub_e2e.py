@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -465,7 +467,7 @@ async def test_spawn_form_in_chromium(
 
     async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory()
-        shot = REPO_ROOT / "docs" / "spawn-form.png"
+        shot = tmp_path / "spawn-form.png"
 
         def drive() -> dict[str, Any]:
             with Browser(chromium_path, tmp_path / "chromium") as browser:
@@ -518,6 +520,9 @@ async def test_spawn_form_in_chromium(
         assert seen["after"]["host"] == f"{swarm_host} — 2 free GPUs"
         assert "/spawn-pending/carol" in seen["url"] or "/user/carol" in seen["url"], seen["url"]
         assert shot.stat().st_size > 10_000
+        if os.environ.get("SWARM_GPU_UPDATE_DOCS") == "1":
+            # refresh the committed picture of the form: SWARM_GPU_UPDATE_DOCS=1 scripts/test
+            shutil.copyfile(shot, REPO_ROOT / "docs" / "spawn-form.png")
 
         await hub.wait_ready("carol")
         lease = await lease_of(client, hub.request_key("carol"))
