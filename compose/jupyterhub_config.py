@@ -37,8 +37,11 @@ c.JupyterHub.load_groups = {
 }
 
 # -------------------------------------------------------------------------- the allocator
+# The broker user `hub` of compose/rabbitmq-definitions.json (vhost `swarm-gpu`): it may only
+# publish requests to the allocator and read its own replies. Keep the password in a secret,
+# e.g. SWARM_GPU_AMQP_URL=amqp://hub:$(cat /run/secrets/hub-password)@rabbitmq:5672/swarm-gpu
 c.GPUSwarmSpawner.allocator_url = os.environ.get(
-    "SWARM_GPU_AMQP_URL", "amqp://hub:hub@rabbitmq:5672/swarm-gpu"
+    "SWARM_GPU_AMQP_URL", "amqp://hub:CHANGE-ME@rabbitmq:5672/swarm-gpu"
 )
 c.GPUSwarmSpawner.hub_id = os.environ.get("SWARM_GPU_HUB_ID", "hub")
 c.GPUSwarmSpawner.allocator_timeout = 10.0  # one RPC call
