@@ -1,0 +1,178 @@
+"""Helpers of the fault tests: allocator processes, ledger audits, figures to report.
+
+Every fault test ends with :func:`audit_ledger`, which runs the invariant checker
+(:func:`allocator.invariants.check_ledger`) on the ledger file and adds the accounting the
+fault tests promise: one lease per request key, no GPU in two holding leases, and the GPUs
+held equal to the GPUs of the leases that hold them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from allocator.invariants import Violation, check_ledger
+from allocator.reports import open_readonly
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+HOLDING = ("granted", "bound", "releasing")
+
+
+def report(name: str, **figures: Any) -> dict[str, Any]:
+    """Print the figures of one fault run as one JSON line (``pytest -rA`` or ``-s`` shows it).
+
+    With ``SWARM_GPU_FAULT_RESULTS`` set to a file, the line is appended there too, so that
+    ``docs/reliability.md`` can be refreshed from a run.
+    """
+    line = json.dumps({"fault": name, **figures}, sort_keys=True)
+    print(f"FAULT-RESULT {line}")
+    target = os.environ.get("SWARM_GPU_FAULT_RESULTS")
+    if target:
+        with open(target, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+    return figures
+
+
+# ------------------------------------------------------------------------------ ledger
+
+
+@dataclass
+class LedgerAudit:
+    """What the ledger says after a fault, checked."""
+
+    violations: list[Violation]
+    leases: dict[str, dict[str, Any]]
+    """lease id -> row (state, request_key, host, gpu_uuids, release_reason...)."""
+    leases_per_key: Counter[str]
+    held_gpus: list[str]
+    """Every GPU uuid a holding lease lists (a GPU twice = double-booked)."""
+    double_booked: list[str] = field(default_factory=list)
+
+    def by_state(self) -> Counter[str]:
+        return Counter(row["state"] for row in self.leases.values())
+
+    def holding(self) -> dict[str, dict[str, Any]]:
+        return {i: r for i, r in self.leases.items() if r["state"] in HOLDING}
+
+
+def audit_ledger(path: Path) -> LedgerAudit:
+    """Run the invariant checker on the ledger at ``path`` and collect the accounting."""
+    conn = open_readonly(path)
+    try:
+        violations = check_ledger(conn)
+        conn.row_factory = sqlite3.Row
+        leases = {}
+        for row in conn.execute("SELECT * FROM leases"):
+            record = dict(row)
+            record["gpu_uuids"] = json.loads(record["gpu_uuids"] or "[]")
+            leases[record["lease_id"]] = record
+    finally:
+        conn.close()
+    per_key = Counter(row["request_key"] for row in leases.values())
+    held = [u for row in leases.values() if row["state"] in HOLDING for u in row["gpu_uuids"]]
+    double = sorted(u for u, n in Counter(held).items() if n > 1)
+    return LedgerAudit(violations, leases, per_key, held, double)
+
+
+def assert_sound(audit: LedgerAudit) -> None:
+    """The checks every fault test ends with (the invariant checker first)."""
+    assert audit.violations == [], "\n".join(str(v) for v in audit.violations)
+    assert audit.double_booked == [], f"GPUs in two holding leases: {audit.double_booked}"
+    duplicates = {k: n for k, n in audit.leases_per_key.items() if n > 1}
+    assert duplicates == {}, f"request keys with more than one lease: {duplicates}"
+
+
+# ------------------------------------------------------------------ allocator processes
+
+
+def allocator_env(amqp_url: str, ledger_path: Path, **settings: Any) -> dict[str, str]:
+    """The environment of ``python -m allocator.cli serve``: ``SWARM_GPU_*`` settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SWARM_GPU_") or k in ("SWARM_GPU_SERVICES_DIR",)}
+    values: dict[str, Any] = {
+        "amqp_url": amqp_url, "ledger_path": str(ledger_path), "allow_any_node_user": True,
+        "admin_users": ["guest"],
+    }
+    values.update(settings)
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, list | dict):
+            text = json.dumps(value)
+        else:
+            text = str(value)
+        env[f"SWARM_GPU_{key.upper()}"] = text
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class AllocatorProcess:
+    """``python -m allocator.cli serve`` as a child process, its output in a log file."""
+
+    def __init__(self, name: str, amqp_url: str, ledger_path: Path, log_dir: Path,
+                 **settings: Any) -> None:
+        self.name = name
+        self.env = allocator_env(amqp_url, ledger_path, **settings)
+        self.log_path = log_dir / f"allocator-{name}.log"
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: ASYNC230, SIM115 - handed to the child
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "allocator.cli", "serve", cwd=REPO_ROOT, env=self.env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT)
+        finally:
+            log.close()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    async def wait_consuming(self, within: float = 30.0) -> None:
+        """Until the process logs that it consumes (active or standby)."""
+        deadline = time.monotonic() + within
+        while "allocator consuming" not in self.log():
+            assert self.process is not None
+            if self.process.returncode is not None:
+                raise AssertionError(f"allocator {self.name} exited "
+                                     f"{self.process.returncode}:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"allocator {self.name} not consuming within {within}s:"
+                                     f"\n{self.log()[-3000:]}")
+            await asyncio.sleep(0.05)
+
+    def kill(self) -> None:
+        """``kill -9``: no clean-up, no goodbye to the broker."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+
+    async def stop(self, within: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL if it does not end in time; the exit status."""
+        process = self.process
+        if process is None:
+            return None
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(within):
+                    await process.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        return process.returncode
