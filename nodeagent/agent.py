@@ -204,6 +204,7 @@ class NodeAgent:
                 backoff_max_s=settings.docker_backoff_max_s,
                 replay_grace_s=settings.docker_replay_grace_s,
                 liveness_s=settings.docker_liveness_s,
+                events=settings.docker_events,
             )
         engine_name = None
         if settings.host is None and self.watcher is not None:
@@ -220,7 +221,8 @@ class NodeAgent:
         )
         log.info("agent %s for host %r: inventory %s, heartbeat every %gs, docker %s",
                  self.agent_id[:8], self.host, self.source.kind, settings.interval_s,
-                 settings.docker_url if settings.docker else "off")
+                 (settings.docker_url + ("" if settings.docker_events else " (listing only, "
+                                         "no events)")) if settings.docker else "off")
         await self.publisher.start()
         if self.watcher is not None:
             await self.watcher.start()
@@ -343,6 +345,8 @@ class NodeAgent:
                                   verdict.recent_xids)
             self._log_health_change(sample, verdict)
             gpus.append(gpu_info(sample, verdict))
+        if self.watcher is not None and not self.watcher.events:
+            await self.watcher.refresh()  # listing mode: the list is only as fresh as this
         running: list[LeaseContainer] = self.watcher.running() if self.watcher else []
         use = gpu_use_by_container(samples, pid_containers)
         containers = [

@@ -2,6 +2,7 @@
 
     gpu-nodeagent [--config FILE] [--host NAME] [--amqp-url URL]
                   [--inventory nvml|simulated] [--simulated-file FILE] [--no-docker]
+                  [--no-docker-events]
 
 Options override the environment (``SWARM_GPU_AGENT_*``), which overrides the TOML file.
 Exit status: 0 after a clean stop, 2 when the settings or the inventory cannot work (the
@@ -44,6 +45,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-docker", action="store_false", dest="docker", default=None,
                         help="do not watch containers (heartbeats then say "
                         "containers_complete=false)")
+    parser.add_argument("--no-docker-events", action="store_false", dest="docker_events",
+                        default=None, help="do not follow Docker's event stream: re-list the "
+                        "containers before every heartbeat instead (deaths are then noticed "
+                        "by heartbeat reconciliation only)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return parser.parse_args(argv)
 
@@ -84,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "interval_s": args.interval_s,
         "docker_url": args.docker_url,
         "docker": args.docker,
+        "docker_events": args.docker_events,
     }
     try:
         settings = load_settings(args.config, **overrides)

@@ -94,6 +94,15 @@ class AgentSettings(BaseSettings):
         description="Watch lease containers. Off: heartbeats list no containers and say "
         "containers_complete=False, so the allocator releases nothing because of them.",
     )
+    docker_events: bool = Field(
+        default=True,
+        description="Follow Docker's event stream, so a lease container's start and death "
+        "reach the allocator the moment they happen. Off (listing mode): no container events "
+        "are sent; the lease containers are re-listed before every heartbeat, and the GPU of a "
+        "container that died comes back through heartbeat reconciliation only, about one "
+        "interval later. For engines whose event stream cannot be used, and to measure that "
+        "path (bench/release.py).",
+    )
     proc_root: Path = Field(
         default=Path("/proc"),
         description="Where the host's /proc is visible, to map GPU processes to containers. "

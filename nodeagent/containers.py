@@ -19,6 +19,11 @@ a broken stream, and then:
 4. after a short grace for that replay, reports a ``die`` itself for every container that was
    running before the gap, is no longer running, and whose end no event reported (Docker keeps
    only a bounded number of past events), so no death is missed silently.
+
+With ``events=False`` (the agent's ``docker_events`` setting) the watcher follows no event
+stream at all: :meth:`ContainerWatcher.refresh` re-lists the running lease containers, which
+the agent does before every heartbeat, and nothing is reported between heartbeats. A death is
+then noticed only by the allocator's heartbeat reconciliation.
 """
 
 from __future__ import annotations
@@ -146,9 +151,12 @@ class ContainerWatcher:
         backoff_max_s: float = 30.0,
         replay_grace_s: float = 1.0,
         liveness_s: float = 15.0,
+        events: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.docker_url = docker_url
+        self.events = events
+        """Follow the event stream; False: listing mode, see :meth:`refresh`."""
         self.on_change = on_change
         self.on_resync = on_resync
         self.timeout_s = timeout_s
@@ -196,16 +204,47 @@ class ContainerWatcher:
             url=self.docker_url,
             timeout=aiohttp.ClientTimeout(connect=self.timeout_s, sock_connect=self.timeout_s),
         )
-        self._task = asyncio.create_task(self._run(), name="docker-watcher")
+        if self.events:
+            self._task = asyncio.create_task(self._run(), name="docker-watcher")
 
     async def wait_first_listing(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until the first listing succeeded or failed, so the
         agent's first heartbeat carries a complete list when the engine is up; True if
         the list is complete now."""
+        if not self.events:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self.refresh()
+            return self._complete
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._first_attempt.wait()
         return self._complete
+
+    async def refresh(self) -> bool:
+        """Listing mode: re-list the running lease containers now; True if that worked.
+
+        On failure the list is marked incomplete (heartbeats then say so, and the allocator
+        releases nothing on the strength of it) until a later refresh succeeds.
+        """
+        if self._docker is None:
+            return False
+        try:
+            listed = await self.list_lease_containers()
+        except (aiodocker.DockerError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if self._complete or error != self.last_error:
+                log.warning("docker (%s): listing failed: %s", self.docker_url, error)
+            self._complete = False
+            self.last_error = error
+            return False
+        self._running = {c.container_id: c for c in listed}
+        if not self._complete:
+            log.info("docker: %d lease container(s) running (listing mode, no events)",
+                     len(listed))
+        self._complete = True
+        self._first_attempt.set()
+        return True
 
     async def stop(self) -> None:
         """Stop watching and close the Docker client."""
