@@ -10,10 +10,16 @@ may not do. Users are deleted afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
+import pwd
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import uuid
@@ -327,3 +333,110 @@ async def test_replies_need_write_on_the_default_exchange(rabbitmq, ledger_path)
     finally:
         services.delete_vhost(rabbitmq, vhost)
         rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
+
+
+# ----------------------------------------------------------------------------- at boot
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def booted_broker(definitions: dict) -> Iterator[int]:
+    """A second RabbitMQ node of this machine's rabbitmq-server, started with the stack's
+    compose/rabbitmq.conf and the rendered definitions as its boot-time definitions file,
+    exactly as the stack mounts them. Yields its AMQP port; stopped and removed afterwards."""
+    server, ctl = shutil.which("rabbitmq-server"), shutil.which("rabbitmqctl")
+    if not server or not ctl:
+        services.require_service("rabbitmq-server", "not installed on this machine")
+    base = Path(tempfile.mkdtemp(prefix="swarm-gpu-boot-", dir="/tmp"))
+    node = f"sgboot{os.getpid()}{uuid.uuid4().hex[:6]}@localhost"
+    amqp_port = _free_port()
+    conf = base / "conf.d"
+    conf.mkdir()
+    (base / "definitions.json").write_text(json.dumps(definitions))
+    stack_conf = (COMPOSE / "rabbitmq.conf").read_text().replace(
+        "/etc/rabbitmq/definitions.json", str(base / "definitions.json"))
+    (conf / "20-swarm-gpu.conf").write_text(stack_conf)
+    (conf / "10-test-ports.conf").write_text(f"listeners.tcp.default = {amqp_port}\n")
+    (base / "enabled_plugins").write_text("[].\n")
+    env = {**os.environ, "RABBITMQ_NODENAME": node, "RABBITMQ_DIST_PORT": str(_free_port()),
+           "RABBITMQ_MNESIA_BASE": str(base / "mnesia"), "RABBITMQ_LOG_BASE": str(base / "log"),
+           "RABBITMQ_CONFIG_FILES": str(conf), "RABBITMQ_PID_FILE": str(base / "pid"),
+           "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins")}
+    if os.geteuid() == 0:
+        # The scripts drop to the rabbitmq user, which must own the node's folders.
+        account = pwd.getpwnam("rabbitmq")
+        base.chmod(0o755)
+        for path in (base, *base.rglob("*")):
+            os.chown(path, account.pw_uid, account.pw_gid)
+    try:
+        subprocess.run([server, "-detached"], env=env, check=True, timeout=60,
+                       capture_output=True)
+        # -detached returns before the node registers; await_startup refuses a node that is
+        # not registered yet, so ask again until it answers.
+        deadline = time.monotonic() + 120
+        while True:
+            started = subprocess.run([ctl, "-n", node, "await_startup", "--timeout", "90"],
+                                     env=env, timeout=120, capture_output=True, text=True)
+            if started.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                logs = "".join(p.read_text() for p in (base / "log").glob("*.log"))
+                raise AssertionError(f"the node did not boot: {started.stderr[-1000:]}\n"
+                                     f"{logs[-3000:]}")
+            time.sleep(0.5)
+        yield amqp_port
+    finally:
+        subprocess.run([ctl, "-n", node, "stop"], env=env, timeout=60, capture_output=True)
+        _kill_if_alive(base / "pid", node)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _kill_if_alive(pid_file: Path, node: str) -> None:
+    """The node this test started, if `rabbitmqctl stop` could not stop it (checked by its
+    node name in the process environment, so a reused pid is never hit)."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(pid_file.read_text().strip())
+        if f"RABBITMQ_NODENAME={node}".encode() not in Path(f"/proc/{pid}/environ").read_bytes():
+            return
+        os.kill(pid, 15)
+        for _ in range(100):
+            os.kill(pid, 0)  # raises once it is gone
+            time.sleep(0.1)
+
+
+@pytest.mark.slow
+async def test_a_broker_booted_with_the_stack_config_serves_the_allocator(tmp_path):
+    """What the stack does at first boot: rabbitmq.conf loads the rendered definitions. No
+    guest user is created then; the allocator, hub and admin log in with their passwords."""
+    users = ["admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b"]
+    passwords = {user: uuid.uuid4().hex for user in users}
+    definitions = render_definitions.render(TEMPLATE, passwords=passwords,
+                                            agents=["gpu-a", "gpu-b"])
+    with booted_broker(definitions) as port:
+        def url(user: str) -> str:
+            return f"amqp://{user}:{passwords[user]}@127.0.0.1:{port}/swarm-gpu"
+
+        with pytest.raises(aio_pika.exceptions.ProbableAuthenticationError):
+            await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{port}/", timeout=10)
+        settings = AllocatorSettings(amqp_url=url("allocator"), ledger_path=tmp_path / "l.sqlite",
+                                     tick_s=0.1)  # the stack's defaults: agent-{host}, admin
+        service = AllocatorService(settings)
+        await service.start()
+        try:
+            await publish(url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                          agent_beat("gpu-a"), user_id="agent-gpu-a")
+            async with AllocatorClient(url("hub"), timeout_s=10) as hub:
+                async def reported():
+                    return (await hub.inventory()).nodes
+                assert [n.host for n in await wait_until(reported)] == ["gpu-a"]
+                lease = await hub.allocate(AllocateRequest(request_key="h/a/", user="a"))
+                assert lease.state is LeaseState.GRANTED
+            async with AllocatorClient(url("admin"), timeout_s=10) as admin:
+                assert (await admin.drain("gpu-a")).drained
+        finally:
+            await service.stop()
