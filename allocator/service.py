@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import aio_pika
 import aio_pika.abc
-from aiormq.exceptions import AMQPError
+from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 from pydantic import BaseModel
 
 from allocator.config import AllocatorSettings
@@ -184,7 +184,10 @@ class AllocatorService:
             except Exception:  # the loop must survive anything; the batch is answered below
                 log.exception("batch failed; rebuilding from the ledger")
                 self.stats.counters["batch_failures"] += 1
-                await self._recover(batch)
+                try:
+                    await self._recover(batch)
+                except Exception:  # a dead applier would leave the queue unanswered for good
+                    log.exception("could not answer a failed batch")
 
     async def _apply_batch(self, batch: list[object]) -> None:
         # One trip to the ledger thread per batch: the commit itself checks that no other
@@ -291,9 +294,12 @@ class AllocatorService:
                         timeout=self.settings.request_timeout_s,
                     )
                     self.stats.counters["replies"] += 1
-                except (AMQPError, aio_pika.exceptions.AMQPError, TimeoutError, OSError) as exc:
+                except (AMQPError, aio_pika.exceptions.AMQPError, TimeoutError, OSError,
+                        ChannelInvalidStateError) as exc:
                     # The client is gone (its direct reply-to consumer closed) or the broker
-                    # is down; the decision stands in the ledger and a retry will find it.
+                    # is down (the channel is closed until the robust connection restores it:
+                    # ChannelInvalidStateError, a RuntimeError); the decision stands in the
+                    # ledger and a retry will find it.
                     self.stats.counters["reply_failures"] += 1
                     log.info("could not send a reply: %s", exc)
             with contextlib.suppress(Exception):
