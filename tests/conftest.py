@@ -9,6 +9,8 @@ Fixtures:
 - ``rabbitmq`` (session): `services.RabbitMQ` - host, port, api_url, user, password.
 - ``amqp_vhost`` (function): `services.AmqpVhost` - a fresh vhost (``.name``, ``.url``),
   deleted after the test.
+- ``private_rabbitmq`` (module): `services.PrivateRabbitMQ` - a broker node of its own that a
+  test may stop and start (``.url``, ``.stop()``, ``.start()``).
 - ``docker_engine`` (session): the ``unix://`` DOCKER_HOST of an active Swarm manager; also
   exported as ``DOCKER_HOST`` for the session.
 - ``busybox_image`` (session): ``"local/busybox:latest"``, checked to exist on the engine.
@@ -55,6 +57,17 @@ def amqp_vhost(rabbitmq: services.RabbitMQ) -> Iterator[services.AmqpVhost]:
     """A vhost of the test's own (about 20 ms to create, 20 ms to delete)."""
     with services.temporary_vhost(rabbitmq) as vhost:
         yield vhost
+
+
+@pytest.fixture(scope="module")
+def private_rabbitmq(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[services.PrivateRabbitMQ]:
+    """A RabbitMQ node of the module's own (``.url``, ``.stop()``, ``.start()``...), for tests
+    that restart the broker: the shared broker on 5672 is never restarted. About 5 s to start.
+    """
+    with services.private_rabbitmq(tmp_path_factory.mktemp("rabbitmq")) as broker:
+        yield broker
 
 
 # ------------------------------------------------------------------------------- Docker

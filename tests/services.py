@@ -26,7 +26,9 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -233,6 +235,170 @@ def delete_stale_vhosts(broker: RabbitMQ) -> list[str]:
             delete_vhost(broker, name)
             deleted.append(name)
     return deleted
+
+
+# --------------------------------------------------------------- a private RabbitMQ node
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rabbitmq_bin_dir() -> Path | None:
+    """The folder of RabbitMQ's own scripts (not Debian's ``su rabbitmq`` wrappers)."""
+    candidates = [os.environ.get("SWARM_GPU_RABBITMQ_BIN"), "/usr/lib/rabbitmq/bin"]
+    server = shutil.which("rabbitmq-server")
+    if server:
+        candidates.append(str(Path(server).resolve().parent))
+    for candidate in candidates:
+        if candidate and os.access(Path(candidate) / "rabbitmq-server", os.X_OK) \
+                and os.access(Path(candidate) / "rabbitmqctl", os.X_OK):
+            return Path(candidate)
+    return None
+
+
+class PrivateRabbitMQ:
+    """A RabbitMQ node of its own, for tests that stop and start the broker.
+
+    The shared broker on 5672 serves every other test running at the same time, so a test
+    that restarts a broker gets this one: its own node name, AMQP and distribution ports on
+    loopback, database, logs, config and Erlang cookie (``HOME``) under ``base``, and no
+    plugins (no management API). Its only vhost is ``/`` with ``guest``/``guest``.
+    Started with ``rabbitmq-server -detached`` and driven with ``rabbitmqctl -n NODE``.
+    """
+
+    def __init__(self, base: Path, bin_dir: Path) -> None:
+        self.base = base
+        self.bin_dir = bin_dir
+        self.port = _free_port()
+        self.dist_port = _free_port()
+        self.node = f"swarm-gpu-faults-{os.getpid()}-{uuid.uuid4().hex[:6]}@localhost"
+        self.pid_file = base / "rabbitmq.pid"
+        for folder in ("mnesia", "log"):
+            (base / folder).mkdir(parents=True, exist_ok=True)
+        (base / "enabled_plugins").write_text("[].\n")
+        (base / "rabbitmq.conf").write_text("log.console = false\nlog.file.level = info\n")
+
+    @property
+    def url(self) -> str:
+        """AMQP URL of its vhost ``/``."""
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            HOME=str(self.base),  # the Erlang cookie of this node and its rabbitmqctl
+            RABBITMQ_NODENAME=self.node,
+            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_MNESIA_BASE=str(self.base / "mnesia"),
+            RABBITMQ_LOG_BASE=str(self.base / "log"),
+            RABBITMQ_CONFIG_FILE=str(self.base / "rabbitmq.conf"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(self.base / "enabled_plugins"),
+            RABBITMQ_PID_FILE=str(self.pid_file),
+        )
+        return env
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """``rabbitmqctl -n NODE ARGS``."""
+        return subprocess.run(
+            [str(self.bin_dir / "rabbitmqctl"), "-n", self.node, *args], env=self.env,
+            cwd=self.base, capture_output=True, text=True, timeout=timeout, check=False)
+
+    def start(self, timeout: float = 90.0) -> float:
+        """Start the node and wait until it accepts AMQP connections; the seconds it took."""
+        started = time.monotonic()
+        subprocess.run([str(self.bin_dir / "rabbitmq-server"), "-detached"], env=self.env,
+                       cwd=self.base, stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=60, check=True)
+        self._await(started, timeout)
+        return time.monotonic() - started
+
+    def _await(self, started: float, timeout: float) -> None:
+        while True:
+            remaining = timeout - (time.monotonic() - started)
+            if remaining <= 0:
+                raise TimeoutError(f"RabbitMQ node {self.node} not up within {timeout}s:\n"
+                                   + self.log_tail())
+            wait = max(1, min(10, int(remaining)))
+            result = self.ctl("await_startup", "--timeout", str(wait), timeout=wait + 15)
+            if result.returncode == 0 and port_open("127.0.0.1", self.port):
+                return
+            time.sleep(0.3)
+
+    def stop(self, timeout: float = 60.0) -> float:
+        """Stop the node (the Erlang VM exits, every connection drops); the seconds it took."""
+        started = time.monotonic()
+        result = self.ctl("stop", str(self.pid_file), timeout=timeout)
+        if result.returncode != 0 and self.running():
+            raise RuntimeError(f"rabbitmqctl stop failed: {result.stderr or result.stdout}")
+        return time.monotonic() - started
+
+    def stop_app(self) -> None:
+        """Stop the RabbitMQ application only (the VM stays; the listener closes)."""
+        result = self.ctl("stop_app")
+        if result.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl stop_app failed: {result.stderr or result.stdout}")
+
+    def start_app(self, timeout: float = 60.0) -> None:
+        started = time.monotonic()
+        result = self.ctl("start_app", timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl start_app failed: {result.stderr or result.stdout}")
+        self._await(started, timeout)
+
+    def pid(self) -> int | None:
+        try:
+            return int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def running(self) -> bool:
+        pid = self.pid()
+        return pid is not None and _pid_alive(pid)
+
+    def kill(self) -> None:
+        """Last resort of a teardown: SIGKILL the node's VM."""
+        pid = self.pid()
+        if pid is not None and _pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = ""
+        for path in sorted((self.base / "log").glob("*.log")):
+            text += path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def private_rabbitmq(base: Path) -> Iterator[PrivateRabbitMQ]:
+    """A started :class:`PrivateRabbitMQ` under ``base``, stopped (or killed) afterwards.
+
+    Skips (fails in CI) when RabbitMQ's scripts are not installed or the node cannot start.
+    """
+    bin_dir = rabbitmq_bin_dir()
+    if bin_dir is None:
+        require_service("private RabbitMQ node", "rabbitmq-server/rabbitmqctl not found")
+    broker = PrivateRabbitMQ(base, bin_dir)
+    try:
+        broker.start()
+    except (OSError, subprocess.SubprocessError, TimeoutError) as exc:
+        broker.kill()
+        require_service("private RabbitMQ node", f"{exc}\n{broker.log_tail()}")
+    try:
+        yield broker
+    finally:
+        try:
+            if broker.running():
+                broker.stop()
+        except (OSError, subprocess.SubprocessError, RuntimeError):
+            pass
+        broker.kill()
 
 
 # ----------------------------------------------------------------------------- Docker

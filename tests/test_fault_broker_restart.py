@@ -1,0 +1,164 @@
+"""Broker restart while the hub's client, the allocator and a node agent are connected.
+
+The broker here is a private RabbitMQ node (fixture ``private_rabbitmq``): the shared one on
+5672 serves other tests at the same time and is never restarted. The node is stopped for
+real (its Erlang VM exits, every connection drops) and started again on its own database.
+
+Promises checked:
+
+- calls pending when the broker goes away, and calls made while it is away, fail within
+  their timeout (``AllocatorUnavailable`` or ``AllocatorTimeout``), never hang;
+- after the restart, all three parts resume by themselves: the client's calls are answered
+  (its reply consumer works), the allocator consumes its queue again, and the agent's
+  heartbeats and container events reach the allocator;
+- a request the allocator recorded but could not answer during the outage is found again
+  by its request key (one lease, not two); the invariant checker finds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faults import assert_sound, audit_ledger, report
+from support import wait_until
+
+from allocator.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
+from allocator.config import AllocatorSettings
+from allocator.protocol import AllocateRequest, ContainerAction, ContainerEvent, LeaseState
+from allocator.service import AllocatorService
+from nodeagent.agent import NodeAgent
+from nodeagent.config import AgentSettings
+from nodeagent.simulated import make_gpu, write_inventory
+
+HOST = "gpu-restart"
+CALL_TIMEOUT_S = 3.0
+SLACK_S = 1.0
+"""A failing call may take this much longer than its timeout (a loaded 2-core machine)."""
+RECOVERY_BOUND_S = 20.0
+"""Every part must be working again within this of the broker accepting connections."""
+
+
+def ask(key: str) -> AllocateRequest:
+    return AllocateRequest(request_key=f"hub/{key}/", user=key)
+
+
+async def outcome(call: Any) -> tuple[str, float]:
+    """How a call ended ('answered' or the exception's name) and how long it took."""
+    started = time.monotonic()
+    try:
+        await call
+    except (AllocatorTimeout, AllocatorUnavailable) as exc:
+        return type(exc).__name__, time.monotonic() - started
+    return "answered", time.monotonic() - started
+
+
+@pytest.mark.slow
+async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_path: Path,
+                                                         ledger_path: Path) -> None:
+    broker = private_rabbitmq
+    url = broker.url
+    inventory = tmp_path / "inventory.json"
+    write_inventory(inventory, {HOST: [make_gpu(HOST, i, "NVIDIA GeForce RTX 3090")
+                                       for i in range(4)]})
+    allocator = AllocatorService(AllocatorSettings(
+        amqp_url=url, ledger_path=ledger_path, allow_any_node_user=True, admin_users=["guest"],
+        tick_s=0.1, node_down_after_s=60, stop_grace_s=60))
+    agent = NodeAgent(AgentSettings(
+        host=HOST, amqp_url=url, inventory="simulated", simulated_file=inventory,
+        interval_s=0.25, publish_timeout_s=1.0, amqp_reconnect_s=0.2, docker=False))
+    client = AllocatorClient(url, timeout_s=CALL_TIMEOUT_S, connect_timeout_s=2.0)
+    figures: dict[str, Any] = {}
+    try:
+        await allocator.start()
+        await agent.start()
+        await client.connect()
+
+        async def host_known():
+            return [n for n in (await client.inventory()).nodes if n.host == HOST and n.up]
+        await wait_until(host_known, within=15)
+        first = await client.allocate(ask("alice"))
+        assert first.state is LeaseState.GRANTED
+
+        # Calls in flight when the broker goes: hold the allocator's ledger thread (a slow
+        # disk) so that they are delivered but not yet answered.
+        stall = asyncio.create_task(allocator.ledger.run(lambda: time.sleep(2.0)))
+        await asyncio.sleep(0.05)
+        pending = [asyncio.create_task(outcome(c)) for c in (
+            client.allocate(ask("bob")), client.status(lease_id=first.lease_id),
+            client.inventory())]
+        await asyncio.sleep(0.5)
+        assert not any(task.done() for task in pending), "the calls are pending"
+        stopped_at = time.monotonic()
+        figures["broker_stop_s"] = round(await asyncio.to_thread(broker.stop), 2)
+        results = await asyncio.gather(*pending)
+        await stall
+        for name, seconds in results:
+            assert name in ("AllocatorUnavailable", "AllocatorTimeout"), results
+            assert seconds < CALL_TIMEOUT_S + SLACK_S, results
+        figures["pending_calls_failed_in_s"] = [round(s, 2) for _, s in results]
+        figures["pending_calls_failed_with"] = sorted({name for name, _ in results})
+
+        # While the broker is down, new calls fail within their timeout too.
+        during = [await outcome(client.inventory()) for _ in range(2)]
+        for name, seconds in during:
+            assert name != "answered" and seconds < CALL_TIMEOUT_S + SLACK_S, during
+        figures["calls_while_down_failed_in_s"] = [round(s, 2) for _, s in during]
+        heartbeats_before = agent.heartbeats_sent
+        await asyncio.sleep(0.5)
+        assert agent.heartbeats_sent == heartbeats_before, "nothing to publish to"
+
+        figures["broker_start_s"] = round(await asyncio.to_thread(broker.start), 2)
+        up_at = time.monotonic()
+        figures["outage_s"] = round(up_at - stopped_at, 2)
+
+        # The client answers again: its reconnect, the allocator's consumer and replies.
+        async def answered():
+            name, _ = await outcome(client.inventory())
+            return name == "answered"
+        await wait_until(answered, within=RECOVERY_BOUND_S, interval=0.1)
+        figures["client_answered_after_s"] = round(time.monotonic() - up_at, 2)
+
+        # The agent's heartbeats reach the allocator again.
+        restarted_wall = time.time() - (time.monotonic() - up_at)
+
+        async def fresh_heartbeat():
+            nodes = (await client.inventory()).nodes
+            return [n for n in nodes if n.host == HOST and (n.last_heartbeat or 0)
+                    > restarted_wall]
+        await wait_until(fresh_heartbeat, within=RECOVERY_BOUND_S, interval=0.1)
+        figures["heartbeat_after_s"] = round(time.monotonic() - up_at, 2)
+
+        # And its container events: the event path binds the first lease.
+        assert agent.publisher is not None
+        agent.publisher.submit_event(ContainerEvent(
+            host=HOST, container_id="c-alice", lease_id=first.lease_id,
+            action=ContainerAction.START, at=time.time()))
+
+        async def bound():
+            lease = await client.status(lease_id=first.lease_id)
+            return lease.state is LeaseState.BOUND
+        await wait_until(bound, within=RECOVERY_BOUND_S, interval=0.1)
+
+        # bob's request may have been recorded before the outage: the retry with its key
+        # finds that lease rather than making a second one; a new request works as ever.
+        bob = await client.allocate(ask("bob"))
+        carol = await client.allocate(ask("carol"))
+        assert bob.state is carol.state is LeaseState.GRANTED
+        assert len({first.lease_id, bob.lease_id, carol.lease_id}) == 3
+        figures["allocator_reconnects_ok"] = True
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+        await agent.stop()
+        await allocator.stop()
+
+    audit = audit_ledger(ledger_path)
+    assert_sound(audit)
+    assert sorted(audit.leases_per_key) == ["hub/alice/", "hub/bob/", "hub/carol/"]
+    assert len(audit.held_gpus) == 3
+    report("broker_restart", **figures)
