@@ -13,10 +13,12 @@ where the times are known to the second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import json
 import os
+import shutil
 import sqlite3
 import sys
 import time
@@ -575,3 +577,48 @@ async def test_bad_arguments(tmp_path):
     assert_one_line_error(run, "no-dir")
     run = await gpu_ledger("status", "--ledger", path, "--amqp", UNREACHABLE)
     assert run.rc == 2 and "not allowed with" in run.err
+
+
+# ----------------------------------------------------------------------------- backup
+
+
+async def test_backup_while_the_allocator_runs(cluster, tmp_path):
+    """docs/operations.md: VACUUM INTO (and .backup) of the live ledger give a sound copy."""
+    backups = {"vacuum": tmp_path / "vacuum.sqlite", "backup": tmp_path / "backup.sqlite"}
+    if shutil.which("sqlite3"):  # the sqlite3 shell, as the docs (and the image) use it
+        commands = {"vacuum": ["sqlite3", str(cluster.ledger),
+                               f"VACUUM INTO '{backups['vacuum']}'"],
+                    "backup": ["sqlite3", str(cluster.ledger), f".backup '{backups['backup']}'"]}
+    else:  # the same two operations through Python's sqlite3 module
+        script = ("import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+                  "c.execute(f\"VACUUM INTO '{sys.argv[2]}'\") if sys.argv[3] == 'vacuum' "
+                  "else c.backup(sqlite3.connect(sys.argv[2]))")
+        commands = {name: [sys.executable, "-c", script, str(cluster.ledger), str(path), name]
+                    for name, path in backups.items()}
+    writes = asyncio.create_task(_keep_allocating(cluster.client))
+    try:
+        for name, command in commands.items():
+            process = await asyncio.create_subprocess_exec(
+                *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            _, err = await process.communicate()
+            assert process.returncode == 0, (name, err.decode())
+    finally:
+        writes.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writes
+    for path in backups.values():
+        run = await gpu_ledger("check", "--ledger", path)
+        assert run.rc == 0 and run.out.startswith("ok:"), run
+        leases = await gpu_ledger("export", "leases", "--ledger", path, "--format", "ndjson")
+        users = {json.loads(line)["user"] for line in leases.out.splitlines()}
+        assert {"alice", "bob", "carol", "dave", "erin"} <= users
+
+
+async def _keep_allocating(client: AllocatorClient) -> None:
+    """Write to the ledger all the time (grant and force-release slices, ~40 commits/s)."""
+    for i in range(100_000):
+        lease = await client.allocate(AllocateRequest(
+            request_key=f"hub/busy{i}/", user="busy", model="1070",
+            share=ShareRequest(memory_mib=1)))
+        await client.release(lease_id=lease.lease_id, force=True, reason="busy")
+        await asyncio.sleep(0.05)
