@@ -40,8 +40,6 @@ from nodeagent.config import AgentSettings
 from nodeagent.containers import LEASE_LABEL, ContainerChange, ContainerWatcher, LeaseContainer
 from nodeagent.simulated import make_gpu, simulated_uuid, update_gpu, write_inventory
 
-pytestmark = pytest.mark.docker
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 WAIT_S = 10.0
@@ -331,6 +329,7 @@ def lease() -> str:
 # -------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.docker
 async def test_swarm_service_lifecycle(amqp_vhost: Any, inbox: Inbox, host: str,
                                        inventory: Path, docker_engine: str,
                                        busybox_image: str) -> None:
@@ -407,6 +406,7 @@ async def test_swarm_service_lifecycle(amqp_vhost: Any, inbox: Inbox, host: str,
         assert agent.publish_failures == 0
 
 
+@pytest.mark.docker
 async def test_host_defaults_to_the_engines_node_name(amqp_vhost: Any, inbox: Inbox,
                                                       tmp_path: Path, docker_engine: str) -> None:
     engine = aiodocker.Docker(url=docker_engine)
@@ -486,6 +486,7 @@ async def test_health_follows_the_inventory_and_recovers(amqp_vhost: Any, inbox:
         assert agent.publish_failures == 0
 
 
+@pytest.mark.docker
 async def test_docker_stream_cut_resumes_and_reports_a_death_in_the_gap(
         amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, tmp_path: Path,
         docker_engine: str, docker: aiodocker.Docker,
@@ -582,6 +583,7 @@ async def test_publish_to_an_unreachable_broker_is_bounded(host: str, inventory:
     assert time.monotonic() - started < 5.0
 
 
+@pytest.mark.docker
 async def test_broker_outage_buffers_events_and_delivers_them_after(
         amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, docker_engine: str,
         docker: aiodocker.Docker, lease_containers: Callable[[str], Awaitable[str]]) -> None:
@@ -634,6 +636,7 @@ def test_inventory_json_is_what_a_person_would_write(tmp_path: Path) -> None:
     assert [g.uuid for g in SimulatedSource(path, "gpu-a").read_gpus()] == ["GPU-1"]
 
 
+@pytest.mark.docker
 async def test_a_silent_engine_is_noticed(amqp_vhost: Any, inbox: Inbox, host: str,
                                           inventory: Path, tmp_path: Path,
                                           docker_engine: str) -> None:
@@ -669,6 +672,9 @@ async def test_command_line_runs_until_sigterm(amqp_vhost: Any, inbox: Inbox, ho
     try:
         beat = await inbox.heartbeat(host, within=20)
         assert beat.interval_s == 0.2 and len(beat.gpus) == 2
+        # The loop is sequential: a second heartbeat means the first one's publish returned
+        # (its confirm may lag behind its delivery to our queue on a loaded broker).
+        await inbox.heartbeat(host, lambda b: b.seq >= 1)
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(10):
             _, err = await process.communicate()
@@ -680,3 +686,17 @@ async def test_command_line_runs_until_sigterm(amqp_vhost: Any, inbox: Inbox, ho
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_a_fatal_xid_is_reported_at_once_not_an_interval_later(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path) -> None:
+    settings = agent_settings(host, amqp_vhost.url, inventory, interval_s=30.0)
+    async with running(settings):
+        await inbox.heartbeat(host)
+        mark = inbox.mark()
+        written = time.monotonic()
+        update_gpu(inventory, host, 1, xid=48)
+        beat = await inbox.heartbeat(host, after=mark, within=2)
+        assert time.monotonic() - written < 1.0
+        assert [g.health for g in beat.gpus] == [Health.HEALTHY, Health.UNHEALTHY]
+        assert beat.gpus[1].recent_xids == [48]
