@@ -81,6 +81,9 @@ class Engine:
         """Leases not yet final, by id."""
         self.by_key: dict[str, str] = {}
         """request_key -> id of its active (queued, granted, bound) lease."""
+        self._by_host: dict[str, dict[str, LeaseRecord]] = {}
+        """host -> the leases of :attr:`leases` placed there, so that a heartbeat reconciles
+        its own host's leases instead of scanning every lease of the cluster."""
         self.recent: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._queue: list[tuple[tuple[Any, ...], str]] = []
         self.agent_users: dict[str, str] = {}
@@ -112,7 +115,7 @@ class Engine:
             if node is not None:
                 node.gpu_uuids.append(gpu.uuid)
         self.agent_users = dict(state.agent_users)
-        self.leases, self.by_key, self._queue = {}, {}, []
+        self.leases, self.by_key, self._queue, self._by_host = {}, {}, [], {}
         for record in state.leases:
             self._track(record)
             if record.state.holds_gpus:
@@ -128,6 +131,8 @@ class Engine:
 
     def _track(self, record: LeaseRecord) -> None:
         self.leases[record.lease_id] = record
+        if record.host is not None:
+            self._by_host.setdefault(record.host, {})[record.lease_id] = record
         if record.state.active:
             self.by_key[record.request_key] = record.lease_id
         if record.state is LeaseState.QUEUED:
@@ -345,6 +350,7 @@ class Engine:
         models = {self.cluster.gpus[u].model for u in placement.gpu_uuids}
         record.state = LeaseState.GRANTED
         record.host = placement.host
+        self._by_host.setdefault(record.host, {})[record.lease_id] = record
         record.gpu_uuids = tuple(placement.gpu_uuids)
         record.model = models.pop() if len(models) == 1 else None
         record.shared = placement.shared
@@ -441,6 +447,8 @@ class Engine:
         if self.by_key.get(record.request_key) == record.lease_id:
             del self.by_key[record.request_key]
         self.leases.pop(record.lease_id, None)
+        if record.host is not None:
+            self._by_host.get(record.host, {}).pop(record.lease_id, None)
         self._node_clock_bound.pop(record.lease_id, None)
         self._over_budget.discard(record.lease_id)
         self.recent[record.lease_id] = record
@@ -632,8 +640,8 @@ class Engine:
             return False
         freed = False
         grace = self.settings.container_gone_grace_s
-        for record in list(self.leases.values()):
-            if record.host != beat.host or record.lease_id in running:
+        for record in list(self._by_host.get(beat.host, {}).values()):
+            if record.lease_id in running:
                 continue
             if record.state is LeaseState.BOUND:
                 seen = self._node_clock_bound.get(record.lease_id, 0.0)

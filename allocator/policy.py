@@ -738,8 +738,13 @@ def check_quota(
     ``default_user_quota`` (None = unlimited); each of the user's groups in ``group_quota``
     limits what all claims carrying that group hold together.
     """
-    claims = [claim for held in cluster.claims.values() for claim in held]
     user_limit = _limit(settings.user_quota.get(user, settings.default_user_quota))
+    if user_limit is None and not any(
+        _limit(settings.group_quota[group]) is not None
+        for group in groups if group in settings.group_quota
+    ):
+        return None  # no quota applies: no need to count what everybody holds
+    claims = [claim for held in cluster.claims.values() for claim in held]
     if user_limit is not None:
         held = sum((c.units for c in claims if c.user == user), Fraction(0))
         if held + demand_units > user_limit:
