@@ -8,7 +8,10 @@ Pure functions over plain data, like kubespawner's ``objects.py``: given a
   (``void`` without a GPU, so the NVIDIA runtime exposes none);
 - placement: the admin's constraints plus ``node.hostname == <lease host>``;
 - labels: ``swarm-gpu.lease=<lease id>`` on the container (what node agents look for) and on
-  the service (for ``docker service ls --filter label=...``).
+  the service (for ``docker service ls --filter label=...``);
+- restart policy: ``none`` for a service that holds a lease. Swarm's default restarts a dead
+  task in a *new* container with the same environment, but the lease was released the moment
+  the old container died and its GPUs may already be someone else's.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class ServiceGPUSpec:
     extra_container_spec: dict[str, Any]
     extra_placement_spec: dict[str, Any]
     extra_create_kwargs: dict[str, Any]
+    extra_task_spec: dict[str, Any] = field(default_factory=dict)
     lease_id: str | None = None
     host: str | None = None
     summary: str = field(default="no GPU")
@@ -151,6 +155,7 @@ def build_service_spec(
     extra_container_spec: Mapping[str, Any] | None = None,
     extra_placement_spec: Mapping[str, Any] | None = None,
     extra_create_kwargs: Mapping[str, Any] | None = None,
+    extra_task_spec: Mapping[str, Any] | None = None,
     memory_total_mib: int | None = None,
 ) -> ServiceGPUSpec:
     """Everything the service needs for this lease, merged with the admin's settings.
@@ -166,11 +171,15 @@ def build_service_spec(
     placement = copy.deepcopy(dict(extra_placement_spec or {}))
     if host is not None or placement.get("constraints"):
         placement["constraints"] = placement_constraints(placement.get("constraints"), host)
+    task = copy.deepcopy(dict(extra_task_spec or {}))
+    if lease_id is not None:
+        task["restart_policy"] = {"Condition": "none"}
     return ServiceGPUSpec(
         env=env,
         extra_container_spec=container,
         extra_placement_spec=placement,
         extra_create_kwargs=create,
+        extra_task_spec=task,
         lease_id=lease_id,
         host=host,
         summary=describe_lease(lease),

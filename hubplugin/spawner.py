@@ -605,22 +605,24 @@ class GPUSwarmSpawner(SwarmSpawner):
                     extra_container_spec=self.extra_container_spec,
                     extra_placement_spec=self.extra_placement_spec,
                     extra_create_kwargs=self.extra_create_kwargs,
+                    extra_task_spec=self.extra_task_spec,
                     memory_total_mib=self._gpu_memory_total,
                 )
             except BuildError as exc:
                 raise user_error(500, f"Cannot place the server: {exc}") from None
             saved = (self.extra_container_spec, self.extra_placement_spec,
-                     self.extra_create_kwargs)
+                     self.extra_create_kwargs, self.extra_task_spec)
             self._gpu_env = spec.env
             self.extra_container_spec = spec.extra_container_spec
             self.extra_placement_spec = spec.extra_placement_spec
             self.extra_create_kwargs = spec.extra_create_kwargs
+            self.extra_task_spec = spec.extra_task_spec
             self._emit(f"Starting the server with {spec.summary}", 50)
             try:
                 return await super().start()
             finally:
                 (self.extra_container_spec, self.extra_placement_spec,
-                 self.extra_create_kwargs) = saved
+                 self.extra_create_kwargs, self.extra_task_spec) = saved
         except asyncio.CancelledError:
             # The hub gave up (start_timeout) or the user cancelled a pending spawn. JupyterHub
             # does not always reach the post-stop hook after a cancellation, so withdraw the

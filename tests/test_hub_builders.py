@@ -28,6 +28,7 @@ def test_no_gpu_means_void() -> None:
     assert spec.env == {"NVIDIA_VISIBLE_DEVICES": "void"}
     assert spec.extra_container_spec == {"labels": {"team": "x"}}
     assert spec.extra_placement_spec == {"constraints": ["node.role == worker"]}
+    assert spec.extra_task_spec == {}, "no lease: the admin's restart policy stands"
     assert spec.lease_id is None and spec.summary == "no GPU"
 
 
@@ -141,3 +142,13 @@ def test_descriptions() -> None:
     assert describe_lease(lease(shared=True, memory_mib=512)) == (
         f"a shared slice of one {GTX1070} (512 MiB) on gpu-a"
     )
+
+
+def test_a_lease_holding_service_is_never_restarted_by_swarm() -> None:
+    # Swarm would restart a dead task in a new container with the old NVIDIA_VISIBLE_DEVICES,
+    # after the lease (and its GPUs) were released.
+    admin = {"restart_policy": {"Condition": "any"}, "log_driver": {"Name": "json-file"}}
+    spec = build_service_spec(lease(), extra_task_spec=admin)
+    assert spec.extra_task_spec == {"restart_policy": {"Condition": "none"},
+                                    "log_driver": {"Name": "json-file"}}
+    assert admin["restart_policy"] == {"Condition": "any"}, "the admin's dict is not modified"

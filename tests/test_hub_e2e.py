@@ -206,6 +206,8 @@ async def test_gpu_server_through_rest(
         assert spec["Labels"][LEASE_LABEL] == lease.lease_id
         constraints = spec["TaskTemplate"]["Placement"]["Constraints"]
         assert constraints == ["node.role == manager", f"node.hostname == {swarm_host}"]
+        # Swarm must not restart a dead GPU task behind the ledger's back
+        assert spec["TaskTemplate"]["RestartPolicy"]["Condition"] == "none"
 
         # the hub persisted the lease, so a restarted hub can release it
         assert spawner_state(hub, "alice")["gpu_lease_id"] == lease.lease_id
