@@ -13,6 +13,8 @@ Fixtures:
   test may stop and start (``.url``, ``.stop()``, ``.start()``).
 - ``docker_engine`` (session): the ``unix://`` DOCKER_HOST of an active Swarm manager; also
   exported as ``DOCKER_HOST`` for the session.
+- ``private_docker`` (function): `services.PrivateDocker` - a Docker engine of its own (no
+  Swarm, busybox imported) that a test may stop and start.
 - ``busybox_image`` (session): ``"local/busybox:latest"``, checked to exist on the engine.
 - ``chp_path`` / ``chromium_path`` (session): `pathlib.Path` of configurable-http-proxy and
   Chromium.
@@ -95,6 +97,17 @@ def busybox_image(docker_engine: str) -> str:
     if not services.docker_image_exists(docker_engine, services.BUSYBOX_IMAGE):
         require_service(services.BUSYBOX_IMAGE, f"image missing on {docker_engine}")
     return services.BUSYBOX_IMAGE
+
+
+@pytest.fixture
+def private_docker() -> Iterator[services.PrivateDocker]:
+    """A Docker engine of the test's own (no Swarm) that it may stop and start
+    (``.url``, ``.stop()``, ``.start(live_restore=...)``): the shared engine is never restarted.
+    It starts with ``--live-restore`` (containers outlive an engine restart); pass
+    ``live_restore=False`` to ``start()`` for an engine that kills them.
+    """
+    with services.private_docker(live_restore=True) as engine:
+        yield engine
 
 
 # ---------------------------------------------------------------------- executables

@@ -176,3 +176,42 @@ class AllocatorProcess:
                     process.kill()
                 await process.wait()
         return process.returncode
+
+
+# ------------------------------------------------------------------ in-process allocator
+
+
+@contextlib.asynccontextmanager
+async def running_allocator(amqp_url: str, ledger_path: Path, **overrides: Any):
+    """An :class:`~allocator.service.AllocatorService` with short timers (and ``overrides``).
+
+    Any broker user may report for any host and ``guest`` is an admin, as in the ``allocator``
+    fixture; the fault tests need their own timer settings.
+    """
+    from allocator.config import AllocatorSettings
+    from allocator.service import AllocatorService
+
+    values: dict[str, Any] = {"amqp_url": amqp_url, "ledger_path": ledger_path,
+                              "allow_any_node_user": True, "admin_users": ["guest"],
+                              "tick_s": 0.1}
+    values.update(overrides)
+    service = AllocatorService(AllocatorSettings(**values))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+async def await_state(client: Any, lease_id: str, *states: Any, within: float = 10.0,
+                      interval: float = 0.05) -> tuple[Any, float]:
+    """Poll a lease until it is in one of ``states``: (the lease, seconds it took)."""
+    started = time.monotonic()
+    while True:
+        lease = await client.status(lease_id=lease_id)
+        if lease.state in states:
+            return lease, time.monotonic() - started
+        if time.monotonic() - started > within:
+            raise AssertionError(f"lease {lease_id} still {lease.state.value} after {within}s "
+                                 f"(waiting for {[s.value for s in states]})")
+        await asyncio.sleep(interval)

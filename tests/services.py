@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -460,6 +461,140 @@ def check_docker(host: str) -> str | None:
 def docker_image_exists(host: str, image: str) -> bool:
     status, _ = docker_api(host, "GET", f"/images/{urllib.parse.quote(image, safe='')}/json")
     return status == 200
+
+
+class PrivateDocker:
+    """A Docker engine of its own (no Swarm), for tests that stop and start the engine.
+
+    The shared engine runs other tests' services at the same time, so a test that restarts
+    an engine gets this one: ``dockerd`` with its own data root, exec root, socket and pid
+    file under ``base`` (keep it short: containerd's sockets live under the exec root),
+    loopback only (no bridge, no iptables), and ``local/busybox:latest`` imported from the
+    root that ``scripts/services`` built. ``start(live_restore=True)`` keeps containers
+    running while the engine is down, as production engines often do.
+    """
+
+    def __init__(self, base: Path, *, live_restore: bool = False) -> None:
+        self.base = base
+        self.live_restore = live_restore
+        self.sock = base / "docker.sock"
+        self.pid_file = base / "dockerd.pid"
+        self.log_path = base / "dockerd.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.sock}"
+
+    def start(self, *, live_restore: bool | None = None, timeout: float = 60.0) -> float:
+        """Start dockerd and wait until it answers; the seconds it took.
+
+        ``live_restore`` (default: the constructor's) keeps containers running while the
+        engine is down; without it, dockerd kills what still runs when it starts.
+        """
+        started = time.monotonic()
+        command = [
+            "dockerd", "--data-root", str(self.base / "data"),
+            "--exec-root", str(self.base / "exec"), "-H", self.url,
+            "--pidfile", str(self.pid_file), "--bridge=none", "--iptables=false",
+            "--ip6tables=false", "--ip-masq=false",
+        ]
+        if self.live_restore if live_restore is None else live_restore:
+            command.append("--live-restore")
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            try:
+                status, body = docker_api(self.url, "GET", "/_ping", timeout=2)
+                if status == 200 and body.strip() == b"OK":
+                    return time.monotonic() - started
+            except (OSError, http.client.HTTPException):
+                pass
+            if self.process.poll() is not None or time.monotonic() - started > timeout:
+                raise RuntimeError(f"private dockerd did not start:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 40.0) -> float:
+        """SIGTERM dockerd and wait for it to exit (SIGKILL after ``timeout``)."""
+        started = time.monotonic()
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        return time.monotonic() - started
+
+    def import_busybox(self) -> None:
+        """Import ``local/busybox:latest`` from the root ``scripts/services`` built."""
+        root = services_dir() / "busybox-root"
+        if not (root / "bin" / "busybox").exists():
+            require_service(BUSYBOX_IMAGE, f"{root} missing (run scripts/services start)")
+        env = dict(os.environ, DOCKER_HOST=self.url)
+        tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
+        try:
+            subprocess.run(["docker", "import", "--change", 'CMD ["sh"]', "-", BUSYBOX_IMAGE],
+                           stdin=tar.stdout, env=env, capture_output=True, timeout=120,
+                           check=True)
+        finally:
+            if tar.stdout is not None:
+                tar.stdout.close()
+            tar.wait(30)
+
+    def remove_all_containers(self) -> None:
+        env = dict(os.environ, DOCKER_HOST=self.url)
+        listed = subprocess.run(["docker", "ps", "-aq"], env=env, capture_output=True,
+                                text=True, timeout=30, check=False)
+        ids = listed.stdout.split()
+        if ids:
+            subprocess.run(["docker", "rm", "-f", *ids], env=env, capture_output=True,
+                           timeout=60, check=False)
+
+    def cleanup(self) -> None:
+        """Stop the engine, unmount what it mounted under ``base``, delete ``base``."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                self.remove_all_containers()
+        self.stop()
+        with open("/proc/mounts", encoding="utf-8") as handle:
+            mounts = [line.split()[1] for line in handle]
+        base = str(self.base)
+        for target in sorted((m for m in mounts if m == base or m.startswith(base + "/")),
+                             key=len, reverse=True):
+            subprocess.run(["umount", "-l", target], capture_output=True, timeout=30,
+                           check=False)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def private_docker(*, live_restore: bool = False) -> Iterator[PrivateDocker]:
+    """A started :class:`PrivateDocker` with the busybox image, removed afterwards.
+
+    Skips (fails in CI) when ``dockerd`` is not installed or cannot start here.
+    """
+    if shutil.which("dockerd") is None or shutil.which("docker") is None:
+        require_service("private Docker engine", "dockerd/docker not found")
+    engine = PrivateDocker(Path(tempfile.mkdtemp(prefix="sgpu-dk-", dir="/tmp")),
+                           live_restore=live_restore)
+    try:
+        try:
+            engine.start()
+            engine.import_busybox()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            require_service("private Docker engine", str(exc))
+        yield engine
+    finally:
+        engine.cleanup()
 
 
 # ------------------------------------------------------------------------ executables
