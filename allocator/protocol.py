@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Final = 1
 """The protocol version this code speaks. A message with any other ``v`` is refused."""
 
 MAX_BODY_BYTES = 256 * 1024
