@@ -325,7 +325,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                                             lambda n: progress.advance(task, n))
             else:
                 written = exports.write(out, args.format, export.names, export.rows)
-    print(f"{written} {args.kind} rows written to {args.output}", file=sys.stderr)
+    print(f"wrote {written} rows of {args.kind} to {args.output}", file=sys.stderr)
     return EXIT_OK
 
 

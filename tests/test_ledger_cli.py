@@ -231,7 +231,7 @@ async def test_export_leases_in_every_format(cluster, tmp_path):
     json_run = await gpu_ledger("export", "leases", "--ledger", cluster.ledger,
                                 "--format", "json", "--output", out)
     assert json_run.rc == 0 and json_run.out == ""
-    assert "5 leases rows written" in json_run.err
+    assert "wrote 5 rows of leases" in json_run.err
     document = json.loads(out.read_text())
     assert sorted(d["lease_id"] for d in document) == sorted(ids.values())
     assert not list(tmp_path.glob("*.partial")), "no temporary file left"
