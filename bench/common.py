@@ -1,0 +1,211 @@
+"""Helpers the benchmarks share: percentiles, server processes, /proc figures, the ledger.
+
+Standard library plus the project itself; the benchmarks put the repository root and
+``tests/`` (for :mod:`services`, which creates and deletes vhosts) on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+for entry in (str(REPO), str(REPO / "tests")):
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+
+import services  # noqa: E402  (tests/services.py: vhosts of the local broker)
+
+from allocator.client import AllocatorClient, AllocatorError  # noqa: E402
+
+__all__ = ["services"]
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The value below which ``fraction`` of ``values`` lie (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def summary_ms(seconds: list[float]) -> dict[str, float]:
+    """count, p50, p99 and max of durations given in seconds, in milliseconds."""
+    if not seconds:
+        return {"count": 0}
+    return {
+        "count": len(seconds),
+        "p50_ms": round(statistics.median(seconds) * 1000, 2),
+        "p99_ms": round(percentile(seconds, 0.99) * 1000, 2),
+        "max_ms": round(max(seconds) * 1000, 2),
+    }
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    load = os.getloadavg()
+    return {"cpus": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "load_avg_1m_at_start": round(load[0], 2),
+            "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+
+
+def start_process(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+    """A server process whose output goes to a log file (a pipe nobody reads would block it)."""
+    with log.open("a") as handle:
+        return subprocess.Popen(args, env={**os.environ, **env}, stdout=handle,
+                                stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+
+def stop_process(process: subprocess.Popen[str], timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it does not end in time."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    """A list to put started processes in; every one still running is stopped at the end."""
+    started: list[subprocess.Popen[str]] = []
+    try:
+        yield started
+    finally:
+        for process in reversed(started):
+            stop_process(process)
+
+
+def allocator_command() -> list[str]:
+    return [sys.executable, "-m", "allocator.cli", "serve"]
+
+
+async def wait_for_allocator(amqp_url: str, within: float = 30.0) -> None:
+    """Until the allocator answers (it declares the topology when it starts)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            async with AllocatorClient(amqp_url, timeout_s=1) as client:
+                await client.queue()
+                return
+        except AllocatorError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the allocator did not start") from None
+            await asyncio.sleep(0.1)
+
+
+class ProcStat:
+    """CPU time and memory of one process, from /proc (Linux)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds so far."""
+        text = Path(f"/proc/{self.pid}/stat").read_text()
+        fields = text[text.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+    def memory_mib(self) -> dict[str, float]:
+        """Resident memory now (VmRSS) and its peak so far (VmHWM), MiB."""
+        values: dict[str, float] = {}
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = round(int(rest.split()[0]) / 1024, 1)
+        return {"rss_mib": values.get("VmRSS", 0.0), "peak_rss_mib": values.get("VmHWM", 0.0)}
+
+
+class CpuMeter:
+    """CPU use of a process between :meth:`start` and :meth:`stop`, in % of one core."""
+
+    def __init__(self, pid: int):
+        self.stat = ProcStat(pid)
+        self._cpu = 0.0
+        self._wall = 0.0
+
+    def start(self) -> None:
+        self._cpu, self._wall = self.stat.cpu_seconds(), time.monotonic()
+
+    def stop(self) -> float:
+        cpu, wall = self.stat.cpu_seconds(), time.monotonic()
+        return round(100 * (cpu - self._cpu) / max(wall - self._wall, 1e-9), 1)
+
+
+def broker_pid() -> int | None:
+    """The RabbitMQ node's process (beam.smp) on this machine, if one runs here."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "beam.smp":
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all cores (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields) - idle) / CLOCK_TICKS, sum(fields) / CLOCK_TICKS
+
+
+class CpuMeters:
+    """CPU use of several processes and of the whole machine between start and stop."""
+
+    def __init__(self, pids: dict[str, int | None]):
+        self.meters = {name: CpuMeter(pid) for name, pid in pids.items() if pid is not None}
+        self._machine = (0.0, 0.0)
+
+    def start(self) -> None:
+        for meter in self.meters.values():
+            meter.start()
+        self._machine = machine_cpu_seconds()
+
+    def stop(self) -> dict[str, float]:
+        """% of one core per process, and the machine's busy % of all its cores."""
+        result = {}
+        for name, meter in self.meters.items():
+            try:
+                result[name] = meter.stop()
+            except OSError:
+                continue
+        busy, total = machine_cpu_seconds()
+        result["machine_busy_pct_of_all_cores"] = round(
+            100 * (busy - self._machine[0]) / max(total - self._machine[1], 1e-9), 1)
+        return result
+
+
+def read_ledger(path: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Rows of a query on a ledger, read-only (WAL: the allocator writing is never blocked)."""
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    try:
+        return connection.execute(sql, params).fetchall()
+    finally:
+        connection.close()
+
+
+def file_sizes_mib(path: Path) -> dict[str, float]:
+    """Sizes of a SQLite database and its WAL, MiB."""
+    sizes = {}
+    for suffix in ("", "-wal", "-shm"):
+        candidate = Path(f"{path}{suffix}")
+        if candidate.exists():
+            sizes[candidate.name.split(".")[-1] or "db"] = round(
+                candidate.stat().st_size / 2**20, 2)
+    return sizes
