@@ -50,8 +50,8 @@ hostile ``kind`` cannot grow the number of time series."""
 
 REQUEST_SECONDS = Histogram(
     "swarm_gpu_request_seconds",
-    "Seconds from taking a message off the queue to sending its reply (or acknowledging it), "
-    "by message kind",
+    "Seconds from the start of applying a message's batch (decode, decide, commit to the "
+    "ledger) until its reply was sent and the batch acknowledged, by message kind",
     ["kind"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
     registry=REGISTRY,
