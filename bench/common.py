@@ -209,3 +209,56 @@ def file_sizes_mib(path: Path) -> dict[str, float]:
             sizes[candidate.name.split(".")[-1] or "db"] = round(
                 candidate.stat().st_size / 2**20, 2)
     return sizes
+
+
+# ------------------------------------------------------------------------ Swarm services
+
+TRAP_TERM = 'trap "exit 0" TERM; while true; do sleep 0.1; done'
+"""A task command that exits at once on SIGTERM, so no one waits out a stop timeout."""
+
+
+def task_template(image: str, command: list[str], *, labels: dict[str, str] | None = None,
+                  env: dict[str, str] | None = None, constraints: list[str] | None = None,
+                  generic_resources: dict[str, int] | None = None) -> dict[str, Any]:
+    """A Swarm task template as ``docker service create --network host
+    --restart-condition none`` makes it (the API takes no image resolution step)."""
+    template: dict[str, Any] = {
+        "ContainerSpec": {"Image": image, "Command": command,
+                          "Labels": dict(labels or {}),
+                          "Env": dict(env or {}),  # aiodocker turns it into KEY=value
+                          "StopGracePeriod": 2_000_000_000},
+        "RestartPolicy": {"Condition": "none"},
+        "Networks": [{"Target": "host"}],
+        "Placement": {"Constraints": list(constraints or [])},
+    }
+    if generic_resources:
+        template["Resources"] = {"Reservations": {"GenericResources": [
+            {"DiscreteResourceSpec": {"Kind": kind, "Value": value}}
+            for kind, value in generic_resources.items()]}}
+    return template
+
+
+async def task_state(docker: Any, service: str) -> tuple[str | None, str | None]:
+    """(state, container id) of the newest task of a service."""
+    tasks = await docker.tasks.list(filters={"service": service})
+    if not tasks:
+        return None, None
+    newest = max(tasks, key=lambda t: t.get("CreatedAt", ""))
+    status = newest.get("Status") or {}
+    container = (status.get("ContainerStatus") or {}).get("ContainerID")
+    return status.get("State"), container
+
+
+async def wait_running(docker: Any, service: str, *, within: float = 60.0,
+                       poll_s: float = 0.02) -> str:
+    """Poll until the service's task runs; its container id."""
+    deadline = time.monotonic() + within
+    while True:
+        state, container = await task_state(docker, service)
+        if state == "running" and container:
+            return container
+        if state in ("failed", "rejected", "shutdown", "complete"):
+            raise RuntimeError(f"task of {service} ended as {state}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"task of {service} not running after {within} s ({state})")
+        await asyncio.sleep(poll_s)
