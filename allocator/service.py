@@ -26,6 +26,7 @@ import aio_pika.abc
 from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 from pydantic import BaseModel
 
+from allocator import metrics
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
 from allocator.ledger import Changes, Ledger, LedgerChanged, LedgerError
@@ -62,6 +63,8 @@ class _Pending:
     """(lease_id, request_key) to look up in the ledger when memory had no such lease."""
     dead_letter: bool = False
     """Reject it to the dead-letter queue instead of acknowledging it."""
+    kind: str = "invalid"
+    """The message kind, for the latency histogram."""
 
 
 @dataclass
@@ -108,6 +111,8 @@ class AllocatorService:
         self._consumer_tag: str | None = None
         self._queue: aio_pika.abc.AbstractQueue | None = None
         self._data_version: int | None = None
+        self.metrics_server: metrics.MetricsServer | None = None
+        self._stopped = False
         self.started = asyncio.Event()
 
     # ------------------------------------------------------------------ life
@@ -128,11 +133,19 @@ class AllocatorService:
         ]
         self._consumer_tag = await self._queue.consume(self._on_message)
         self.started.set()
+        if self.settings.metrics_port is not None:
+            self.metrics_server = metrics.serve(self, self.settings.metrics_port)
         log.info("allocator consuming %s; ledger %s", self.settings.queue_name,
                  self.settings.ledger_path)
 
     async def stop(self) -> None:
-        """Stop consuming, finish the batch in hand, close the broker and the ledger."""
+        """Stop consuming, finish the batch in hand, close the broker and the ledger.
+
+        Stopping twice is harmless.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
         if self._queue is not None and self._consumer_tag is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._queue.cancel(self._consumer_tag), 5)
@@ -146,6 +159,9 @@ class AllocatorService:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._connection.close(), 5)
             self._connection = None
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         self.ledger.close()
 
     async def __aenter__(self) -> AllocatorService:
@@ -190,6 +206,7 @@ class AllocatorService:
                     log.exception("could not answer a failed batch")
 
     async def _apply_batch(self, batch: list[object]) -> None:
+        began = time.monotonic()
         # One trip to the ledger thread per batch: the commit itself checks that no other
         # allocator wrote since our last look. If one did, we are a standby that has just
         # become active: start from what it left and apply the batch again.
@@ -211,6 +228,9 @@ class AllocatorService:
             raise LedgerError("the ledger keeps changing under this allocator")
         await self._resolve_lookups(pending)
         await self._finish(pending)
+        elapsed = time.monotonic() - began
+        for entry in pending:
+            metrics.observe_request(entry.kind, elapsed)
 
     def _apply_in_memory(self, batch: list[object]) -> tuple[Changes, list[_Pending]]:
         changes = Changes()
@@ -253,11 +273,11 @@ class AllocatorService:
         if deadline is not None and now > deadline:
             # The caller gave up already; granting now would leak a lease nobody holds.
             self.stats.counters["expired_dropped"] += 1
-            return _Pending(message, None)
+            return _Pending(message, None, kind=decoded.kind)
         sender = Sender(user_id=message.user_id,
                         via_nodes_exchange=message.exchange == NODES_EXCHANGE)
         reply = self.engine.handle(decoded, sender, now, changes)
-        entry = _Pending(message, reply if wants_reply else None)
+        entry = _Pending(message, reply if wants_reply else None, kind=decoded.kind)
         if (isinstance(decoded, StatusRequest | ReleaseRequest) and isinstance(reply, ErrorReply)
                 and reply.error.code is ErrorCode.NOT_FOUND):
             entry.lookup = (decoded.lease_id, decoded.request_key)

@@ -134,3 +134,28 @@ async def test_a_second_service_replaces_the_first_collector(allocator):
         metrics.uninstall(second)
         metrics.uninstall(first)
     assert "swarm_gpu_gpus" not in [m.name for m in metrics.REGISTRY.collect()]
+
+
+async def test_the_allocator_serves_metrics_on_its_configured_port(amqp_vhost, ledger_path):
+    from allocator.client import AllocatorClient
+    from allocator.config import AllocatorSettings
+    from allocator.service import AllocatorService
+
+    settings = AllocatorSettings(amqp_url=amqp_vhost.url, ledger_path=ledger_path,
+                                 metrics_port=0)
+    service = AllocatorService(settings)
+    await service.start()
+    try:
+        assert service.metrics_server is not None
+        port = service.metrics_server.port
+        async with AllocatorClient(amqp_vhost.url) as client:
+            await client.inventory()
+
+        def inventories() -> float:
+            return scrape(port).get('swarm_gpu_request_seconds_count{kind="inventory"}', 0.0)
+
+        assert await asyncio.to_thread(inventories) >= 1
+    finally:
+        await service.stop()
+        await service.stop()  # stopping twice is harmless
+    assert service.metrics_server is None
