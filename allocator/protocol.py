@@ -368,7 +368,7 @@ class ContainerInfo(BaseModel):
     container_id: Name
     lease_id: Name
     name: str = ""
-    started_at: float | None = None
+    started_at: float | None = Field(default=None, allow_inf_nan=False)
     gpu_use: list[ProcessUse] = Field(default_factory=list, max_length=64)
 
 
@@ -384,7 +384,7 @@ class Heartbeat(_Message):
     host: Name
     agent_id: Name = Field(description="Changes when the agent restarts.")
     seq: int = Field(ge=0, description="Increases by one per heartbeat of one agent_id.")
-    sent_at: float = Field(description="Epoch seconds on the node.")
+    sent_at: float = Field(allow_inf_nan=False, description="Epoch seconds on the node.")
     interval_s: float = Field(gt=0, le=3600)
     gpus: list[GPUInfo] = Field(max_length=64)
     containers: list[ContainerInfo] = Field(default_factory=list, max_length=1024)
@@ -423,7 +423,7 @@ class ContainerEvent(_Message):
     container_id: Name
     lease_id: Name
     action: ContainerAction
-    at: float = Field(description="Epoch seconds of the Docker event.")
+    at: float = Field(allow_inf_nan=False, description="Epoch seconds of the Docker event.")
     exit_code: int | None = None
 
 
