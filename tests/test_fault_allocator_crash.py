@@ -180,6 +180,7 @@ async def test_kill_9_of_the_allocator_loses_nothing_and_doubles_nothing(
     # Exactly one lease per request, and it is the one the client was told about: no lease
     # granted twice, none granted to nobody.
     assert set(audit.leases_per_key) == keys
+    assert set(audit.leases_per_key.values()) == {1}, "a request key with two leases"
     assert {row["request_key"]: lease_id for lease_id, row in audit.leases.items()} == {
         key: lease.lease_id for key, lease in tally.granted.items()}
     holding = audit.holding()
