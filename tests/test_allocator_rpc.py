@@ -159,3 +159,108 @@ async def test_status_of_unknown_lease_is_not_found(client, mixed):
 async def _state_is(client: AllocatorClient, lease_id: str, state: LeaseState):
     lease = await client.status(lease_id=lease_id)
     return lease if lease.state is state else None
+
+
+async def test_request_key_of_another_user_is_a_conflict(client, mixed):
+    await client.allocate(ask(user="alice", server="x", model="1070"))
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(AllocateRequest(request_key="hub/alice/x", user="mallory"))
+    assert refused.value.code is ErrorCode.CONFLICT
+
+
+async def test_drain_keeps_new_leases_off_a_host_and_undrain_serves_the_queue(client, mixed):
+    await client.drain("gpu-b", reason="driver upgrade")
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(ask(model="3090"))
+    assert refused.value.code is ErrorCode.NO_CAPACITY
+    assert RTX3090 not in refused.value.details["free"], "a drained host's GPUs are not free"
+    queued = await client.allocate(ask(user="bob", model="3090", wait_s=30))
+    assert queued.state is LeaseState.QUEUED
+    await client.drain("gpu-b", drained=False)
+    granted = await client.status(lease_id=queued.lease_id)
+    assert granted.state is LeaseState.GRANTED and granted.host == "gpu-b"
+
+
+async def test_draining_one_gpu(client, mixed):
+    inventory = await client.inventory()
+    first = next(g for g in inventory.gpus if g.host == "gpu-b" and g.index == 0)
+    await client.drain("gpu-b", gpu_uuid=first.uuid)
+    lease = await client.allocate(ask(model="3090", count=1))
+    assert lease.gpu_uuids != [first.uuid]
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(ask(user="bob", model="3090", count=2))
+    assert refused.value.code is ErrorCode.NO_CAPACITY
+
+
+async def test_unknown_host_or_gpu_in_drain(client, mixed):
+    with pytest.raises(AllocatorError) as refused:
+        await client.drain("gpu-z")
+    assert refused.value.code is ErrorCode.UNKNOWN_HOST
+    with pytest.raises(AllocatorError) as refused:
+        await client.drain("gpu-a", gpu_uuid="GPU-nope")
+    assert refused.value.code is ErrorCode.NOT_FOUND
+
+
+@pytest.fixture
+async def strict_allocator(amqp_vhost, ledger_path):
+    """An allocator with quotas, where guest is not an admin."""
+    from allocator.config import AllocatorSettings
+    from allocator.service import AllocatorService
+
+    settings = AllocatorSettings(
+        amqp_url=amqp_vhost.url, ledger_path=ledger_path, allow_any_node_user=True,
+        admin_users=["admin"], share_slots={GTX1070: 4}, user_quota={"alice": 2},
+        default_user_quota=1, group_quota={"students": 2},
+    )
+    async with AllocatorService(settings) as service:
+        yield service
+
+
+@pytest.fixture
+async def strict(strict_allocator, amqp_vhost, nodes):
+    await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 4))
+    await nodes.beat("gpu-c", gpus("gpu-c", A100, 8))
+    async with AllocatorClient(amqp_vhost.url) as rpc:
+        await cluster_ready(rpc, 2)
+        yield rpc
+
+
+async def test_user_quota(strict):
+    await strict.allocate(ask(user="alice", server="1", model=A100))
+    await strict.allocate(ask(user="alice", server="2", model=A100))
+    with pytest.raises(AllocatorError) as refused:
+        await strict.allocate(ask(user="alice", server="3", model=A100))
+    assert refused.value.code is ErrorCode.QUOTA_EXCEEDED
+    assert "alice" in refused.value.message and "2" in refused.value.message
+    with pytest.raises(AllocatorError):  # the default quota of 1 for everyone else
+        await strict.allocate(ask(user="bob", server="1", model=A100, count=2))
+
+
+async def test_a_slice_counts_its_share_of_the_quota(strict):
+    for server in "1234":  # four slices of a 4-slot GPU = one GPU: bob's default quota
+        await strict.allocate(ask(user="bob", server=server, model=GTX1070,
+                                  share=ShareRequest(memory_mib=1024)))
+    with pytest.raises(AllocatorError) as refused:
+        await strict.allocate(ask(user="bob", server="5", model=GTX1070,
+                                  share=ShareRequest(memory_mib=1024)))
+    assert refused.value.code is ErrorCode.QUOTA_EXCEEDED
+
+
+async def test_group_quota(strict):
+    await strict.allocate(ask(user="s1", groups=["students"], model=A100))
+    await strict.allocate(ask(user="s2", groups=["students"], model=A100))
+    with pytest.raises(AllocatorError) as refused:
+        await strict.allocate(ask(user="s3", groups=["students"], model=A100))
+    assert refused.value.code is ErrorCode.QUOTA_EXCEEDED
+    assert "students" in refused.value.message
+
+
+async def test_admin_actions_need_an_admin(strict):
+    lease = await strict.allocate(ask(user="carol", model=A100))
+    with pytest.raises(AllocatorError) as refused:
+        await strict.release(lease_id=lease.lease_id, force=True)
+    assert refused.value.code is ErrorCode.FORBIDDEN
+    with pytest.raises(AllocatorError) as refused:
+        await strict.drain("gpu-a")
+    assert refused.value.code is ErrorCode.FORBIDDEN
+    assert (await strict.status(lease_id=lease.lease_id)).state is LeaseState.GRANTED
