@@ -24,19 +24,10 @@ from nodeagent.inventory import InventoryUnavailable
 
 def policy_from_settings(config: str | None) -> HealthPolicy:
     """The health policy of the agent's settings (defaults where nothing is set)."""
+    from nodeagent.agent import policy_of
     from nodeagent.config import load_settings
 
-    settings = load_settings(config, inventory="nvml")
-    return HealthPolicy(
-        fatal_xids=frozenset(settings.fatal_xids),
-        xid_quiet_s=settings.xid_quiet_s,
-        xid_repeat_count=settings.xid_repeat_count,
-        xid_repeat_window_s=settings.xid_repeat_window_s,
-        recent_xid_s=settings.recent_xid_s,
-        overheat_c=settings.overheat_c,
-        overheat_hysteresis_c=settings.overheat_hysteresis_c,
-        ecc_stable_s=settings.ecc_stable_s,
-    )
+    return policy_of(load_settings(config, inventory="nvml"))
 
 
 def check(xid_wait_s: float, policy: HealthPolicy) -> dict[str, Any]:

@@ -158,3 +158,13 @@ class RawRPC:
         except TimeoutError:
             return True
         return False
+
+
+async def docker_cli(*args: str, within: float = 60.0) -> str:
+    """Run the ``docker`` CLI against the test engine (DOCKER_HOST); its stdout, stripped."""
+    process = await asyncio.create_subprocess_exec(
+        "docker", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(within):
+        out, err = await process.communicate()
+    assert process.returncode == 0, f"docker {' '.join(args)}: {err.decode()}"
+    return out.decode().strip()

@@ -24,6 +24,7 @@ from typing import Any
 import aio_pika
 import aiodocker
 import pytest
+from support import docker_cli
 from yarl import URL
 
 from allocator.protocol import (
@@ -311,15 +312,6 @@ async def lease_containers(docker: aiodocker.Docker, busybox_image: str
     for container_id in started:
         with contextlib.suppress(aiodocker.DockerError):
             await docker.containers.container(container_id).delete(force=True)
-
-
-async def docker_cli(*args: str) -> str:
-    process = await asyncio.create_subprocess_exec(
-        "docker", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    async with asyncio.timeout(30):
-        out, err = await process.communicate()
-    assert process.returncode == 0, f"docker {' '.join(args)}: {err.decode()}"
-    return out.decode().strip()
 
 
 def lease() -> str:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from support import GTX1070, wait_until
+from support import GTX1070, docker_cli, wait_until
 
 from allocator.client import AllocatorClient
 from allocator.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
@@ -24,15 +24,6 @@ from nodeagent.containers import LEASE_LABEL
 from nodeagent.simulated import make_gpu, write_inventory
 
 pytestmark = pytest.mark.docker
-
-
-async def docker_cli(*args: str) -> str:
-    process = await asyncio.create_subprocess_exec(
-        "docker", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    async with asyncio.timeout(60):
-        out, err = await process.communicate()
-    assert process.returncode == 0, f"docker {' '.join(args)}: {err.decode()}"
-    return out.decode().strip()
 
 
 @contextlib.asynccontextmanager
