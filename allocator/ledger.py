@@ -12,7 +12,9 @@ written by a newer release is refused rather than misread.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -38,6 +40,22 @@ GPU_JSON_COLUMNS = ("health_reasons",)
 
 class LedgerError(Exception):
     """The ledger cannot be opened or written; the message says why in plain words."""
+
+
+def _on_read_only_filesystem(path: Path) -> bool:
+    """Whether the ledger's folder is on a filesystem that is read-only (mounted so, or
+    turned so by the kernel after a disk error): SQLite then says only "unable to open
+    database file" or "disk I/O error". Asked only after a failure."""
+    try:
+        if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+            return True
+        # ext4's emergency read-only state (errors=remount-ro) leaves the mount flags alone.
+        probe = path.parent / f".{path.name}.write-probe-{os.getpid()}"
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.errno == errno.EROFS
+    return False
 
 
 class LedgerChanged(LedgerError):
@@ -238,6 +256,9 @@ class Ledger:
             version = db.execute("PRAGMA user_version").fetchone()[0]
             tables = set(db.table_names())
         except sqlite3.DatabaseError as exc:
+            if not self._readonly and _on_read_only_filesystem(self.path):
+                raise LedgerError(f"cannot open the ledger {self.path} for writing: its "
+                                  f"filesystem is read-only ({exc})") from exc
             raise LedgerError(f"{self.path} is not a readable ledger: {exc}") from exc
         if version > SCHEMA_VERSION:
             conn.close()
@@ -306,7 +327,8 @@ class Ledger:
                         changes.events,
                     )
         except sqlite3.Error as exc:
-            raise LedgerError(f"cannot write the ledger {self.path}: {exc}") from exc
+            why = " (its filesystem is read-only)" if _on_read_only_filesystem(self.path) else ""
+            raise LedgerError(f"cannot write the ledger {self.path}: {exc}{why}") from exc
 
     @staticmethod
     def _write_rows(conn: sqlite3.Connection, table: str, pk: str,
