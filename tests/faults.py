@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import shutil
 import signal
 import sqlite3
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -219,3 +222,104 @@ async def await_state(client: Any, lease_id: str, *states: Any, within: float = 
             raise AssertionError(f"lease {lease_id} still {lease.state.value} after {within}s "
                                  f"(waiting for {[s.value for s in states]})")
         await asyncio.sleep(interval)
+
+
+# ----------------------------------------------------------------- a small disk
+
+
+class SmallDisk:
+    """An ext4 filesystem of a few MiB on a loop device, mounted with ``errors=remount-ro``,
+    so a test can fill it (``fill``), make the kernel turn it read-only as on a disk error
+    (``fail``), and repair it (``repair``: unmount, fsck, mount, as an operator would)."""
+
+    def __init__(self, image: Path, mountpoint: Path, size_mib: int) -> None:
+        self.image = image
+        self.mountpoint = mountpoint
+        self.size_mib = size_mib
+        self.filler = mountpoint / "filler"
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=60,
+                              check=False)
+
+    def create(self) -> str | None:
+        """Make and mount the filesystem; None, or why it cannot be done here."""
+        for tool in ("mkfs.ext4", "mount", "umount", "e2fsck"):
+            if shutil.which(tool) is None:
+                return f"{tool} not found"
+        with open(self.image, "wb") as handle:
+            handle.truncate(self.size_mib << 20)
+        made = self._run("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
+                         str(self.image))
+        if made.returncode != 0:
+            return f"mkfs.ext4: {made.stderr.strip()}"
+        self.mountpoint.mkdir(exist_ok=True)
+        return self.mount()
+
+    def mount(self, *options: str) -> str | None:
+        mounted = self._run("mount", "-o", ",".join(("loop", "errors=remount-ro", *options)),
+                            str(self.image), str(self.mountpoint))
+        return None if mounted.returncode == 0 else f"mount: {mounted.stderr.strip()}"
+
+    @property
+    def device(self) -> str:
+        found = self._run("findmnt", "-n", "-o", "SOURCE", str(self.mountpoint))
+        return found.stdout.strip()
+
+    def mounted(self) -> bool:
+        return self._run("mountpoint", "-q", str(self.mountpoint)).returncode == 0
+
+    def fill(self) -> int:
+        """Write a file until the disk is full; the bytes written."""
+        written = 0
+        with open(self.filler, "wb") as handle:
+            try:
+                while True:
+                    handle.write(b"\0" * 4096)
+                    handle.flush()
+                    written += 4096
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+        return written
+
+    def free(self) -> None:
+        self.filler.unlink(missing_ok=True)
+
+    def fail(self) -> None:
+        """An ext4 error: the kernel remounts the filesystem read-only at once."""
+        trigger = Path("/sys/fs/ext4") / Path(self.device).name / "trigger_fs_error"
+        trigger.write_text("1")
+
+    def repair(self) -> None:
+        """Unmount, fsck and mount again (needs every file on it closed)."""
+        self.unmount()
+        self._run("e2fsck", "-fy", str(self.image))
+        problem = self.mount()
+        assert problem is None, problem
+
+    def remount_readonly(self) -> None:
+        done = self._run("mount", "-o", "remount,ro", str(self.mountpoint))
+        assert done.returncode == 0, done.stderr
+
+    def unmount(self) -> None:
+        if self.mounted() and self._run("umount", str(self.mountpoint)).returncode != 0:
+            self._run("umount", "-l", str(self.mountpoint))
+
+
+@contextlib.contextmanager
+def small_disk(tmp_path: Path, size_mib: int = 8):
+    """A :class:`SmallDisk` for the ledger, unmounted (and its loop device freed) after.
+
+    Skips (fails in CI) where loop devices cannot be mounted.
+    """
+    from services import require_service
+
+    disk = SmallDisk(tmp_path / "ledger-disk.ext4", tmp_path / "ledger-disk", size_mib)
+    problem = disk.create()
+    if problem is not None:
+        require_service("a loop-mounted filesystem", problem)
+    try:
+        yield disk
+    finally:
+        disk.unmount()
