@@ -57,6 +57,24 @@ async def outcome(call: Any) -> tuple[str, float]:
     return "answered", time.monotonic() - started
 
 
+async def recovered(client: AllocatorClient, up_at: float) -> dict[str, float]:
+    """Wait until the client is answered and the agent's heartbeats reach the allocator
+    again (each within the bound); how long each took after ``up_at``."""
+    async def answered():
+        name, _ = await outcome(client.inventory())
+        return name == "answered"
+    await wait_until(answered, within=RECOVERY_BOUND_S, interval=0.1)
+    figures = {"client_answered_after_s": round(time.monotonic() - up_at, 2)}
+    up_wall = time.time() - (time.monotonic() - up_at)
+
+    async def fresh_heartbeat():
+        nodes = (await client.inventory()).nodes
+        return [n for n in nodes if n.host == HOST and (n.last_heartbeat or 0) > up_wall]
+    await wait_until(fresh_heartbeat, within=RECOVERY_BOUND_S, interval=0.1)
+    figures["heartbeat_after_s"] = round(time.monotonic() - up_at, 2)
+    return figures
+
+
 @pytest.mark.slow
 async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_path: Path,
                                                          ledger_path: Path) -> None:
@@ -109,40 +127,26 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
             assert name != "answered" and seconds < CALL_TIMEOUT_S + SLACK_S, during
         figures["calls_while_down_failed_in_s"] = [round(s, 2) for _, s in during]
         heartbeats_before = agent.heartbeats_sent
-        await asyncio.sleep(0.5)
-        assert agent.heartbeats_sent == heartbeats_before, "nothing to publish to"
-
-        figures["broker_start_s"] = round(await asyncio.to_thread(broker.start), 2)
-        up_at = time.monotonic()
-        figures["outage_s"] = round(up_at - stopped_at, 2)
-
-        # The client answers again: its reconnect, the allocator's consumer and replies.
-        async def answered():
-            name, _ = await outcome(client.inventory())
-            return name == "answered"
-        await wait_until(answered, within=RECOVERY_BOUND_S, interval=0.1)
-        figures["client_answered_after_s"] = round(time.monotonic() - up_at, 2)
-
-        # The agent's heartbeats reach the allocator again.
-        restarted_wall = time.time() - (time.monotonic() - up_at)
-
-        async def fresh_heartbeat():
-            nodes = (await client.inventory()).nodes
-            return [n for n in nodes if n.host == HOST and (n.last_heartbeat or 0)
-                    > restarted_wall]
-        await wait_until(fresh_heartbeat, within=RECOVERY_BOUND_S, interval=0.1)
-        figures["heartbeat_after_s"] = round(time.monotonic() - up_at, 2)
-
-        # And its container events: the event path binds the first lease.
+        # A container starts during the outage: the agent keeps the event until it can send.
         assert agent.publisher is not None
         agent.publisher.submit_event(ContainerEvent(
             host=HOST, container_id="c-alice", lease_id=first.lease_id,
             action=ContainerAction.START, at=time.time()))
+        await asyncio.sleep(0.5)
+        assert agent.heartbeats_sent == heartbeats_before, "nothing to publish to"
+        assert agent.publisher.buffered == 1
 
+        figures["broker_start_s"] = round(await asyncio.to_thread(broker.start), 2)
+        up_at = time.monotonic()
+        figures["outage_s"] = round(up_at - stopped_at, 2)
+        figures.update(await recovered(client, up_at))
+
+        # The event kept through the outage arrives: the first lease is bound.
         async def bound():
             lease = await client.status(lease_id=first.lease_id)
             return lease.state is LeaseState.BOUND
         await wait_until(bound, within=RECOVERY_BOUND_S, interval=0.1)
+        assert agent.publisher.buffered == 0
 
         # bob's request may have been recorded before the outage: the retry with its key
         # finds that lease rather than making a second one; a new request works as ever.
@@ -150,7 +154,18 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
         carol = await client.allocate(ask("carol"))
         assert bob.state is carol.state is LeaseState.GRANTED
         assert len({first.lease_id, bob.lease_id, carol.lease_id}) == 3
-        figures["allocator_reconnects_ok"] = True
+
+        # A second outage, of the broker application only (the Erlang VM stays): robust
+        # connections must come back a second time too.
+        await asyncio.to_thread(broker.stop_app)
+        name, seconds = await outcome(client.inventory())
+        assert name != "answered" and seconds < CALL_TIMEOUT_S + SLACK_S
+        await asyncio.to_thread(broker.start_app)
+        again = await recovered(client, time.monotonic())
+        figures["second_outage_client_answered_after_s"] = again["client_answered_after_s"]
+        figures["second_outage_heartbeat_after_s"] = again["heartbeat_after_s"]
+        dave = await client.allocate(ask("dave"))
+        assert dave.state is LeaseState.GRANTED
     finally:
         with contextlib.suppress(Exception):
             await client.close()
@@ -159,6 +174,6 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
 
     audit = audit_ledger(ledger_path)
     assert_sound(audit)
-    assert sorted(audit.leases_per_key) == ["hub/alice/", "hub/bob/", "hub/carol/"]
-    assert len(audit.held_gpus) == 3
+    assert sorted(audit.leases_per_key) == ["hub/alice/", "hub/bob/", "hub/carol/", "hub/dave/"]
+    assert len(audit.held_gpus) == 4
     report("broker_restart", **figures)
