@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from allocator.invariants import Violation, check_ledger
+from allocator.invariants import NodeReport, Violation, check_ledger
 from allocator.reports import open_readonly
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +69,12 @@ class LedgerAudit:
         return {i: r for i, r in self.leases.items() if r["state"] in HOLDING}
 
 
-def audit_ledger(path: Path) -> LedgerAudit:
-    """Run the invariant checker on the ledger at ``path`` and collect the accounting."""
+def audit_ledger(path: Path, reports: dict[str, NodeReport] | None = None) -> LedgerAudit:
+    """Run the invariant checker on the ledger at ``path`` (with ``reports``, also against
+    what the nodes said runs on them) and collect the accounting."""
     conn = open_readonly(path)
     try:
-        violations = check_ledger(conn)
+        violations = check_ledger(conn, reports, grace_s=1.0)
         conn.row_factory = sqlite3.Row
         leases = {}
         for row in conn.execute("SELECT * FROM leases"):
@@ -90,6 +91,18 @@ def audit_ledger(path: Path) -> LedgerAudit:
     # exclusive holder may not share it with anyone.
     double = sorted(u for u, n in Counter(held).items() if n > 1 and exclusive[u])
     return LedgerAudit(violations, leases, per_key, held, double)
+
+
+def gpu_ledger_check(path: Path, *, live_amqp: str | None = None,
+                     listen_s: float = 2.0) -> subprocess.CompletedProcess[str]:
+    """``gpu-ledger check --ledger PATH``, the operator's command after a fault; with
+    ``live_amqp``, ``--live``: the ledger against what the nodes' heartbeats say runs."""
+    command = [sys.executable, "-m", "allocator.ledger_cli", "check", "--ledger", str(path)]
+    if live_amqp is not None:
+        command += ["--live", "--amqp", live_amqp, "--listen", str(listen_s), "--grace", "1",
+                    "--json"]
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60, check=False)
 
 
 def assert_sound(audit: LedgerAudit) -> None:

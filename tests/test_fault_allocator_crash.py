@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from faults import AllocatorProcess, assert_sound, audit_ledger, report
+from faults import AllocatorProcess, assert_sound, audit_ledger, gpu_ledger_check, report
 from support import RTX3090, NodeSimulator, gpus, wait_until
 
 from allocator.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
@@ -175,6 +175,8 @@ async def test_kill_9_of_the_allocator_loses_nothing_and_doubles_nothing(
 
     audit = audit_ledger(ledger_path)
     assert_sound(audit)
+    checked = gpu_ledger_check(ledger_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
     keys = {f"hub/user{n}/server{i}" for n in range(WORKERS) for i in range(REQUESTS_PER_WORKER)}
     assert set(tally.granted) == keys, "every request was answered in the end"
     # Exactly one lease per request, and it is the one the client was told about: no lease

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -36,12 +37,14 @@ from faults import (
     assert_sound,
     audit_ledger,
     await_state,
+    gpu_ledger_check,
     report,
     running_allocator,
 )
 from support import GTX1070, NodeSimulator, gpus, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
+from allocator.invariants import NodeReport
 from allocator.protocol import (
     AllocateRequest,
     ContainerAction,
@@ -353,6 +356,12 @@ async def test_agent_kill_9_and_restart_leases_follow_the_containers(
             assert allocator.engine.cluster.nodes[host].agent_id != first_agent
             kept = await client.status(lease_id=lives.lease_id)
             assert (kept.state, kept.container_id) == (LeaseState.BOUND, survivor)
+            # The operator's check agrees: every bound lease's container runs, and no lease
+            # container runs for a lease that holds no GPU.
+            checked = await asyncio.to_thread(gpu_ledger_check, ledger_path, live_amqp=url,
+                                              listen_s=1.5)
+            assert checked.returncode == 0, checked.stdout + checked.stderr
+            assert json.loads(checked.stdout)["hosts_reported"] == [host]
             await second.stop()
     finally:
         await first.kill()
@@ -422,9 +431,11 @@ async def test_engine_restart_leases_follow_the_containers(amqp_vhost, ledger_pa
         bound, bind_s = await await_state(client, fresh.lease_id, LeaseState.BOUND)
         assert bound.container_id == started
         figures["new_container_bound_s"] = round(bind_s, 2)
-        # Audited while everything still runs (a WAL reader disturbs nothing): on the way out
-        # the container is removed and its lease freed.
-        audit = audit_ledger(ledger_path)
+        # Audited while everything still runs (a WAL reader disturbs nothing), against what
+        # the agent reports: on the way out the container is removed and its lease freed.
+        assert agent.last_heartbeat is not None
+        audit = audit_ledger(ledger_path, {host: NodeReport.from_heartbeat(
+            agent.last_heartbeat, time.time())})
     assert_sound(audit)
     assert sorted(audit.holding()) == [fresh.lease_id]
     assert_sound(audit_ledger(ledger_path))
