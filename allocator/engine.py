@@ -55,6 +55,9 @@ from allocator.protocol import (
 
 log = logging.getLogger(__name__)
 
+CLOCK_SKEW_WARN_S = 30.0
+"""A heartbeat stamped further than this from the allocator's clock is logged (once a host)."""
+
 RECENT_FINAL_LEASES = 10_000
 """Finished leases kept in memory so a repeated release or status is answered without I/O."""
 
@@ -94,6 +97,7 @@ class Engine:
         """lease id -> node-clock time its container was known to run (start event or listing)."""
         self._down: set[str] = set()
         self._over_budget: set[str] = set()
+        self._skewed: set[str] = set()
         self.index = PlacementIndex()
         self._catalog: Cluster | None = None
 
@@ -520,6 +524,17 @@ class Engine:
             return
         self._last_seq[beat.host] = (beat.agent_id, beat.seq)
         self.counters["heartbeats"] += 1
+        skew = beat.sent_at - now
+        if abs(skew) > CLOCK_SKEW_WARN_S:
+            # Liveness uses receipt time, so a skewed node clock harms nothing here; but the
+            # agent's event times feed the container checks, so an admin should know.
+            self.counters["heartbeat_clock_skew"] += 1
+            if beat.host not in self._skewed:
+                self._skewed.add(beat.host)
+                log.warning("node %s's clock is %+.1f s off the allocator's", beat.host, skew)
+                changes.event(now, "clock_skew", host=beat.host, skew_s=round(skew, 1))
+        else:
+            self._skewed.discard(beat.host)
         node = self.cluster.nodes.get(beat.host)
         new_node = node is None
         if node is None:

@@ -264,3 +264,17 @@ async def test_admin_actions_need_an_admin(strict):
         await strict.drain("gpu-a")
     assert refused.value.code is ErrorCode.FORBIDDEN
     assert (await strict.status(lease_id=lease.lease_id)).state is LeaseState.GRANTED
+
+
+async def test_a_node_with_a_skewed_clock_stays_up_and_is_reported(client, mixed, allocator):
+    # Liveness is judged by when the allocator received the heartbeat, not the node's stamp.
+    await mixed.beat("gpu-a", sent_at=time.time() + 3600)
+    await mixed.beat("gpu-b", sent_at=time.time() - 3600)
+
+    async def counted():
+        return allocator.engine.counters["heartbeat_clock_skew"] >= 2
+    await wait_until(counted)
+    inventory = await client.inventory()
+    assert all(node.up for node in inventory.nodes)
+    lease = await client.allocate(ask(model="1070"))
+    assert lease.host == "gpu-a"
