@@ -627,6 +627,9 @@ def test_fuzzed_messages_of_every_kind_against_the_live_consumer(rabbitmq, tmp_p
                 loop.run_until_complete(harness.wire.sync())
                 dead = loop.run_until_complete(count_dead_letters(vhost.url))
                 assert dead == harness.expected_dead_letters
+                # No input made the engine raise (that would fail its whole batch).
+                assert harness.allocator.stats.counters["batch_failures"] == 0
+                assert harness.allocator.stats.counters["commit_failures"] == 0
             finally:
                 loop.run_until_complete(stack.aclose())
     finally:
