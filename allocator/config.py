@@ -68,6 +68,12 @@ class AllocatorSettings(PolicySettings):
         "the heartbeat is this much newer than the bind.",
     )
     tick_s: float = Field(default=0.5, gt=0, description="How often timers are checked.")
+    standby_after_s: float = Field(
+        default=30.0, gt=0,
+        description="An allocator with no delivery for this long, whose ledger another process "
+        "writes, counts as a standby and runs no timers (single-active-consumer gives "
+        "deliveries to the active one only).",
+    )
     batch_max: int = Field(default=64, ge=1, le=4096, description="Messages per ledger commit.")
     prefetch: int = Field(default=256, ge=1, le=65535)
     telemetry_persist_s: float = Field(

@@ -111,6 +111,7 @@ class AllocatorService:
         self._consumer_tag: str | None = None
         self._queue: aio_pika.abc.AbstractQueue | None = None
         self._data_version: int | None = None
+        self._last_delivery: float | None = None
         self.metrics_server: metrics.MetricsServer | None = None
         self._stopped = False
         self.started = asyncio.Event()
@@ -180,12 +181,30 @@ class AllocatorService:
     # ------------------------------------------------------------------ loops
 
     async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        self._last_delivery = time.monotonic()
         await self._inbox.put(message)
 
+    async def is_standby(self) -> bool:
+        """Whether another allocator is the active one, as far as this one can tell.
+
+        RabbitMQ does not tell a single-active-consumer which it is. Only the active one gets
+        deliveries, so a recent delivery means active; without one, another process writing
+        the ledger (node heartbeats make the active one write every few seconds) means
+        standby. An allocator alone with a silent cluster counts as active: its timers must
+        still notice the silence.
+        """
+        if (self._last_delivery is not None
+                and time.monotonic() - self._last_delivery < self.settings.standby_after_s):
+            return False
+        return await self.ledger.run(self.ledger.data_version) != self._data_version
+
     async def _tick_loop(self) -> None:
+        # A standby runs no timers: it would write timer decisions to the shared ledger and
+        # then have to reload after every write of the active one.
         while True:
             await asyncio.sleep(self.settings.tick_s)
-            await self._inbox.put(_TICK)
+            if not await self.is_standby():
+                await self._inbox.put(_TICK)
 
     async def _apply_loop(self) -> None:
         while True:

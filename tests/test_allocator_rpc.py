@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -278,3 +279,19 @@ async def test_a_node_with_a_skewed_clock_stays_up_and_is_reported(client, mixed
     assert all(node.up for node in inventory.nodes)
     lease = await client.allocate(ask(model="1070"))
     assert lease.host == "gpu-a"
+
+
+async def test_a_standby_neither_writes_nor_reloads_while_the_active_one_works(
+        allocator, client, mixed, amqp_vhost):
+    from allocator.service import AllocatorService
+
+    settings = allocator.settings.model_copy(update={"standby_after_s": 0.5})
+    async with AllocatorService(settings) as standby:
+        for i in range(4):
+            await client.allocate(ask(user=f"s{i}", model="1070"))
+            await mixed.beat("gpu-a")
+            await asyncio.sleep(0.3)
+        assert await standby.is_standby()
+        assert standby.stats.counters["takeovers"] == 0, "a standby does not reload"
+        assert standby.stats.counters["received"] == 0
+        assert allocator.stats.counters["takeovers"] == 0, "nor does it write under the active"
