@@ -75,6 +75,14 @@ class ServiceStats:
     request_seconds: list[float] = field(default_factory=list)
 
 
+class _Poisoned(Exception):
+    """The engine raised on the batch's message at ``index``."""
+
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.index = index
+
+
 async def declare_topology(
     channel: aio_pika.abc.AbstractChannel, queue_name: str
 ) -> aio_pika.abc.AbstractQueue:
@@ -226,15 +234,30 @@ class AllocatorService:
 
     async def _apply_batch(self, batch: list[object]) -> None:
         began = time.monotonic()
-        # One trip to the ledger thread per batch: the commit itself checks that no other
-        # allocator wrote since our last look. If one did, we are a standby that has just
-        # become active: start from what it left and apply the batch again.
-        for _attempt in range(3):
-            changes, pending = self._apply_in_memory(batch)
+        poisoned: dict[int, _Pending | None] = {}
+        takeovers = 0
+        while True:
+            try:
+                changes, pending = self._apply_in_memory(batch, poisoned)
+            except _Poisoned as bad:
+                # One message made the engine fail: answer it alone with internal_error, throw
+                # away what the batch did to memory, and apply the others again without it.
+                log.error("message %d of a batch failed; it alone is refused", bad.index,
+                          exc_info=bad.__cause__)
+                self.stats.counters["poisoned"] += 1
+                poisoned[bad.index] = self._refused(batch[bad.index])
+                await self._reload()
+                continue
+            # One trip to the ledger thread per batch: the commit itself checks that no other
+            # allocator wrote since our last look. If one did, we are a standby that has just
+            # become active: start from what it left and apply the batch again.
             try:
                 await self.ledger.run(
                     lambda c=changes: self.ledger.commit(c, expect_version=self._data_version))
             except LedgerChanged:
+                takeovers += 1
+                if takeovers > 3:
+                    raise LedgerError("the ledger keeps changing under this allocator") from None
                 log.warning("the ledger was written by another allocator (takeover); reloading")
                 self.stats.counters["takeovers"] += 1
                 await self._reload()
@@ -243,25 +266,43 @@ class AllocatorService:
                 await self._commit_failed(exc, pending)
                 return
             break
-        else:
-            raise LedgerError("the ledger keeps changing under this allocator")
         await self._resolve_lookups(pending)
         await self._finish(pending)
         elapsed = time.monotonic() - began
         for entry in pending:
             metrics.observe_request(entry.kind, elapsed)
 
-    def _apply_in_memory(self, batch: list[object]) -> tuple[Changes, list[_Pending]]:
+    def _apply_in_memory(self, batch: list[object], poisoned: dict[int, _Pending | None]
+                         ) -> tuple[Changes, list[_Pending]]:
         changes = Changes()
         pending: list[_Pending] = []
-        for item in batch:
-            now = self.clock()
-            if item is _TICK:
-                self.engine.tick(now, changes)
+        for index, item in enumerate(batch):
+            if index in poisoned:
+                refused = poisoned[index]
+                if refused is not None:
+                    pending.append(refused)
                 continue
-            assert isinstance(item, aio_pika.abc.AbstractIncomingMessage)
-            pending.append(self._apply_message(item, now, changes))
+            now = self.clock()
+            try:
+                if item is _TICK:
+                    self.engine.tick(now, changes)
+                    continue
+                assert isinstance(item, aio_pika.abc.AbstractIncomingMessage)
+                pending.append(self._apply_message(item, now, changes))
+            except Exception as exc:
+                raise _Poisoned(index) from exc
         return changes, pending
+
+    def _refused(self, item: object) -> _Pending | None:
+        """How to answer a message the engine failed on (None for a failed tick)."""
+        if not isinstance(item, aio_pika.abc.AbstractIncomingMessage):
+            return None
+        if not (item.reply_to and item.correlation_id):
+            return _Pending(item, None, dead_letter=True)
+        return _Pending(item, error_reply(
+            ErrorCode.INTERNAL_ERROR,
+            "the allocator failed on this request and did nothing with it; the allocator's "
+            "log says why"))
 
     async def _commit_failed(self, exc: LedgerError, pending: list[_Pending]) -> None:
         """Nothing of the batch was written: forget it in memory and say so to every caller."""

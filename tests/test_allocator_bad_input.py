@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -9,7 +10,7 @@ import aio_pika
 import pytest
 from support import GTX1070, RawRPC, gpus, wait_until
 
-from allocator.protocol import MAX_BODY_BYTES, AllocateRequest, encode
+from allocator.protocol import MAX_BODY_BYTES, AllocateRequest, ErrorCode, LeaseState, encode
 from allocator.topology import DEAD_LETTER_QUEUE
 
 
@@ -132,3 +133,30 @@ async def test_allocate_sent_to_the_nodes_exchange_grants_nothing(raw, client, a
     assert await raw.no_reply(within=1.0)
     assert (await client.inventory(include_leases=True)).leases == []
     assert allocator.engine.counters["request_from_node_exchange"] == 1
+
+
+async def test_a_message_the_engine_fails_on_is_refused_alone(allocator, client, nodes,
+                                                              monkeypatch):
+    """Fault injection in our own engine: the other requests of the same batch go through."""
+    await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 4))
+
+    async def known():
+        return (await client.inventory()).nodes
+    await wait_until(known)
+    real_handle = allocator.engine.handle
+
+    def failing_for_mallory(message, sender, now, changes):
+        if getattr(message, "user", None) == "mallory":
+            raise RuntimeError("injected failure")
+        return real_handle(message, sender, now, changes)
+
+    monkeypatch.setattr(allocator.engine, "handle", failing_for_mallory)
+    results = await asyncio.gather(
+        *(client.allocate(AllocateRequest(request_key=f"k/{user}/", user=user))
+          for user in ("ann", "mallory", "bob")),
+        return_exceptions=True)
+    ann, mallory, bob = results
+    assert getattr(mallory, "code", None) == ErrorCode.INTERNAL_ERROR
+    assert ann.state == bob.state == LeaseState.GRANTED
+    leases = (await client.inventory(include_leases=True)).leases
+    assert sorted(lease.user for lease in leases) == ["ann", "bob"]
