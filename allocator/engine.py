@@ -115,9 +115,9 @@ class Engine:
         for gpu in state.gpus:
             gpu.share_slots = policy.share_slots_for(gpu.model, self.settings)
             self.cluster.gpus[gpu.uuid] = gpu
-            node = self.cluster.nodes.get(gpu.host)
-            if node is not None:
-                node.gpu_uuids.append(gpu.uuid)
+            owner = self.cluster.nodes.get(gpu.host)
+            if owner is not None:
+                owner.gpu_uuids.append(gpu.uuid)
         self.agent_users = dict(state.agent_users)
         self.leases, self.by_key, self._queue, self._by_host = {}, {}, [], {}
         for record in state.leases:

@@ -64,7 +64,7 @@ class LeaseRecord:
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> LeaseRecord:
         """Rebuild from a ledger row (JSON columns already decoded)."""
-        values = {f.name: row.get(f.name) for f in fields(cls)}
+        values: dict[str, Any] = {f.name: row.get(f.name) for f in fields(cls)}
         values["groups"] = tuple(row.get("groups") or ())
         values["gpu_uuids"] = tuple(row.get("gpu_uuids") or ())
         values["state"] = LeaseState(row["state"])

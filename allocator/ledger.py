@@ -64,7 +64,7 @@ class LedgerChanged(LedgerError):
 
 def _migrate_v1(db: sqlite_utils.Database) -> None:
     """The first schema: nodes, GPUs, leases with history, and the event log."""
-    db["nodes"].create(
+    db.table("nodes").create(
         {
             "host": str, "agent_id": str, "agent_user": str, "first_seen": float,
             "last_heartbeat": float, "drained": int, "drain_reason": str, "drained_by": str,
@@ -72,7 +72,7 @@ def _migrate_v1(db: sqlite_utils.Database) -> None:
         },
         pk="host",
     )
-    db["gpus"].create(
+    db.table("gpus").create(
         {
             "uuid": str, "host": str, "idx": int, "model": str, "memory_total_mib": int,
             "memory_used_mib": int, "utilization_pct": float, "temperature_c": float,
@@ -81,8 +81,8 @@ def _migrate_v1(db: sqlite_utils.Database) -> None:
         },
         pk="uuid",
     )
-    db["gpus"].create_index(["host"])
-    db["leases"].create(
+    db.table("gpus").create_index(["host"])
+    db.table("leases").create(
         {
             "lease_id": str, "request_key": str, "user": str, "groups": str, "state": str,
             "created_at": float, "request": str, "priority": int, "host": str,
@@ -94,23 +94,23 @@ def _migrate_v1(db: sqlite_utils.Database) -> None:
         },
         pk="lease_id",
     )
-    db["leases"].create_index(["state"])
-    db["leases"].create_index(["request_key"])
-    db["leases"].create_index(["user"])
-    db["leases"].create_index(["created_at"])
-    db["lease_history"].create(
+    db.table("leases").create_index(["state"])
+    db.table("leases").create_index(["request_key"])
+    db.table("leases").create_index(["user"])
+    db.table("leases").create_index(["created_at"])
+    db.table("lease_history").create(
         {"id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str,
          "reason": str, "by": str},
         pk="id",
     )
-    db["lease_history"].create_index(["lease_id"])
-    db["events"].create(
+    db.table("lease_history").create_index(["lease_id"])
+    db.table("events").create(
         {"id": int, "at": float, "kind": str, "host": str, "lease_id": str, "user": str,
          "gpu_uuid": str, "detail": str},
         pk="id",
     )
-    db["events"].create_index(["at"])
-    db["events"].create_index(["kind"])
+    db.table("events").create_index(["at"])
+    db.table("events").create_index(["kind"])
 
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1]
