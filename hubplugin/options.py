@@ -550,9 +550,9 @@ def check_options(
     # GPUs per host of the eligible models (total, not just free)
     per_host: dict[str, int] = {}
     if inventory is not None and eligible is not None:
-        names = {m.model for m in eligible}
+        eligible_names = {m.model for m in eligible}
         for gpu in inventory.gpus:
-            if gpu.model in names and (
+            if gpu.model in eligible_names and (
                 trusted or policy.allowed_hosts is None or gpu.host in policy.allowed_hosts
             ):
                 per_host[gpu.host] = per_host.get(gpu.host, 0) + 1
@@ -585,10 +585,10 @@ def check_options(
             if memory is not None:
                 fitting = [m for m in shareable if m.memory_total_mib >= memory]
                 if not fitting:
-                    largest = max(shareable, key=lambda m: m.memory_total_mib)
+                    biggest = max(shareable, key=lambda m: m.memory_total_mib)
                     raise OptionsError(
                         f"A shared slice of {memory} MiB is larger than the GPU: "
-                        f"{largest.model} has {largest.memory_total_mib} MiB.",
+                        f"{biggest.model} has {biggest.memory_total_mib} MiB.",
                         field="share_memory_mib",
                     )
                 shareable = fitting

@@ -294,7 +294,7 @@ class GPUSwarmSpawner(SwarmSpawner):
 
     @validate("default_gpu_mode")
     def _check_mode(self, proposal: Any) -> str:
-        value = proposal["value"]
+        value: str = proposal["value"]  # a Unicode trait: already a str
         if value not in {m.value for m in GPUMode}:
             raise TraitError(f"default_gpu_mode must be none, exclusive or shared, not {value!r}")
         return value
@@ -305,7 +305,8 @@ class GPUSwarmSpawner(SwarmSpawner):
             load_profiles(proposal["value"])
         except ValueError as exc:
             raise TraitError(str(exc)) from None
-        return proposal["value"]
+        profiles: list[dict[str, Any]] = proposal["value"]  # a List(Dict()) trait
+        return profiles
 
     @validate("wait_s")
     def _check_wait(self, proposal: Any) -> float:
@@ -330,6 +331,15 @@ class GPUSwarmSpawner(SwarmSpawner):
     def _default_apply_user_options(self) -> Callable[[Any, dict[str, Any]], Any]:
         return _apply_gpu_user_options
 
+    # Traits inherited from SwarmSpawner (untyped), as start() reads and swaps them. Bare
+    # annotations: no class attribute is created, the traits stay dockerspawner's.
+    # DockerSpawner also accepts a callable for extra_create_kwargs, but SwarmSpawner passes
+    # it to dict.update(), so only a dict works with a Swarm service.
+    extra_container_spec: dict[str, Any]
+    extra_placement_spec: dict[str, Any]
+    extra_create_kwargs: dict[str, Any]
+    extra_task_spec: dict[str, Any]
+
     # ------------------------------------------------------------------ state
 
     gpu_lease_id = Unicode(None, allow_none=True, help="Lease of the running server (state).")
@@ -352,7 +362,7 @@ class GPUSwarmSpawner(SwarmSpawner):
         self.gpu_request_key = state.get("gpu_request_key") or None
 
     def get_state(self) -> dict[str, Any]:
-        state = super().get_state()
+        state: dict[str, Any] = super().get_state()
         if self.gpu_lease_id:
             state["gpu_lease_id"] = self.gpu_lease_id
         if self.gpu_request_key:
@@ -639,7 +649,7 @@ class GPUSwarmSpawner(SwarmSpawner):
             self._gpu_events_done = True
 
     def get_env(self) -> dict[str, str]:
-        env = super().get_env()
+        env: dict[str, str] = super().get_env()
         env.update(self._gpu_env or {"NVIDIA_VISIBLE_DEVICES": "void"})
         return env
 
