@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -251,9 +252,11 @@ class AllocatorService:
             # One trip to the ledger thread per batch: the commit itself checks that no other
             # allocator wrote since our last look. If one did, we are a standby that has just
             # become active: start from what it left and apply the batch again.
+            def commit(batch_changes: Changes = changes) -> None:
+                self.ledger.commit(batch_changes, expect_version=self._data_version)
+
             try:
-                await self.ledger.run(
-                    lambda c=changes: self.ledger.commit(c, expect_version=self._data_version))
+                await self.ledger.run(commit)
             except LedgerChanged:
                 takeovers += 1
                 if takeovers > 3:
@@ -349,9 +352,9 @@ class AllocatorService:
             if entry.lookup is None:
                 continue
             lease_id, request_key = entry.lookup
-            record = await self.ledger.run(
-                (lambda i=lease_id: self.ledger.find_lease(i)) if lease_id is not None
-                else (lambda k=request_key: self.ledger.latest_lease_for_key(k or "")))
+            fetch = (functools.partial(self.ledger.find_lease, lease_id) if lease_id is not None
+                     else functools.partial(self.ledger.latest_lease_for_key, request_key or ""))
+            record = await self.ledger.run(fetch)
             if record is not None and entry.reply is not None:
                 entry.reply = self.engine.lease_reply(record)
 

@@ -157,6 +157,19 @@ async def test_status_of_unknown_lease_is_not_found(client, mixed):
     assert refused.value.code is ErrorCode.NOT_FOUND
 
 
+async def test_status_of_a_lease_gone_from_memory_comes_from_the_ledger(
+        client, mixed, allocator):
+    lease = await client.allocate(ask(model="3090"))
+    await client.release(lease_id=lease.lease_id)
+    await mixed.beat("gpu-b", containers=[])  # no container: the release completes
+    await wait_until(lambda: _state_is(client, lease.lease_id, LeaseState.RELEASED))
+    allocator.engine.recent.clear()  # as if many leases had finished since
+    by_id = await client.status(lease_id=lease.lease_id)
+    by_key = await client.status(request_key=lease.request_key)
+    assert by_id.lease_id == by_key.lease_id == lease.lease_id
+    assert by_id.state is by_key.state is LeaseState.RELEASED
+
+
 async def _state_is(client: AllocatorClient, lease_id: str, state: LeaseState):
     lease = await client.status(lease_id=lease_id)
     return lease if lease.state is state else None
