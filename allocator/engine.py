@@ -16,6 +16,7 @@ import bisect
 import logging
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,8 +77,11 @@ class Sender:
 class Engine:
     """Nodes, GPUs and leases in memory, and the rules that change them."""
 
-    def __init__(self, settings: AllocatorSettings, started_at: float):
+    def __init__(self, settings: AllocatorSettings, started_at: float, *,
+                 new_lease_id: Callable[[], str] = lambda: uuid.uuid4().hex):
         self.settings = settings
+        self.new_lease_id = new_lease_id
+        """Makes lease ids: random by default; tests pass a counter to replay runs exactly."""
         self.started_at = started_at
         self.cluster = Cluster()
         self.leases: dict[str, LeaseRecord] = {}
@@ -279,7 +283,7 @@ class Engine:
             return self._refuse(demand)
         placement = self._place(demand, now)
         record = LeaseRecord(
-            lease_id=uuid.uuid4().hex, request_key=request.request_key, user=request.user,
+            lease_id=self.new_lease_id(), request_key=request.request_key, user=request.user,
             groups=tuple(request.groups), state=LeaseState.QUEUED, created_at=now,
             request=request.model_dump(mode="json", exclude={"deadline"}),
             priority=request.priority,
