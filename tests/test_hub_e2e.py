@@ -1,9 +1,9 @@
 """End to end: a real JupyterHub with GPUSwarmSpawner, the real allocator, the real Swarm engine.
 
 Users act through the hub's REST API with their own tokens (and, in the browser test, through
-the spawn form in headless Chromium). A small stand-in for the node agent reports the
-simulated GPUs of this machine's Swarm node and the lease-labelled containers that really run
-on the engine, so leases bind and free as they would in production.
+the spawn form in headless Chromium). Real node agents report the simulated GPUs of this
+machine's Swarm node and the lease-labelled containers that really run on the engine, so
+leases bind and free as they do in production.
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ from typing import Any
 import aiodocker
 import pytest
 from hub_harness import Hub
-from support import GTX1070, RTX3090, gpus, heartbeat
+from support import GTX1070, RTX3090, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
-from allocator.protocol import ContainerInfo, ErrorCode, Lease, LeaseState
+from allocator.protocol import ErrorCode, Lease, LeaseState
+from nodeagent.agent import NodeAgent
+from nodeagent.config import AgentSettings
+from nodeagent.simulated import make_gpu, write_inventory
 
 pytestmark = [pytest.mark.hub, pytest.mark.docker, pytest.mark.slow]
 
@@ -51,59 +54,51 @@ async def swarm_host(docker: aiodocker.Docker) -> str:
     return str(node["Description"]["Hostname"])
 
 
-class FakeAgent:
-    """Stands in for the node agent: GPUs of a simulated inventory, containers for real."""
-
-    def __init__(self, nodes: Any, docker: aiodocker.Docker, host: str,
-                 inventory: dict[str, list[Any]]) -> None:
-        self.nodes = nodes
-        self.docker = docker
-        self.host = host
-        self.inventory = inventory
-        self._task: asyncio.Task[None] | None = None
-
-    async def containers(self) -> list[ContainerInfo]:
-        found = await self.docker.containers.list(
-            filters=json.dumps({"label": [LEASE_LABEL], "status": ["running"]}))
-        return [
-            ContainerInfo(container_id=c.id, lease_id=c["Labels"][LEASE_LABEL],
-                          name=(c["Names"] or [""])[0].lstrip("/"))
-            for c in found
-        ]
-
-    async def beat_once(self) -> None:
-        for host, gpu_list in self.inventory.items():
-            containers = await self.containers() if host == self.host else []
-            await self.nodes.publish(heartbeat(host, gpu_list, containers,
-                                               agent_id=f"fake-{host}"))
-
-    async def _run(self) -> None:
-        while True:
-            with contextlib.suppress(Exception):
-                await self.beat_once()
-            await asyncio.sleep(0.5)
-
-    async def __aenter__(self) -> FakeAgent:
-        await self.beat_once()
-        self._task = asyncio.create_task(self._run())
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+@contextlib.asynccontextmanager
+async def node_agent(host: str, amqp_url: str, inventory: Path, *, docker: bool
+                     ) -> AsyncIterator[NodeAgent]:
+    """A real node agent reading a simulated inventory (this machine has no GPU)."""
+    agent = NodeAgent(AgentSettings(
+        host=host, amqp_url=amqp_url, inventory="simulated", simulated_file=inventory,
+        interval_s=0.5, publish_timeout_s=2.0, docker=docker))
+    await agent.start()
+    try:
+        yield agent
+    finally:
+        await agent.stop()
 
 
 @pytest.fixture
-async def agent(nodes: Any, docker: aiodocker.Docker, swarm_host: str,
-                allocator: Any) -> AsyncIterator[FakeAgent]:
-    inventory = {
-        swarm_host: gpus(swarm_host, GTX1070, 2),
-        "gpu-remote": gpus("gpu-remote", RTX3090, 4),
-    }
-    async with FakeAgent(nodes, docker, swarm_host, inventory) as fake:
-        yield fake
+async def agent(amqp_vhost: Any, swarm_host: str, tmp_path: Path, docker_engine: str,
+                allocator: Any) -> AsyncIterator[NodeAgent]:
+    """Real node agents: this engine's Swarm node (two GTX 1070, containers watched for real)
+    and a remote host with four RTX 3090 whose engine is elsewhere (no container watching)."""
+    inventory = tmp_path / "inventory.json"
+    write_inventory(inventory, {
+        swarm_host: [make_gpu(swarm_host, i, GTX1070) for i in range(2)],
+        "gpu-remote": [make_gpu("gpu-remote", i, RTX3090) for i in range(4)],
+    })
+    async with node_agent(swarm_host, amqp_vhost.url, inventory, docker=True) as local, \
+            node_agent("gpu-remote", amqp_vhost.url, inventory, docker=False):
+        async with AllocatorClient(amqp_vhost.url) as rpc:
+            async def both_up() -> bool:
+                return sum(n.up for n in (await rpc.inventory()).nodes) == 2
+            await wait_until(both_up, within=20)
+        yield local
+
+
+@pytest.fixture
+async def single_gpu_agent(amqp_vhost: Any, swarm_host: str, tmp_path: Path,
+                           docker_engine: str, allocator: Any) -> AsyncIterator[NodeAgent]:
+    """A real node agent for this engine's Swarm node with a single GTX 1070 (for queueing)."""
+    inventory = tmp_path / "one-gpu.json"
+    write_inventory(inventory, {swarm_host: [make_gpu(swarm_host, 0, GTX1070)]})
+    async with node_agent(swarm_host, amqp_vhost.url, inventory, docker=True) as local:
+        async with AllocatorClient(amqp_vhost.url) as rpc:
+            async def up() -> bool:
+                return any(n.up for n in (await rpc.inventory()).nodes)
+            await wait_until(up, within=20)
+        yield local
 
 
 HubFactory = Callable[..., Awaitable[Hub]]
@@ -181,7 +176,7 @@ def spawner_state(hub: Hub, user: str) -> dict[str, Any]:
 
 
 async def test_gpu_server_through_rest(
-    agent: FakeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
     docker: aiodocker.Docker, swarm_host: str,
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
@@ -270,7 +265,7 @@ FORGED = [
 
 
 async def test_forged_options_are_refused_without_a_lease(
-    agent: FakeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
     docker: aiodocker.Docker,
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
@@ -347,11 +342,10 @@ async def test_silent_allocator_times_out_with_a_clear_message(
 
 
 async def test_queued_request_reports_its_position_and_gets_the_freed_gpu(
-    nodes: Any, client: AllocatorClient, hub_factory: HubFactory, docker: aiodocker.Docker,
-    swarm_host: str,
+    single_gpu_agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    docker: aiodocker.Docker, swarm_host: str,
 ) -> None:
-    inventory = {swarm_host: gpus(swarm_host, GTX1070, 1)}
-    async with asyncio.timeout(TEST_BUDGET_S), FakeAgent(nodes, docker, swarm_host, inventory):
+    async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory(wait_s=60.0)
         status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
         assert status in (201, 202), body
@@ -379,11 +373,10 @@ async def test_queued_request_reports_its_position_and_gets_the_freed_gpu(
 
 
 async def test_cancelling_a_queued_spawn_withdraws_the_request(
-    nodes: Any, client: AllocatorClient, hub_factory: HubFactory, docker: aiodocker.Docker,
-    swarm_host: str,
+    single_gpu_agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    docker: aiodocker.Docker, swarm_host: str,
 ) -> None:
-    inventory = {swarm_host: gpus(swarm_host, GTX1070, 1)}
-    async with asyncio.timeout(TEST_BUDGET_S), FakeAgent(nodes, docker, swarm_host, inventory):
+    async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory(wait_s=60.0)
         status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
         assert status in (201, 202), body
@@ -417,11 +410,10 @@ async def _final(client: AllocatorClient, lease_id: str) -> Lease | None:
 
 
 async def test_queue_wait_runs_out_with_a_clear_message(
-    nodes: Any, client: AllocatorClient, hub_factory: HubFactory, docker: aiodocker.Docker,
-    swarm_host: str,
+    single_gpu_agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    docker: aiodocker.Docker, swarm_host: str,
 ) -> None:
-    inventory = {swarm_host: gpus(swarm_host, GTX1070, 1)}
-    async with asyncio.timeout(TEST_BUDGET_S), FakeAgent(nodes, docker, swarm_host, inventory):
+    async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory(wait_s=2.0)
         status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
         assert status in (201, 202), body
@@ -435,7 +427,7 @@ async def test_queue_wait_runs_out_with_a_clear_message(
 
 
 async def test_hub_restart_keeps_the_lease_and_releases_it_later(
-    agent: FakeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
     docker: aiodocker.Docker,
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
@@ -462,7 +454,7 @@ async def test_hub_restart_keeps_the_lease_and_releases_it_later(
 
 
 async def test_spawn_form_in_chromium(
-    agent: FakeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
     docker: aiodocker.Docker, swarm_host: str, chromium_path: Path, tmp_path: Path,
 ) -> None:
     from hub_browser import Browser
