@@ -524,3 +524,35 @@ async def test_spawn_form_in_chromium(
         spec = await service_spec(docker, hub.service_name("carol"))
         assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == lease.gpu_uuids[0]
         await hub.stop_server("carol")
+
+
+async def test_killed_notebook_frees_its_gpu_and_is_not_restarted(
+    agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
+    docker: aiodocker.Docker,
+) -> None:
+    async with asyncio.timeout(TEST_BUDGET_S):
+        hub = await hub_factory()
+        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
+        assert status in (201, 202), (body, hub.log_tail())
+        await hub.wait_ready("alice")
+        lease = await lease_of(client, hub.request_key("alice"))
+        assert lease is not None
+        bound = await eventually(
+            lambda: _in_state(client, lease.lease_id, LeaseState.BOUND), what="bound lease")
+        assert bound.container_id is not None
+
+        await docker.containers.container(bound.container_id).kill()
+        released = await eventually(
+            lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED), what="released")
+        assert released.release_reason is not None
+        assert released.release_reason.value == "container_exited"
+        one070 = next(m for m in (await client.inventory()).models if m.model == GTX1070)
+        assert one070.free == 2, "the GPU is free again"
+
+        # Swarm must not start a new task with the released GPUs (restart policy none).
+        await asyncio.sleep(3)
+        running = await docker.containers.list(
+            filters=json.dumps({"label": [f"{LEASE_LABEL}={lease.lease_id}"],
+                                "status": ["running"]}))
+        assert running == []
+        assert hub.alive()
