@@ -67,6 +67,23 @@ class AllocatorSettings(PolicySettings):
         description="A bound lease whose container a heartbeat no longer lists is released once "
         "the heartbeat is this much newer than the bind.",
     )
+    stop_containers: bool = Field(
+        default=True,
+        description="Ask the node agent to stop a lease's container when the hub releases the "
+        "bound lease, when an admin force-releases it, and when a container runs for a lease "
+        "that is already finished. Off: the GPU comes free only when Swarm stops the task "
+        "(about 3 s after the service is removed).",
+    )
+    container_stop_grace_s: float = Field(
+        default=10.0, ge=0, le=3600,
+        description="Grace a stopped container gets between SIGTERM and SIGKILL (not to be "
+        "confused with stop_grace_s, the node silence).",
+    )
+    container_stop_retry_s: float = Field(
+        default=30.0, gt=0,
+        description="A container that heartbeats still list this long after its stop grace "
+        "ran out is asked to stop again (the first command may have been lost).",
+    )
     tick_s: float = Field(default=0.5, gt=0, description="How often timers are checked.")
     standby_after_s: float = Field(
         default=30.0, gt=0,

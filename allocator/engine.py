@@ -8,6 +8,10 @@ engine away and rebuilds it from the ledger, so memory never runs ahead of the d
 Lease life (DESIGN.md, flows): ``queued`` → ``granted`` (GPUs claimed) → ``bound`` (the node
 saw the container start) → ``releasing`` (the hub stopped it) → ``released`` (the container
 is gone). Every release records its reason.
+
+The engine decides, the service acts: commands to node agents (stop a lease's container) go
+into the outbox :attr:`Engine.commands`, which the service sends once the batch that decided
+them is committed, and forgets when the commit fails.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from allocator.protocol import (
     ReleaseReason,
     ReleaseRequest,
     StatusRequest,
+    StopContainer,
+    StopReason,
     error_reply,
 )
 
@@ -104,6 +110,12 @@ class Engine:
         self._skewed: set[str] = set()
         self.index = PlacementIndex()
         self._catalog: Cluster | None = None
+        self.commands: list[StopContainer] = []
+        """Outbox: commands to node agents decided since the last :meth:`take_commands`. The
+        service sends them after the batch is committed; a reload empties it."""
+        self._stops_asked: OrderedDict[str, float] = OrderedDict()
+        """container id -> when its stop was last asked, so that a container that heartbeats
+        keep listing is not asked again every heartbeat (see :meth:`_ask_stop`)."""
 
     # ------------------------------------------------------------------ loading
 
@@ -136,6 +148,10 @@ class Engine:
         self._last_seq.clear()
         self.index.rebuild(self.cluster)
         self._catalog = None
+        # Commands of a batch that was not committed must not go out; containers still
+        # running are asked again when the next heartbeat lists them.
+        self.commands = []
+        self._stops_asked.clear()
 
     def _track(self, record: LeaseRecord) -> None:
         self.leases[record.lease_id] = record
@@ -423,6 +439,9 @@ class Engine:
                          by=by, note=note)
             changes.event(now, "force_release", lease_id=record.lease_id, user=record.user,
                           by=by, reason=request.reason)
+            # The GPUs go to someone else now: the old container must not keep using them.
+            self._ask_stop(record.host, record.lease_id, record.container_id,
+                           StopReason.FORCE_RELEASED, now, changes)
             self._serve_queue(now, changes)
         elif record.state in (LeaseState.GRANTED, LeaseState.BOUND):
             # The GPU is free when the container is gone, not when someone asks (DESIGN flow 3):
@@ -434,6 +453,12 @@ class Engine:
             record.release_note = note
             self.by_key.pop(record.request_key, None)
             changes.transition(record, old, now, "stop requested", by=by)
+            # Swarm stops a removed service's task only seconds later (a 2 s gossip delay
+            # comes first); the node agent stops it at once, so the GPU is free in
+            # milliseconds. A lease never bound has no container to stop yet: if one starts,
+            # its start is answered with a stop (_container_event).
+            self._ask_stop(record.host, record.lease_id, record.container_id,
+                           StopReason.RELEASED, now, changes)
         return self.lease_reply(record)
 
     def _finish(self, record: LeaseRecord, state: LeaseState, reason: ReleaseReason, now: float,
@@ -653,6 +678,9 @@ class Engine:
             elif record.container_id is None:
                 record.container_id = info.container_id
                 changes.lease(record)
+            if record.state is LeaseState.RELEASING:
+                self._ask_stop(record.host, record.lease_id, info.container_id,
+                               StopReason.RELEASED, now, changes, observed=True)
             self._node_clock_bound.setdefault(record.lease_id, beat.sent_at)
             self._check_budget(record, info, now, changes)
         if not beat.containers_complete:
@@ -685,6 +713,12 @@ class Engine:
         kind = "zombie_container" if finished is not None else "unknown_lease_container"
         self.counters[kind] += 1
         changes.event(now, kind, host=host, lease_id=lease_id, container_id=container_id)
+        if finished is not None and finished.host in (None, host):
+            # A container of a lease this allocator finished (e.g. a start after the bind
+            # deadline reclaimed it): it would use GPUs the ledger gave away. A lease the
+            # allocator does not know is left alone: it may be another cluster's.
+            self._ask_stop(host, lease_id, container_id, StopReason.LEASE_FINISHED, now,
+                           changes, observed=True)
 
     def _check_budget(self, record: LeaseRecord, info: Any, now: float, changes: Changes) -> None:
         if not record.shared or record.memory_mib is None:
@@ -724,6 +758,11 @@ class Engine:
                 record.container_id = event.container_id
                 self._node_clock_bound[record.lease_id] = event.at
                 changes.lease(record)
+            if record.state is LeaseState.RELEASING:
+                # The hub stopped the server before its container started (or a replaced
+                # task started): stop it too.
+                self._ask_stop(record.host, record.lease_id, event.container_id,
+                               StopReason.RELEASED, now, changes, observed=True)
             return
         if record.container_id not in (None, event.container_id):
             return  # an older container of the same lease (a replaced task); not the holder
@@ -732,6 +771,41 @@ class Engine:
         self._finish(record, LeaseState.RELEASED, ReleaseReason.CONTAINER_EXITED, now, changes,
                      by=f"node {event.host}", note=exit_note)
         self._serve_queue(now, changes)
+
+    # ------------------------------------------------------------------ agent commands
+
+    def take_commands(self) -> list[StopContainer]:
+        """Empty the outbox and return what was in it (the service, after a commit)."""
+        commands, self.commands = self.commands, []
+        return commands
+
+    def _ask_stop(self, host: str | None, lease_id: str, container_id: str | None,
+                  reason: StopReason, now: float, changes: Changes, *,
+                  observed: bool = False) -> None:
+        """Put a :class:`StopContainer` for the node agent of ``host`` into the outbox.
+
+        ``observed``: asked because a listing or a start event showed the container running,
+        not because of a decision just taken. Those come with every heartbeat, so the stop
+        is asked again only once ``container_stop_grace_s + container_stop_retry_s`` passed
+        since the last ask (the first command may have been lost; stopping is idempotent).
+        """
+        if not self.settings.stop_containers or host is None or container_id is None:
+            return
+        last = self._stops_asked.get(container_id)
+        if observed and last is not None and now - last < (
+                self.settings.container_stop_grace_s + self.settings.container_stop_retry_s):
+            return
+        self._stops_asked[container_id] = now
+        self._stops_asked.move_to_end(container_id)
+        while len(self._stops_asked) > RECENT_FINAL_LEASES:
+            self._stops_asked.popitem(last=False)
+        self.commands.append(StopContainer(
+            host=host, lease_id=lease_id, container_id=container_id,
+            grace_s=self.settings.container_stop_grace_s, reason=reason))
+        self.counters[f"stop_asked_{reason.value}"] += 1
+        changes.event(now, "stop_container", host=host, lease_id=lease_id,
+                      container_id=container_id, reason=reason.value,
+                      repeat=last is not None)
 
     # ------------------------------------------------------------------ timers
 

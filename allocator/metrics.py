@@ -196,6 +196,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                             engine, "", "_rejected")
     yield _labelled_counter("swarm_gpu_invalid_messages", "Messages that did not decode, by "
                             "error code", "code", service, "invalid_")
+    yield _labelled_counter("swarm_gpu_container_stops_asked", "Stop commands to node agents "
+                            "decided, by reason", "reason", engine, "stop_asked_")
     anomalies = CounterMetricFamily("swarm_gpu_anomalies", "Things a node or client did that "
                                     "should not happen", labels=["kind"])
     for kind in ("zombie_container", "unknown_lease_container", "over_budget", "duplicate_gpu",
@@ -215,6 +217,10 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         ("swarm_gpu_messages_received", "Messages taken off the inbound queue",
          service["received"]),
         ("swarm_gpu_replies", "Replies sent", service["replies"]),
+        ("swarm_gpu_commands_sent", "Commands published to node agents",
+         service["commands_sent"]),
+        ("swarm_gpu_command_failures", "Commands to node agents that could not be published",
+         service["command_failures"]),
         ("swarm_gpu_reply_failures", "Replies that could not be sent", service["reply_failures"]),
         ("swarm_gpu_dead_lettered", "Messages sent to the dead-letter queue",
          service["dead_lettered"]),

@@ -448,6 +448,67 @@ AnyInbound = Annotated[
 INBOUND_ADAPTER: TypeAdapter[AnyInbound] = TypeAdapter(AnyInbound)
 
 
+# --------------------------------------------------------------------------- agent commands
+
+
+MAX_STOP_GRACE_S = 3600.0
+"""The longest grace a stop command may give a container before SIGKILL."""
+
+
+class StopReason(StrEnum):
+    """Why the allocator asks a node agent to stop a lease container."""
+
+    RELEASED = "released"
+    """The hub stopped the server (released the bound lease): the GPU comes free the moment
+    the container is gone, instead of when Swarm gets round to stopping the task."""
+    FORCE_RELEASED = "force_released"
+    """An admin force-released the lease: its GPUs already went to someone else."""
+    LEASE_FINISHED = "lease_finished"
+    """The container runs for a lease that is already released or expired (a zombie, e.g. a
+    late start after a bind timeout): it would use GPUs the ledger gave away."""
+
+
+class StopContainer(_Message):
+    """Sent by the allocator to one node agent: stop this lease container.
+
+    The agent stops the container only if it runs on its host and carries the label
+    ``swarm-gpu.lease=<lease_id>``; SIGTERM, then SIGKILL after ``grace_s``. The container's
+    ``die`` event then releases the lease as usual. Stopping a container that is gone is fine.
+    Not a message to the allocator: it goes out through the agents exchange.
+    """
+
+    kind: Literal["stop_container"] = "stop_container"
+    host: Name = Field(description="The node that runs the container.", examples=["gpu-a"])
+    lease_id: Name
+    container_id: Name
+    grace_s: float = Field(
+        default=10.0, ge=0.0, le=MAX_STOP_GRACE_S, allow_inf_nan=False,
+        description="Seconds between SIGTERM and SIGKILL.")
+    reason: StopReason
+
+
+AgentCommand = StopContainer
+"""Any command to a node agent (one kind so far; a union with a ``kind`` discriminator once
+there are more)."""
+
+AGENT_COMMAND_ADAPTER: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
+
+
+def decode_agent_command(body: bytes) -> AgentCommand | str:
+    """Parse a body from an agent's command queue, or say in one sentence why not.
+
+    Never raises on input, like :func:`decode_inbound`.
+    """
+    if len(body) > MAX_BODY_BYTES:
+        return f"the message is {len(body)} bytes; the limit is {MAX_BODY_BYTES}"
+    try:
+        return AGENT_COMMAND_ADAPTER.validate_json(body)
+    except ValidationError as exc:
+        return describe_validation_error(exc)
+    except RecursionError:  # pydantic's JSON parser limits nesting; belt and braces
+        return "the body is nested too deeply"
+
+
 # --------------------------------------------------------------------------- replies
 
 

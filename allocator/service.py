@@ -7,6 +7,11 @@ A crash before the commit loses nothing (the broker redelivers, requests are ide
 by ``request_key``); a failed commit grants nothing (memory is rebuilt from the ledger and
 every request in the batch is answered ``storage_error``).
 
+Commands the batch decided for node agents (stop a lease's container) are published to the
+agents exchange after the commit, before the replies: fire-and-forget, each bounded in time;
+a command that cannot be published is logged and counted and never fails the batch (Swarm
+still stops the task, later, and a container that heartbeats keep listing is asked again).
+
 Timers (queue waits, bind deadlines, node silence) are ticks put into the same inbox, so
 they are serialized with messages and need no locks.
 """
@@ -28,6 +33,7 @@ from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 from pydantic import BaseModel
 
 from allocator import metrics
+from allocator.client import broker_user
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
 from allocator.ledger import Changes, Ledger, LedgerChanged, LedgerError
@@ -36,16 +42,19 @@ from allocator.protocol import (
     ErrorReply,
     ReleaseRequest,
     StatusRequest,
+    StopContainer,
     decode_inbound,
     encode,
     error_reply,
 )
 from allocator.topology import (
+    AGENTS_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
     NODES_EXCHANGE,
     RPC_EXCHANGE,
     RPC_ROUTING_KEY,
     allocator_queue_spec,
+    command_routing_key,
     dead_letter_queue_spec,
 )
 
@@ -87,10 +96,15 @@ class _Poisoned(Exception):
 async def declare_topology(
     channel: aio_pika.abc.AbstractChannel, queue_name: str
 ) -> aio_pika.abc.AbstractQueue:
-    """Declare exchanges, the inbound queue, the dead-letter queue and their bindings."""
+    """Declare exchanges, the inbound queue, the dead-letter queue and their bindings.
+
+    The agents exchange is declared too (the allocator publishes commands to it); the agents'
+    own queues are declared by the agents.
+    """
     rpc = await channel.declare_exchange(RPC_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True)
     nodes = await channel.declare_exchange(NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC,
                                            durable=True)
+    await channel.declare_exchange(AGENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
     dead = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT,
                                           durable=True)
     dead_spec = dead_letter_queue_spec()
@@ -116,6 +130,9 @@ class AllocatorService:
         self._inbox: asyncio.Queue[object] = asyncio.Queue()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None
+        self.user_id = broker_user(settings.amqp_url)
+        """The broker user of the connection: the AMQP user_id of every command, which the
+        broker verifies and the agents check."""
         self._tasks: list[asyncio.Task[None]] = []
         self._consumer_tag: str | None = None
         self._queue: aio_pika.abc.AbstractQueue | None = None
@@ -269,6 +286,7 @@ class AllocatorService:
                 await self._commit_failed(exc, pending)
                 return
             break
+        await self._send_commands(self.engine.take_commands())
         await self._resolve_lookups(pending)
         await self._finish(pending)
         elapsed = time.monotonic() - began
@@ -278,6 +296,7 @@ class AllocatorService:
     def _apply_in_memory(self, batch: list[object], poisoned: dict[int, _Pending | None]
                          ) -> tuple[Changes, list[_Pending]]:
         changes = Changes()
+        self.engine.commands.clear()  # only this batch's own decisions go out after its commit
         pending: list[_Pending] = []
         for index, item in enumerate(batch):
             if index in poisoned:
@@ -345,6 +364,46 @@ class AllocatorService:
                 and reply.error.code is ErrorCode.NOT_FOUND):
             entry.lookup = (decoded.lease_id, decoded.request_key)
         return entry
+
+    async def _send_commands(self, commands: list[StopContainer]) -> None:
+        """Publish the batch's commands to the agents (after the commit, never before).
+
+        Not mandatory and not persistent: an agent whose queue does not exist (agent down) is
+        simply not stopping anything, and Swarm stops the task as before.
+        """
+        channel = self._channel
+        if not commands:
+            return
+        if channel is None:
+            self.stats.counters["command_failures"] += len(commands)
+            return
+        exchange = await channel.get_exchange(AGENTS_EXCHANGE, ensure=False)  # no I/O
+        for command in commands:
+            try:
+                await exchange.publish(
+                    aio_pika.Message(
+                        body=encode(command),
+                        content_type="application/json",
+                        type=command.kind,
+                        user_id=self.user_id,
+                        delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+                    ),
+                    routing_key=command_routing_key(command.host),
+                    mandatory=False,
+                    timeout=self.settings.request_timeout_s,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never fail the batch: the decision is committed
+                self.stats.counters["command_failures"] += 1
+                log.warning("could not ask %s to stop container %s (lease %s): %s",
+                            command.host, command.container_id[:12], command.lease_id,
+                            exc or type(exc).__name__)
+                continue
+            self.stats.counters["commands_sent"] += 1
+            log.info("asked %s to stop container %s of lease %s (%s, grace %g s)",
+                     command.host, command.container_id[:12], command.lease_id,
+                     command.reason.value, command.grace_s)
 
     async def _resolve_lookups(self, pending: list[_Pending]) -> None:
         """Answer status/release of leases that left memory long ago from the ledger."""

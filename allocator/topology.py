@@ -6,6 +6,10 @@ requests from hubs (through :data:`RPC_EXCHANGE`) and node messages from agents 
 consumer per queue: with two queues a standby could become active on one and not the other,
 and two allocators would then both write. Separate exchanges keep the broker permissions
 narrow: a hub may write only to the RPC exchange, an agent only to the nodes exchange.
+
+The other way, the allocator sends commands to node agents (stop a lease container) through
+:data:`AGENTS_EXCHANGE`, routing key ``stop.<host>``; each agent consumes a queue of its own,
+:func:`agent_queue_spec`, bound with its own host's key only.
 """
 
 from __future__ import annotations
@@ -27,6 +31,20 @@ DEAD_LETTER_EXCHANGE = "swarm-gpu.dead"
 """Fanout exchange that receives messages the allocator could not decode."""
 DEAD_LETTER_QUEUE = "swarm-gpu.dead-letters"
 
+AGENTS_EXCHANGE = "swarm-gpu.agents"
+"""Topic exchange for commands from the allocator to node agents: ``stop.<host>``."""
+
+AGENT_QUEUE_PREFIX = "swarm-gpu.agent."
+"""An agent's command queue is this followed by its host name."""
+
+AGENT_QUEUE_EXPIRES_MS = 300_000
+"""An agent's command queue is deleted by the broker after this long without a consumer (a
+dead or renamed agent leaves nothing behind); an agent that reconnects within it finds the
+commands sent meanwhile."""
+
+AGENT_QUEUE_MAX_LENGTH = 10_000
+"""Commands kept for an agent that does not consume; beyond this the oldest are dropped."""
+
 DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
 """RabbitMQ's pseudo-queue for replies without a reply queue per client."""
 
@@ -42,6 +60,16 @@ def heartbeat_routing_key(host: str) -> str:
 def event_routing_key(host: str) -> str:
     """Routing key of a node's container events."""
     return f"event.{host}"
+
+
+def command_routing_key(host: str) -> str:
+    """Routing key of the commands for one node's agent."""
+    return f"stop.{host}"
+
+
+def agent_queue_name(host: str) -> str:
+    """The command queue of one node's agent."""
+    return f"{AGENT_QUEUE_PREFIX}{host}"
 
 
 @dataclass(frozen=True)
@@ -73,3 +101,21 @@ def allocator_queue_spec(name: str = ALLOCATOR_QUEUE) -> QueueSpec:
 def dead_letter_queue_spec() -> QueueSpec:
     """Where undecodable messages wait for a person to look at them."""
     return QueueSpec(name=DEAD_LETTER_QUEUE, arguments={"x-queue-type": "quorum"})
+
+
+def agent_queue_spec(host: str) -> QueueSpec:
+    """An agent's command queue: classic, not durable, expiring when its agent is gone.
+
+    Not durable because a command is only worth anything while its container runs, and a
+    broker restart ends every connection anyway (the agent declares the queue again). Not
+    ``auto_delete`` or exclusive, so that commands sent while the agent reconnects wait for it.
+    """
+    return QueueSpec(
+        name=agent_queue_name(host),
+        arguments={
+            "x-queue-type": "classic",
+            "x-expires": AGENT_QUEUE_EXPIRES_MS,
+            "x-max-length": AGENT_QUEUE_MAX_LENGTH,
+        },
+        durable=False,
+    )
