@@ -9,7 +9,9 @@ One :class:`NodeAgent` runs per GPU host. Its parts run side by side:
   container becomes a :class:`~allocator.protocol.ContainerEvent` at once;
 - the **XID thread**: blocks in the inventory source's ``wait_xids`` (NVML's event wait is a
   blocking C call) and hands XIDs to the loop;
-- the **publisher** (:mod:`nodeagent.publisher`): bounded publishes, buffered events.
+- the **publisher** (:mod:`nodeagent.publisher`): bounded publishes, buffered events;
+- the **command consumer** (:mod:`nodeagent.commands`): stops a lease container at once when
+  the allocator asks (the hub released its lease), through the Docker watcher's client.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -34,6 +37,7 @@ from allocator.protocol import (
     ProcessUse,
 )
 from nodeagent.cgroups import CgroupReader
+from nodeagent.commands import CommandConsumer
 from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
 from nodeagent.health import HealthPolicy, HealthTracker, Verdict
@@ -142,6 +146,7 @@ class NodeAgent:
         self.source: InventorySource | None = source
         self.publisher: Publisher | None = None
         self.watcher: ContainerWatcher | None = None
+        self.commands: CommandConsumer | None = None
         self.last_heartbeat: Heartbeat | None = None
         self.xids_received = 0
         self.inventory_failures = 0
@@ -178,6 +183,11 @@ class NodeAgent:
     def events_dropped(self) -> int:
         """Container events lost to a full buffer."""
         return self.publisher.events_dropped if self.publisher else 0
+
+    @property
+    def command_counters(self) -> Counter[str]:
+        """The command consumer's counters (see :class:`~nodeagent.commands.CommandConsumer`)."""
+        return self.commands.counters if self.commands else Counter()
 
     @property
     def docker_reconnects(self) -> int:
@@ -227,6 +237,7 @@ class NodeAgent:
         if self.watcher is not None:
             await self.watcher.start()
             await self.watcher.wait_first_listing(settings.docker_timeout_s)
+        await self._start_commands()
         self._xid_stop.clear()
         self._xid_thread = threading.Thread(
             target=self._xid_worker, name="nodeagent-xid", daemon=True
@@ -235,8 +246,28 @@ class NodeAgent:
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")
         self._started = True
 
+    async def _start_commands(self) -> None:
+        settings = self.settings
+        if not settings.stop_commands:
+            return
+        if self.watcher is None:
+            log.warning("stop commands are on but docker is off: the allocator's stop "
+                        "commands are not consumed")
+            return
+        try:
+            self.commands = CommandConsumer(
+                settings.amqp_url, self.host, self.watcher.stop_lease_container,
+                command_users=settings.command_users, timeout_s=settings.publish_timeout_s,
+                reconnect_s=settings.amqp_reconnect_s, check_s=settings.command_check_s)
+        except ValueError as exc:
+            log.error("stop commands off: %s", exc)
+            return
+        await self.commands.start()
+
     async def stop(self) -> None:
         """Stop every loop, send what is buffered (bounded), and close everything."""
+        if self.commands is not None:
+            await self.commands.stop()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -265,8 +296,9 @@ class NodeAgent:
             await self.publisher.stop()
         if self._started:
             log.info("agent stopped: %d heartbeats, %d events forwarded, %d publish failures, "
-                     "%d docker reconnects", self.heartbeats_sent, self.events_forwarded,
-                     self.publish_failures, self.docker_reconnects)
+                     "%d docker reconnects, %d containers stopped on command",
+                     self.heartbeats_sent, self.events_forwarded, self.publish_failures,
+                     self.docker_reconnects, self.command_counters["outcome_stopped"])
         self._started = False
 
     def wake(self) -> None:

@@ -16,6 +16,7 @@ List settings may also be given in the environment as JSON or comma separated:
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tomllib
@@ -63,6 +64,16 @@ def _int_list(value: Any) -> Any:
     return value
 
 
+def _str_list(value: Any) -> Any:
+    """Accept ``"allocator,admin"`` as well as ``'["allocator"]'`` from the environment."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
 class AgentSettings(BaseSettings):
     """Everything the node agent reads at start."""
 
@@ -102,6 +113,24 @@ class AgentSettings(BaseSettings):
         "container that died comes back through heartbeat reconciliation only, about one "
         "interval later. For engines whose event stream cannot be used, and to measure that "
         "path (bench/release.py).",
+    )
+    stop_commands: bool = Field(
+        default=True,
+        description="Carry out the allocator's stop commands: stop a lease container at once "
+        "when the hub released its lease (the GPU is free in milliseconds, not when Swarm "
+        "stops the task seconds later), when an admin force-released it, or when it runs for "
+        "a lease that already ended. Only containers labelled with that lease are touched. "
+        "Needs docker.",
+    )
+    command_users: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["allocator"],
+        description="Broker users (the AMQP user_id the broker verifies) whose commands are "
+        "carried out: the allocator's user. Commands from anyone else are logged and ignored.",
+    )
+    command_check_s: float = Field(
+        default=5.0, gt=0, le=300,
+        description="How often the command consumer checks that its connection, channel and "
+        "consumer are still there (it also notices at once when the broker says so).",
     )
     proc_root: Path = Field(
         default=Path("/proc"),
@@ -187,6 +216,11 @@ class AgentSettings(BaseSettings):
     @classmethod
     def _parse_xids(cls, value: Any) -> Any:
         return _int_list(value)
+
+    @field_validator("command_users", mode="before")
+    @classmethod
+    def _parse_users(cls, value: Any) -> Any:
+        return _str_list(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> AgentSettings:

@@ -20,6 +20,10 @@ a broken stream, and then:
    running before the gap, is no longer running, and whose end no event reported (Docker keeps
    only a bounded number of past events), so no death is missed silently.
 
+:meth:`ContainerWatcher.stop_lease_container` stops a lease container when the allocator asks
+(see :mod:`nodeagent.commands`): only a container that carries the lease label with the very
+lease id named, never anything else on the host.
+
 With ``events=False`` (the agent's ``docker_events`` setting) the watcher follows no event
 stream at all: :meth:`ContainerWatcher.refresh` re-lists the running lease containers, which
 the agent does before every heartbeat, and nothing is reported between heartbeats. A death is
@@ -33,10 +37,12 @@ import contextlib
 import inspect
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import aiodocker
@@ -78,6 +84,19 @@ class ContainerChange:
     name: str = ""
     synthesized: bool = False
     """True for a death the watcher inferred after a gap in the event stream."""
+
+
+class StopOutcome(StrEnum):
+    """What :meth:`ContainerWatcher.stop_lease_container` did."""
+
+    STOPPED = "stopped"
+    """It ran and has stopped now (SIGTERM, and SIGKILL if the grace ran out)."""
+    NOT_RUNNING = "not_running"
+    """It exists but had ended already."""
+    GONE = "gone"
+    """No such container (removed already): nothing to do."""
+    WRONG_LEASE = "wrong_lease"
+    """It does not carry the lease label with that lease id: left alone."""
 
 
 ChangeCallback = Callable[[ContainerChange], Awaitable[None] | None]
@@ -278,6 +297,39 @@ class ContainerWatcher:
         finally:
             if docker is not self._docker:
                 await docker.close()
+
+    async def stop_lease_container(self, container_id: str, lease_id: str,
+                                   grace_s: float) -> StopOutcome:
+        """Stop a container of this engine if it carries ``swarm-gpu.lease=<lease_id>``.
+
+        ``docker stop -t grace_s``: SIGTERM, then SIGKILL once the grace ran out; returns when
+        the container has ended. The container id must be the full id or a prefix of it
+        (never a name), and its label must name exactly this lease, so nothing else on the
+        host is ever touched. Raises on Docker errors other than "no such container" and
+        when the engine does not answer within ``timeout_s`` (plus the grace for the stop).
+        """
+        assert self._docker is not None, "start() first"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                container = await self._docker.containers.get(container_id)
+        except aiodocker.DockerError as exc:
+            if exc.status == 404:
+                return StopOutcome.GONE
+            raise
+        full_id = str(container["Id"])
+        labels = (container["Config"] or {}).get("Labels") or {}
+        if not full_id.startswith(container_id) or labels.get(LEASE_LABEL) != lease_id:
+            return StopOutcome.WRONG_LEASE
+        if not (container["State"] or {}).get("Running"):
+            return StopOutcome.NOT_RUNNING
+        try:
+            async with asyncio.timeout(grace_s + self.timeout_s):
+                await container.stop(t=math.ceil(grace_s))
+        except aiodocker.DockerError as exc:
+            if exc.status == 404:  # removed while we looked: as good as stopped
+                return StopOutcome.GONE
+            raise
+        return StopOutcome.STOPPED
 
     async def list_lease_containers(self) -> list[LeaseContainer]:
         """Ask the engine for the running lease containers (bounded by the timeout)."""

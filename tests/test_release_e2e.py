@@ -107,7 +107,10 @@ async def test_killed_container_frees_its_gpu_at_once(allocator, client, amqp_vh
 
 async def test_hub_stop_releases_when_the_service_is_gone(allocator, client, amqp_vhost,
                                                           tmp_path, busybox_image):
-    async with node_agent(amqp_vhost.url, tmp_path) as host:
+    """Without stop commands (the agent's stop_commands off), the GPU waits for Swarm: the
+    lease stays releasing while the container runs. tests/test_stop_on_release.py has the
+    agent stop it at once."""
+    async with node_agent(amqp_vhost.url, tmp_path, stop_commands=False) as host:
         lease = await granted_on(client, host, "carol")
         async with lease_service(lease, busybox_image) as service:
             await wait_until(lambda: state_of(client, lease.lease_id, LeaseState.BOUND),

@@ -1,0 +1,285 @@
+"""Commands from the allocator: stop a lease container on this host, at once.
+
+When the hub stops a notebook, Swarm sends the container SIGTERM only seconds after the
+service is removed (Docker 20.10 first waits 2 s for gossip to converge); the allocator knows
+of the stop at once (the hub's release) and asks this host's agent to stop the container, so
+the GPU is free in milliseconds. The allocator also asks when an admin force-released a lease
+and when a container runs for a lease that is already finished.
+
+The agent consumes a queue of its own, ``swarm-gpu.agent.<host>`` (classic, not durable, gone
+a while after its agent: :func:`allocator.topology.agent_queue_spec`), bound to the agents
+exchange with ``stop.<host>`` only. A command is carried out only if
+
+1. its AMQP ``user_id`` (which the broker verifies) is one of ``command_users``: defense in
+   depth on top of the broker's permissions, which let only the allocator write there;
+2. it decodes as a :class:`~allocator.protocol.StopContainer` for this very host;
+3. the container carries the label ``swarm-gpu.lease`` with the command's lease id
+   (:meth:`~nodeagent.containers.ContainerWatcher.stop_lease_container`): nothing else on the
+   host is ever touched.
+
+The stop (``docker stop -t grace_s``) runs in a task of its own, so a long grace holds up
+nothing; the container's ``die`` event then releases the lease as usual. Every message is
+acknowledged (a command that fails is not retried by redelivery: the allocator asks again
+if heartbeats keep listing the container), and nothing a message says can end the consumer.
+
+The consumer does not rely on aio-pika's robust connection: a loop of its own connects,
+declares, binds and consumes, then watches the connection, the channel and the consumer
+(the broker cancels a consumer whose queue is deleted) and starts over after any of them
+ended, every ``reconnect_s``, for as long as the agent runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, cast
+
+import aio_pika
+import aio_pika.abc
+import aiormq
+
+from allocator.protocol import StopContainer, decode_agent_command
+from allocator.topology import (
+    AGENTS_EXCHANGE,
+    agent_queue_spec,
+    command_routing_key,
+)
+from nodeagent.containers import StopOutcome
+
+log = logging.getLogger(__name__)
+
+APP_ID = "swarm-gpu-nodeagent"
+PREFETCH = 64
+"""Unacknowledged commands the broker hands over at once (each is acknowledged at once)."""
+
+Stopper = Callable[[str, str, float], Awaitable[StopOutcome]]
+"""``(container_id, lease_id, grace_s) -> outcome``: stops a lease container."""
+
+
+class CommandConsumer:
+    """Consumes one host's command queue and stops the lease containers it names.
+
+    ``counters`` (all since start): ``received``, ``refused_user`` (sender not in
+    ``command_users``), ``invalid`` (did not decode), ``wrong_host``, ``duplicate`` (a stop of
+    that container is already under way), ``failed`` (Docker error or timeout), and one
+    ``outcome_<StopOutcome>`` per stop carried out (``outcome_stopped``, ``outcome_gone``,
+    ``outcome_not_running``, ``outcome_wrong_lease``); ``sessions``: times the consumer was
+    (re)established.
+    """
+
+    def __init__(self, amqp_url: str, host: str, stopper: Stopper, *,
+                 command_users: Iterable[str], timeout_s: float = 5.0,
+                 reconnect_s: float = 2.0, check_s: float = 5.0) -> None:
+        if any(char in host for char in "*#"):
+            # A topic binding key with a wildcard would receive other hosts' commands.
+            raise ValueError(f"host name {host!r} cannot be a routing key (it has * or #)")
+        self.amqp_url = amqp_url
+        self.host = host
+        self.stopper = stopper
+        self.command_users = frozenset(command_users)
+        self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
+        self.check_s = check_s
+        self.spec = agent_queue_spec(host)
+        self.counters: Counter[str] = Counter()
+        self.last_error: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._consuming = asyncio.Event()
+        self._stopping: dict[str, asyncio.Task[None]] = {}
+        """container id -> its stop under way."""
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+
+    # ------------------------------------------------------------------ life
+
+    @property
+    def consuming(self) -> bool:
+        """Whether the consumer is established now."""
+        return self._consuming.is_set()
+
+    async def start(self, wait_s: float | None = None) -> bool:
+        """Start consuming in the background; wait up to ``wait_s`` (default: the timeout)
+        for the first session. True if consuming now; a broker that is down is retried."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="agent-commands")
+        return await self.wait_consuming(self.timeout_s if wait_s is None else wait_s)
+
+    async def wait_consuming(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until the consumer is established."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._consuming.wait()
+        return self.consuming
+
+    async def stop(self) -> None:
+        """Stop consuming, cancel the stops under way (Docker finishes them), close."""
+        tasks = [*self._stopping.values()]
+        if self._task is not None:
+            tasks.append(self._task)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._task = None
+        self._stopping.clear()
+        await self._close()
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no stop is under way (for tests)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while self._stopping:
+                    await asyncio.gather(*self._stopping.values(), return_exceptions=True)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._note_error(exc)
+            finally:
+                self._consuming.clear()
+                await self._close()
+            await asyncio.sleep(self.reconnect_s)
+
+    async def _session(self) -> None:
+        """One connection: set up, consume until something breaks, then raise why."""
+        broken = asyncio.Event()
+
+        def on_break(*_: Any) -> None:
+            broken.set()
+
+        async with asyncio.timeout(self.timeout_s + 1.0):
+            connection = await aio_pika.connect(
+                self.amqp_url, timeout=self.timeout_s,
+                client_properties={"connection_name": f"{APP_ID} commands {self.host}"})
+        self._connection = connection
+        connection.close_callbacks.add(on_break)
+        async with asyncio.timeout(self.timeout_s):
+            await self._declare_exchange(connection)
+            channel = await connection.channel(publisher_confirms=False)
+            channel.close_callbacks.add(on_break)
+            await channel.set_qos(prefetch_count=PREFETCH)
+            queue = await channel.declare_queue(
+                self.spec.name, durable=self.spec.durable, arguments=self.spec.arguments)
+            await queue.bind(AGENTS_EXCHANGE, command_routing_key(self.host))
+            tag = await queue.consume(self._on_message)
+            underlay = cast(aiormq.Channel, await channel.get_underlay_channel())
+            underlay.on_consumer_cancel_callbacks.add(on_break)
+        self.counters["sessions"] += 1
+        if self.last_error is not None:
+            log.info("commands: consuming %s again", self.spec.name)
+        else:
+            log.info("commands: consuming %s (stop commands from %s)", self.spec.name,
+                     ", ".join(sorted(self.command_users)) or "nobody")
+        self.last_error = None
+        self._consuming.set()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.check_s):
+                    await broken.wait()
+            if connection.is_closed:
+                raise ConnectionError("the broker connection closed")
+            if channel.is_closed:
+                raise ConnectionError("the broker closed the channel")
+            if tag not in underlay.consumers:
+                raise ConnectionError("the broker cancelled the consumer (queue deleted?)")
+            broken.clear()
+
+    async def _declare_exchange(self, connection: aio_pika.abc.AbstractConnection) -> None:
+        # The allocator owns the exchange; declaring it (same type and durability) lets an
+        # agent start first. A least-privilege agent may not: then it must exist already, and
+        # the bind below says so if it does not.
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            await channel.declare_exchange(AGENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                           durable=True)
+        except aiormq.exceptions.ChannelAccessRefused:
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+    async def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None and not connection.is_closed:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    await connection.close()
+
+    def _note_error(self, exc: BaseException) -> None:
+        message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if message != self.last_error:
+            log.warning("commands: %s; retrying every %g s", message, self.reconnect_s)
+        self.last_error = message
+
+    # ------------------------------------------------------------------ messages
+
+    async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        try:
+            self._handle(message)
+        except Exception:  # nothing a message says may end the consumer
+            self.counters["failed"] += 1
+            log.exception("commands: handling a message failed")
+        finally:
+            with contextlib.suppress(Exception):
+                await message.ack()
+
+    def _handle(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        self.counters["received"] += 1
+        if message.user_id not in self.command_users:
+            self.counters["refused_user"] += 1
+            log.warning("commands: ignored a command from broker user %r (command_users: %s)",
+                        message.user_id, ", ".join(sorted(self.command_users)) or "none")
+            return
+        command = decode_agent_command(message.body)
+        if isinstance(command, str):
+            self.counters["invalid"] += 1
+            log.warning("commands: ignored a message that is no command: %s", command)
+            return
+        if command.host != self.host:
+            self.counters["wrong_host"] += 1
+            log.warning("commands: ignored a stop of container %s for host %r (this is %r)",
+                        command.container_id[:12], command.host, self.host)
+            return
+        if command.container_id in self._stopping:
+            self.counters["duplicate"] += 1
+            return
+        task = asyncio.create_task(self._stop(command), name="stop-container")
+        self._stopping[command.container_id] = task
+        task.add_done_callback(lambda _: self._stopping.pop(command.container_id, None))
+
+    async def _stop(self, command: StopContainer) -> None:
+        short = command.container_id[:12]
+        log.info("commands: stopping container %s of lease %s (%s, grace %g s)", short,
+                 command.lease_id, command.reason.value, command.grace_s)
+        started = time.monotonic()
+        try:
+            outcome = await self.stopper(command.container_id, command.lease_id,
+                                         command.grace_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.counters["failed"] += 1
+            log.error("commands: could not stop container %s of lease %s: %s", short,
+                      command.lease_id, f"{type(exc).__name__}: {exc}")
+            return
+        self.counters[f"outcome_{outcome.value}"] += 1
+        took = time.monotonic() - started
+        if outcome is StopOutcome.WRONG_LEASE:
+            log.warning("commands: left container %s alone: it is not a container of lease %s",
+                        short, command.lease_id)
+        elif outcome is StopOutcome.STOPPED:
+            log.info("commands: container %s of lease %s stopped in %.2f s", short,
+                     command.lease_id, took)
+        else:
+            log.info("commands: container %s of lease %s: %s (nothing to do)", short,
+                     command.lease_id, outcome.value.replace("_", " "))
