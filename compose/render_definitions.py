@@ -15,7 +15,10 @@ writes the file RabbitMQ loads at boot:
 salted SHA-256 hashes, never in clear. Every agent gets the example agent's permissions with
 its own host name: write on ``swarm-gpu.nodes`` only, with routing keys
 ``heartbeat.<host>``/``event.<host>`` only (a topic permission), and the allocator accepts its
-heartbeats only for that host.
+heartbeats only for that host; for the allocator's commands, its own queue
+``swarm-gpu.agent.<host>`` only (declare, bind, consume), bound from ``swarm-gpu.agents`` with
+the routing key ``stop.<host>`` only (a topic permission on read, which RabbitMQ checks when a
+queue is bound to a topic exchange).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ TEMPLATE_VHOST = "swarm-gpu"
 AGENT_PREFIX = "agent-"
 EXAMPLE_AGENT = "agent-gpu-a"
 EXAMPLE_HOST = "gpu-a"
+HOST_IN_PATTERN = re.compile(r"(?<=\\\.)" + re.escape(EXAMPLE_HOST) + r"(?=\$|\))")
+"""Where a permission pattern names the example host: after an escaped dot (``\\.gpu-a``)
+and before the end of the pattern or of a group (``$``, ``)``)."""
+PATTERN_FIELDS = ("configure", "write", "read")
 HASHING = "rabbit_password_hashing_sha256"
 
 
@@ -58,9 +65,10 @@ def _agent_entries(template: dict[str, Any], host: str) -> dict[str, list[dict[s
                 continue
             clone = copy.deepcopy(entry)
             clone[key] = user
-            if section == "topic_permissions":
-                # The routing keys an agent may use name its host; escape it for the regex.
-                clone["write"] = clone["write"].replace(EXAMPLE_HOST, re.escape(host))
+            for field in PATTERN_FIELDS:
+                if field in clone:
+                    # Queue names and routing keys name the host; escape it for the regex.
+                    clone[field] = HOST_IN_PATTERN.sub(lambda _: re.escape(host), clone[field])
             entries[section].append(clone)
     return entries
 

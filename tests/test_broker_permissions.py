@@ -36,18 +36,33 @@ from support import GTX1070, gpus, heartbeat, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
 from allocator.config import AllocatorSettings
-from allocator.protocol import AllocateRequest, ErrorCode, LeaseState, encode
+from allocator.protocol import (
+    AllocateRequest,
+    ContainerAction,
+    ContainerEvent,
+    ErrorCode,
+    LeaseState,
+    StopContainer,
+    StopReason,
+    encode,
+)
 from allocator.service import AllocatorService
 from allocator.topology import (
+    AGENTS_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
     DEAD_LETTER_QUEUE,
     NODES_EXCHANGE,
     RPC_EXCHANGE,
     RPC_ROUTING_KEY,
+    agent_queue_spec,
     allocator_queue_spec,
+    command_routing_key,
     dead_letter_queue_spec,
+    event_routing_key,
     heartbeat_routing_key,
 )
+from nodeagent.commands import CommandConsumer
+from nodeagent.containers import StopOutcome
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
 
@@ -81,6 +96,7 @@ def test_topology_is_exactly_what_the_allocator_declares():
                  for e in TEMPLATE["exchanges"]}
     assert exchanges == {RPC_EXCHANGE: ("direct", True, False, False),
                          NODES_EXCHANGE: ("topic", True, False, False),
+                         AGENTS_EXCHANGE: ("topic", True, False, False),
                          DEAD_LETTER_EXCHANGE: ("fanout", True, False, False)}
     bindings = {(b["source"], b["destination"], b["routing_key"]) for b in TEMPLATE["bindings"]}
     assert bindings == {(RPC_EXCHANGE, allocator_queue_spec().name, RPC_ROUTING_KEY),
@@ -98,8 +114,19 @@ def test_render_adds_one_agent_per_host_with_hashed_passwords():
     assert sorted(users) == ["p-admin", "p-agent-gpu-x.lab", "p-agent-n2", "p-allocator",
                              "p-hub"]
     assert users["p-hub"]["password_hash"] and users["p-agent-n2"]["password_hash"] == ""
-    topics = {t["user"]: t["write"] for t in rendered["topic_permissions"]}
-    assert topics["p-agent-gpu-x.lab"] == r"^(heartbeat|event)\.gpu\-x\.lab$"
+    topics = {(t["user"], t["exchange"]): (t["write"], t["read"])
+              for t in rendered["topic_permissions"]}
+    assert topics[("p-agent-gpu-x.lab", NODES_EXCHANGE)] == (
+        r"^(heartbeat|event)\.gpu\-x\.lab$", "^$")
+    assert topics[("p-agent-gpu-x.lab", AGENTS_EXCHANGE)] == ("^$", r"^stop\.gpu\-x\.lab$")
+    assert topics[("p-agent-n2", AGENTS_EXCHANGE)] == ("^$", r"^stop\.n2$")
+    permissions = {p["user"]: p for p in rendered["permissions"]}
+    agent = permissions["p-agent-gpu-x.lab"]
+    assert (agent["configure"], agent["write"], agent["read"]) == (
+        r"^swarm-gpu\.agent\.gpu\-x\.lab$", r"^swarm-gpu\.(nodes|agent\.gpu\-x\.lab)$",
+        r"^swarm-gpu\.(agents|agent\.gpu\-x\.lab)$")
+    assert permissions["p-allocator"] == {**TEMPLATE["permissions"][1], "user": "p-allocator",
+                                          "vhost": "v"}, "only the agents' entries name hosts"
     assert {p["vhost"] for p in rendered["permissions"]} == {"v"}
     assert [v["name"] for v in rendered["vhosts"]] == ["v"]
 
@@ -304,6 +331,103 @@ async def test_agent_cannot_read_anything(broker, running):
             queue = await channel.get_queue(name, ensure=False)
             with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
                 await queue.consume(ignore)
+
+
+async def test_agent_binds_only_its_own_queue_with_its_own_key(broker, running):
+    spec = agent_queue_spec("gpu-a")
+    connection = await aio_pika.connect(broker.url("agent-gpu-a"), timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(spec.name, durable=spec.durable,
+                                            arguments=spec.arguments)
+        await queue.bind(AGENTS_EXCHANGE, command_routing_key("gpu-a"))
+        await queue.consume(ignore)
+        # Another host's commands, all commands, or the nodes' heartbeats: refused.
+        for exchange, key in ((AGENTS_EXCHANGE, command_routing_key("gpu-b")),
+                              (AGENTS_EXCHANGE, "#"), (AGENTS_EXCHANGE, "stop.*"),
+                              (NODES_EXCHANGE, "#")):
+            channel = await connection.channel()
+            queue = await channel.get_queue(spec.name, ensure=False)
+            with pytest.raises(aiormq.exceptions.ChannelAccessRefused, match="ACCESS_REFUSED"):
+                await queue.bind(exchange, key)
+        other = agent_queue_spec("gpu-b")
+        channel = await connection.channel()
+        with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+            await channel.declare_queue(other.name, durable=other.durable,
+                                        arguments=other.arguments)
+
+
+async def test_agent_cannot_consume_another_hosts_command_queue(broker, running):
+    other = agent_queue_spec("gpu-b")
+    owner = await aio_pika.connect(broker.url("agent-gpu-b"), timeout=10)
+    async with owner:
+        channel = await owner.channel()
+        await channel.declare_queue(other.name, durable=other.durable, arguments=other.arguments)
+        connection = await aio_pika.connect(broker.url("agent-gpu-a"), timeout=10)
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.get_queue(other.name, ensure=False)
+            with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+                await queue.consume(ignore)
+
+
+def stop_command(host: str) -> bytes:
+    return encode(StopContainer(host=host, lease_id="l", container_id="c", grace_s=0,
+                                reason=StopReason.RELEASED))
+
+
+async def test_hub_cannot_publish_commands(broker, running):
+    with pytest.raises(aiormq.exceptions.ChannelAccessRefused, match="ACCESS_REFUSED"):
+        await publish(broker.url("hub"), AGENTS_EXCHANGE, command_routing_key("gpu-a"),
+                      stop_command("gpu-a"), user_id=broker.prefix + "hub")
+
+
+async def test_agent_cannot_publish_commands(broker, running):
+    with pytest.raises(aiormq.exceptions.ChannelAccessRefused, match="ACCESS_REFUSED"):
+        await publish(broker.url("agent-gpu-a"), AGENTS_EXCHANGE, command_routing_key("gpu-b"),
+                      stop_command("gpu-b"), user_id=broker.prefix + "agent-gpu-a")
+
+
+async def test_a_release_reaches_the_agent_with_least_privilege(broker, running):
+    """The agent's real command consumer, as agent-gpu-a (it may not declare the exchange:
+    it falls back to the one the definitions made), gets the allocator's stop command for a
+    lease the hub released."""
+    agent_user = broker.prefix + "agent-gpu-a"
+    stopped: list[tuple[str, str]] = []
+
+    async def stopper(container_id: str, lease_id: str, grace_s: float) -> StopOutcome:
+        stopped.append((container_id, lease_id))
+        return StopOutcome.STOPPED
+
+    consumer = CommandConsumer(broker.url("agent-gpu-a"), "gpu-a", stopper,
+                               command_users=[broker.prefix + "allocator"], timeout_s=5)
+    try:
+        assert await consumer.start(wait_s=10), consumer.last_error
+        await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                      agent_beat("gpu-a"), user_id=agent_user)
+        async with AllocatorClient(broker.url("hub"), timeout_s=10) as hub:
+            async def reported():
+                return (await hub.inventory()).nodes
+            await wait_until(reported)
+            lease = await hub.allocate(AllocateRequest(request_key="hub/erin/", user="erin"))
+            await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, event_routing_key("gpu-a"),
+                          encode(ContainerEvent(host="gpu-a", container_id="c-erin",
+                                                lease_id=lease.lease_id,
+                                                action=ContainerAction.START, at=time.time())),
+                          user_id=agent_user)
+
+            async def bound():
+                return (await hub.status(lease_id=lease.lease_id)).state is LeaseState.BOUND
+            await wait_until(bound)
+            assert (await hub.release(lease_id=lease.lease_id)).state is LeaseState.RELEASING
+
+            async def asked():
+                return stopped
+            assert await wait_until(asked) == [("c-erin", lease.lease_id)]
+    finally:
+        await consumer.stop()
+    assert consumer.counters["refused_user"] == 0
+    assert running.stats.counters["command_failures"] == 0
 
 
 async def test_replies_need_write_on_the_default_exchange(rabbitmq, ledger_path):
