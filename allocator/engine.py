@@ -113,9 +113,9 @@ class Engine:
         self.commands: list[StopContainer] = []
         """Outbox: commands to node agents decided since the last :meth:`take_commands`. The
         service sends them after the batch is committed; a reload empties it."""
-        self._stops_asked: OrderedDict[str, float] = OrderedDict()
-        """container id -> when its stop was last asked, so that a container that heartbeats
-        keep listing is not asked again every heartbeat (see :meth:`_ask_stop`)."""
+        self._stops_asked: OrderedDict[tuple[str, str], float] = OrderedDict()
+        """(lease id, container id) -> when its stop was last asked, so that a container that
+        heartbeats keep listing is not asked again every heartbeat (see :meth:`_ask_stop`)."""
 
     # ------------------------------------------------------------------ loading
 
@@ -791,12 +791,13 @@ class Engine:
         """
         if not self.settings.stop_containers or host is None or container_id is None:
             return
-        last = self._stops_asked.get(container_id)
+        key = (lease_id, container_id)
+        last = self._stops_asked.get(key)
         if observed and last is not None and now - last < (
                 self.settings.container_stop_grace_s + self.settings.container_stop_retry_s):
             return
-        self._stops_asked[container_id] = now
-        self._stops_asked.move_to_end(container_id)
+        self._stops_asked[key] = now
+        self._stops_asked.move_to_end(key)
         while len(self._stops_asked) > RECENT_FINAL_LEASES:
             self._stops_asked.popitem(last=False)
         self.commands.append(StopContainer(

@@ -5,6 +5,8 @@ to a real :class:`~allocator.engine.Engine`, commits its changes to a real SQLit
 then checks: the invariant checker finds nothing on disk; no GPU holds more than its slots,
 more budget than its memory, or an exclusive claim beside another; and an engine rebuilt
 from the ledger holds exactly what the running one holds (memory never runs ahead of disk).
+Every stop command the engine decides names a container of a lease that is being released or
+is finished, never one a live lease holds; the simulated node obeys it (the container dies).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.engine = Engine(self.settings, started_at=self.now,
                              new_lease_id=lambda: f"lease-{next(ids):05d}")
         self.seq = 0
+        self.zombies = 0
         self.health: dict[str, Health] = {}
         self.containers: dict[str, str] = {}
         """lease id -> container id, for containers 'running' on the simulated nodes."""
@@ -78,7 +81,23 @@ class LedgerMachine(RuleBasedStateMachine):
         changes = Changes()
         reply = self.engine.handle(message, sender, self.now, changes)
         self.ledger.call(lambda: self.ledger.commit(changes))
+        self._obey_stops()
         return reply
+
+    def _obey_stops(self) -> None:
+        """Check the engine's stop commands, then do what the node agent would."""
+        for command in self.engine.take_commands():
+            record = (self.engine.leases.get(command.lease_id)
+                      or self.engine.recent.get(command.lease_id))
+            assert record is not None, command
+            assert record.state is LeaseState.RELEASING or record.state.final, (
+                command, record.state)
+            assert record.host in (None, command.host), (command, record.host)
+            if self.containers.get(command.lease_id) == command.container_id:
+                del self.containers[command.lease_id]
+                self._apply(ContainerEvent(host=command.host, container_id=command.container_id,
+                                           lease_id=command.lease_id, action=ContainerAction.DIE,
+                                           at=self.now), NODE)
 
     def _gpu_uuid(self, host: str, index: int) -> str:
         return f"GPU-{host}-{index}"
@@ -136,12 +155,30 @@ class LedgerMachine(RuleBasedStateMachine):
     def container_starts(self, data) -> None:
         granted = [i for i, r in self.engine.leases.items() if r.state is LeaseState.GRANTED]
         lease_id = self._pick(data, granted)
-        container = f"c-{lease_id[:8]}"
+        container = f"c-{lease_id}"
         self.containers[lease_id] = container
         host = self._host_of(lease_id)
         assert host is not None
         self._apply(ContainerEvent(host=host, container_id=container, lease_id=lease_id,
                                    action=ContainerAction.START, at=self.now), NODE)
+
+    @precondition(lambda self: any(r.host for r in self.engine.recent.values()))
+    @rule(data=st.data())
+    def zombie_starts(self, data) -> None:
+        """A container starts for a lease that is finished already: it is stopped at once."""
+        finished = sorted(i for i, r in self.engine.recent.items()
+                          if r.host and i not in self.containers)
+        if not finished:
+            return
+        lease_id = self._pick(data, finished)
+        self.zombies += 1
+        container = f"z{self.zombies}-{lease_id}"
+        self.containers[lease_id] = container
+        host = self._host_of(lease_id)
+        assert host is not None
+        self._apply(ContainerEvent(host=host, container_id=container, lease_id=lease_id,
+                                   action=ContainerAction.START, at=self.now), NODE)
+        assert lease_id not in self.containers, "the zombie was asked to stop"
 
     @precondition(lambda self: self.containers)
     @rule(data=st.data(), action=st.sampled_from([ContainerAction.DIE, ContainerAction.OOM,
@@ -179,6 +216,7 @@ class LedgerMachine(RuleBasedStateMachine):
         changes = Changes()
         self.engine.tick(self.now, changes)
         self.ledger.call(lambda: self.ledger.commit(changes))
+        self._obey_stops()
 
     # ------------------------------------------------------------------ invariants
 
