@@ -143,6 +143,34 @@ async def test_queue_waits_in_order_and_reports_position(client, mixed):
     assert carol.state is LeaseState.GRANTED, "the second 3090 went to the next in line"
 
 
+async def test_the_head_of_the_queue_polls_faster(client, mixed, monkeypatch):
+    """wait_for_grant polls every poll_s while others are ahead, every head_poll_s once first."""
+    holder = await client.allocate(ask(model="3090", count=2))
+    bob = await client.allocate(ask(user="bob", model="3090", count=2, wait_s=30))
+    carol = await client.allocate(ask(user="carol", model="3090", count=2, wait_s=30))
+    assert (bob.queue_position, carol.queue_position) == (1, 2)
+    polls: list[float] = []
+    status = client.status
+
+    async def counted(**kwargs):
+        polls.append(time.monotonic())
+        return await status(**kwargs)
+    monkeypatch.setattr(client, "status", counted)
+    waiting = asyncio.create_task(
+        client.wait_for_grant("hub/carol/", wait_s=30, poll_s=1.0, head_poll_s=0.05))
+    await asyncio.sleep(0.5)
+    assert len(polls) == 1, "second in line: the next poll is a second away"
+    await client.release(lease_id=bob.lease_id)  # withdrawn: carol is first now
+    await asyncio.sleep(1.0)
+    head_polls = len(polls)
+    assert head_polls >= 5, polls
+    released_at = time.monotonic()
+    await client.release(lease_id=holder.lease_id, force=True)
+    granted = await asyncio.wait_for(waiting, 5)
+    assert granted.state is LeaseState.GRANTED and granted.lease_id == carol.lease_id
+    assert time.monotonic() - released_at < 0.5
+
+
 async def test_queued_request_expires(client, mixed):
     await client.allocate(ask(model="3090", count=2))
     queued = await client.allocate(ask(user="bob", model="3090", wait_s=0.3))
