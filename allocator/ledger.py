@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import sqlite_utils
 
@@ -207,10 +207,12 @@ def _encode(value: Any) -> Any:
 class Ledger:
     """The SQLite ledger, owned by one writer thread."""
 
-    def __init__(self, path: str | Path, *, create: bool = True, readonly: bool = False):
+    def __init__(self, path: str | Path, *, create: bool = True, readonly: bool = False,
+                 synchronous: Literal["full", "normal"] = "full"):
         self.path = Path(path)
         self._create = create
         self._readonly = readonly
+        self._synchronous = "normal" if synchronous == "normal" else "full"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._db: sqlite_utils.Database | None = None
         self._thread: threading.Thread | None = None
@@ -271,9 +273,10 @@ class Ledger:
             raise LedgerError(f"{self.path} is an SQLite file but not a swarm-gpu ledger")
         if not self._readonly:
             # WAL: readers (the CLI, backups) never block the writer, and a commit is one
-            # sequential append. synchronous=FULL because a granted lease must survive a crash.
+            # sequential append. synchronous=FULL (the default) because a granted lease must
+            # survive a crash of the machine, not only of the process; see AllocatorSettings.
             db.execute("PRAGMA journal_mode = WAL")
-            db.execute("PRAGMA synchronous = FULL")
+            db.execute(f"PRAGMA synchronous = {self._synchronous.upper()}")
             for target in range(version, SCHEMA_VERSION):
                 with conn:
                     MIGRATIONS[target](db)

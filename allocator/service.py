@@ -124,7 +124,7 @@ class AllocatorService:
     def __init__(self, settings: AllocatorSettings, *, clock: Callable[[], float] = time.time):
         self.settings = settings
         self.clock = clock
-        self.ledger = Ledger(settings.ledger_path)
+        self.ledger = Ledger(settings.ledger_path, synchronous=settings.ledger_synchronous)
         self.engine = Engine(settings, started_at=clock())
         self.stats = ServiceStats()
         self._inbox: asyncio.Queue[object] = asyncio.Queue()

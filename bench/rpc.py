@@ -188,6 +188,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
             "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
             "SWARM_GPU_NODE_DOWN_AFTER_S": "86400",
             "SWARM_GPU_STOP_GRACE_S": "86400",
+            "SWARM_GPU_LEDGER_SYNCHRONOUS": args.ledger_synchronous,
         }
         allocator_log, echo_log = Path(tmp) / "allocator.log", Path(tmp) / "echo.log"
         allocator = start_process([sys.executable, "-m", "allocator.cli", "serve"],
@@ -225,6 +226,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
     return {
         "benchmark": "rpc",
         "inventory": {"hosts": args.hosts, "gpus": args.hosts * args.gpus_per_host},
+        "ledger_synchronous": args.ledger_synchronous,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         **results,
         "ratios": {
@@ -246,6 +248,8 @@ def main() -> None:
     parser.add_argument("--gpus-per-host", type=int, default=8)
     parser.add_argument("--calls", type=int, default=1280, help="calls in the many-client case")
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--ledger-synchronous", choices=["full", "normal"], default="full",
+                        help="the allocator's SQLite synchronous mode (default: full)")
     parser.add_argument("--echo-server", metavar="AMQP_URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:

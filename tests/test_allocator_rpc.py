@@ -336,3 +336,16 @@ async def test_a_standby_neither_writes_nor_reloads_while_the_active_one_works(
         assert standby.stats.counters["takeovers"] == 0, "a standby does not reload"
         assert standby.stats.counters["received"] == 0
         assert allocator.stats.counters["takeovers"] == 0, "nor does it write under the active"
+
+
+@pytest.mark.parametrize(("mode", "pragma"), [("full", 2), ("normal", 1)])
+def test_ledger_synchronous_setting(tmp_path, mode, pragma):
+    from allocator.ledger import Ledger
+
+    ledger = Ledger(tmp_path / "ledger.sqlite", synchronous=mode)
+    ledger.open()
+    try:
+        assert ledger.call(lambda: ledger.db.execute("PRAGMA synchronous").fetchone()[0]) == pragma
+        assert ledger.call(lambda: ledger.db.execute("PRAGMA journal_mode").fetchone()[0]) == "wal"
+    finally:
+        ledger.close()
