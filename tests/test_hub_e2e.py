@@ -57,10 +57,11 @@ async def swarm_host(docker: aiodocker.Docker) -> str:
 @contextlib.asynccontextmanager
 async def node_agent(host: str, amqp_url: str, inventory: Path, *, docker: bool
                      ) -> AsyncIterator[NodeAgent]:
-    """A real node agent reading a simulated inventory (this machine has no GPU)."""
+    """A real node agent reading a simulated inventory (this machine has no GPU). It takes
+    stop commands from ``guest``, the allocator's broker user here (in a cluster: allocator)."""
     agent = NodeAgent(AgentSettings(
         host=host, amqp_url=amqp_url, inventory="simulated", simulated_file=inventory,
-        interval_s=0.5, publish_timeout_s=2.0, docker=docker))
+        interval_s=0.5, publish_timeout_s=2.0, docker=docker, command_users=["guest"]))
     await agent.start()
     try:
         yield agent
@@ -239,6 +240,11 @@ async def test_gpu_server_through_rest(
         released = await eventually(
             lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED), what="released")
         assert released.release_reason is not None
+        # The agent stopped both servers' containers when the hub released their leases,
+        # without waiting for Swarm to stop the removed services' tasks.
+        async def both_stopped() -> bool:
+            return agent.command_counters["outcome_stopped"] == 2
+        await eventually(both_stopped, within=5, what="the agent's stops")
         with pytest.raises(aiodocker.DockerError):
             await docker.services.inspect(hub.service_name("alice"))
         assert "gpu_lease_id" not in spawner_state(hub, "alice")
