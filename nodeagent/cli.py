@@ -49,6 +49,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         default=None, help="do not follow Docker's event stream: re-list the "
                         "containers before every heartbeat instead (deaths are then noticed "
                         "by heartbeat reconciliation only)")
+    parser.add_argument("--no-stop-commands", action="store_false", dest="stop_commands",
+                        default=None, help="ignore the allocator's stop commands (a released "
+                        "server's GPU then waits until Swarm stops its container)")
+    parser.add_argument("--command-users", metavar="USER,...",
+                        help="broker users whose stop commands are carried out "
+                        "(default: allocator)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return parser.parse_args(argv)
 
@@ -90,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "docker_url": args.docker_url,
         "docker": args.docker,
         "docker_events": args.docker_events,
+        "stop_commands": args.stop_commands,
+        "command_users": args.command_users,
     }
     try:
         settings = load_settings(args.config, **overrides)

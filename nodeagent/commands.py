@@ -89,6 +89,8 @@ class CommandConsumer:
         self.last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._consuming = asyncio.Event()
+        self._tried = asyncio.Event()
+        """Set once the first session was established or failed."""
         self._stopping: dict[str, asyncio.Task[None]] = {}
         """container id -> its stop under way."""
         self._connection: aio_pika.abc.AbstractConnection | None = None
@@ -102,10 +104,14 @@ class CommandConsumer:
 
     async def start(self, wait_s: float | None = None) -> bool:
         """Start consuming in the background; wait up to ``wait_s`` (default: the timeout)
-        for the first session. True if consuming now; a broker that is down is retried."""
+        for the first attempt to connect. True if consuming now; a broker that is down is
+        retried in the background."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="agent-commands")
-        return await self.wait_consuming(self.timeout_s if wait_s is None else wait_s)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.timeout_s if wait_s is None else wait_s):
+                await self._tried.wait()
+        return self.consuming
 
     async def wait_consuming(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until the consumer is established."""
@@ -146,6 +152,7 @@ class CommandConsumer:
             except Exception as exc:
                 self._note_error(exc)
             finally:
+                self._tried.set()
                 self._consuming.clear()
                 await self._close()
             await asyncio.sleep(self.reconnect_s)
@@ -182,6 +189,7 @@ class CommandConsumer:
                      ", ".join(sorted(self.command_users)) or "nobody")
         self.last_error = None
         self._consuming.set()
+        self._tried.set()
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.check_s):

@@ -50,8 +50,8 @@ on a network other than the default bridge: whatever frees the GPU sooner was no
 
 
 @contextlib.asynccontextmanager
-async def agent_for(amqp_url: str, tmp_path: Path, **overrides: Any
-                    ) -> AsyncIterator[NodeAgent]:
+async def agent_for(amqp_url: str, tmp_path: Path, *, expect_consuming: bool = True,
+                    **overrides: Any) -> AsyncIterator[NodeAgent]:
     """A real node agent for a host of one GTX 1070, taking commands from ``guest``."""
     host = f"stop-{uuid.uuid4().hex[:8]}"
     inventory = tmp_path / f"{host}.json"
@@ -64,7 +64,7 @@ async def agent_for(amqp_url: str, tmp_path: Path, **overrides: Any
     agent = NodeAgent(AgentSettings(**settings))
     await agent.start()
     try:
-        assert agent.commands is not None and agent.commands.consuming
+        assert agent.commands is not None and agent.commands.consuming is expect_consuming
         yield agent
     finally:
         await agent.stop()
@@ -287,3 +287,14 @@ async def test_grace_then_sigkill(amqp_vhost, tmp_path, busybox_image, docker_en
         finally:
             with contextlib.suppress(aiodocker.DockerError):
                 await container.delete(force=True)
+
+
+async def test_an_unreachable_broker_does_not_hold_up_the_agent(tmp_path, docker_engine):
+    """Nothing listens on the port: the agent starts promptly, the consumer keeps trying."""
+    started = time.monotonic()
+    async with agent_for("amqp://guest:guest@127.0.0.1:1/", tmp_path, publish_timeout_s=1.0,
+                         expect_consuming=False) as agent:
+        assert time.monotonic() - started < 3.0
+        assert agent.commands is not None and not agent.commands.consuming
+        assert agent.commands.last_error
+    assert time.monotonic() - started < 6.0
