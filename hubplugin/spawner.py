@@ -290,8 +290,8 @@ class GPUSwarmSpawner(SwarmSpawner):
         config=True,
         help="""How often the request first in the queue polls (seconds). It gets the next
         GPU that fits, and the poll is most of what a hand-over waits once the old server's
-        container is stopped (docs/benchmarks.md: with 0.5 s the hand-over takes 2.4x a start
-        on a free GPU, with 0.05 s 1.5x). Only one request of the cluster is first, so this
+        container is stopped (docs/benchmarks.md: with 0.5 s the hand-over takes 2.3x a start
+        on a free GPU, with 0.05 s 1.4x). Only one request of the cluster is first, so this
         adds at most 1/wait_poll_head_s status calls a second to the allocator.""",
     )
 
