@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import aio_pika
 import aio_pika.abc
+import aiormq.exceptions
 from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 from pydantic import BaseModel
 
@@ -98,13 +99,12 @@ async def declare_topology(
 ) -> aio_pika.abc.AbstractQueue:
     """Declare exchanges, the inbound queue, the dead-letter queue and their bindings.
 
-    The agents exchange is declared too (the allocator publishes commands to it); the agents'
-    own queues are declared by the agents.
+    The agents exchange, where the allocator sends its commands, is declared apart on a channel
+    of its own (:func:`declare_agents_exchange`); the agents' queues are declared by the agents.
     """
     rpc = await channel.declare_exchange(RPC_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True)
     nodes = await channel.declare_exchange(NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC,
                                            durable=True)
-    await channel.declare_exchange(AGENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
     dead = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT,
                                           durable=True)
     dead_spec = dead_letter_queue_spec()
@@ -116,6 +116,28 @@ async def declare_topology(
     await queue.bind(rpc, routing_key=RPC_ROUTING_KEY)
     await queue.bind(nodes, routing_key="#")
     return queue
+
+
+async def declare_agents_exchange(
+    channel: aio_pika.abc.AbstractChannel,
+) -> aio_pika.abc.AbstractExchange | None:
+    """Declare the agents exchange on ``channel`` (the allocator's command channel); None when
+    the broker user may not (definitions from before stop commands existed).
+
+    A refusal closes the channel, which is why commands have a channel of their own: the
+    allocator then runs on without stop commands instead of not starting at all, and a
+    refused command can never close the channel its replies go out on.
+    """
+    try:
+        return await channel.declare_exchange(AGENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                              durable=True)
+    except aiormq.exceptions.ChannelAccessRefused as exc:
+        with contextlib.suppress(Exception):
+            await channel.close()
+        log.error("stop commands are off: the broker refused to declare %s (%s). Render the "
+                  "broker definitions again (compose/render_definitions.py): the allocator's "
+                  "user needs configure and write on it", AGENTS_EXCHANGE, exc)
+        return None
 
 
 class AllocatorService:
@@ -130,6 +152,8 @@ class AllocatorService:
         self._inbox: asyncio.Queue[object] = asyncio.Queue()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None
+        self._agents: aio_pika.abc.AbstractExchange | None = None
+        """The agents exchange on the command channel; None: stop commands cannot be sent."""
         self.user_id = broker_user(settings.amqp_url)
         """The broker user of the connection: the AMQP user_id of every command, which the
         broker verifies and the agents check."""
@@ -154,6 +178,8 @@ class AllocatorService:
         self._channel = await self._connection.channel(publisher_confirms=False)
         await self._channel.set_qos(prefetch_count=self.settings.prefetch)
         self._queue = await declare_topology(self._channel, self.settings.queue_name)
+        self._agents = await declare_agents_exchange(
+            await self._connection.channel(publisher_confirms=False))
         self._tasks = [
             asyncio.create_task(self._apply_loop(), name="allocator-apply"),
             asyncio.create_task(self._tick_loop(), name="allocator-tick"),
@@ -371,14 +397,24 @@ class AllocatorService:
         Not mandatory and not persistent: an agent whose queue does not exist (agent down) is
         simply not stopping anything, and Swarm stops the task as before.
         """
-        channel = self._channel
+        exchange = self._agents
         if not commands:
             return
-        if channel is None:
+        if exchange is None:
             self.stats.counters["command_failures"] += len(commands)
+            log.warning("%d stop command(s) not sent: stop commands are off (see the error "
+                        "at start)", len(commands))
             return
-        exchange = await channel.get_exchange(AGENTS_EXCHANGE, ensure=False)  # no I/O
-        for command in commands:
+        # One bound for the whole batch, so that a broker that stopped answering delays the
+        # batch's replies by request_timeout_s at most, however many commands it decided.
+        give_up = time.monotonic() + self.settings.request_timeout_s
+        for index, command in enumerate(commands):
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                self.stats.counters["command_failures"] += len(commands) - index
+                log.warning("gave up sending %d command(s) to node agents: the broker does "
+                            "not take them", len(commands) - index)
+                return
             try:
                 await exchange.publish(
                     aio_pika.Message(
@@ -390,7 +426,7 @@ class AllocatorService:
                     ),
                     routing_key=command_routing_key(command.host),
                     mandatory=False,
-                    timeout=self.settings.request_timeout_s,
+                    timeout=remaining,
                 )
             except asyncio.CancelledError:
                 raise

@@ -459,6 +459,57 @@ async def test_replies_need_write_on_the_default_exchange(rabbitmq, ledger_path)
         rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
 
 
+async def test_definitions_from_before_stop_commands_leave_the_allocator_working(
+        rabbitmq, ledger_path):
+    """An upgraded allocator on the broker definitions of an older release (no permissions on
+    swarm-gpu.agents): it starts, answers and releases as before, without stop commands."""
+    template = json.loads(json.dumps(TEMPLATE))
+    for permission in template["permissions"]:
+        if permission["user"] == "allocator":
+            permission["configure"] = r"^swarm-gpu\.(rpc|nodes|dead|allocator|dead-letters)$"
+            permission["write"] = r"^(swarm-gpu\.(allocator|dead-letters|dead)|amq\.default)$"
+    template["exchanges"] = [e for e in template["exchanges"] if e["name"] != AGENTS_EXCHANGE]
+    tag = uuid.uuid4().hex[:8]
+    vhost, prefix = f"{services.VHOST_PREFIX}{os.getpid()}-oldperm-{tag}", f"t{tag}-"
+    users = ["admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b"]
+    passwords = {user: uuid.uuid4().hex for user in users}
+    try:
+        load(rabbitmq, template, vhost, prefix, passwords)
+        broker = Broker(rabbitmq, vhost, prefix, passwords)
+        service = AllocatorService(broker.settings(ledger_path))
+        await service.start()
+        try:
+            agent = prefix + "agent-gpu-a"
+            await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE,
+                          heartbeat_routing_key("gpu-a"), agent_beat("gpu-a"), user_id=agent)
+            async with AllocatorClient(broker.url("hub"), timeout_s=10) as hub:
+                async def reported():
+                    return (await hub.inventory()).nodes
+                await wait_until(reported)
+                lease = await hub.allocate(AllocateRequest(request_key="hub/f/", user="f"))
+                await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE,
+                              event_routing_key("gpu-a"),
+                              encode(ContainerEvent(host="gpu-a", container_id="c-f",
+                                                    lease_id=lease.lease_id,
+                                                    action=ContainerAction.START,
+                                                    at=time.time())), user_id=agent)
+
+                async def bound():
+                    return (await hub.status(lease_id=lease.lease_id)).state \
+                        is LeaseState.BOUND
+                await wait_until(bound)
+                released = await hub.release(lease_id=lease.lease_id)
+                assert released.state is LeaseState.RELEASING
+                assert (await hub.inventory()).nodes, "still answering after the release"
+            assert service.stats.counters["command_failures"] == 1
+            assert service.stats.counters["commands_sent"] == 0
+        finally:
+            await asyncio.wait_for(service.stop(), 30)
+    finally:
+        services.delete_vhost(rabbitmq, vhost)
+        rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
+
+
 # ----------------------------------------------------------------------------- at boot
 
 
