@@ -115,6 +115,9 @@ async def cluster(amqp_vhost, ledger_path):
         amqp_url=amqp_vhost.url, ledger_path=ledger_path, allow_any_node_user=True,
         admin_users=["guest"], tick_s=0.1, share_slots={GTX1070: 4},
         aliases={"1070": GTX1070, "3090": RTX3090},
+        # The simulated nodes report once; on a loaded machine a test may outlast the default
+        # 15 s after which a silent node stops taking new leases.
+        node_down_after_s=3600,
     )
     service = AllocatorService(settings)
     await service.start()
