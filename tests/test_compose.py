@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from services import require_service
 
 from allocator.config import load_settings
 
@@ -30,7 +31,7 @@ def docker_config(docker_engine: str, stack_file: Path) -> subprocess.CompletedP
     """Run the Docker CLI's own validation of a stack file."""
     docker = shutil.which("docker")
     if docker is None:
-        pytest.skip("no docker CLI")
+        require_service("the docker CLI", "not on PATH")
     env = {"DOCKER_HOST": docker_engine, "PATH": "/usr/local/bin:/usr/bin:/bin"}
     result = subprocess.run([docker, "stack", "config", "-c", str(stack_file)],
                             capture_output=True, text=True, env=env, timeout=60)
@@ -38,7 +39,8 @@ def docker_config(docker_engine: str, stack_file: Path) -> subprocess.CompletedP
         result = subprocess.run([docker, "compose", "-f", str(stack_file), "config"],
                                 capture_output=True, text=True, env=env, timeout=60)
         if result.returncode != 0 and "unknown command" in result.stderr:
-            pytest.skip("this docker CLI has neither 'stack config' nor 'compose config'")
+            require_service("a docker CLI that validates stack files",
+                            "it has neither 'stack config' nor 'compose config'")
     return result
 
 
