@@ -132,8 +132,6 @@ class ReleaseReason(StrEnum):
     """A queued request was withdrawn before it was granted."""
     WAIT_EXPIRED = "wait_expired"
     """A queued request waited ``wait_s`` without anything fitting."""
-    GPU_LOST = "gpu_lost"
-    """A GPU of the lease disappeared from its node's inventory."""
 
 
 class Health(StrEnum):
