@@ -43,6 +43,7 @@ from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContain
 from nodeagent.health import HealthPolicy, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
 from nodeagent.publisher import Publisher
+from nodeagent.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +269,8 @@ class NodeAgent:
         """Stop every loop, send what is buffered (bounded), and close everything."""
         if self.commands is not None:
             await self.commands.stop()
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
-            self._heartbeat_task = None
+        await cancel_and_wait([self._heartbeat_task])
+        self._heartbeat_task = None
         if self.watcher is not None:
             await self.watcher.stop()
         self._xid_stop.set()

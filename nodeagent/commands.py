@@ -49,6 +49,7 @@ from allocator.topology import (
     command_routing_key,
 )
 from nodeagent.containers import StopOutcome
+from nodeagent.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class CommandConsumer:
         self._stopping: dict[str, asyncio.Task[None]] = {}
         """container id -> its stop under way."""
         self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._stopped = False
 
     # ------------------------------------------------------------------ life
 
@@ -122,14 +124,8 @@ class CommandConsumer:
 
     async def stop(self) -> None:
         """Stop consuming, cancel the stops under way (Docker finishes them), close."""
-        tasks = [*self._stopping.values()]
-        if self._task is not None:
-            tasks.append(self._task)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        self._stopped = True
+        await cancel_and_wait([*self._stopping.values(), self._task])
         self._task = None
         self._stopping.clear()
         await self._close()
@@ -144,7 +140,9 @@ class CommandConsumer:
     # ------------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
-        while True:
+        # The flag as well as the cancellation: a cancellation that arrives inside the broker
+        # client's connect can come out as a connection error, and the loop must end anyway.
+        while not self._stopped:
             try:
                 await self._session()
             except asyncio.CancelledError:
@@ -155,7 +153,8 @@ class CommandConsumer:
                 self._tried.set()
                 self._consuming.clear()
                 await self._close()
-            await asyncio.sleep(self.reconnect_s)
+            if not self._stopped:
+                await asyncio.sleep(self.reconnect_s)
 
     async def _session(self) -> None:
         """One connection: set up, consume until something breaks, then raise why."""

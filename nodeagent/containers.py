@@ -49,6 +49,8 @@ import aiodocker
 import aiohttp
 from aiodocker.events import DockerEvents
 
+from nodeagent.tasks import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 LEASE_LABEL = "swarm-gpu.lease"
@@ -267,14 +269,7 @@ class ContainerWatcher:
 
     async def stop(self) -> None:
         """Stop watching and close the Docker client."""
-        tasks = [*self._grace_tasks]
-        if self._task is not None:
-            tasks.append(self._task)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait([*self._grace_tasks, self._task])
         self._task = None
         self._complete = False
         if self._docker is not None:

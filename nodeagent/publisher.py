@@ -37,6 +37,7 @@ from yarl import URL
 
 from allocator.protocol import ContainerEvent, Heartbeat, encode
 from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
+from nodeagent.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +120,7 @@ class Publisher:
             await self.flush(drain_s if drain_s is not None else self.timeout_s)
         if self._buffer:
             log.error("stopping with %d container event(s) unsent", len(self._buffer))
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         connection, self._connection, self._exchange = self._connection, None, None
         if connection is not None:
