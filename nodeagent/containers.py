@@ -53,6 +53,9 @@ from nodeagent.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_STEP_S = 2.0
+"""Bound on each step of closing an event stream."""
+
 LEASE_LABEL = "swarm-gpu.lease"
 """Container label the spawner sets; its value is the lease id."""
 
@@ -411,15 +414,23 @@ class ContainerWatcher:
             await self._consume(subscriber, stream)
         finally:
             self._complete = False
-            await events.stop()  # type: ignore[no-untyped-call]
-            stream.cancel()  # in case closing the response did not end it (a frozen socket)
+            # Each step bounded: this also runs while the watcher is being cancelled, and
+            # aiodocker's stop can wait on a stream that a frozen socket never ends.
+            stream.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await stream
+                async with asyncio.timeout(SHUTDOWN_STEP_S):
+                    await events.stop()  # type: ignore[no-untyped-call]
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                async with asyncio.timeout(SHUTDOWN_STEP_S):
+                    await stream
 
     async def _consume(self, subscriber: Any, stream: asyncio.Task[None]) -> None:
         while True:
             try:
-                event = await asyncio.wait_for(subscriber.get(), self.liveness_s)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+                # cancellation that arrives as the event does, and the watcher then never stops.
+                async with asyncio.timeout(self.liveness_s):
+                    event = await subscriber.get()
             except TimeoutError:
                 # Quiet stream: make sure the engine is still there (a half-open
                 # connection never ends the stream on its own).
