@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from allocator.cluster import GPU, Cluster, Node
 from allocator.config import PolicySettings
+from allocator.placement_index import PlacementIndex
 from allocator.policy import (
     Placement,
     Refusal,
@@ -276,3 +277,46 @@ def test_no_placement_takes_a_mig_parent_or_a_too_weak_gpu(
                 parent = cluster.gpus[gpu.mig_parent_uuid]
                 assert parent.mig_enabled and cluster.is_free(parent)
         apply_placement(cluster, placement, f"L{step}", demand)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster=clusters(), models=st.lists(st.sampled_from(MODELS[1:]), max_size=2, unique=True),
+       count=st.integers(1, 3), capability=st.sampled_from([None, None, "8.0"]),
+       steps=st.integers(1, 6))
+def test_the_placement_index_gives_the_policys_answer_with_mig(
+    cluster: Cluster, models: list[str], count: int, capability: str | None, steps: int
+) -> None:
+    """The engine narrows placement with the index first; with GPUs in MIG mode and their
+    instances (and capability demands, which it declines) the answer must stay the policy's."""
+    index = PlacementIndex()
+    index.rebuild(cluster)
+    known = {g.model for g in cluster.gpus.values()}
+    fields: dict[str, Any] = {"count": count, "min_compute_capability": capability}
+    if [m for m in models if m in known]:
+        fields["models"] = [m for m in models if m in known]
+    for step in range(steps):
+        request = AllocateRequest(request_key=f"k{step}", user="alice", **fields)
+        demand = make_demand(request, cluster, SETTINGS)
+        assert not isinstance(demand, Refusal)
+        expected = place(demand, cluster, NOW, DOWN)
+        view = index.narrow(demand, cluster, lambda node: node.is_up(NOW, DOWN))
+        got = place(demand, view, NOW, DOWN) if view is not None else expected
+        if not isinstance(got, Placement):
+            got = expected
+        assert got == expected
+        if not isinstance(got, Placement):
+            break
+        apply_placement(cluster, got, f"L{step}", demand)
+        index.refresh(cluster, got.host)
+
+
+def test_a_profile_can_have_aliases_and_is_matched_like_any_model() -> None:
+    cluster = mig_cluster()
+    aliased = PolicySettings(aliases={"1g.5gb": MIG_1G, "a100-small": MIG_1G})
+    for spelling in ("1g.5gb", "A100-small", MIG_1G.lower(), "a100 sxm4 40gb mig 1g 5gb"):
+        request = AllocateRequest(request_key="k", user="alice", model=spelling)
+        demand = make_demand(request, cluster, aliased)
+        assert not isinstance(demand, Refusal), spelling
+        assert demand.models == (MIG_1G,)
+    summary = {s.model: s for s in summarize_models(cluster, aliased, NOW, DOWN)}
+    assert summary[MIG_1G].aliases == ["1g.5gb", "a100-small"]
