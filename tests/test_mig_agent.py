@@ -9,6 +9,8 @@ The heartbeat tests run the agent's own ``build_heartbeat`` on a simulated inven
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -257,3 +259,25 @@ def test_an_instance_is_healthy_only_when_it_and_its_parent_are(
         assert set(verdict.reasons) <= set(got.reasons)
         assert got.healthy == (not got.reasons)
 
+
+
+def test_nvml_check_reports_mig_and_compute_capability_reads() -> None:
+    """On a GPU machine: the MIG reads per physical GPU and the capability of every sample;
+    elsewhere the clear error (no NVIDIA library), exit status 2."""
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "nodeagent.nvml_check", "--xid-wait", "0"],
+                            cwd=repo, capture_output=True, text=True, timeout=60)
+    report = json.loads(result.stdout)
+    if not report["ok"]:
+        assert result.returncode == 2 and "--inventory simulated" in report["error"]
+        return
+    assert result.returncode == 0
+    physical = [g for g in report["gpus"] if g["mig_parent_uuid"] is None]
+    assert [m["uuid"] for m in report["mig"]] == [g["uuid"] for g in physical]
+    for gpu, mig in zip(physical, report["mig"], strict=True):
+        assert "compute_capability" in gpu and "architecture" in gpu
+        assert mig["mig_mode_current"] in (None, 0, 1)
+        if gpu["mig_mode"]:
+            assert "gpu_instance_profiles" in mig
+    for instance in (g for g in report["gpus"] if g["mig_parent_uuid"] is not None):
+        assert instance["uuid"].startswith("MIG-") and instance["mig_profile"]
