@@ -250,7 +250,8 @@ def test_every_service_runs_and_is_healthy(cluster: Cluster) -> None:
     for line in cluster.manager("service", "ls", "--format",
                                 "{{.Name}} {{.Mode}} {{.Replicas}}").stdout.splitlines():
         name, mode, replicas = line.split()[:3]
-        services[name] = (mode, replicas)
+        if name.startswith(f"{cluster.stack}_"):  # not the users' notebook services
+            services[name] = (mode, replicas)
     stack = cluster.stack
     assert services == {
         f"{stack}_rabbitmq": ("replicated", "1/1"),
