@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from allocator.model_names import ModelNameError, ModelNames, same_model
 from allocator.protocol import (
     MAX_COUNT,
     MAX_WAIT_S,
@@ -419,18 +420,19 @@ def allowed_models_for(
 
 
 class ModelCatalog:
-    """Model names and aliases as the allocator reports them (case-insensitive)."""
+    """The models the allocator's inventory lists, matched by the allocator's own rule.
+
+    Spellings are :mod:`allocator.model_names`' (case, spaces, punctuation and vendor words
+    do not matter; aliases count), so the hub accepts exactly what the allocator accepts.
+    """
 
     def __init__(self, models: Iterable[ModelSummary]):
         self.models = {m.model: m for m in models}
-        self._by_name: dict[str, str] = {}
-        for summary in self.models.values():
-            self._by_name[summary.model.lower()] = summary.model
-            for alias in summary.aliases:
-                self._by_name.setdefault(alias.lower(), summary.model)
+        self.names = ModelNames.from_summaries(self.models.values())
 
     def canonical(self, name: str) -> str | None:
-        return self._by_name.get(name.strip().lower())
+        """The canonical model a spelling means, or None (unknown or ambiguous)."""
+        return self.names.canonical(name)
 
     def canonical_or_raw(self, name: str) -> str:
         return self.canonical(name) or name
@@ -440,9 +442,7 @@ class ModelCatalog:
 
 
 def _same_model(a: str, b: str, catalog: ModelCatalog | None) -> bool:
-    if catalog is not None:
-        a, b = catalog.canonical_or_raw(a), catalog.canonical_or_raw(b)
-    return a.strip().lower() == b.strip().lower()
+    return same_model(a, b, catalog.names if catalog is not None else None)
 
 
 def _plural(n: int, word: str = "GPU") -> str:
@@ -506,12 +506,11 @@ def check_options(
                 names = list(allowed)
             models = list(dict.fromkeys(names))[:MAX_LISTED_MODELS]
     else:
-        if catalog is not None and catalog.canonical(options.model) is None:
-            known = ", ".join(catalog.known()) or "none (no GPU has reported yet)"
-            raise OptionsError(
-                f"Unknown GPU model '{options.model}'. Models in the cluster: {known}.",
-                field="model",
-            )
+        if catalog is not None:
+            resolved = catalog.names.resolve([options.model])
+            if isinstance(resolved, ModelNameError):
+                # the allocator's own refusal, from the same rule
+                raise OptionsError(resolved.message, field="model")
         if allowed is not None and not any(
             _same_model(options.model, a, catalog) for a in allowed
         ):

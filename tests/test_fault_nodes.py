@@ -45,6 +45,7 @@ from support import GTX1070, NodeSimulator, gpus, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.invariants import NodeReport
+from allocator.lease_container import LEASE_LABEL
 from allocator.protocol import (
     AllocateRequest,
     ContainerAction,
@@ -55,7 +56,6 @@ from allocator.protocol import (
 )
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
-from nodeagent.containers import LEASE_LABEL
 from nodeagent.simulated import make_gpu, write_inventory
 
 SLACK_S = 1.5

@@ -119,12 +119,11 @@ class LeaseBook(Views, CommandOutbox):
 
     def _grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,
                now: float, changes: Changes, old: LeaseState | None) -> None:
-        models = {self.cluster.gpus[u].model for u in placement.gpu_uuids}
         record.state = LeaseState.GRANTED
         record.host = placement.host
         self._by_host.setdefault(record.host, {})[record.lease_id] = record
         record.gpu_uuids = tuple(placement.gpu_uuids)
-        record.model = models.pop() if len(models) == 1 else None
+        record.model = policy.placement_model(placement, self.cluster)
         record.shared = placement.shared
         record.memory_mib = placement.memory_mib
         record.units = placement.units
