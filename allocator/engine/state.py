@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 from allocator import policy
 from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
+from allocator.counters import Counters
 from allocator.lease import LeaseRecord
 from allocator.ledger import LoadedState
 from allocator.placement_index import PlacementIndex
@@ -66,7 +67,7 @@ class EngineState:
         self.recent: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._queue: list[tuple[tuple[Any, ...], str]] = []
         self.agent_users: dict[str, str] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         self._last_seq: dict[str, tuple[str, int]] = {}
         self._telemetry_saved: dict[str, float] = {}
         self._node_clock_bound: dict[str, float] = {}
