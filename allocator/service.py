@@ -49,6 +49,7 @@ from allocator.protocol import (
     encode,
     error_reply,
 )
+from allocator.tasks import cancel_and_wait
 from allocator.topology import (
     AGENTS_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
@@ -61,6 +62,9 @@ from allocator.topology import (
 )
 
 log = logging.getLogger(__name__)
+
+STOP_STEP_S = 5.0
+"""Bound on each step of :meth:`AllocatorService.stop` (consumer, tasks, connection)."""
 
 _TICK = object()
 
@@ -236,18 +240,18 @@ class AllocatorService:
         if self._stopped:
             return
         self._stopped = True
+        # Each step bounded (asyncio.timeout, not 3.11's wait_for, which can swallow a
+        # cancellation): a broker that does not answer must not hang the shutdown.
         if self._queue is not None and self._consumer_tag is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._queue.cancel(self._consumer_tag), 5)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+                async with asyncio.timeout(STOP_STEP_S):
+                    await self._queue.cancel(self._consumer_tag)
+        await cancel_and_wait(self._tasks, within=STOP_STEP_S)
         self._tasks = []
         if self._connection is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._connection.close(), 5)
+                async with asyncio.timeout(STOP_STEP_S):
+                    await self._connection.close()
             self._connection = None
         if self.metrics_server is not None:
             self.metrics_server.close()

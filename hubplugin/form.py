@@ -63,15 +63,6 @@ def user_models(inventory: InventoryReply | None, policy: GPUPolicy) -> list[Mod
     return sorted(out, key=lambda m: m.model)
 
 
-def _host_totals(inventory: InventoryReply, models: Sequence[ModelSummary]) -> dict[str, int]:
-    names = {m.model for m in models}
-    totals: dict[str, int] = {}
-    for gpu in inventory.gpus:
-        if gpu.model in names:
-            totals[gpu.host] = totals.get(gpu.host, 0) + 1
-    return totals
-
-
 def _free_slices(inventory: InventoryReply | None, model: str) -> dict[str, int]:
     """host -> free share slots of one model."""
     out: dict[str, int] = {}

@@ -46,7 +46,7 @@ from traitlets import (
     Callable as CallableTrait,
 )
 
-from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
+from allocator.client import AllocatorClient, AllocatorError, StillQueued
 from allocator.protocol import ErrorCode, InventoryReply, Lease, LeaseState
 
 from .builders import BuildError, build_service_spec, describe_lease
@@ -362,7 +362,6 @@ class GPUSwarmSpawner(SwarmSpawner):
         self._gpu_env: dict[str, str] = {}
         self._gpu_events: list[dict[str, Any]] = []
         self._gpu_events_done = True
-        self._gpu_lease: Lease | None = None
         self._override_saved: dict[str, Any] = {}
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -581,9 +580,7 @@ class GPUSwarmSpawner(SwarmSpawner):
                         head_poll_s=self.wait_poll_head_s,
                         on_position=on_position,
                     )
-                except AllocatorTimeout as exc:
-                    if "still queued" not in exc.message:
-                        raise
+                except StillQueued:
                     raise AllocatorError(
                         ErrorCode.NO_CAPACITY, f"none became free within {wait:g} s"
                     ) from None
@@ -604,7 +601,6 @@ class GPUSwarmSpawner(SwarmSpawner):
             raise allocator_http_error(exc) from None
         if lease.state not in (LeaseState.GRANTED, LeaseState.BOUND):
             raise user_error(503, f"The GPU allocator answered with a {lease.state.value} lease")
-        self._gpu_lease = lease
         self._emit(f"Granted {describe_lease(lease)}", 40)
         return lease
 
@@ -704,7 +700,6 @@ class GPUSwarmSpawner(SwarmSpawner):
         await self._release(key, lease_id, reason=reason)
         self.gpu_lease_id = None
         self.gpu_request_key = None
-        self._gpu_lease = None
 
     async def run_post_stop_hook(self) -> Any:
         """Release the lease on every stop path (failed spawns included), then the admin's hook."""

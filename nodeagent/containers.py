@@ -50,7 +50,7 @@ import aiohttp
 from aiodocker.events import DockerEvents
 
 from allocator.lease_container import LEASE_LABEL
-from nodeagent.tasks import cancel_and_wait
+from allocator.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
