@@ -58,6 +58,8 @@ from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
 
+pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
+
 SLACK_S = 1.5
 """How much later than its bound a timer may fire on a loaded 2-core machine (ticks: 0.1 s)."""
 
