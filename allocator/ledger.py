@@ -17,7 +17,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +35,6 @@ SCHEMA_VERSION = 2
 """The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
 
 LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
-GPU_JSON_COLUMNS = ("health_reasons",)
 
 
 class LedgerError(Exception):
@@ -408,13 +407,6 @@ class Ledger:
         rows = list(self.db["leases"].rows_where(
             "request_key = ?", [request_key], order_by="created_at desc", limit=1))
         return LeaseRecord.from_row(self._decode_lease(rows[0])) if rows else None
-
-    def iter_rows(self, sql: str, params: tuple[Any, ...] = ()) -> Iterator[dict[str, Any]]:
-        """Stream rows of a query as dicts (on the ledger thread)."""
-        cursor = self.db.conn.execute(sql, params)
-        names = [d[0] for d in cursor.description]
-        for values in cursor:
-            yield dict(zip(names, values, strict=True))
 
     @staticmethod
     def _decode_lease(row: dict[str, Any]) -> dict[str, Any]:
