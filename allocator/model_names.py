@@ -10,9 +10,14 @@ overridden, so an exact model name always beats an alias, and an alias a derived
 1. the canonical name (NVML's, ``NVIDIA GeForce GTX 1070``) in any case;
 2. an admin's alias (``1070``), in any case, also without spaces and punctuation;
 3. the canonical name with everything but letters and digits removed (``nvidiageforcegtx1070``);
-4. that without the vendor words of :data:`BRAND_WORDS` (``gtx1070``, so "GTX-1070").
+4. that without the vendor words of :data:`BRAND_WORDS` (``gtx1070``, so "GTX-1070");
+5. for a MIG instance (NVML names it ``NVIDIA A100-SXM4-40GB MIG 1g.5gb``, see
+   :func:`mig_model_name`): its GPU's name and the profile without the word MIG
+   (``a100 sxm4 40gb 1g.5gb``), the GPU's family and the profile (``a100 1g.5gb``) and the
+   profile alone (``1g.5gb``).
 
-A derived spelling that two models share is ambiguous and accepted for neither.
+A derived spelling that two models share is ambiguous and accepted for neither (so ``1g.10gb``
+on both an A100 80GB and an H100 must be named with its family).
 
 Pure: no I/O. Build a :class:`ModelNames` from the models the cluster has and the aliases
 (:meth:`ModelNames.build`), or from the allocator's inventory reply
@@ -32,6 +37,37 @@ BRAND_WORDS = frozenset({"nvidia", "geforce", "tesla", "quadro"})
 """Vendor and brand words a user may leave out of a model name ("gtx 1070")."""
 
 _TOKEN = re.compile(r"[a-z0-9]+")
+
+_MIG_NAME = re.compile(r"^(?P<parent>.+?)\s+MIG\s+(?P<profile>\S+)$")
+
+
+def mig_model_name(parent_model: str, profile: str) -> str:
+    """The name NVML gives a MIG device, its canonical model: the GPU's name, ``MIG`` and the
+    GPU instance profile (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``)."""
+    return f"{parent_model} MIG {profile}"
+
+
+def mig_parts(name: str) -> tuple[str, str] | None:
+    """``(GPU model, profile)`` of a MIG device's name, or None for any other name."""
+    match = _MIG_NAME.match(name.strip())
+    return (match.group("parent"), match.group("profile")) if match else None
+
+
+def display_name(model: str) -> str:
+    """The model as a person reads it: ``NVIDIA A100-SXM4-40GB · 1g.5gb`` for a MIG instance,
+    the model itself otherwise."""
+    parts = mig_parts(model)
+    return model if parts is None else f"{parts[0]} · {parts[1]}"
+
+
+def _mig_spellings(model: str) -> list[str]:
+    """Tier 5: the short spellings of a MIG instance's model (none for other models)."""
+    parts = mig_parts(model)
+    if parts is None:
+        return []
+    parent, profile = parts
+    family = next((t for t in _tokens(parent) if t not in BRAND_WORDS), "")
+    return [unbranded(f"{parent} {profile}"), compact(f"{family} {profile}"), compact(profile)]
 
 
 def _tokens(name: str) -> list[str]:
@@ -114,6 +150,7 @@ class ModelNames:
         )
         add_tier([(compact(model), model) for model in known])
         add_tier([(unbranded(model), model) for model in known])
+        add_tier([(key, model) for model in known for key in _mig_spellings(model)])
 
         by_model: dict[str, list[str]] = {model: [] for model in known}
         for alias, target in alias_targets.items():

@@ -30,6 +30,8 @@ from allocator.protocol import (
     MAX_COUNT,
     MAX_WAIT_S,
     AllocateRequest,
+    Architecture,
+    ComputeCapability,
     InventoryReply,
     ModelSummary,
     ShareRequest,
@@ -95,6 +97,10 @@ class GPUOptions(BaseModel):
     share_memory_mib: int | None = Field(
         default=None, description="Memory budget of a shared slice; default: the admin's."
     )
+    min_compute_capability: ComputeCapability | None = Field(
+        default=None, description='Only GPUs of at least this CUDA compute capability ("8.0").')
+    architecture: Architecture | None = Field(
+        default=None, description='Only GPUs of this architecture ("ampere").')
     profile: str | None = Field(
         default=None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Slug of one of the admin's named profiles.",
@@ -157,6 +163,8 @@ def _field_label(loc: Sequence[Any]) -> str:
         "all_gpus_of_host": "all GPUs of a host",
         "host": "host",
         "share_memory_mib": "shared memory budget (MiB)",
+        "min_compute_capability": "minimum compute capability",
+        "architecture": "GPU architecture",
         "profile": "profile",
     }
     name = str(loc[0]) if loc else ""
@@ -285,6 +293,8 @@ class Profile(BaseModel):
     all_gpus_of_host: bool = False
     host: str | None = None
     share_memory_mib: int | None = Field(default=None, ge=1)
+    min_compute_capability: ComputeCapability | None = None
+    architecture: Architecture | None = None
     spawner_override: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("slug")
@@ -303,6 +313,8 @@ class Profile(BaseModel):
             all_gpus_of_host=self.all_gpus_of_host,
             host=self.host,
             share_memory_mib=self.share_memory_mib,
+            min_compute_capability=self.min_compute_capability,
+            architecture=self.architecture,
             profile=self.slug,
         ).normalized()
 
@@ -321,6 +333,10 @@ class Profile(BaseModel):
             return f"Shared slice of one GPU ({model}{budget}){where}"
         if opts.all_gpus_of_host:
             return f"All GPUs of one host ({model}){where}"
+        if opts.min_compute_capability or opts.architecture:
+            needs = [f"compute capability {opts.min_compute_capability}+"
+                     if opts.min_compute_capability else "", opts.architecture or ""]
+            where += " (" + ", ".join(n for n in needs if n) + ")"
         plural = "GPU" if opts.count == 1 else "GPUs"
         return f"{opts.count} whole {plural} ({model}){where}"
 
@@ -463,6 +479,16 @@ class CheckedRequest(BaseModel):
     share_memory_mib: int | None = None
     shared: bool = False
 
+    @property
+    def min_compute_capability(self) -> str | None:
+        """Passed through to the allocator, which alone knows each GPU's capability."""
+        return self.options.min_compute_capability
+
+    @property
+    def architecture(self) -> str | None:
+        """Passed through to the allocator, which alone knows each GPU's architecture."""
+        return self.options.architecture
+
 
 @dataclass(frozen=True)
 class _Context:
@@ -596,6 +622,8 @@ def _gpus_per_host(ctx: _Context, eligible: list[ModelSummary] | None,
     eligible_names = {m.model for m in eligible}
     allowed_hosts = ctx.policy.allowed_hosts
     for gpu in ctx.inventory.gpus:
+        if gpu.mig_enabled:
+            continue  # a GPU in MIG mode is no unit: its instances are counted instead
         if gpu.model in eligible_names and (
             ctx.trusted or allowed_hosts is None or gpu.host in allowed_hosts
         ):
@@ -720,6 +748,8 @@ def build_allocate_request(
         count=checked.count,
         host=checked.host,
         share=share,
+        min_compute_capability=checked.min_compute_capability,
+        architecture=checked.architecture,
         wait_s=min(max(wait_s, 0.0), MAX_WAIT_S),
         priority=priority,
     )

@@ -19,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from allocator.model_names import display_name, mig_model_name, mig_parts
 from allocator.protocol import GPUInfo, Health, Heartbeat
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.health import Verdict
-from nodeagent.inventory import GPUSample, InventoryUnavailable, mig_device_name, mig_profile_of
+from nodeagent.inventory import GPUSample, InventoryUnavailable
 from nodeagent.mig import REMOVED_REASON, MigLayout, inherit_parent_health
 from nodeagent.simulated import (
     SimulatedSource,
@@ -53,11 +54,14 @@ def inventory(tmp_path: Path) -> Path:
 
 
 def test_names_and_profiles_follow_nvml() -> None:
-    name = mig_device_name(A100, "1g.5gb")
+    name = mig_model_name(A100, "1g.5gb")
     assert name == "NVIDIA A100-SXM4-40GB MIG 1g.5gb"
-    assert mig_profile_of(name) == "1g.5gb"
-    assert mig_profile_of("NVIDIA H100 80GB HBM3 MIG 1c.2g.20gb") == "1c.2g.20gb"
-    assert mig_profile_of(A100) is None
+    assert mig_parts(name) == (A100, "1g.5gb")
+    assert mig_parts("NVIDIA H100 80GB HBM3 MIG 1c.2g.20gb") == ("NVIDIA H100 80GB HBM3",
+                                                                 "1c.2g.20gb")
+    assert mig_parts(A100) is None
+    assert display_name(name) == "NVIDIA A100-SXM4-40GB · 1g.5gb"
+    assert display_name(A100) == A100
 
 
 def test_simulated_mig_gpu_reports_parent_then_instances(inventory: Path) -> None:
@@ -162,7 +166,7 @@ def _sample(uuid: str, **fields: Any) -> GPUSample:
 
 
 def _instance(uuid: str, mig_index: int, profile: str = "1g.5gb") -> GPUSample:
-    return _sample(uuid, model=mig_device_name(A100, profile), mig_parent_uuid="GPU-p",
+    return _sample(uuid, model=mig_model_name(A100, profile), mig_parent_uuid="GPU-p",
                    mig_profile=profile, mig_index=mig_index)
 
 
@@ -211,7 +215,7 @@ async def test_repartition_in_the_file_reaches_the_heartbeat(inventory: Path) ->
 
 def test_the_protocol_refuses_inconsistent_mig_entries() -> None:
     parent = GPUInfo(uuid="GPU-p", index=0, model=A100, memory_total_mib=40960, mig_mode=True)
-    instance = GPUInfo(uuid="MIG-a", index=0, model=mig_device_name(A100, "1g.5gb"),
+    instance = GPUInfo(uuid="MIG-a", index=0, model=mig_model_name(A100, "1g.5gb"),
                        memory_total_mib=4864, mig_parent_uuid="GPU-p", mig_profile="1g.5gb",
                        mig_index=0)
     beat: dict[str, Any] = {"host": "h", "agent_id": "a", "seq": 0, "sent_at": 1.0,
