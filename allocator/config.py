@@ -116,6 +116,13 @@ class AllocatorSettings(PolicySettings):
         default=False,
         description="Accept heartbeats for any host from any broker user (single-user setups).",
     )
+    reply_to_prefix: str | None = Field(
+        default=None, min_length=1,
+        description="Besides RabbitMQ direct reply-to addresses, accept reply_to queues whose "
+        "name starts with this (clients that consume a reply queue of their own); None: direct "
+        "reply-to only. Any other reply_to is refused unanswered and counted, so that no sender "
+        "can make the allocator publish into a queue of its choice.",
+    )
     metrics_port: int | None = Field(default=None, description="Prometheus port; None = off.")
     request_timeout_s: float = Field(default=10.0, gt=0, description="Bound on broker calls.")
 

@@ -224,6 +224,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         ("swarm_gpu_reply_failures", "Replies that could not be sent", service["reply_failures"]),
         ("swarm_gpu_dead_lettered", "Messages sent to the dead-letter queue",
          service["dead_lettered"]),
+        ("swarm_gpu_reply_to_refused", "Messages refused unanswered because their reply_to "
+         "was not a direct reply-to address", service["reply_to_refused"]),
         ("swarm_gpu_expired_requests_dropped", "Requests dropped because their sender had "
          "given up", service["expired_dropped"]),
         ("swarm_gpu_commit_failures", "Ledger commits that failed (nothing was granted)",

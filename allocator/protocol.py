@@ -24,6 +24,7 @@ from pydantic import (
     StrictInt,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -43,6 +44,21 @@ MAX_WAIT_S = 24 * 3600.0
 
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
 """A printable identifier (user, host, model, request key...)."""
+
+MAX_TEXT = 500
+"""The longest free text (a reason, a health verdict) a message may carry."""
+
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+"""Free text for people: bounded, so that one message cannot bloat every later reply."""
+
+Count64 = Annotated[StrictInt, Field(ge=0, le=(1 << 63) - 1)]
+"""A non-negative counter that fits a signed 64-bit integer (SQLite's, and most languages')."""
+
+WIRE: Final = {"wire": True}
+"""Validation context of a body read off the broker: :func:`decode_inbound` and
+:func:`decode_agent_command` validate with it, in strict mode (``"60"`` is not a number and
+``"yes"`` not a boolean), and it makes ``"v"`` required. Messages built in Python get ``v``
+by default."""
 
 MiB = Annotated[StrictInt, Field(ge=0, le=1 << 30)]
 """A memory size in MiB (up to 1 PiB)."""
@@ -141,12 +157,26 @@ class Health(StrEnum):
     UNHEALTHY = "unhealthy"
 
 
+def speaks_this_version(body: dict[str, Any]) -> bool:
+    """Whether a decoded body carries ``"v"`` as exactly the integer 1 (not ``true``, not
+    ``1.0``, not absent): the one version rule, for the validator and for the error code."""
+    version = body.get("v")
+    return type(version) is int and version == PROTOCOL_VERSION
+
+
 class _Message(BaseModel):
     """Base of every message: strict about unknown fields so typos are reported, not ignored."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     v: Literal[1] = PROTOCOL_VERSION
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_on_the_wire(cls, data: Any, info: ValidationInfo) -> Any:
+        if info.context is WIRE and isinstance(data, dict) and not speaks_this_version(data):
+            raise ValueError(f"'v' must be the integer {PROTOCOL_VERSION}")
+        return data
 
 
 # --------------------------------------------------------------------------- requests
@@ -253,7 +283,7 @@ class ReleaseRequest(_Message):
     lease_id: Name | None = None
     request_key: Name | None = None
     by: Name = Field(default="hub", description="Who asks, for the record.")
-    reason: str = Field(default="", max_length=500)
+    reason: Text = ""
     force: bool = False
     deadline: float | None = None
 
@@ -298,7 +328,7 @@ class DrainRequest(_Message):
     gpu_uuid: Name | None = None
     drained: bool = True
     by: Name = "admin"
-    reason: str = Field(default="", max_length=500)
+    reason: Text = ""
     deadline: float | None = None
 
 
@@ -326,6 +356,13 @@ REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
 # --------------------------------------------------------------------------- node messages
 
 
+MAX_REASONS = 16
+"""Health reasons one GPU may carry in a heartbeat (the agent's checks give at most 6)."""
+MAX_REASON = 300
+"""The longest health reason; with :data:`MAX_REASONS` and 64 GPUs, one host's reasons add
+at most 300 KiB to an inventory reply, not the whole body limit per GPU."""
+
+
 class GPUInfo(BaseModel):
     """One GPU as its node agent sees it."""
 
@@ -340,12 +377,14 @@ class GPUInfo(BaseModel):
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
     temperature_c: float | None = Field(default=None, ge=-100, le=300)
     power_w: float | None = Field(default=None, ge=0, le=10_000)
-    ecc_uncorrected: int | None = Field(default=None, ge=0)
-    retired_pages: int | None = Field(default=None, ge=0)
+    ecc_uncorrected: Count64 | None = None
+    retired_pages: Count64 | None = None
     mig_mode: bool | None = None
-    recent_xids: list[int] = Field(default_factory=list, max_length=64)
+    recent_xids: list[Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]] = Field(
+        default_factory=list, max_length=64)
     health: Health = Health.HEALTHY
-    health_reasons: list[str] = Field(default_factory=list, max_length=32)
+    health_reasons: list[Annotated[str, Field(max_length=MAX_REASON)]] = Field(
+        default_factory=list, max_length=MAX_REASONS)
 
 
 class ProcessUse(BaseModel):
@@ -365,7 +404,7 @@ class ContainerInfo(BaseModel):
 
     container_id: Name
     lease_id: Name
-    name: str = ""
+    name: Annotated[str, Field(max_length=255)] = ""
     started_at: float | None = Field(default=None, allow_inf_nan=False)
     gpu_use: list[ProcessUse] = Field(default_factory=list, max_length=64)
 
@@ -381,7 +420,7 @@ class Heartbeat(_Message):
     kind: Literal["heartbeat"] = "heartbeat"
     host: Name
     agent_id: Name = Field(description="Changes when the agent restarts.")
-    seq: int = Field(ge=0, description="Increases by one per heartbeat of one agent_id.")
+    seq: Count64 = Field(description="Increases by one per heartbeat of one agent_id.")
     sent_at: float = Field(allow_inf_nan=False, description="Epoch seconds on the node.")
     interval_s: float = Field(gt=0, le=3600)
     gpus: list[GPUInfo] = Field(max_length=64)
@@ -422,7 +461,7 @@ class ContainerEvent(_Message):
     lease_id: Name
     action: ContainerAction
     at: float = Field(allow_inf_nan=False, description="Epoch seconds of the Docker event.")
-    exit_code: int | None = None
+    exit_code: Annotated[StrictInt, Field(ge=-(1 << 31), le=(1 << 31) - 1)] | None = None
 
 
 NodeMessage = Annotated[Heartbeat | ContainerEvent, Field(discriminator="kind")]
@@ -500,7 +539,7 @@ def decode_agent_command(body: bytes) -> AgentCommand | str:
     if len(body) > MAX_BODY_BYTES:
         return f"the message is {len(body)} bytes; the limit is {MAX_BODY_BYTES}"
     try:
-        return AGENT_COMMAND_ADAPTER.validate_json(body)
+        return AGENT_COMMAND_ADAPTER.validate_json(body, strict=True, context=WIRE)
     except ValidationError as exc:
         return describe_validation_error(exc)
     except RecursionError:  # pydantic's JSON parser limits nesting; belt and braces
@@ -689,7 +728,7 @@ def decode_inbound(body: bytes) -> AnyInbound | ErrorReply:
             limit=MAX_BODY_BYTES,
         )
     try:
-        return INBOUND_ADAPTER.validate_json(body)
+        return INBOUND_ADAPTER.validate_json(body, strict=True, context=WIRE)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         if first["type"] == "json_invalid":
@@ -702,12 +741,12 @@ def decode_inbound(body: bytes) -> AnyInbound | ErrorReply:
         if not isinstance(data, dict):
             return error_reply(ErrorCode.BAD_REQUEST,
                                "the body must be a JSON object with 'v' and 'kind'")
-        version = data.get("v")
-        if version != PROTOCOL_VERSION:
+        if not speaks_this_version(data):
+            given = (f"protocol version {json.dumps(data['v'])[:40]} is not supported"
+                     if "v" in data else 'the body carries no "v"')
             return error_reply(
                 ErrorCode.UNSUPPORTED_VERSION,
-                f"protocol version {version!r} is not supported; this allocator speaks "
-                f"version {PROTOCOL_VERSION}",
+                f'{given}; every body carries "v": {PROTOCOL_VERSION} (the integer)',
                 supported=[PROTOCOL_VERSION],
             )
         return error_reply(ErrorCode.BAD_REQUEST, describe_validation_error(exc))

@@ -7,11 +7,12 @@ import json
 import time
 
 import aio_pika
+import aio_pika.abc
 import pytest
 from support import GTX1070, RawRPC, gpus, wait_until
 
 from allocator.protocol import MAX_BODY_BYTES, AllocateRequest, ErrorCode, LeaseState, encode
-from allocator.topology import DEAD_LETTER_QUEUE
+from allocator.topology import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_QUEUE
 
 
 @pytest.fixture
@@ -39,7 +40,27 @@ def allocate_body(**fields) -> bytes:
         (b"[1, 2, 3]", "bad_request", "JSON object"),
         (b"[" * 5000 + b"]" * 5000, "bad_request", "JSON"),
         (b'{"v": 2, "kind": "allocate"}', "unsupported_version", "version 2"),
-        (b'{"kind": "allocate", "user": "a"}', "unsupported_version", "version None"),
+        (b'{"kind": "allocate", "user": "a"}', "unsupported_version", 'no "v"'),
+        # "v" is required and exactly the integer 1, even when the rest is a valid request.
+        (b'{"kind": "allocate", "request_key": "k/alice/", "user": "alice"}',
+         "unsupported_version", 'no "v"'),
+        (allocate_body(v=True), "unsupported_version", "version true"),
+        (allocate_body(v=1.0), "unsupported_version", "version 1.0"),
+        (allocate_body(v="1"), "unsupported_version", 'version "1"'),
+        (b'{"v": null, "kind": "queue"}', "unsupported_version", "version null"),
+        # Strict types: a number in a string is not a number, "yes" is not a boolean.
+        (allocate_body(wait_s="60"), "bad_request", "wait_s"),
+        (allocate_body(deadline=str(time.time() + 600)), "bad_request", "deadline"),
+        (allocate_body(priority="5"), "bad_request", "priority"),
+        (allocate_body(count=1.0), "bad_request", "count"),
+        (allocate_body(min_memory_mib="1024"), "bad_request", "min_memory_mib"),
+        (allocate_body(share={"memory_mib": "1024"}), "bad_request", "memory_mib"),
+        (b'{"v": 1, "kind": "inventory", "include_leases": "yes"}', "bad_request",
+         "include_leases"),
+        (b'{"v": 1, "kind": "inventory", "include_leases": 1}', "bad_request", "include_leases"),
+        (b'{"v": 1, "kind": "release", "request_key": "k/alice/", "force": "true"}',
+         "bad_request", "force"),
+        (b'{"v": 1, "kind": "drain", "host": "gpu-a", "drained": 0}', "bad_request", "drained"),
         (b'{"v": 1, "kind": "teleport"}', "bad_request", "teleport"),
         (b'{"v": 1, "kind": "allocate", "user": "alice"}', "bad_request", "request_key"),
         (allocate_body(count=0), "bad_request", "count"),
@@ -160,3 +181,112 @@ async def test_a_message_the_engine_fails_on_is_refused_alone(allocator, client,
     assert ann.state == bob.state == LeaseState.GRANTED
     leases = (await client.inventory(include_leases=True)).leases
     assert sorted(lease.user for lease in leases) == ["ann", "bob"]
+
+
+async def drain_queue(channel: aio_pika.abc.AbstractChannel, name: str) -> list[bytes]:
+    """Every message now in queue ``name``, taken off it."""
+    queue = await channel.get_queue(name)
+    bodies = []
+    while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+        bodies.append(message.body)
+    return bodies
+
+
+async def test_reply_to_that_is_not_a_direct_reply_to_address_is_refused(
+        raw, amqp_vhost, allocator, client):
+    """Otherwise any sender could make the allocator publish into a queue of its choosing
+    (its own inbound queue included): refused unanswered, dead-lettered, counted."""
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        await channel.declare_queue("victim", auto_delete=False)
+        rpc = await channel.get_exchange("swarm-gpu.rpc", ensure=False)
+        targets = ["victim", "swarm-gpu.allocator", "swarm-gpu.dead-letters", "amq.rabbitmq"]
+        replies_before = allocator.stats.counters["replies"]
+        for target in targets:
+            await rpc.publish(aio_pika.Message(allocate_body(request_key=f"k/{target}/"),
+                                               correlation_id=target, reply_to=target),
+                              routing_key="request", timeout=10)
+        await client.inventory()  # one queue, applied in order: the four were handled
+        assert await drain_queue(channel, "victim") == []
+        dead = await drain_queue(channel, DEAD_LETTER_QUEUE)
+    assert sorted(json.loads(body)["request_key"] for body in dead) == sorted(
+        f"k/{target}/" for target in targets)
+    assert allocator.stats.counters["reply_to_refused"] == len(targets)
+    assert allocator.stats.counters["replies"] == replies_before + 1  # the inventory call's
+    assert (await client.inventory(include_leases=True)).leases == []
+    # A direct reply-to address that no channel owns is accepted (nobody can tell it from a
+    # real one) and harms nothing: the reply goes nowhere, the allocator answers on.
+    await raw.channel.default_exchange.publish(
+        aio_pika.Message(allocate_body(request_key="k/forged/"), correlation_id="f",
+                         reply_to="amq.rabbitmq.reply-to.g2dkABNyYWJiaXRAbm9ib2R5AAAAAAAA"),
+        routing_key="swarm-gpu.allocator", timeout=10)
+    lease = await client.allocate(AllocateRequest(request_key="k/bob/", user="bob"))
+    assert lease.state is LeaseState.GRANTED
+
+
+async def test_a_configured_reply_to_prefix_is_accepted(amqp_vhost, ledger_path):
+    from faults import running_allocator
+
+    async with (running_allocator(amqp_vhost.url, ledger_path, reply_to_prefix="replies.")
+                as allocator,
+                await aio_pika.connect(amqp_vhost.url) as connection):
+        channel = await connection.channel()
+        for name in ("replies.hub1", "victim"):
+            await channel.declare_queue(name, auto_delete=False)
+        rpc = await channel.get_exchange("swarm-gpu.rpc", ensure=False)
+        for target in ("replies.hub1", "victim"):
+            await rpc.publish(aio_pika.Message(b'{"v": 1, "kind": "queue"}',
+                                               correlation_id=target, reply_to=target),
+                              routing_key="request", timeout=10)
+
+        async def answered():
+            return await drain_queue(channel, "replies.hub1")
+        replies = await wait_until(answered)
+        assert [json.loads(body)["kind"] for body in replies] == ["queue"]
+        assert await drain_queue(channel, "victim") == []
+        assert allocator.stats.counters["reply_to_refused"] == 1
+
+
+async def test_dead_letter_queue_is_bounded_by_bytes(raw, amqp_vhost, allocator):
+    """A flood of large unreadable messages keeps the dead-letter queue within
+    DEAD_LETTER_MAX_BYTES: the oldest are dropped (drop-head)."""
+    body = b"\x00" * (MAX_BODY_BYTES - 16)
+    flood = DEAD_LETTER_MAX_BYTES // len(body) + 40
+    for _ in range(flood):
+        await raw.send(body, reply=False)
+    await raw.send(b'{"v": 1, "kind": "queue"}')
+    assert (await raw.reply())["kind"] == "queue"
+    assert allocator.stats.counters["dead_lettered"] == flood
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        counts: list[int] = []
+
+        async def settled():
+            # Dead-lettering is asynchronous: wait until the count stops moving.
+            declared = await channel.declare_queue(DEAD_LETTER_QUEUE, passive=True)
+            counts.append(declared.declaration_result.message_count or 0)
+            await asyncio.sleep(0.5)
+            return len(counts) > 1 and counts[-1] == counts[-2] > 0
+        await wait_until(settled, within=60)
+        kept = await drain_queue(channel, DEAD_LETTER_QUEUE)
+    assert 0 < len(kept) < flood
+    assert sum(len(b) for b in kept) <= DEAD_LETTER_MAX_BYTES
+
+
+async def test_an_unbounded_dead_letter_queue_of_an_older_version_does_not_stop_the_start(
+        amqp_vhost, ledger_path, caplog):
+    """RabbitMQ refuses to redeclare a queue with other arguments; the allocator uses the
+    existing dead-letter queue as it is, says so, and serves."""
+    from faults import running_allocator
+
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        await channel.declare_queue(DEAD_LETTER_QUEUE, durable=True,
+                                    arguments={"x-queue-type": "quorum"})
+    async with (running_allocator(amqp_vhost.url, ledger_path) as allocator,
+                RawRPC(amqp_vhost.url) as rpc):
+        await rpc.send(b"not json", reply=False)
+        await rpc.send(b'{"v": 1, "kind": "queue"}')
+        assert (await rpc.reply())["kind"] == "queue"
+        assert allocator.stats.counters["dead_lettered"] == 1
+    assert "exists with other arguments" in caplog.text

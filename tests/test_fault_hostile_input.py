@@ -648,6 +648,17 @@ def test_fuzzed_messages_of_every_kind_against_the_live_consumer(rabbitmq, tmp_p
 # ------------------------------------------------------------------ one by one
 
 
+async def one_gpu_up(client: AllocatorClient, nodes: NodeSimulator) -> list[Any]:
+    """Report host gpu-a with one GTX 1070 and wait until the allocator has it up."""
+    gpu_list = gpus("gpu-a", GTX1070, 1)
+    await nodes.beat("gpu-a", gpu_list)
+
+    async def up() -> list[Any]:
+        return [n for n in (await client.inventory()).nodes if n.up]
+    await wait_until(up)
+    return gpu_list
+
+
 async def test_replayed_and_reordered_heartbeats_never_undo_newer_facts(amqp_vhost, ledger_path):
     async with (running_allocator(amqp_vhost.url, ledger_path, container_gone_grace_s=0.5),
                 AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
@@ -726,12 +737,7 @@ async def test_non_finite_times_are_refused(amqp_vhost, ledger_path, body):
                 AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
                 NodeSimulator(amqp_vhost.url) as nodes,
                 Wire(amqp_vhost.url) as wire):
-        gpu_list = gpus("gpu-a", GTX1070, 1)
-        await nodes.beat("gpu-a", gpu_list)
-
-        async def up():
-            return [n for n in (await client.inventory()).nodes if n.up]
-        await wait_until(up)
+        await one_gpu_up(client, nodes)
         lease = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice"))
         await wire.send(body.replace(b'"L"', json.dumps(lease.lease_id).encode()),
                         to_nodes=True, routing_key="event.gpu-a", reply=False)
@@ -746,21 +752,19 @@ async def test_non_finite_times_are_refused(amqp_vhost, ledger_path, body):
     assert_sound(audit_ledger(ledger_path))
 
 
-@pytest.mark.parametrize(("digits", "accepted"), [(4000, True), (5000, False)])
+@pytest.mark.parametrize(("digits", "accepted"), [(3, True), (11, False), (4000, False),
+                                                (5000, False)])
 async def test_huge_integers_in_a_node_message_harm_nothing(amqp_vhost, ledger_path, digits,
                                                             accepted):
     """JSON integers have no size limit, and Python refuses to print one of more than 4300
-    digits. An exit code of 4000 digits ends its lease like any other (its note is written);
-    one of 5000 is refused by the parser (dead-lettered). Neither fails a batch."""
+    digits. An exit code is a 32-bit integer: one of 3 digits ends its lease like any other;
+    one of 11 or 4000 digits is refused by the protocol, one of 5000 by the parser (each
+    dead-lettered). None fails a batch."""
     async with (running_allocator(amqp_vhost.url, ledger_path) as allocator,
                 AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
                 NodeSimulator(amqp_vhost.url) as nodes,
                 Wire(amqp_vhost.url) as wire):
-        await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 1))
-
-        async def up():
-            return [n for n in (await client.inventory()).nodes if n.up]
-        await wait_until(up)
+        await one_gpu_up(client, nodes)
         lease = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice"))
         await nodes.event("gpu-a", lease.lease_id, ContainerAction.START, container_id="c")
         await await_state(client, lease.lease_id, LeaseState.BOUND)
@@ -774,4 +778,32 @@ async def test_huge_integers_in_a_node_message_harm_nothing(amqp_vhost, ledger_p
         assert allocator.stats.counters["dead_lettered"] == (0 if accepted else 1)
         done = await client.status(lease_id=lease.lease_id)
         assert done.state is (LeaseState.RELEASED if accepted else LeaseState.BOUND)
+    assert_sound(audit_ledger(ledger_path))
+
+
+@pytest.mark.parametrize("field", ["health_reasons", "container_name", "recent_xids"])
+async def test_oversized_strings_and_lists_in_a_heartbeat_are_refused(amqp_vhost, ledger_path,
+                                                                      field):
+    """One forged GPU with a 200 KB health reason would make every inventory reply 200 KB
+    larger: a node message's strings and lists are bounded, and one past a bound is
+    dead-lettered whole; the host's state stays what its last good heartbeat said."""
+    async with (running_allocator(amqp_vhost.url, ledger_path) as allocator,
+                AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
+                NodeSimulator(amqp_vhost.url) as nodes,
+                Wire(amqp_vhost.url) as wire):
+        gpu_list = await one_gpu_up(client, nodes)
+        before = len((await wire.call(InventoryRequest())).model_dump_json())
+        beat = json.loads(heartbeat("gpu-a", gpu_list).model_dump_json())
+        if field == "health_reasons":
+            beat["gpus"][0]["health_reasons"] = ["x" * 200_000]
+        elif field == "container_name":
+            beat["containers"] = [{"container_id": "c", "lease_id": "L", "name": "n" * 100_000}]
+        else:
+            beat["gpus"][0]["recent_xids"] = [2**40]
+        await wire.send(json.dumps(beat).encode(), to_nodes=True, routing_key="heartbeat.gpu-a",
+                        reply=False)
+        await wire.sync()
+        assert allocator.stats.counters["dead_lettered"] == 1
+        assert allocator.stats.counters["invalid_bad_request"] == 1
+        assert len((await wire.call(InventoryRequest())).model_dump_json()) < before + 100
     assert_sound(audit_ledger(ledger_path))
