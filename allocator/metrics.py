@@ -201,7 +201,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     anomalies = CounterMetricFamily("swarm_gpu_anomalies", "Things a node or client did that "
                                     "should not happen", labels=["kind"])
     for kind in ("zombie_container", "unknown_lease_container", "over_budget", "duplicate_gpu",
-                 "node_message_wrong_exchange", "request_from_node_exchange"):
+                 "node_message_wrong_exchange", "request_from_node_exchange", "host_limit",
+                 "gpu_limit", "request_key_conflict"):
         anomalies.add_metric([kind], engine.get(kind, 0))
     yield anomalies
     for name, doc, value in (

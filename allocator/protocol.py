@@ -263,12 +263,22 @@ class AllocateRequest(_Message):
             raise ValueError("a shared slice is always one GPU: count must be 1")
         return self
 
+    def what_is_asked(self) -> dict[str, Any]:
+        """The fields that say which GPUs are asked for, in wire form: a retry under the same
+        ``request_key`` repeats them exactly; different ones are another request (``conflict``).
+        Waiting, priority, groups and the deadline may differ between tries."""
+        return self.model_dump(mode="json", include=set(WHAT_IS_ASKED))
+
     @property
     def acceptable_models(self) -> list[str] | None:
         """The requested model names or aliases, or None for any model."""
         if self.model is not None:
             return [self.model]
         return list(self.models) if self.models is not None else None
+
+
+WHAT_IS_ASKED: Final = ("model", "models", "min_memory_mib", "count", "host", "share")
+"""The fields of :class:`AllocateRequest` that :meth:`AllocateRequest.what_is_asked` compares."""
 
 
 class ReleaseRequest(_Message):
@@ -339,13 +349,25 @@ class QueueRequest(_Message):
     deadline: float | None = None
 
 
+class QuotaRequest(_Message):
+    """A user's quotas and what they hold now, so a spawn form can say "you hold 2 of 4"
+    before a request is refused ``quota_exceeded``."""
+
+    kind: Literal["quota"] = "quota"
+    user: Name
+    groups: list[Name] = Field(default_factory=list, max_length=64,
+                               description="The user's groups, as an allocate would give them.")
+    deadline: float | None = None
+
+
 Request = Annotated[
     AllocateRequest
     | ReleaseRequest
     | StatusRequest
     | InventoryRequest
     | DrainRequest
-    | QueueRequest,
+    | QueueRequest
+    | QuotaRequest,
     Field(discriminator="kind"),
 ]
 """Any request to the allocator's RPC exchange."""
@@ -476,6 +498,7 @@ AnyInbound = Annotated[
     | InventoryRequest
     | DrainRequest
     | QueueRequest
+    | QuotaRequest
     | Heartbeat
     | ContainerEvent,
     Field(discriminator="kind"),
@@ -667,6 +690,28 @@ class DrainReply(_Message):
     drained: bool
 
 
+class QuotaView(BaseModel):
+    """One quota that applies to the user, and its use."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scope: Literal["user", "group"]
+    name: str = Field(description="The user, or the group.")
+    limit: float | None = Field(
+        description="GPUs that may be held at once (a slice counts 1/slots); null = no limit.")
+    held: float = Field(description="Held now: by the user, or by all members of the group.")
+    free: float | None = Field(description="limit - held (never below 0); null = no limit.")
+
+
+class QuotaReply(_Message):
+    """The user's own quota first, then one per group of theirs that has a quota."""
+
+    kind: Literal["quota"] = "quota"
+    ok: Literal[True] = True
+    user: str
+    quotas: list[QuotaView]
+
+
 class ErrorBody(BaseModel):
     """What went wrong, for programs (``code``) and people (``message``)."""
 
@@ -686,7 +731,7 @@ class ErrorReply(_Message):
 
 
 Reply = Annotated[
-    LeaseReply | InventoryReply | QueueReply | DrainReply | ErrorReply,
+    LeaseReply | InventoryReply | QueueReply | DrainReply | QuotaReply | ErrorReply,
     Field(discriminator="kind"),
 ]
 """Any reply from the allocator."""

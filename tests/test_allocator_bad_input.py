@@ -7,9 +7,8 @@ import json
 import time
 
 import aio_pika
-import aio_pika.abc
 import pytest
-from support import GTX1070, RawRPC, gpus, wait_until
+from support import GTX1070, RawRPC, drain_queue, gpus, settled_dead_letters, wait_until
 
 from allocator.protocol import MAX_BODY_BYTES, AllocateRequest, ErrorCode, LeaseState, encode
 from allocator.topology import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_QUEUE
@@ -149,11 +148,16 @@ async def test_heartbeat_sent_to_the_rpc_exchange_is_refused(raw):
     assert reply["error"]["code"] == "forbidden"
 
 
-async def test_allocate_sent_to_the_nodes_exchange_grants_nothing(raw, client, allocator):
+async def test_allocate_sent_to_the_nodes_exchange_is_forbidden(raw, client, allocator):
+    """Every message that asks for a reply gets one: the wrong exchange is ``forbidden``."""
     await raw.send(allocate_body(), exchange="swarm-gpu.nodes", routing_key="heartbeat.gpu-a")
-    assert await raw.no_reply(within=1.0)
+    reply = await raw.reply()
+    assert reply["error"]["code"] == "forbidden"
+    assert "swarm-gpu.rpc" in reply["error"]["message"]
+    await raw.send(allocate_body(), exchange="swarm-gpu.nodes", routing_key="event.gpu-a",
+                   reply=False)
     assert (await client.inventory(include_leases=True)).leases == []
-    assert allocator.engine.counters["request_from_node_exchange"] == 1
+    assert allocator.engine.counters["request_from_node_exchange"] == 2
 
 
 async def test_a_message_the_engine_fails_on_is_refused_alone(allocator, client, nodes,
@@ -181,15 +185,6 @@ async def test_a_message_the_engine_fails_on_is_refused_alone(allocator, client,
     assert ann.state == bob.state == LeaseState.GRANTED
     leases = (await client.inventory(include_leases=True)).leases
     assert sorted(lease.user for lease in leases) == ["ann", "bob"]
-
-
-async def drain_queue(channel: aio_pika.abc.AbstractChannel, name: str) -> list[bytes]:
-    """Every message now in queue ``name``, taken off it."""
-    queue = await channel.get_queue(name)
-    bodies = []
-    while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-        bodies.append(message.body)
-    return bodies
 
 
 async def test_reply_to_that_is_not_a_direct_reply_to_address_is_refused(
@@ -267,15 +262,7 @@ async def test_dead_letter_queue_is_bounded_by_bytes(raw, amqp_vhost, allocator)
     await wait_until(all_rejected)
     async with await aio_pika.connect(amqp_vhost.url) as connection:
         channel = await connection.channel()
-        counts: list[int] = []
-
-        async def settled():
-            # Dead-lettering is asynchronous: wait until the count stops moving.
-            declared = await channel.declare_queue(DEAD_LETTER_QUEUE, passive=True)
-            counts.append(declared.declaration_result.message_count or 0)
-            await asyncio.sleep(0.5)
-            return len(counts) > 1 and counts[-1] == counts[-2] > 0
-        await wait_until(settled, within=60)
+        await settled_dead_letters(channel)
         kept = await drain_queue(channel, DEAD_LETTER_QUEUE)
     assert 0 < len(kept) < flood
     assert sum(len(b) for b in kept) <= DEAD_LETTER_MAX_BYTES
@@ -298,3 +285,26 @@ async def test_an_unbounded_dead_letter_queue_of_an_older_version_does_not_stop_
         assert (await rpc.reply())["kind"] == "queue"
         assert allocator.stats.counters["dead_lettered"] == 1
     assert "exists with other arguments" in caplog.text
+
+
+async def test_a_request_that_expires_in_the_queue_is_dead_lettered_with_x_death(amqp_vhost):
+    """What docs/protocol.md says the dead-letter queue holds: the broker moves a request
+    whose AMQP expiration passed while it waited there, with an ``x-death`` header."""
+    from allocator.service import declare_topology
+
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        await declare_topology(channel, "swarm-gpu.allocator")  # no allocator consumes it
+        rpc = await channel.get_exchange("swarm-gpu.rpc", ensure=False)
+        await rpc.publish(aio_pika.Message(allocate_body(), expiration=0.05),
+                          routing_key="request", timeout=10)
+        queue = await channel.get_queue(DEAD_LETTER_QUEUE)
+
+        async def dead_letter():
+            return await queue.get(no_ack=True, fail=False, timeout=5)
+        message = await wait_until(dead_letter, within=20)
+    assert json.loads(message.body)["request_key"] == "k/alice/"
+    death = message.headers["x-death"][0]
+    assert death["reason"] == "expired"
+    assert death["queue"] == "swarm-gpu.allocator"
+    assert death["exchange"] == "swarm-gpu.rpc"
