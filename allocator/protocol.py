@@ -394,8 +394,6 @@ Request = Annotated[
 ]
 """Any request to the allocator's RPC exchange."""
 
-REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
-
 
 # --------------------------------------------------------------------------- node messages
 

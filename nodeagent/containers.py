@@ -49,15 +49,13 @@ import aiodocker
 import aiohttp
 from aiodocker.events import DockerEvents
 
-from nodeagent.tasks import cancel_and_wait
+from allocator.lease_container import LEASE_LABEL
+from allocator.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_STEP_S = 2.0
 """Bound on each step of closing an event stream."""
-
-LEASE_LABEL = "swarm-gpu.lease"
-"""Container label the spawner sets; its value is the lease id."""
 
 WATCHED_ACTIONS = ("start", "die", "oom", "destroy")
 """Docker container actions forwarded as container events."""

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import copy
+from fractions import Fraction
 
 import pytest
 from hub_inventory import GTX1070, lease
 
+from allocator import policy
+from allocator.cluster import GPU, Cluster
+from allocator.policy import Placement
 from allocator.protocol import LeaseState
 from hubplugin.builders import (
     LEASE_LABEL,
@@ -32,16 +36,11 @@ def test_no_gpu_means_void() -> None:
     assert spec.lease_id is None and spec.summary == "no GPU"
 
 
-def test_exclusive_lease_env() -> None:
-    env = gpu_env(lease(gpu_uuids=["GPU-1", "GPU-2"], gpu_indices=[0, 1]))
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1,GPU-2"
-    assert env["SWARM_GPU_LEASE_ID"] == "L-42"
-    assert env["SWARM_GPU_HOST"] == "gpu-a"
-    assert env["SWARM_GPU_GPU_COUNT"] == "2"
-    assert env["SWARM_GPU_MODEL"] == GTX1070
-    assert env["SWARM_GPU_SHARED"] == "0"
-    assert env["SWARM_GPU_LEASE"] == "L-42"  # the allocator's own env is kept
-    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in env
+def test_the_container_gets_the_allocators_env_and_nothing_else() -> None:
+    allocators = {"NVIDIA_VISIBLE_DEVICES": "GPU-1,GPU-2", "SWARM_GPU_LEASE": "L-42",
+                  "SWARM_GPU_HOST": "gpu-a", "SWARM_GPU_GPU_COUNT": "2"}
+    env = gpu_env(lease(gpu_uuids=["GPU-1", "GPU-2"], gpu_indices=[0, 1], env=allocators))
+    assert env == allocators
 
 
 def test_uuids_win_over_the_lease_env() -> None:
@@ -49,21 +48,18 @@ def test_uuids_win_over_the_lease_env() -> None:
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaaa"
 
 
-def test_shared_lease_gets_framework_hints() -> None:
-    shared = lease(shared=True, memory_mib=2048,
-                   env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.240"})
-    env = gpu_env(shared, memory_total_mib=8192)
+def test_a_granted_slice_carries_the_allocators_budget_and_hints() -> None:
+    cluster = Cluster()
+    cluster.gpus["GPU-aaaa"] = GPU(uuid="GPU-aaaa", host="gpu-a", index=0, model=GTX1070,
+                                   memory_total_mib=8192)
+    placement = Placement("gpu-a", ("GPU-aaaa",), True, 2048, Fraction(1, 4))
+    env = gpu_env(lease(shared=True, memory_mib=2048,
+                        env=policy.lease_env(placement, cluster, "L-42")))
     assert env["SWARM_GPU_SHARED"] == "1"
-    assert env["SWARM_GPU_MEMORY_MIB"] == "2048"
+    assert env["SWARM_GPU_MEMORY_LIMIT_MIB"] == "2048"
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.240"  # the allocator's hint wins
-    env = gpu_env(shared.model_copy(update={"env": {}}), memory_total_mib=8192)
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.25"
-    env = gpu_env(shared.model_copy(update={"env": {}, "memory_mib": 2047}),
-                  memory_total_mib=8192)
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.24"  # rounded down
-    env = gpu_env(shared.model_copy(update={"env": {}}))
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
+    assert "SWARM_GPU_MEMORY_MIB" not in env and "SWARM_GPU_LEASE_ID" not in env, "one name each"
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from allocator import policy
 from allocator.cluster import GPU, Cluster, Node
+from allocator.counters import Count, Family
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.state import RECENT_FINAL_LEASES, Sender
 from allocator.engine.views import Views
@@ -44,7 +45,7 @@ class LeaseBook(Views, CommandOutbox):
                 )
             asked, held = request.what_is_asked(), self._what_was_asked(existing)
             if held is not None and asked != held:
-                self.counters["request_key_conflict"] += 1
+                self.counters.add(Count.REQUEST_KEY_CONFLICT)
                 differs = sorted(name for name in asked if asked[name] != held.get(name))
                 return error_reply(
                     ErrorCode.CONFLICT,
@@ -54,7 +55,7 @@ class LeaseBook(Views, CommandOutbox):
                     "another request, release that lease first or use another key.",
                     lease_id=existing.lease_id, state=existing.state.value, differs=differs,
                     held=held, asked=asked)
-            self.counters["allocate_retry"] += 1
+            self.counters.add(Count.ALLOCATE_RETRY)
             return self.lease_reply(existing)
         demand = policy.make_demand(request, self._model_catalog(), self.settings)
         if isinstance(demand, policy.Refusal):
@@ -75,7 +76,7 @@ class LeaseBook(Views, CommandOutbox):
             record.wait_until = now + request.wait_s
             self._track(record)
             changes.transition(record, None, now, "no GPU free; waiting", by=request.user)
-            self.counters["queued"] += 1
+            self.counters.add(Count.QUEUED)
             return self.lease_reply(record)
         return self._refuse(placement)
 
@@ -144,12 +145,11 @@ class LeaseBook(Views, CommandOutbox):
 
     def _grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,
                now: float, changes: Changes, old: LeaseState | None) -> None:
-        models = {self.cluster.gpus[u].model for u in placement.gpu_uuids}
         record.state = LeaseState.GRANTED
         record.host = placement.host
         self._by_host.setdefault(record.host, {})[record.lease_id] = record
         record.gpu_uuids = tuple(placement.gpu_uuids)
-        record.model = models.pop() if len(models) == 1 else None
+        record.model = policy.placement_model(placement, self.cluster)
         record.shared = placement.shared
         record.memory_mib = placement.memory_mib
         record.units = placement.units
@@ -160,10 +160,10 @@ class LeaseBook(Views, CommandOutbox):
         self.index.refresh(self.cluster, placement.host)
         self.by_key[record.request_key] = record.lease_id
         changes.transition(record, old, now, "granted", by=record.user)
-        self.counters["granted"] += 1
+        self.counters.add(Count.GRANTED)
 
     def _refuse(self, refusal: policy.Refusal) -> ErrorReply:
-        self.counters[f"refused_{refusal.code.value}"] += 1
+        self.counters.add_to(Family.REFUSED, refusal.code.value)
         return error_reply(refusal.code, refusal.message, **refusal.details)
 
     def _serve_queue(self, now: float, changes: Changes) -> None:
@@ -259,4 +259,4 @@ class LeaseBook(Views, CommandOutbox):
         while len(self.recent) > RECENT_FINAL_LEASES:
             self.recent.popitem(last=False)
         changes.transition(record, old, now, reason.value, by=by)
-        self.counters[f"released_{reason.value}"] += 1
+        self.counters.add_to(Family.RELEASED, reason.value)

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from allocator import policy
 from allocator.cluster import GPU, Node
+from allocator.counters import Count, Family
 from allocator.engine.leases import LeaseBook
 from allocator.engine.state import CLOCK_SKEW_WARN_S, Sender, log
 from allocator.lease import LeaseRecord
@@ -43,7 +44,7 @@ class NodeReconciliation(LeaseBook):
             host=host)
         if sender.user_id == expected:
             return True
-        self.counters[f"{kind}_rejected"] += 1
+        self.counters.add_to(Family.NODE_MESSAGE_REJECTED, kind)
         log.warning("refused %s for host %r from broker user %r (expected %r)",
                     kind, host, sender.user_id, expected)
         changes.event(now, f"{kind}_rejected", host=host, from_user=sender.user_id,
@@ -70,22 +71,22 @@ class NodeReconciliation(LeaseBook):
         reply with invented hosts."""
         if self._hosts_of_user[sender.user_id or ""] < self.settings.max_hosts_per_node_user:
             return True
-        if self._count_anomaly("host_limit"):
+        if self._count_anomaly(Count.HOST_LIMIT):
             log.warning("refused new host %r: broker user %r reports for %d hosts already "
                         "(max_hosts_per_node_user)", host, sender.user_id,
                         self._hosts_of_user[sender.user_id or ""])
             changes.event(now, "host_limit", host=host, from_user=sender.user_id)
         return False
 
-    def _count_anomaly(self, kind: str) -> bool:
+    def _count_anomaly(self, kind: Count) -> bool:
         """Count one more ``kind``; True for the first and every 1000th, the ones worth a log
         line and a ledger event (one per heartbeat would grow the ledger without end)."""
-        self.counters[kind] += 1
-        return self.counters[kind] % 1000 == 1
+        self.counters.add(kind)
+        return self.counters[kind.value] % 1000 == 1
 
     def _heartbeat(self, beat: Heartbeat, sender: Sender, now: float, changes: Changes) -> None:
         if self._stale(beat):
-            self.counters["heartbeat_stale"] += 1  # replayed or reordered: older news
+            self.counters.add(Count.HEARTBEAT_STALE)  # replayed or reordered: older news
             return
         if beat.host not in self.cluster.nodes and not self._may_add_host(beat.host, sender,
                                                                            now, changes):
@@ -95,12 +96,12 @@ class NodeReconciliation(LeaseBook):
             self._cannot_list.discard(beat.host)
         else:
             self._cannot_list.add(beat.host)
-        self.counters["heartbeats"] += 1
+        self.counters.add(Count.HEARTBEATS)
         skew = beat.sent_at - now
         if abs(skew) > CLOCK_SKEW_WARN_S:
             # Liveness uses receipt time, so a skewed node clock harms nothing here; but the
             # agent's event times feed the container checks, so an admin should know.
-            self.counters["heartbeat_clock_skew"] += 1
+            self.counters.add(Count.HEARTBEAT_CLOCK_SKEW)
             if beat.host not in self._skewed:
                 self._skewed.add(beat.host)
                 log.warning("node %s's clock is %+.1f s off the allocator's", beat.host, skew)
@@ -151,7 +152,7 @@ class NodeReconciliation(LeaseBook):
             if gpu is not None and gpu.host != node.host:
                 owner = self.cluster.nodes.get(gpu.host)
                 if owner is not None and gpu.present and self._up(owner, now):
-                    self.counters["duplicate_gpu"] += 1
+                    self.counters.add(Count.DUPLICATE_GPU)
                     changes.event(now, "duplicate_gpu", host=node.host, gpu_uuid=info.uuid,
                                   owner=gpu.host)
                     continue
@@ -166,7 +167,7 @@ class NodeReconciliation(LeaseBook):
             if gpu is None and len(set(node.gpu_uuids) | set(listed)) \
                     >= self.settings.max_gpus_per_host:
                 # Cycling uuids would otherwise add a GPU row per heartbeat, forever.
-                if self._count_anomaly("gpu_limit"):
+                if self._count_anomaly(Count.GPU_LIMIT):
                     log.warning("ignored new GPU %s of %s: it has %d GPUs on record "
                                 "(max_gpus_per_host)", info.uuid, node.host,
                                 len(node.gpu_uuids))
@@ -272,9 +273,9 @@ class NodeReconciliation(LeaseBook):
     def _unexpected_container(self, lease_id: str, container_id: str, host: str, now: float,
                               changes: Changes) -> None:
         finished = self.recent.get(lease_id)
-        kind = "zombie_container" if finished is not None else "unknown_lease_container"
-        self.counters[kind] += 1
-        changes.event(now, kind, host=host, lease_id=lease_id, container_id=container_id)
+        kind = Count.ZOMBIE_CONTAINER if finished is not None else Count.UNKNOWN_LEASE_CONTAINER
+        self.counters.add(kind)
+        changes.event(now, kind.value, host=host, lease_id=lease_id, container_id=container_id)
         if finished is not None and finished.host in (None, host):
             # A container of a lease this allocator finished (e.g. a start after the bind
             # deadline reclaimed it): it would use GPUs the ledger gave away. A lease the
@@ -288,7 +289,7 @@ class NodeReconciliation(LeaseBook):
         used = sum(use.memory_used_mib for use in info.gpu_use)
         if used > record.memory_mib and record.lease_id not in self._over_budget:
             self._over_budget.add(record.lease_id)
-            self.counters["over_budget"] += 1
+            self.counters.add(Count.OVER_BUDGET)
             changes.event(now, "over_budget", host=record.host, lease_id=record.lease_id,
                           user=record.user, used_mib=used, budget_mib=record.memory_mib)
         elif used <= record.memory_mib:
@@ -303,10 +304,10 @@ class NodeReconciliation(LeaseBook):
         self._node_clock_bound[record.lease_id] = node_time
         changes.transition(record, old, now, f"container {container_id[:12]} running ({via})",
                            by=f"node {record.host}")
-        self.counters["bound"] += 1
+        self.counters.add(Count.BOUND)
 
     def _container_event(self, event: ContainerEvent, now: float, changes: Changes) -> None:
-        self.counters[f"event_{event.action.value}"] += 1
+        self.counters.add_to(Family.CONTAINER_EVENT, event.action.value)
         record = self.leases.get(event.lease_id)
         if record is None or record.host != event.host or not record.state.holds_gpus:
             if event.action is ContainerAction.START:
