@@ -10,7 +10,14 @@ import aio_pika
 import pytest
 from support import GTX1070, RawRPC, drain_queue, gpus, settled_dead_letters, wait_until
 
-from allocator.protocol import MAX_BODY_BYTES, AllocateRequest, ErrorCode, LeaseState, encode
+from allocator.protocol import (
+    MAX_BODY_BYTES,
+    AllocateRequest,
+    ErrorCode,
+    Lease,
+    LeaseState,
+    encode,
+)
 from allocator.topology import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_QUEUE
 
 
@@ -182,6 +189,7 @@ async def test_a_message_the_engine_fails_on_is_refused_alone(allocator, client,
         return_exceptions=True)
     ann, mallory, bob = results
     assert getattr(mallory, "code", None) == ErrorCode.INTERNAL_ERROR
+    assert isinstance(ann, Lease) and isinstance(bob, Lease), results
     assert ann.state == bob.state == LeaseState.GRANTED
     leases = (await client.inventory(include_leases=True)).leases
     assert sorted(lease.user for lease in leases) == ["ann", "bob"]

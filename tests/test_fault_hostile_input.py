@@ -453,7 +453,8 @@ class Harness:
     def check_allocate(self, request: AllocateRequest, before: Known | None, reply: Any) -> None:
         retry = (before is not None and before.user == request.user
                  and before.asked in (None, request.what_is_asked()))
-        still_there = (isinstance(reply, LeaseReply) and reply.lease.lease_id == before.lease_id
+        still_there = (isinstance(reply, LeaseReply) and before is not None
+                       and reply.lease.lease_id == before.lease_id
                        if retry else
                        isinstance(reply, ErrorReply) and reply.error.code is ErrorCode.CONFLICT)
         if before is not None and before.state is LeaseState.QUEUED and not still_there:

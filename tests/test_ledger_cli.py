@@ -335,10 +335,10 @@ def test_usage_is_clipped_and_weighted(tmp_path):
         ("never", "dee", [], [], 0, (0, 1), None, t0 + hour, "expired"),
     ]
     with sqlite3.connect(path) as conn:
-        for uuid, host, model in (("a0", "h1", "M1"), ("a1", "h1", "M1"), ("a2", "h1", "M1"),
-                                  ("a3", "h1", "M1"), ("b0", "h2", "M2"), ("b1", "h2", "M2")):
+        for uuid, host, gpu_model in (("a0", "h1", "M1"), ("a1", "h1", "M1"), ("a2", "h1", "M1"),
+                                      ("a3", "h1", "M1"), ("b0", "h2", "M2"), ("b1", "h2", "M2")):
             conn.execute("INSERT INTO gpus (uuid, host, idx, model, memory_total_mib, present) "
-                         "VALUES (?, ?, 0, ?, 8192, 1)", (uuid, host, model))
+                         "VALUES (?, ?, 0, ?, 8192, 1)", (uuid, host, gpu_model))
         for lease, user, groups, uuids, shared, (num, den), granted, released, state in rows:
             model = None if lease == "mix" else ("M2" if uuids and uuids[0][0] == "b" else "M1")
             conn.execute(
@@ -359,9 +359,9 @@ def test_usage_is_clipped_and_weighted(tmp_path):
     assert everything == pytest.approx({
         ("ann", "M1"): 2 * 2 + 0.25 * 4, ("ben", "M2"): 4.0 + 1.0,
         ("cy", "M1"): 1.0, ("cy", "M2"): 1.0})  # a lease of two models splits by GPU
-    groups = {(r.key, r.model): r.gpu_hours
-              for r in reports.usage(conn, reports.Filters(), by="group", now=t0 + 5 * hour)}
-    assert groups == pytest.approx({
+    by_group = {(r.key, r.model): r.gpu_hours
+                for r in reports.usage(conn, reports.Filters(), by="group", now=t0 + 5 * hour)}
+    assert by_group == pytest.approx({
         ("lab", "M1"): 5.0 + 1.0, ("lab", "M2"): 1.0, ("ops", "M1"): 1.0, ("ops", "M2"): 1.0,
         (reports.NO_GROUP, "M2"): 5.0})
     only = reports.usage(conn, reports.Filters(model="m2", user="ben"), now=t0 + 5 * hour)
