@@ -260,7 +260,7 @@ def test_every_service_runs_and_is_healthy(cluster: Cluster) -> None:
         f"{stack}_jupyterhub": ("replicated", "1/1"),
     }
     # The agents run on the GPU nodes, one each; broker, allocators and hub on the manager.
-    where = {}
+    where: dict[str, set[str]] = {}
     for line in cluster.manager("stack", "ps", stack, "--filter", "desired-state=running",
                                 "--format", "{{.Name}} {{.Node}}").stdout.splitlines():
         name, node = line.split()
