@@ -32,11 +32,17 @@ class GPU:
     utilization_pct: float | None = None
     temperature_c: float | None = None
     power_w: float | None = None
+    conflict: str | None = None
+    """Why a running container's grant contradicts the ledger on this GPU (see
+    :mod:`allocator.adoption`); None when nothing does. Kept in memory only: it is judged
+    again from every listing of the node."""
 
     @property
     def placeable(self) -> bool:
-        """Healthy, listed by its node and not drained (node state is checked separately)."""
-        return self.present and self.health is Health.HEALTHY and not self.drained
+        """Healthy, listed by its node, not drained and not in conflict (node state is checked
+        separately)."""
+        return (self.present and self.health is Health.HEALTHY and not self.drained
+                and self.conflict is None)
 
 
 @dataclass

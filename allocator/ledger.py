@@ -188,6 +188,9 @@ class LoadedState:
     gpus: list[GPU]
     leases: list[LeaseRecord]
     agent_users: dict[str, str]
+    finished: list[LeaseRecord] = field(default_factory=list)
+    """The newest final leases (oldest first), so that a container of a lease finished before
+    a restart is still known as a zombie, not adopted as a lease the ledger forgot."""
 
 
 def _upsert_sql(table: str, columns: list[str], pk: str) -> str:
@@ -346,8 +349,9 @@ class Ledger:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def load(self) -> LoadedState:
-        """Everything the allocator needs in memory (on the ledger thread)."""
+    def load(self, finished_limit: int = 10_000) -> LoadedState:
+        """Everything the allocator needs in memory (on the ledger thread), with the newest
+        ``finished_limit`` final leases."""
         db = self.db
         nodes: dict[str, Node] = {}
         agent_users: dict[str, str] = {}
@@ -380,7 +384,15 @@ class Ledger:
             for row in db["leases"].rows_where(f"state in ({marks})", active,
                                                order_by="created_at")
         ]
-        return LoadedState(list(nodes.values()), gpus, leases, agent_users)
+        final = [s.value for s in LeaseState if s.final]
+        finished = [
+            LeaseRecord.from_row(self._decode_lease(row))
+            for row in db["leases"].rows_where(
+                f"state in ({', '.join('?' for _ in final)})", final,
+                order_by="created_at desc", limit=finished_limit)
+        ]
+        finished.reverse()
+        return LoadedState(list(nodes.values()), gpus, leases, agent_users, finished)
 
     def find_lease(self, lease_id: str) -> LeaseRecord | None:
         """A lease by id, final ones included (on the ledger thread)."""

@@ -57,9 +57,10 @@ REQUEST_SECONDS = Histogram(
     registry=REGISTRY,
 )
 
-GPU_STATES = ("free", "held", "unhealthy", "drained", "down")
-"""Each present GPU is in exactly one: held (any claim) first, then unhealthy, drained (the
-GPU or its node), down (its node is silent), else free."""
+GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict")
+"""Each present GPU is in exactly one: conflict (a running container's grant contradicts the
+ledger on it) first, then held (any claim), unhealthy, drained (the GPU or its node), down
+(its node is silent), else free."""
 
 SNAPSHOT_TIMEOUT_S = 2.0
 """How long a scrape waits for the event loop; a loop blocked longer is itself the news."""
@@ -102,7 +103,9 @@ def take_snapshot(service: AllocatorService, now: float) -> Snapshot:
     for node in inventory.nodes:
         snap.nodes[node.host] = (node.up, node.drained, node.last_heartbeat)
     for gpu in inventory.gpus:
-        if gpu.holders:
+        if gpu.conflict is not None:
+            state = "conflict"
+        elif gpu.holders:
             state = "held"
         elif gpu.health is not Health.HEALTHY:
             state = "unhealthy"
@@ -146,7 +149,7 @@ def _labelled_counter(name: str, doc: str, label: str, counters: Mapping[str, in
 def metric_families(snap: Snapshot) -> Iterator[Metric]:
     """The Prometheus families of one snapshot."""
     gpus = GaugeMetricFamily("swarm_gpu_gpus", "GPUs by model and state (free, held, "
-                             "unhealthy, drained, down)", labels=["model", "state"])
+                             "unhealthy, drained, down, conflict)", labels=["model", "state"])
     for model in sorted({model for model, _ in snap.gpus}):
         for state in GPU_STATES:  # every state, zeros included, so series never vanish
             gpus.add_metric([model, state], snap.gpus.get((model, state), 0))
@@ -200,7 +203,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                             "decided, by reason", "reason", engine, "stop_asked_")
     anomalies = CounterMetricFamily("swarm_gpu_anomalies", "Things a node or client did that "
                                     "should not happen", labels=["kind"])
-    for kind in ("zombie_container", "unknown_lease_container", "over_budget", "duplicate_gpu",
+    for kind in ("zombie_container", "unknown_lease_container", "adoption_conflict",
+                 "over_budget", "duplicate_gpu",
                  "node_message_wrong_exchange", "request_from_node_exchange"):
         anomalies.add_metric([kind], engine.get(kind, 0))
     yield anomalies
@@ -208,6 +212,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         ("swarm_gpu_grants", "Leases granted (now or from the queue)", engine["granted"]),
         ("swarm_gpu_queued", "Requests that had to wait", engine["queued"]),
         ("swarm_gpu_binds", "Leases bound to a running container", engine["bound"]),
+        ("swarm_gpu_adoptions", "Leases the ledger did not know, taken back from a running "
+         "container's grant labels", engine["adopted"]),
         ("swarm_gpu_allocate_retries", "Allocate retries answered with the existing lease",
          engine["allocate_retry"]),
         ("swarm_gpu_heartbeats", "Heartbeats applied", engine["heartbeats"]),

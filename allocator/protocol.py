@@ -616,6 +616,9 @@ class GPUView(BaseModel):
     holders: list[str] = Field(default_factory=list, description="Lease ids holding it.")
     free_slots: int
     free_memory_mib: int = Field(description="Memory not promised to shared slices.")
+    conflict: str | None = Field(
+        default=None, description="Why a running container's grant contradicts the ledger on "
+        "this GPU; while set, nothing is placed on it.")
 
 
 class NodeView(BaseModel):
