@@ -50,6 +50,12 @@ class AllocatorSettings(PolicySettings):
     """Everything the allocator process reads at start."""
 
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    broker_wait_s: float = Field(
+        default=180.0, ge=0,
+        description="At start, how long to keep trying to reach the broker before exiting: "
+        "on a first deploy the allocator may start before RabbitMQ listens. Each failed "
+        "attempt logs one line; the pause doubles from 1 s up to 10 s. 0 = try once.",
+    )
     queue_name: str = Field(default="swarm-gpu.allocator", description="Inbound queue name.")
     ledger_path: Path = Path("swarm-gpu-ledger.sqlite")
     ledger_synchronous: Literal["full", "normal"] = Field(

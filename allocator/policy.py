@@ -6,7 +6,7 @@ request), :func:`feasible` (could it ever fit?), :func:`place` (where does it fi
 :func:`check_quota` (may this user take it?), :func:`apply_placement` (record the claims)
 and :func:`lease_env` (what the container gets).
 
-Rules, as in ``DESIGN.md``:
+Rules, as in ``docs/design.md``:
 
 * All GPUs of one lease are on one host, which is up and not drained; unhealthy, drained
   and no-longer-present GPUs never fit.

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,6 +141,18 @@ async def declare_agents_exchange(
         return None
 
 
+BROKER_RETRY_FIRST_S = 1.0
+"""First pause between broker connection attempts at start; it doubles each time..."""
+BROKER_RETRY_MAX_S = 10.0
+"""...up to this, until ``broker_wait_s`` has passed."""
+
+
+def broker_address(amqp_url: str) -> str:
+    """``host:port/vhost`` of an AMQP URL, without the credentials, for log lines."""
+    url = urllib.parse.urlsplit(amqp_url)
+    return f"{url.hostname}:{url.port or 5672}{url.path or '/'}"
+
+
 class AllocatorService:
     """The running allocator: broker consumer, engine and ledger writer."""
 
@@ -172,9 +185,7 @@ class AllocatorService:
         """Open the ledger, load it, connect, declare the topology and start consuming."""
         self.ledger.open()
         await self._reload()
-        timeout = self.settings.request_timeout_s
-        self._connection = await asyncio.wait_for(
-            aio_pika.connect_robust(self.settings.amqp_url, timeout=timeout), timeout)
+        self._connection = await self._connect()
         self._channel = await self._connection.channel(publisher_confirms=False)
         await self._channel.set_qos(prefetch_count=self.settings.prefetch)
         self._queue = await declare_topology(self._channel, self.settings.queue_name)
@@ -190,6 +201,38 @@ class AllocatorService:
             self.metrics_server = metrics.serve(self, self.settings.metrics_port)
         log.info("allocator consuming %s; ledger %s", self.settings.queue_name,
                  self.settings.ledger_path)
+
+    async def _connect(self) -> aio_pika.abc.AbstractRobustConnection:
+        """The broker connection, waiting up to ``broker_wait_s`` for the broker to listen.
+
+        Swarm may start the allocator before RabbitMQ on a first deploy; exiting at once
+        would crash-loop the task. One log line per failed attempt tells the admin why. The
+        attempts use plain connections: a robust one whose first attempt is cut short by a
+        timeout keeps reconnecting in the background.
+        """
+        timeout = self.settings.request_timeout_s
+        deadline = time.monotonic() + self.settings.broker_wait_s
+        pause = BROKER_RETRY_FIRST_S
+        attempt = 1
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    probe = await aio_pika.connect(self.settings.amqp_url, timeout=timeout)
+                await probe.close()
+                break
+            except (OSError, TimeoutError, AMQPError) as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                pause = min(pause, left)
+                log.warning("broker %s not reachable (attempt %d: %s); retrying in %.0f s",
+                            broker_address(self.settings.amqp_url), attempt,
+                            str(exc) or type(exc).__name__, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, BROKER_RETRY_MAX_S)
+                attempt += 1
+        async with asyncio.timeout(timeout):
+            return await aio_pika.connect_robust(self.settings.amqp_url, timeout=timeout)
 
     async def stop(self) -> None:
         """Stop consuming, finish the batch in hand, close the broker and the ledger.

@@ -1,6 +1,6 @@
 """``GPUSwarmSpawner``: a ``dockerspawner.SwarmSpawner`` that leases GPUs from the allocator.
 
-Life of one server (DESIGN.md flows 1 and 3):
+Life of one server (docs/design.md, flows 1 and 3):
 
 1. ``options_form`` asks the allocator for its inventory and renders the spawn form
    (:mod:`hubplugin.form`); ``options_from_form`` turns the submitted fields into

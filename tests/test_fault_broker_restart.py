@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from faults import assert_sound, audit_ledger, report
+from faults import AllocatorProcess, assert_sound, audit_ledger, report
+from services import port_open
 from support import wait_until
 
 from allocator.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
@@ -177,3 +179,45 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
     assert sorted(audit.leases_per_key) == ["hub/alice/", "hub/bob/", "hub/carol/", "hub/dave/"]
     assert len(audit.held_gpus) == 4
     report("broker_restart", **figures)
+
+
+async def test_the_allocator_waits_for_a_broker_that_is_not_up_yet(
+        private_rabbitmq, tmp_path: Path, ledger_path: Path) -> None:
+    """A first deploy may start the allocator before the broker listens: it keeps trying,
+    one log line per attempt without the password, for ``broker_wait_s`` and no longer."""
+    broker = private_rabbitmq
+    await asyncio.to_thread(broker.stop_app)
+    try:
+        impatient = AllocatorProcess("impatient", broker.url, ledger_path, tmp_path,
+                                     broker_wait_s=2)
+        started = time.monotonic()
+        await impatient.start()
+        assert impatient.process is not None
+        async with asyncio.timeout(30):
+            status = await impatient.process.wait()
+        assert status != 0, "gave up: the task fails and Swarm restarts it"
+        assert time.monotonic() - started < 2 + 20, "bounded by broker_wait_s"
+        attempts = re.findall(r"not reachable \(attempt (\d+):", impatient.log())
+        assert attempts[:2] == ["1", "2"], impatient.log()[-2000:]
+
+        patient = AllocatorProcess("patient", broker.url, ledger_path, tmp_path,
+                                   broker_wait_s=120)
+        await patient.start()
+        try:
+            async def tried_twice() -> bool:
+                return len(re.findall(r"not reachable \(attempt", patient.log())) >= 2
+            await wait_until(tried_twice, within=30, interval=0.1)
+            assert patient.process is not None and patient.process.returncode is None
+            await asyncio.to_thread(broker.start_app)
+            await patient.wait_consuming(within=60)
+            async with AllocatorClient(broker.url, timeout_s=10) as client:
+                inventory = await client.inventory()
+            assert inventory.nodes == [], "answered by the allocator that waited"
+            for line in patient.log().splitlines():
+                if "not reachable" in line:
+                    assert "guest:guest" not in line and "@" not in line, line
+        finally:
+            await patient.stop()
+    finally:
+        if not port_open("127.0.0.1", broker.port):
+            await asyncio.to_thread(broker.start_app)

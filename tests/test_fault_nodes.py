@@ -1,6 +1,6 @@
 """Leases follow the containers' truth when nodes, agents, engines and hubs fail.
 
-Each test checks one documented bound (DESIGN.md, flow 3), with timers set short:
+Each test checks one documented bound (docs/design.md, flow 3), with timers set short:
 
 - **bind timeout**: a lease the hub never binds (it crashed mid-spawn) is reclaimed at
   ``bind_timeout_s``; a container that turns up later does not get the GPU back;

@@ -1,0 +1,95 @@
+"""The engine's front door: :class:`Engine` applies one inbound message at a time
+(:meth:`Engine.handle`) and runs the timers (:meth:`Engine.tick`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from allocator.engine.nodes import NodeReconciliation
+from allocator.engine.state import Sender
+from allocator.ledger import Changes
+from allocator.protocol import (
+    AllocateRequest,
+    AnyInbound,
+    ContainerEvent,
+    DrainRequest,
+    ErrorCode,
+    Heartbeat,
+    InventoryRequest,
+    LeaseState,
+    QueueReply,
+    QueueRequest,
+    ReleaseReason,
+    ReleaseRequest,
+    StatusRequest,
+    error_reply,
+)
+
+
+class Engine(NodeReconciliation):
+    """Nodes, GPUs and leases in memory, and the rules that change them.
+
+    Each room it is built from (see :mod:`allocator.engine`) holds one concept; this class
+    only routes a message to the room that handles it and runs the timers.
+    """
+
+    def handle(self, message: AnyInbound, sender: Sender, now: float,
+               changes: Changes) -> BaseModel | None:
+        """Apply one message; return its reply (None for node messages)."""
+        if isinstance(message, Heartbeat | ContainerEvent):
+            if not sender.via_nodes_exchange:
+                self.counters["node_message_wrong_exchange"] += 1
+                return error_reply(ErrorCode.FORBIDDEN,
+                                   "node messages must be published to the nodes exchange")
+            if not self._node_may_report(message.host, sender, now, changes, message.kind):
+                return None
+            if isinstance(message, Heartbeat):
+                self._heartbeat(message, sender, now, changes)
+            else:
+                self._container_event(message, now, changes)
+            return None
+        if sender.via_nodes_exchange:
+            self.counters["request_from_node_exchange"] += 1
+            changes.event(now, "request_refused", reason="request on the nodes exchange",
+                          user=sender.user_id)
+            return None
+        if isinstance(message, AllocateRequest):
+            return self._allocate(message, now, changes)
+        if isinstance(message, ReleaseRequest):
+            return self._release_request(message, sender, now, changes)
+        if isinstance(message, StatusRequest):
+            return self._status(message)
+        if isinstance(message, InventoryRequest):
+            return self.inventory(now, include_leases=message.include_leases)
+        if isinstance(message, QueueRequest):
+            return QueueReply(leases=[self._view(self.leases[i]) for _, i in self._queue])
+        if isinstance(message, DrainRequest):
+            return self._drain(message, sender, now, changes)
+        raise TypeError(f"unhandled message kind {type(message).__name__}")
+
+    def tick(self, now: float, changes: Changes) -> None:
+        """Run the timers: queue waits, bind deadlines, node silence."""
+        freed = False
+        for record in list(self.leases.values()):
+            if record.state is LeaseState.QUEUED and record.wait_until is not None \
+                    and now >= record.wait_until:
+                self._end_lease(record, LeaseState.EXPIRED, ReleaseReason.WAIT_EXPIRED, now,
+                             changes, by="allocator")
+            elif record.state is LeaseState.GRANTED and record.bind_deadline is not None \
+                    and now >= record.bind_deadline:
+                self._end_lease(record, LeaseState.RELEASED, ReleaseReason.BIND_TIMEOUT, now,
+                             changes, by="allocator")
+                freed = True
+            elif (record.state is LeaseState.RELEASING and record.host is not None
+                  and self._silent_for(record.host, now) > self.settings.stop_grace_s):
+                self._end_lease(record, LeaseState.RELEASED, ReleaseReason.NODE_SILENT, now,
+                             changes, by="allocator")
+                freed = True
+        for node in self.cluster.nodes.values():
+            if node.host not in self._down and not node.is_up(now, self.settings.node_down_after_s):
+                self._down.add(node.host)
+                changes.event(now, "node_down", host=node.host,
+                              last_heartbeat=node.last_heartbeat)
+                self.counters["node_down"] += 1
+        if freed:
+            self._serve_queue(now, changes)

@@ -1,0 +1,237 @@
+"""The lease book: allocate, queue, grant, release and end leases.
+
+Lease life (docs/design.md, flows): ``queued`` -> ``granted`` (GPUs claimed) -> ``bound`` (the
+node saw the container start; :mod:`~allocator.engine.nodes` does that) -> ``releasing`` (the hub
+stopped it) -> ``released`` (the container is gone). Every release records its reason.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ValidationError
+
+from allocator import policy
+from allocator.cluster import GPU, Cluster, Node
+from allocator.engine.outbox import CommandOutbox
+from allocator.engine.state import RECENT_FINAL_LEASES, Sender
+from allocator.engine.views import Views
+from allocator.lease import LeaseRecord
+from allocator.ledger import Changes
+from allocator.protocol import (
+    AllocateRequest,
+    ErrorCode,
+    ErrorReply,
+    LeaseState,
+    ReleaseReason,
+    ReleaseRequest,
+    StopReason,
+    error_reply,
+)
+
+
+class LeaseBook(Views, CommandOutbox):
+    """Requests from the hub and admins that create, queue and end leases."""
+
+    def _allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
+        existing_id = self.by_key.get(request.request_key)
+        if existing_id is not None:
+            existing = self.leases[existing_id]
+            if existing.user != request.user:
+                return error_reply(
+                    ErrorCode.CONFLICT,
+                    f"request key {request.request_key!r} belongs to user {existing.user!r}",
+                )
+            self.counters["allocate_retry"] += 1
+            return self.lease_reply(existing)
+        demand = policy.make_demand(request, self._model_catalog(), self.settings)
+        if isinstance(demand, policy.Refusal):
+            return self._refuse(demand)
+        placement = self._place(demand, now)
+        record = LeaseRecord(
+            lease_id=self.new_lease_id(), request_key=request.request_key, user=request.user,
+            groups=tuple(request.groups), state=LeaseState.QUEUED, created_at=now,
+            request=request.model_dump(mode="json", exclude={"deadline"}),
+            priority=request.priority,
+        )
+        if isinstance(placement, policy.Placement):
+            self._grant(record, placement, demand, now, changes, old=None)
+            self._track(record)
+            return self.lease_reply(record)
+        if placement.code is ErrorCode.NO_CAPACITY and request.wait_s > 0:
+            record.enqueued_at = now
+            record.wait_until = now + request.wait_s
+            self._track(record)
+            changes.transition(record, None, now, "no GPU free; waiting", by=request.user)
+            self.counters["queued"] += 1
+            return self.lease_reply(record)
+        return self._refuse(placement)
+
+    def _model_catalog(self) -> Cluster:
+        """The cluster as model resolution needs it: every node, one GPU per model and size.
+
+        :func:`policy.make_demand` only asks which models, sizes and hosts exist; a catalog of
+        a few GPUs answers that in microseconds where the whole cluster takes milliseconds.
+        It is rebuilt after an inventory change.
+        """
+        if self._catalog is None:
+            representatives: dict[tuple[str, int, bool], GPU] = {}
+            for gpu in self.cluster.gpus.values():
+                representatives.setdefault((gpu.model, gpu.memory_total_mib, gpu.present), gpu)
+            self._catalog = Cluster(nodes=self.cluster.nodes,
+                                    gpus={g.uuid: g for g in representatives.values()})
+        return self._catalog
+
+    def _place(self, demand: policy.Demand, now: float) -> policy.Placement | policy.Refusal:
+        """Best-fit placement (narrowed by the index when it can be), then the quota."""
+        down_after = self.settings.node_down_after_s
+        view = self._placement_view(now)
+        placement: policy.Placement | policy.Refusal | None = None
+        narrowed = self.index.narrow(
+            demand, view,
+            lambda node: node.host not in self._down and not node.drained
+            and node.is_up(now, down_after))
+        if narrowed is not None:
+            placement = policy.place(demand, narrowed, now, down_after)
+        if not isinstance(placement, policy.Placement):
+            # Nothing among the candidates (or no narrowing possible): the exact answer, with
+            # the refusal's full explanation, from the whole cluster.
+            placement = policy.place(demand, view, now, down_after)
+        # Quotas need a placement's units; a slice's units depend on the GPU it lands on, so
+        # place first and check the quota of the actual placement.
+        if isinstance(placement, policy.Refusal):
+            return placement
+        refusal = policy.check_quota(placement.units, demand.user, demand.groups,
+                                     self.cluster, self.settings)
+        return refusal if refusal is not None else placement
+
+    def _placement_view(self, now: float) -> Cluster:
+        """The cluster as placement sees it: nodes not yet heard from since a restart are down."""
+        if not self._down:
+            return self.cluster
+        view = Cluster(nodes=dict(self.cluster.nodes), gpus=self.cluster.gpus,
+                       claims=self.cluster.claims)
+        for host in self._down:
+            node = view.nodes.get(host)
+            if node is not None:
+                view.nodes[host] = Node(host=node.host, last_heartbeat=None,
+                                        drained=node.drained, agent_id=node.agent_id,
+                                        gpu_uuids=node.gpu_uuids)
+        return view
+
+    def _grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,
+               now: float, changes: Changes, old: LeaseState | None) -> None:
+        models = {self.cluster.gpus[u].model for u in placement.gpu_uuids}
+        record.state = LeaseState.GRANTED
+        record.host = placement.host
+        self._by_host.setdefault(record.host, {})[record.lease_id] = record
+        record.gpu_uuids = tuple(placement.gpu_uuids)
+        record.model = models.pop() if len(models) == 1 else None
+        record.shared = placement.shared
+        record.memory_mib = placement.memory_mib
+        record.units = placement.units
+        record.env = policy.lease_env(placement, self.cluster, record.lease_id)
+        record.granted_at = now
+        record.bind_deadline = now + self.settings.bind_timeout_s
+        policy.apply_placement(self.cluster, placement, record.lease_id, demand)
+        self.index.refresh(self.cluster, placement.host)
+        self.by_key[record.request_key] = record.lease_id
+        changes.transition(record, old, now, "granted", by=record.user)
+        self.counters["granted"] += 1
+
+    def _refuse(self, refusal: policy.Refusal) -> ErrorReply:
+        self.counters[f"refused_{refusal.code.value}"] += 1
+        return error_reply(refusal.code, refusal.message, **refusal.details)
+
+    def _serve_queue(self, now: float, changes: Changes) -> None:
+        """Grant queued requests that fit now, in queue order (a freed GPU goes to the head)."""
+        for _, lease_id in list(self._queue):
+            record = self.leases[lease_id]
+            try:
+                request = AllocateRequest.model_validate(record.request)
+            except ValidationError:  # cannot happen for a request we accepted; never wedge
+                self._end_lease(record, LeaseState.EXPIRED, ReleaseReason.CANCELLED, now, changes,
+                             by="allocator", note="stored request no longer valid")
+                continue
+            demand = policy.make_demand(request, self._model_catalog(), self.settings)
+            if isinstance(demand, policy.Refusal):
+                continue
+            placement = self._place(demand, now)
+            if isinstance(placement, policy.Placement):
+                self._dequeue(lease_id)
+                self._grant(record, placement, demand, now, changes, old=LeaseState.QUEUED)
+
+    def _dequeue(self, lease_id: str) -> None:
+        self._queue = [entry for entry in self._queue if entry[1] != lease_id]
+
+    def _release_request(self, request: ReleaseRequest, sender: Sender, now: float,
+                         changes: Changes) -> BaseModel:
+        record = self.find(request.lease_id, request.request_key)
+        if record is None:
+            what = (f"lease {request.lease_id!r}" if request.lease_id
+                    else f"request key {request.request_key!r}")
+            return error_reply(ErrorCode.NOT_FOUND, f"no {what} in the ledger")
+        if request.force and sender.user_id not in self.settings.admin_users:
+            return error_reply(ErrorCode.FORBIDDEN,
+                               f"force-release is for admins; broker user {sender.user_id!r} "
+                               "is not in admin_users")
+        by = request.by if sender.user_id is None else f"{request.by} ({sender.user_id})"
+        note = request.reason or None
+        if record.state.final:
+            return self.lease_reply(record)
+        if record.state is LeaseState.QUEUED:
+            self._end_lease(record, LeaseState.RELEASED, ReleaseReason.CANCELLED, now, changes,
+                         by=by, note=note)
+        elif request.force:
+            self._end_lease(record, LeaseState.RELEASED, ReleaseReason.ADMIN, now, changes,
+                         by=by, note=note)
+            changes.event(now, "force_release", lease_id=record.lease_id, user=record.user,
+                          by=by, reason=request.reason)
+            # The GPUs go to someone else now: the old container must not keep using them.
+            self._ask_stop(record.host, record.lease_id, record.container_id,
+                           StopReason.FORCE_RELEASED, now, changes)
+            self._serve_queue(now, changes)
+        elif record.state in (LeaseState.GRANTED, LeaseState.BOUND):
+            # The GPU is free when the container is gone, not when someone asks
+            # (docs/design.md, flow 3): the node agent's event or heartbeat finishes this.
+            old = record.state
+            record.state = LeaseState.RELEASING
+            record.releasing_at = now
+            record.released_by = by
+            record.release_note = note
+            self.by_key.pop(record.request_key, None)
+            changes.transition(record, old, now, "stop requested", by=by)
+            # Swarm stops a removed service's task only seconds later (a 2 s gossip delay
+            # comes first); the node agent stops it at once, so the GPU is free in
+            # milliseconds. A lease never bound has no container to stop yet: if one starts,
+            # its start is answered with a stop (_container_event).
+            self._ask_stop(record.host, record.lease_id, record.container_id,
+                           StopReason.RELEASED, now, changes)
+        return self.lease_reply(record)
+
+    def _end_lease(self, record: LeaseRecord, state: LeaseState, reason: ReleaseReason, now: float,
+                changes: Changes, *, by: str, note: str | None = None) -> None:
+        """End a lease for good and free what it held."""
+        old = record.state
+        if old.holds_gpus:
+            self.cluster.drop_claims(record.lease_id, list(record.gpu_uuids))
+            if record.host is not None:
+                self.index.refresh(self.cluster, record.host)
+        if old is LeaseState.QUEUED:
+            self._dequeue(record.lease_id)
+        record.state = state
+        record.released_at = now
+        record.release_reason = reason
+        record.released_by = record.released_by or by
+        if note:
+            record.release_note = note
+        if self.by_key.get(record.request_key) == record.lease_id:
+            del self.by_key[record.request_key]
+        self.leases.pop(record.lease_id, None)
+        if record.host is not None:
+            self._by_host.get(record.host, {}).pop(record.lease_id, None)
+        self._node_clock_bound.pop(record.lease_id, None)
+        self._over_budget.discard(record.lease_id)
+        self.recent[record.lease_id] = record
+        while len(self.recent) > RECENT_FINAL_LEASES:
+            self.recent.popitem(last=False)
+        changes.transition(record, old, now, reason.value, by=by)
+        self.counters[f"released_{reason.value}"] += 1

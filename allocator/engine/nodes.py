@@ -1,0 +1,311 @@
+"""Node reconciliation: what node agents report (heartbeats, container events), held against
+the lease book.
+
+A heartbeat upserts its node's GPUs and lists the lease-labelled containers running there: a
+listed container binds its lease, a missing one ends it after a grace period. Container events
+bind or end a lease at once. Admin drains also live here: they change what nodes offer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from allocator import policy
+from allocator.cluster import GPU, Node
+from allocator.engine.leases import LeaseBook
+from allocator.engine.state import CLOCK_SKEW_WARN_S, Sender, log
+from allocator.lease import LeaseRecord
+from allocator.ledger import Changes
+from allocator.protocol import (
+    ContainerAction,
+    ContainerEvent,
+    DrainReply,
+    DrainRequest,
+    ErrorCode,
+    Heartbeat,
+    LeaseState,
+    ReleaseReason,
+    StopReason,
+    error_reply,
+)
+
+
+class NodeReconciliation(LeaseBook):
+    """Keeps memory true to what the node agents report."""
+
+    def _node_may_report(self, host: str, sender: Sender, now: float, changes: Changes,
+                         kind: str) -> bool:
+        if self.settings.allow_any_node_user:
+            return True
+        expected = self.settings.node_users.get(host) or self.settings.node_user_template.format(
+            host=host)
+        if sender.user_id == expected:
+            return True
+        self.counters[f"{kind}_rejected"] += 1
+        log.warning("refused %s for host %r from broker user %r (expected %r)",
+                    kind, host, sender.user_id, expected)
+        changes.event(now, f"{kind}_rejected", host=host, from_user=sender.user_id,
+                      expected_user=expected)
+        return False
+
+    def _heartbeat(self, beat: Heartbeat, sender: Sender, now: float, changes: Changes) -> None:
+        last = self._last_seq.get(beat.host)
+        if last is not None and last[0] == beat.agent_id and beat.seq <= last[1]:
+            self.counters["heartbeat_stale"] += 1  # replayed or reordered: older news
+            return
+        self._last_seq[beat.host] = (beat.agent_id, beat.seq)
+        self.counters["heartbeats"] += 1
+        skew = beat.sent_at - now
+        if abs(skew) > CLOCK_SKEW_WARN_S:
+            # Liveness uses receipt time, so a skewed node clock harms nothing here; but the
+            # agent's event times feed the container checks, so an admin should know.
+            self.counters["heartbeat_clock_skew"] += 1
+            if beat.host not in self._skewed:
+                self._skewed.add(beat.host)
+                log.warning("node %s's clock is %+.1f s off the allocator's", beat.host, skew)
+                changes.event(now, "clock_skew", host=beat.host, skew_s=round(skew, 1))
+        else:
+            self._skewed.discard(beat.host)
+        node = self.cluster.nodes.get(beat.host)
+        new_node = node is None
+        if node is None:
+            node = Node(host=beat.host)
+            self.cluster.nodes[beat.host] = node
+            changes.event(now, "node_joined", host=beat.host, agent_id=beat.agent_id)
+        agent_changed = node.agent_id != beat.agent_id
+        node.agent_id = beat.agent_id
+        # Receipt time, not the node's clock: a node whose clock runs ahead must not look alive
+        # longer than it is.
+        node.last_heartbeat = now
+        if beat.host in self._down:
+            self._down.discard(beat.host)
+            if not new_node:
+                changes.event(now, "node_up", host=beat.host)
+        inventory_changed = self._update_gpus(node, beat, now, changes)
+        if inventory_changed:
+            self.index.refresh(self.cluster, beat.host)
+            self._catalog = None
+        persist = (new_node or agent_changed or inventory_changed or
+                   now - self._telemetry_saved.get(beat.host, 0.0)
+                   >= self.settings.telemetry_persist_s)
+        # The node row (last heartbeat) is written every time so that a standby taking over
+        # knows which nodes are alive; GPU telemetry only when it matters or now and then.
+        changes.node(node, agent_user=sender.user_id, first_seen=now if new_node else None)
+        if persist:
+            self._telemetry_saved[beat.host] = now
+            for gpu in self.cluster.gpus_of(beat.host):
+                changes.gpu(gpu, now)
+        freed = self._reconcile_containers(beat, now, changes)
+        if inventory_changed or freed:
+            self._serve_queue(now, changes)
+
+    def _update_gpus(self, node: Node, beat: Heartbeat, now: float, changes: Changes) -> bool:
+        """Upsert the node's GPUs; True when anything placement depends on changed."""
+        changed = False
+        listed: list[str] = []
+        for info in sorted(beat.gpus, key=lambda g: g.index):
+            gpu = self.cluster.gpus.get(info.uuid)
+            if gpu is not None and gpu.host != node.host:
+                owner = self.cluster.nodes.get(gpu.host)
+                if owner is not None and gpu.present and self._up(owner, now):
+                    self.counters["duplicate_gpu"] += 1
+                    changes.event(now, "duplicate_gpu", host=node.host, gpu_uuid=info.uuid,
+                                  owner=gpu.host)
+                    continue
+                # The GPU moved to another host while its old one is down: follow it.
+                old_node = self.cluster.nodes.get(gpu.host)
+                if old_node is not None and info.uuid in old_node.gpu_uuids:
+                    old_node.gpu_uuids.remove(info.uuid)
+                    self.index.refresh(self.cluster, old_node.host)
+                changes.event(now, "gpu_moved", host=node.host, gpu_uuid=info.uuid,
+                              old_host=gpu.host)
+                gpu = None
+            if gpu is None:
+                gpu = GPU(uuid=info.uuid, host=node.host, index=info.index, model=info.model,
+                          memory_total_mib=info.memory_total_mib,
+                          share_slots=policy.share_slots_for(info.model, self.settings))
+                self.cluster.gpus[info.uuid] = gpu
+                changes.gpu(gpu, now, first_seen=now)
+                changed = True
+            identity = (info.index, info.model, info.memory_total_mib)
+            if (gpu.index, gpu.model, gpu.memory_total_mib) != identity or not gpu.present:
+                gpu.index, gpu.model, gpu.memory_total_mib = identity
+                gpu.share_slots = policy.share_slots_for(info.model, self.settings)
+                gpu.present = True
+                changed = True
+            if gpu.health != info.health or gpu.health_reasons != list(info.health_reasons):
+                if gpu.health != info.health:
+                    changed = True
+                    changes.event(now, f"gpu_{info.health.value}", host=node.host,
+                                  gpu_uuid=gpu.uuid, reasons=list(info.health_reasons))
+                gpu.health = info.health
+                gpu.health_reasons = list(info.health_reasons)
+            gpu.memory_used_mib = info.memory_used_mib
+            gpu.utilization_pct = info.utilization_pct
+            gpu.temperature_c = info.temperature_c
+            gpu.power_w = info.power_w
+            listed.append(gpu.uuid)
+        for gpu_uuid in node.gpu_uuids:
+            if gpu_uuid not in listed:
+                gpu = self.cluster.gpus.get(gpu_uuid)
+                if gpu is not None and gpu.present and gpu.host == node.host:
+                    gpu.present = False
+                    changed = True
+                    changes.event(now, "gpu_missing", host=node.host, gpu_uuid=gpu_uuid)
+                    changes.gpu(gpu, now)
+                    if gpu_uuid not in listed:
+                        listed.append(gpu_uuid)
+        if changed or set(node.gpu_uuids) != set(listed):
+            ordered = sorted(set(listed) | {u for u in node.gpu_uuids
+                                           if self.cluster.gpus.get(u) is not None
+                                           and self.cluster.gpus[u].host == node.host},
+                             key=lambda u: self.cluster.gpus[u].index)
+            node.gpu_uuids = ordered
+        return changed
+
+    def _reconcile_containers(self, beat: Heartbeat, now: float, changes: Changes) -> bool:
+        """Bind leases whose containers run; release those whose containers are gone.
+
+        Returns whether any GPU was freed.
+        """
+        running = {c.lease_id: c for c in beat.containers}
+        for info in beat.containers:
+            record = self.leases.get(info.lease_id)
+            if record is None or record.host != beat.host:
+                self._unexpected_container(info.lease_id, info.container_id, beat.host, now,
+                                           changes)
+                continue
+            if record.state is LeaseState.GRANTED:
+                self._bind(record, info.container_id, beat.sent_at, now, changes, "heartbeat")
+            elif record.container_id is None:
+                record.container_id = info.container_id
+                changes.lease(record)
+            if record.state is LeaseState.RELEASING:
+                self._ask_stop(record.host, record.lease_id, info.container_id,
+                               StopReason.RELEASED, now, changes, observed=True)
+            self._node_clock_bound.setdefault(record.lease_id, beat.sent_at)
+            self._check_budget(record, info, now, changes)
+        if not beat.containers_complete:
+            return False
+        freed = False
+        grace = self.settings.container_gone_grace_s
+        for record in list(self._by_host.get(beat.host, {}).values()):
+            if record.lease_id in running:
+                continue
+            if record.state is LeaseState.BOUND:
+                seen = self._node_clock_bound.get(record.lease_id, 0.0)
+                if beat.sent_at - seen > grace:
+                    self._end_lease(record, LeaseState.RELEASED, ReleaseReason.CONTAINER_GONE, now,
+                                 changes, by=f"node {beat.host}")
+                    freed = True
+            elif record.state is LeaseState.RELEASING:
+                # Stopped by the hub: the node no longer runs it (or never did: a failed spawn).
+                seen = self._node_clock_bound.get(record.lease_id, 0.0)
+                if beat.sent_at - seen > grace:
+                    self._end_lease(record, LeaseState.RELEASED,
+                                 ReleaseReason.CONTAINER_GONE if record.bound_at
+                                 else ReleaseReason.STOPPED,
+                                 now, changes, by=f"node {beat.host}")
+                    freed = True
+        return freed
+
+    def _unexpected_container(self, lease_id: str, container_id: str, host: str, now: float,
+                              changes: Changes) -> None:
+        finished = self.recent.get(lease_id)
+        kind = "zombie_container" if finished is not None else "unknown_lease_container"
+        self.counters[kind] += 1
+        changes.event(now, kind, host=host, lease_id=lease_id, container_id=container_id)
+        if finished is not None and finished.host in (None, host):
+            # A container of a lease this allocator finished (e.g. a start after the bind
+            # deadline reclaimed it): it would use GPUs the ledger gave away. A lease the
+            # allocator does not know is left alone: it may be another cluster's.
+            self._ask_stop(host, lease_id, container_id, StopReason.LEASE_FINISHED, now,
+                           changes, observed=True)
+
+    def _check_budget(self, record: LeaseRecord, info: Any, now: float, changes: Changes) -> None:
+        if not record.shared or record.memory_mib is None:
+            return
+        used = sum(use.memory_used_mib for use in info.gpu_use)
+        if used > record.memory_mib and record.lease_id not in self._over_budget:
+            self._over_budget.add(record.lease_id)
+            self.counters["over_budget"] += 1
+            changes.event(now, "over_budget", host=record.host, lease_id=record.lease_id,
+                          user=record.user, used_mib=used, budget_mib=record.memory_mib)
+        elif used <= record.memory_mib:
+            self._over_budget.discard(record.lease_id)
+
+    def _bind(self, record: LeaseRecord, container_id: str, node_time: float, now: float,
+              changes: Changes, via: str) -> None:
+        old = record.state
+        record.state = LeaseState.BOUND
+        record.container_id = container_id
+        record.bound_at = now
+        self._node_clock_bound[record.lease_id] = node_time
+        changes.transition(record, old, now, f"container {container_id[:12]} running ({via})",
+                           by=f"node {record.host}")
+        self.counters["bound"] += 1
+
+    def _container_event(self, event: ContainerEvent, now: float, changes: Changes) -> None:
+        self.counters[f"event_{event.action.value}"] += 1
+        record = self.leases.get(event.lease_id)
+        if record is None or record.host != event.host or not record.state.holds_gpus:
+            if event.action is ContainerAction.START:
+                self._unexpected_container(event.lease_id, event.container_id, event.host, now,
+                                           changes)
+            return
+        if event.action is ContainerAction.START:
+            if record.state is LeaseState.GRANTED:
+                self._bind(record, event.container_id, event.at, now, changes, "start event")
+            elif record.container_id is None:
+                record.container_id = event.container_id
+                self._node_clock_bound[record.lease_id] = event.at
+                changes.lease(record)
+            if record.state is LeaseState.RELEASING:
+                # The hub stopped the server before its container started (or a replaced
+                # task started): stop it too.
+                self._ask_stop(record.host, record.lease_id, event.container_id,
+                               StopReason.RELEASED, now, changes, observed=True)
+            return
+        if record.container_id not in (None, event.container_id):
+            return  # an older container of the same lease (a replaced task); not the holder
+        exit_note = f"{event.action.value}" + (
+            f", exit code {event.exit_code}" if event.exit_code is not None else "")
+        self._end_lease(record, LeaseState.RELEASED, ReleaseReason.CONTAINER_EXITED, now, changes,
+                     by=f"node {event.host}", note=exit_note)
+        self._serve_queue(now, changes)
+
+    def _silent_for(self, host: str, now: float) -> float:
+        node = self.cluster.nodes.get(host)
+        last = max(node.last_heartbeat or 0.0 if node else 0.0, self.started_at)
+        return now - last
+
+    def _drain(self, request: DrainRequest, sender: Sender, now: float,
+               changes: Changes) -> BaseModel:
+        if sender.user_id not in self.settings.admin_users:
+            return error_reply(ErrorCode.FORBIDDEN,
+                               f"drain is for admins; broker user {sender.user_id!r} is not "
+                               "in admin_users")
+        node = self.cluster.nodes.get(request.host)
+        if node is None:
+            return error_reply(ErrorCode.UNKNOWN_HOST, f"no node {request.host!r}; known: "
+                               + (", ".join(sorted(self.cluster.nodes)) or "none"),
+                               known=sorted(self.cluster.nodes))
+        by = f"{request.by} ({sender.user_id})"
+        if request.gpu_uuid is not None:
+            gpu = self.cluster.gpus.get(request.gpu_uuid)
+            if gpu is None or gpu.host != request.host:
+                return error_reply(ErrorCode.NOT_FOUND,
+                                   f"no GPU {request.gpu_uuid!r} on {request.host!r}")
+            gpu.drained = request.drained
+            changes.gpu(gpu, now)
+            self.index.refresh(self.cluster, request.host)
+        else:
+            node.drained = request.drained
+            changes.node(node, drain_reason=request.reason, drained_by=by, drained_at=now)
+        changes.event(now, "drain" if request.drained else "undrain", host=request.host,
+                      gpu_uuid=request.gpu_uuid, by=by, reason=request.reason)
+        if not request.drained:
+            self._serve_queue(now, changes)
+        return DrainReply(host=request.host, gpu_uuid=request.gpu_uuid, drained=request.drained)

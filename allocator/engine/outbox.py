@@ -1,0 +1,54 @@
+"""The stop-command outbox: commands to node agents, decided by the engine, sent by the service.
+
+The engine only appends :class:`~allocator.protocol.StopContainer` commands to
+:attr:`~allocator.engine.state.EngineState.commands`; the service takes them with
+:meth:`CommandOutbox.take_commands` once the batch that decided them is committed, and a reload
+(a failed commit) forgets them.
+"""
+
+from __future__ import annotations
+
+from allocator.engine.state import RECENT_FINAL_LEASES, EngineState
+from allocator.ledger import Changes
+from allocator.protocol import (
+    StopContainer,
+    StopReason,
+)
+
+
+class CommandOutbox(EngineState):
+    """Decides which containers a node agent is asked to stop, and when to ask again."""
+
+    def take_commands(self) -> list[StopContainer]:
+        """Empty the outbox and return what was in it (the service, after a commit)."""
+        commands, self.commands = self.commands, []
+        return commands
+
+    def _ask_stop(self, host: str | None, lease_id: str, container_id: str | None,
+                  reason: StopReason, now: float, changes: Changes, *,
+                  observed: bool = False) -> None:
+        """Put a :class:`StopContainer` for the node agent of ``host`` into the outbox.
+
+        ``observed``: asked because a listing or a start event showed the container running,
+        not because of a decision just taken. Those come with every heartbeat, so the stop
+        is asked again only once ``container_stop_grace_s + container_stop_retry_s`` passed
+        since the last ask (the first command may have been lost; stopping is idempotent).
+        """
+        if not self.settings.stop_containers or host is None or container_id is None:
+            return
+        key = (lease_id, container_id)
+        last = self._stops_asked.get(key)
+        if observed and last is not None and now - last < (
+                self.settings.container_stop_grace_s + self.settings.container_stop_retry_s):
+            return
+        self._stops_asked[key] = now
+        self._stops_asked.move_to_end(key)
+        while len(self._stops_asked) > RECENT_FINAL_LEASES:
+            self._stops_asked.popitem(last=False)
+        self.commands.append(StopContainer(
+            host=host, lease_id=lease_id, container_id=container_id,
+            grace_s=self.settings.container_stop_grace_s, reason=reason))
+        self.counters[f"stop_asked_{reason.value}"] += 1
+        changes.event(now, "stop_container", host=host, lease_id=lease_id,
+                      container_id=container_id, reason=reason.value,
+                      repeat=last is not None)

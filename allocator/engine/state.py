@@ -1,0 +1,140 @@
+"""The engine's memory: nodes, GPUs, leases and the queue, and how they are rebuilt from the ledger.
+
+Every other room of the engine (:mod:`~allocator.engine.views`, :mod:`~allocator.engine.outbox`,
+:mod:`~allocator.engine.leases`, :mod:`~allocator.engine.nodes`) reads and changes this memory;
+only :meth:`EngineState.load` replaces it wholesale.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from allocator import policy
+from allocator.cluster import Claim, Cluster, Node
+from allocator.config import AllocatorSettings
+from allocator.lease import LeaseRecord
+from allocator.ledger import LoadedState
+from allocator.placement_index import PlacementIndex
+from allocator.protocol import (
+    LeaseState,
+    StopContainer,
+)
+
+log = logging.getLogger("allocator.engine")
+
+CLOCK_SKEW_WARN_S = 30.0
+"""A heartbeat stamped further than this from the allocator's clock is logged (once a host)."""
+
+RECENT_FINAL_LEASES = 10_000
+"""Finished leases kept in memory so a repeated release or status is answered without I/O."""
+
+
+@dataclass(frozen=True)
+class Sender:
+    """Who sent a message, as the broker vouches for it."""
+
+    user_id: str | None
+    """The AMQP ``user_id`` property (RabbitMQ refuses a publish whose user_id is not the
+    connection's user), or None when the publisher did not set it."""
+    via_nodes_exchange: bool
+    """True when it came through the nodes exchange (agents), False for the RPC exchange."""
+
+
+class EngineState:
+    """Nodes, GPUs and leases in memory (what the ledger holds, plus what need not be saved)."""
+
+    def __init__(self, settings: AllocatorSettings, started_at: float, *,
+                 new_lease_id: Callable[[], str] = lambda: uuid.uuid4().hex):
+        self.settings = settings
+        self.new_lease_id = new_lease_id
+        """Makes lease ids: random by default; tests pass a counter to replay runs exactly."""
+        self.started_at = started_at
+        self.cluster = Cluster()
+        self.leases: dict[str, LeaseRecord] = {}
+        """Leases not yet final, by id."""
+        self.by_key: dict[str, str] = {}
+        """request_key -> id of its active (queued, granted, bound) lease."""
+        self._by_host: dict[str, dict[str, LeaseRecord]] = {}
+        """host -> the leases of :attr:`leases` placed there, so that a heartbeat reconciles
+        its own host's leases instead of scanning every lease of the cluster."""
+        self.recent: OrderedDict[str, LeaseRecord] = OrderedDict()
+        self._queue: list[tuple[tuple[Any, ...], str]] = []
+        self.agent_users: dict[str, str] = {}
+        self.counters: Counter[str] = Counter()
+        self._last_seq: dict[str, tuple[str, int]] = {}
+        self._telemetry_saved: dict[str, float] = {}
+        self._node_clock_bound: dict[str, float] = {}
+        """lease id -> node-clock time its container was known to run (start event or listing)."""
+        self._down: set[str] = set()
+        self._over_budget: set[str] = set()
+        self._skewed: set[str] = set()
+        self.index = PlacementIndex()
+        self._catalog: Cluster | None = None
+        self.commands: list[StopContainer] = []
+        """Outbox: commands to node agents decided since the last :meth:`take_commands`. The
+        service sends them after the batch is committed; a reload empties it."""
+        self._stops_asked: OrderedDict[tuple[str, str], float] = OrderedDict()
+        """(lease id, container id) -> when its stop was last asked, so that a container that
+        heartbeats keep listing is not asked again every heartbeat (see :meth:`_ask_stop`)."""
+
+    def load(self, state: LoadedState, now: float) -> None:
+        """Rebuild memory from the ledger (at start, after a failed commit, on takeover)."""
+        self.started_at = now
+        self.cluster = Cluster()
+        for node in state.nodes:
+            self.cluster.nodes[node.host] = Node(
+                host=node.host, last_heartbeat=node.last_heartbeat, drained=node.drained,
+                agent_id=node.agent_id, gpu_uuids=[],
+            )
+        for gpu in state.gpus:
+            gpu.share_slots = policy.share_slots_for(gpu.model, self.settings)
+            self.cluster.gpus[gpu.uuid] = gpu
+            owner = self.cluster.nodes.get(gpu.host)
+            if owner is not None:
+                owner.gpu_uuids.append(gpu.uuid)
+        self.agent_users = dict(state.agent_users)
+        self.leases, self.by_key, self._queue, self._by_host = {}, {}, [], {}
+        for record in state.leases:
+            self._track(record)
+            if record.state.holds_gpus:
+                self._claim(record)
+        # A node whose last heartbeat (as the ledger saw it) is recent stays placeable, so a
+        # standby that takes over serves requests at once. The silence timer of leases being
+        # released starts no earlier than this start (see _silent_for).
+        self._down = {host for host, node in self.cluster.nodes.items()
+                      if not node.is_up(now, self.settings.node_down_after_s)}
+        self._last_seq.clear()
+        self.index.rebuild(self.cluster)
+        self._catalog = None
+        # Commands of a batch that was not committed must not go out; containers still
+        # running are asked again when the next heartbeat lists them.
+        self.commands = []
+        self._stops_asked.clear()
+
+    def _track(self, record: LeaseRecord) -> None:
+        self.leases[record.lease_id] = record
+        if record.host is not None:
+            self._by_host.setdefault(record.host, {})[record.lease_id] = record
+        if record.state.active:
+            self.by_key[record.request_key] = record.lease_id
+        if record.state is LeaseState.QUEUED:
+            key = policy.queue_order_key(record.priority, record.enqueued_at or record.created_at,
+                                         record.lease_id)
+            bisect.insort(self._queue, (key, record.lease_id))
+
+    def _claim(self, record: LeaseRecord) -> None:
+        exclusive = not record.shared
+        for gpu_uuid in record.gpu_uuids:
+            gpu = self.cluster.gpus.get(gpu_uuid)
+            memory = record.memory_mib if record.shared else (gpu.memory_total_mib if gpu else 0)
+            units = record.units / len(record.gpu_uuids) if record.gpu_uuids else record.units
+            self.cluster.add_claim(gpu_uuid, Claim(
+                lease_id=record.lease_id, user=record.user, groups=record.groups,
+                exclusive=exclusive, memory_mib=memory or 0, units=units,
+            ))

@@ -1,0 +1,102 @@
+"""Read-only views of the engine's memory: a lease as the protocol shows it, lookups, the
+inventory."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from allocator import policy
+from allocator.cluster import Node
+from allocator.engine.state import EngineState
+from allocator.lease import LeaseRecord
+from allocator.protocol import (
+    ErrorCode,
+    GPUView,
+    InventoryReply,
+    Lease,
+    LeaseReply,
+    LeaseState,
+    NodeView,
+    StatusRequest,
+    error_reply,
+)
+
+
+class Views(EngineState):
+    """Answers built from memory without changing it."""
+
+    def queue_position(self, lease_id: str) -> int | None:
+        """1-based position of a queued lease, or None."""
+        for position, (_, queued_id) in enumerate(self._queue, start=1):
+            if queued_id == lease_id:
+                return position
+        return None
+
+    def _view(self, record: LeaseRecord) -> Lease:
+        lease = record.to_protocol(
+            self.queue_position(record.lease_id) if record.state is LeaseState.QUEUED else None
+        )
+        lease.gpu_indices = [
+            self.cluster.gpus[u].index for u in record.gpu_uuids if u in self.cluster.gpus
+        ]
+        return lease
+
+    def lease_reply(self, record: LeaseRecord) -> LeaseReply:
+        """A reply carrying one lease."""
+        return LeaseReply(lease=self._view(record))
+
+    def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
+        """An in-memory lease by id or request key (active first, then recently finished)."""
+        if lease_id is not None:
+            return self.leases.get(lease_id) or self.recent.get(lease_id)
+        assert request_key is not None
+        active = self.by_key.get(request_key)
+        if active is not None:
+            return self.leases[active]
+        newest: LeaseRecord | None = None
+        for record in (*self.leases.values(), *self.recent.values()):
+            if record.request_key == request_key and (
+                newest is None or record.created_at >= newest.created_at
+            ):
+                newest = record
+        return newest
+
+    def inventory(self, now: float, include_leases: bool = False) -> InventoryReply:
+        """The cluster as the inventory reply shows it."""
+        down_after = self.settings.node_down_after_s
+        nodes = [
+            NodeView(host=n.host, up=self._up(n, now), drained=n.drained,
+                     last_heartbeat=n.last_heartbeat, gpus=len(n.gpu_uuids))
+            for n in sorted(self.cluster.nodes.values(), key=lambda n: n.host)
+        ]
+        gpus = [
+            GPUView(
+                uuid=g.uuid, host=g.host, index=g.index, model=g.model,
+                memory_total_mib=g.memory_total_mib, memory_used_mib=g.memory_used_mib,
+                utilization_pct=g.utilization_pct, temperature_c=g.temperature_c,
+                health=g.health, health_reasons=list(g.health_reasons), drained=g.drained,
+                share_slots=g.share_slots,
+                holders=[c.lease_id for c in self.cluster.claims_on(g.uuid)],
+                free_slots=self.cluster.free_slots(g),
+                free_memory_mib=self.cluster.free_memory_mib(g),
+            )
+            for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.index))
+            if g.present
+        ]
+        models = policy.summarize_models(self.cluster, self.settings, now, down_after)
+        leases = None
+        if include_leases:
+            leases = [self._view(r) for r in self.leases.values()]
+        return InventoryReply(at=now, nodes=nodes, gpus=gpus, models=models,
+                              queued=len(self._queue), leases=leases)
+
+    def _up(self, node: Node, now: float) -> bool:
+        return node.host not in self._down and node.is_up(now, self.settings.node_down_after_s)
+
+    def _status(self, request: StatusRequest) -> BaseModel:
+        record = self.find(request.lease_id, request.request_key)
+        if record is None:
+            what = (f"lease {request.lease_id!r}" if request.lease_id
+                    else f"request key {request.request_key!r}")
+            return error_reply(ErrorCode.NOT_FOUND, f"no {what} in the ledger")
+        return self.lease_reply(record)
