@@ -130,7 +130,8 @@ class AllocatorSettings(PolicySettings):
         "a backup, another node's volume): nothing is granted on a node before its first "
         "complete report is applied, and a request that does not fit meanwhile waits in the "
         "queue (at most this long, or its own wait_s if longer) instead of being refused. The "
-        "window closes early once every node the ledger knows has reported.",
+        "window closes early once every node the ledger knows has reported (a ledger that "
+        "knows no node: once the first one has).",
     )
     ledger_log: Literal["off", "stream"] = Field(
         default="off",

@@ -79,6 +79,7 @@ class Views(EngineState):
                 holders=[c.lease_id for c in self.cluster.claims_on(g.uuid)],
                 free_slots=self.cluster.free_slots(g),
                 free_memory_mib=self.cluster.free_memory_mib(g),
+                conflict=g.conflict,
             )
             for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.index))
             if g.present
