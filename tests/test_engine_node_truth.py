@@ -239,3 +239,28 @@ def test_a_zombie_of_a_lease_finished_before_a_restart_is_not_adopted(tmp_path: 
     assert lease_id not in restarted.leases
     assert [e["kind"] for e in changes.events].count("zombie_container") == 1
     assert [c.lease_id for c in restarted.commands] == [lease_id]
+
+
+def test_a_node_that_never_lists_its_containers_is_placed_after_the_fence(
+        tmp_path: Path) -> None:
+    """An agent that cannot list its containers (no Docker engine) never reports in full:
+    its node is placed once start_fence_s ran out, and the waiting request gets it then."""
+    first = Engine(settings(tmp_path), started_at=0.0)
+    changes = Changes()
+    first.handle(beat("a", 0.0, []), NODE, 0.0, changes)
+    committed(tmp_path, changes).close()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.open()
+    state = ledger.call(ledger.load)
+    ledger.close()
+    engine = Engine(settings(tmp_path, start_fence_s=5.0), started_at=1.0)
+    engine.load(state, 1.0, fenced=True)
+    changes = Changes()
+    engine.handle(beat("a", 1.1, [], complete=False), NODE, 1.1, changes)
+    waiting = allocate(engine, "hub/bob/", 1.2, changes, model=MODEL)
+    assert isinstance(waiting, LeaseReply) and waiting.lease.state is LeaseState.QUEUED
+    engine.tick(5.9, changes)
+    assert engine.leases[waiting.lease.lease_id].state is LeaseState.QUEUED
+    engine.tick(6.0, changes)
+    assert engine.leases[waiting.lease.lease_id].state is LeaseState.GRANTED
+    assert [e["kind"] for e in changes.events].count("start_fence_expired") == 1

@@ -104,6 +104,8 @@ class LeaseBook(Views, CommandOutbox):
         queued only by the fence that still do not fit get the answer they asked for (no
         waiting beyond their wait_s)."""
         self._fence_until = now
+        self._fenced.clear()
+        self._fence_awaits_first_report = False
         changes.event(now, "start_fence_closed")
         for _, lease_id in list(self._queue):
             record = self.leases[lease_id]

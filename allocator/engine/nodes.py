@@ -74,9 +74,10 @@ class NodeReconciliation(NodeTruth):
         if node is None:
             node = Node(host=beat.host)
             self.cluster.nodes[beat.host] = node
-            # Placeable once a complete report is applied (this one, usually): only then is
-            # it known which of its GPUs running containers hold.
-            self._fenced.add(beat.host)
+            if now < self._fence_until:
+                # During the start fence, placeable once a complete report is applied (this
+                # one, usually): only then is it known which GPUs running containers hold.
+                self._fenced.add(beat.host)
             changes.event(now, "node_joined", host=beat.host, agent_id=beat.agent_id)
         agent_changed = node.agent_id != beat.agent_id
         node.agent_id = beat.agent_id
