@@ -71,6 +71,11 @@ def judge(lease_id: str, grant: ContainerGrant, host: str, cluster: Cluster,
                                       f"lease {lease_id} names GPU {gpu_uuid}, which {host} "
                                       "does not list"))
             continue
+        if not gpu.allocatable:
+            conflicts.append(Conflict(ConflictKind.UNKNOWN_GPU, gpu_uuid,
+                                      f"lease {lease_id} names GPU {gpu_uuid} of {host} whole, "
+                                      "but it is in MIG mode (only its instances are granted)"))
+            continue
         claims = cluster.claims_on(gpu_uuid)
         holders = ", ".join(sorted(c.lease_id for c in claims))
         if claims and (not grant.shared or any(c.exclusive for c in claims)):

@@ -32,17 +32,40 @@ class GPU:
     utilization_pct: float | None = None
     temperature_c: float | None = None
     power_w: float | None = None
+    compute_capability: str | None = None
+    """CUDA compute capability ``"major.minor"``, as the agent reports it (None: unknown)."""
+    architecture: str | None = None
+    """``ampere``, ``pascal``, ... as the agent reports it (None: unknown)."""
+    mig_enabled: bool = False
+    """The GPU is in MIG mode: never handed out whole, only its instances are."""
+    mig_parent_uuid: str | None = None
+    """Set on a MIG instance: the GPU it is carved out of."""
+    mig_profile: str | None = None
+    """A MIG instance's GPU instance profile (``1g.5gb``)."""
+    mig_index: int | None = None
+    """A MIG instance's index on its parent; instances share the parent's ``index``."""
     conflict: str | None = None
     """Why a running container's grant contradicts the ledger on this GPU (see
     :mod:`allocator.adoption`); None when nothing does. Kept in memory only: it is judged
     again from every listing of the node."""
 
     @property
+    def allocatable(self) -> bool:
+        """Whether this is a unit a lease can get: a whole GPU not in MIG mode, or a MIG
+        instance. A GPU in MIG mode is not, whatever its state."""
+        return not self.mig_enabled
+
+    @property
     def placeable(self) -> bool:
-        """Healthy, listed by its node, not drained and not in conflict (node state is checked
-        separately)."""
-        return (self.present and self.health is Health.HEALTHY and not self.drained
-                and self.conflict is None)
+        """Allocatable, healthy, listed by its node, not drained and not in conflict (node
+        state is checked separately)."""
+        return (self.allocatable and self.present and self.health is Health.HEALTHY
+                and not self.drained and self.conflict is None)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Sort key of a node's GPUs: index, then a MIG instance's index after its parent."""
+        return (self.index, -1 if self.mig_index is None else self.mig_index)
 
 
 @dataclass

@@ -15,7 +15,8 @@ first ``depth`` usable hosts, in best-fit order, that have enough free GPUs of t
 minimum of the same key over all fitting hosts of the first model that fits anywhere, so it
 is among them. That holds when every GPU of a model has the same memory size (the memory
 filter is then all-or-nothing per model); for models whose sizes differ, and for "all GPUs
-of a host" and specific-host requests, :meth:`narrow` returns None and the full policy runs.
+of a host", specific-host requests and requests by compute capability or architecture,
+:meth:`narrow` returns None and the full policy runs.
 ``tests/test_placement_index.py`` checks the equality with hypothesis.
 
 No I/O and no clock: pure data kept in step by the engine (:meth:`refresh` after every
@@ -102,6 +103,8 @@ class PlacementIndex:
         """
         if demand.host is not None or demand.count is None:
             return None
+        if demand.min_compute_capability is not None or demand.architecture is not None:
+            return None  # filters per GPU, not per model: the full policy decides
         models = list(demand.models) if demand.models is not None else sorted(self._model_free)
         need = 1 if demand.shared else demand.count
         hosts: set[str] = set()

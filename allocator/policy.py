@@ -10,6 +10,11 @@ Rules, as in ``docs/design.md``:
 
 * All GPUs of one lease are on one host, which is up and not drained; unhealthy, drained
   and no-longer-present GPUs never fit.
+* A GPU in MIG mode is never a unit: its MIG instances are, each under NVML's name for it
+  (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``) as its model, so ``count=n`` of a profile is *n*
+  instances of one host.
+* ``min_compute_capability`` and ``architecture`` keep only GPUs the agent reported with at
+  least that capability and that architecture (an instance has its parent's).
 * Exclusive ``count=n``: *n* free GPUs of one model. ``count=None`` ("all"): every present
   GPU of the host that matches the request must be free and placeable (at least one); such a
   lease mixes models only when no model was asked for.
@@ -31,7 +36,7 @@ from typing import Any
 
 from allocator.cluster import GPU, Claim, Cluster
 from allocator.config import PolicySettings
-from allocator.protocol import AllocateRequest, ErrorCode, ModelSummary
+from allocator.protocol import AllocateRequest, ErrorCode, ModelSummary, capability_tuple
 
 BRAND_WORDS = frozenset({"nvidia", "geforce", "tesla", "quadro"})
 """Vendor and brand words a user may leave out of a model name ("gtx 1070")."""
@@ -62,6 +67,10 @@ class Demand:
     shared: bool
     share_memory_mib: int | None
     """Budget of a slice; None = the GPU's memory divided by its share slots."""
+    min_compute_capability: tuple[int, int] | None = None
+    """Only GPUs of at least this CUDA compute capability (major, minor)."""
+    architecture: str | None = None
+    """Only GPUs of this architecture (lower case)."""
 
 
 @dataclass(frozen=True)
@@ -333,6 +342,9 @@ def make_demand(
         host=request.host,
         shared=request.share is not None,
         share_memory_mib=share_memory,
+        min_compute_capability=(None if request.min_compute_capability is None
+                                else capability_tuple(request.min_compute_capability)),
+        architecture=request.architecture,
     )
 
 
@@ -344,6 +356,34 @@ def _slice_budget(demand: Demand, gpu: GPU) -> int:
 
 def _big_enough(demand: Demand, gpu: GPU) -> bool:
     return demand.min_memory_mib is None or gpu.memory_total_mib >= demand.min_memory_mib
+
+
+def capable(demand: Demand, gpu: GPU) -> bool:
+    """Whether the GPU has the compute capability and architecture the demand asks for.
+
+    A GPU whose agent did not report them does not match a demand that names them.
+    """
+    if demand.min_compute_capability is not None and (
+        gpu.compute_capability is None
+        or capability_tuple(gpu.compute_capability) < demand.min_compute_capability
+    ):
+        return False
+    return demand.architecture is None or gpu.architecture == demand.architecture
+
+
+def _suits(demand: Demand, gpu: GPU) -> bool:
+    """Memory, compute capability and architecture: everything but the model."""
+    return _big_enough(demand, gpu) and capable(demand, gpu)
+
+
+def _capability_text(demand: Demand) -> str:
+    parts = []
+    if demand.min_compute_capability is not None:
+        major, minor = demand.min_compute_capability
+        parts.append(f"compute capability {major}.{minor} or higher")
+    if demand.architecture is not None:
+        parts.append(f"architecture {demand.architecture}")
+    return " and ".join(parts)
 
 
 def _of_model(demand: Demand, gpu: GPU) -> bool:
@@ -373,6 +413,8 @@ def _describe(demand: Demand) -> str:
             text += " of one model"
     if demand.min_memory_mib is not None:
         text += f" with at least {demand.min_memory_mib} MiB"
+    if demand.min_compute_capability is not None or demand.architecture is not None:
+        text += f" of {_capability_text(demand)}"
     if demand.host is not None:
         text += f" on {demand.host}"
     return text
@@ -395,7 +437,9 @@ def feasible(demand: Demand, cluster: Cluster) -> Refusal | None:
         )
     hosts = [demand.host] if demand.host is not None else sorted(cluster.nodes)
     where = f"on {demand.host}" if demand.host is not None else "in the cluster"
-    present = [gpu for host in hosts for gpu in cluster.gpus_of(host) if gpu.present]
+    # A GPU in MIG mode is no unit of its own: only its instances are.
+    present = [gpu for host in hosts for gpu in cluster.gpus_of(host)
+               if gpu.present and gpu.allocatable]
     if not present:
         return Refusal(
             ErrorCode.UNSATISFIABLE, f"No GPU has been reported {where}.", {"host": demand.host}
@@ -411,6 +455,20 @@ def feasible(demand: Demand, cluster: Cluster) -> Refusal | None:
             f"models there: {', '.join(there)}.",
             {"models": list(demand.models), "available": there},
         )
+
+    if demand.min_compute_capability is not None or demand.architecture is not None:
+        suited = [gpu for gpu in matching if capable(demand, gpu)]
+        if not suited:
+            there = sorted({f"{gpu.model} ({gpu.compute_capability or '?'}, "
+                            f"{gpu.architecture or '?'})" for gpu in matching})
+            of = f" of {_models_text(demand.models)}" if demand.models else ""
+            return Refusal(
+                ErrorCode.UNSATISFIABLE,
+                f"No GPU{of} {where} has {_capability_text(demand)}; "
+                f"there: {', '.join(there)}.",
+                {"available": there},
+            )
+        matching = suited
 
     big = [gpu for gpu in matching if _big_enough(demand, gpu)]
     if not big:
@@ -492,7 +550,8 @@ def _usable(cluster: Cluster, host: str, now: float, down_after_s: float) -> boo
 def _view(cluster: Cluster, hosts: Sequence[str], now: float, down_after_s: float) -> _View:
     usable = sorted(h for h in hosts if _usable(cluster, h, now, down_after_s))
     placeable = {
-        host: sorted((gpu for gpu in cluster.gpus_of(host) if gpu.placeable), key=lambda g: g.index)
+        host: sorted((gpu for gpu in cluster.gpus_of(host) if gpu.placeable),
+                     key=lambda g: g.order)
         for host in usable
     }
     host_free = {
@@ -514,7 +573,7 @@ def _exclusive(demand: Demand, count: int, cluster: Cluster, view: _View) -> Pla
             for gpu in view.placeable[host]:
                 if (
                     (wanted is None or gpu.model == wanted)
-                    and _big_enough(demand, gpu)
+                    and _suits(demand, gpu)
                     and cluster.is_free(gpu)
                 ):
                     by_model.setdefault(gpu.model, []).append(gpu)
@@ -546,8 +605,9 @@ def _whole_host(demand: Demand, cluster: Cluster, view: _View) -> Placement | No
                 gpu
                 for gpu in cluster.gpus_of(host)
                 if gpu.present
+                and gpu.allocatable
                 and (wanted is None or gpu.model == wanted)
-                and _big_enough(demand, gpu)
+                and _suits(demand, gpu)
             ]
             # Every matching GPU must be free and placeable: "all" means all of them, and a
             # lease that silently got fewer would be a surprise.
@@ -555,7 +615,7 @@ def _whole_host(demand: Demand, cluster: Cluster, view: _View) -> Placement | No
                 continue
             key = (view.host_free[host], host)
             if best is None or key < best[0]:
-                best = (key, sorted(gpus, key=lambda g: g.index))
+                best = (key, sorted(gpus, key=lambda g: g.order))
         if best is not None:
             return Placement(
                 host=best[0][1],
@@ -569,19 +629,19 @@ def _whole_host(demand: Demand, cluster: Cluster, view: _View) -> Placement | No
 
 def _slice(demand: Demand, cluster: Cluster, view: _View) -> Placement | None:
     for wanted in _preferences(demand):
-        best: tuple[tuple[bool, int, int, str, int], GPU] | None = None
+        best: tuple[tuple[bool, int, int, str, tuple[int, int]], GPU] | None = None
         for host in view.hosts:
             for gpu in view.placeable[host]:
                 if wanted is not None and gpu.model != wanted:
                     continue
-                if not (_big_enough(demand, gpu) and _slice_fits_size(demand, gpu)):
+                if not (_suits(demand, gpu) and _slice_fits_size(demand, gpu)):
                     continue
                 slots = cluster.free_slots(gpu)  # 0 under an exclusive claim
                 if slots < 1 or cluster.free_memory_mib(gpu) < _slice_budget(demand, gpu):
                     continue
                 # Pack: GPUs already shared first, then the fewest free slots, so untouched
                 # GPUs stay whole for exclusive leases.
-                key = (cluster.is_free(gpu), slots, view.host_free[host], host, gpu.index)
+                key = (cluster.is_free(gpu), slots, view.host_free[host], host, gpu.order)
                 if best is None or key < best[0]:
                     best = (key, gpu)
         if best is not None:
@@ -835,7 +895,7 @@ def summarize_models(
     present: dict[str, list[tuple[str, GPU]]] = {}
     for host in sorted(cluster.nodes):
         for gpu in cluster.gpus_of(host):
-            if gpu.present:
+            if gpu.present and gpu.allocatable:
                 present.setdefault(gpu.model, []).append((host, gpu))
     summaries = []
     for model in sorted(present):
@@ -851,9 +911,17 @@ def summarize_models(
             if cluster.is_free(gpu):
                 free += 1
                 hosts[host] += 1
+        capabilities = sorted(
+            (gpu.compute_capability for _, gpu in gpus if gpu.compute_capability is not None),
+            key=capability_tuple)
+        parent = cluster.gpus.get(gpus[0][1].mig_parent_uuid or "")
         summaries.append(
             ModelSummary(
                 model=model,
+                compute_capability=capabilities[0] if capabilities else None,
+                architecture=gpus[0][1].architecture,
+                mig_profile=gpus[0][1].mig_profile,
+                mig_parent_model=None if parent is None else parent.model,
                 aliases=index.aliases.get(model, []),
                 memory_total_mib=max(gpu.memory_total_mib for _, gpu in gpus),
                 total=len(gpus),

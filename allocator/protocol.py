@@ -47,6 +47,22 @@ Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f
 MiB = Annotated[StrictInt, Field(ge=0, le=1 << 30)]
 """A memory size in MiB (up to 1 PiB)."""
 
+ComputeCapability = Annotated[str, Field(pattern=r"^[0-9]{1,2}\.[0-9]{1,2}$",
+                                         examples=["8.0"])]
+"""A CUDA compute capability, ``"major.minor"``."""
+
+Architecture = Annotated[str, Field(pattern=r"^[a-z0-9]{1,32}$", examples=["ampere"])]
+"""A GPU architecture as NVML names it, in lower case (``pascal``, ``ampere``, ``hopper``)."""
+
+MigProfile = Annotated[str, Field(pattern=r"^[0-9a-z.+]{1,32}$", examples=["1g.5gb"])]
+"""A MIG GPU instance profile (``1g.5gb``, ``3g.20gb``, ``1c.2g.10gb``)."""
+
+
+def capability_tuple(capability: str) -> tuple[int, int]:
+    """``"8.6"`` → ``(8, 6)``, so capabilities compare as numbers ("10.0" > "9.0")."""
+    major, _, minor = capability.partition(".")
+    return int(major), int(minor or 0)
+
 
 class ErrorCode(StrEnum):
     """Stable error codes. Clients branch on these; the message is for people."""
@@ -185,6 +201,11 @@ class AllocateRequest(_Message):
         examples=[["a100", "3090"]],
     )
     min_memory_mib: MiB | None = Field(default=None, examples=[16000])
+    min_compute_capability: ComputeCapability | None = Field(
+        default=None, description="Only GPUs (or MIG instances) of at least this CUDA compute "
+        "capability.", examples=["8.0"])
+    architecture: Architecture | None = Field(
+        default=None, description="Only GPUs of this architecture.", examples=["ampere"])
     count: StrictInt | Literal["all"] = Field(
         default=1,
         description='GPUs on one host, or "all" for every matching GPU of one host.',
@@ -342,10 +363,35 @@ class GPUInfo(BaseModel):
     power_w: float | None = Field(default=None, ge=0, le=10_000)
     ecc_uncorrected: int | None = Field(default=None, ge=0)
     retired_pages: int | None = Field(default=None, ge=0)
-    mig_mode: bool | None = None
+    mig_mode: bool | None = Field(
+        default=None, description="True: the GPU is in MIG mode. It is never granted whole; "
+        "its MIG instances, listed as GPUs of their own, are.")
     recent_xids: list[int] = Field(default_factory=list, max_length=64)
     health: Health = Health.HEALTHY
     health_reasons: list[str] = Field(default_factory=list, max_length=32)
+    compute_capability: ComputeCapability | None = None
+    architecture: Architecture | None = None
+    mig_parent_uuid: Name | None = Field(
+        default=None, description="Set on a MIG instance: the GPU (listed in the same "
+        "heartbeat, in MIG mode) it is carved out of. ``uuid`` is then the ``MIG-...`` uuid, "
+        "``index`` the parent's and ``model`` NVML's name for the instance.")
+    mig_profile: MigProfile | None = Field(default=None, description="A MIG instance's profile.")
+    mig_index: StrictInt | None = Field(
+        default=None, ge=0, le=1024, description="A MIG instance's index on its parent.")
+
+    @model_validator(mode="after")
+    def _mig_fields_together(self) -> GPUInfo:
+        instance = (self.mig_parent_uuid, self.mig_profile, self.mig_index)
+        if any(v is not None for v in instance) and any(v is None for v in instance):
+            raise ValueError("a MIG instance gives mig_parent_uuid, mig_profile and mig_index")
+        if self.mig_parent_uuid is not None and self.mig_mode:
+            raise ValueError("a MIG instance is not itself in MIG mode")
+        return self
+
+    @property
+    def is_mig_instance(self) -> bool:
+        """Whether this entry is a MIG instance rather than a physical GPU."""
+        return self.mig_parent_uuid is not None
 
 
 class ProcessUse(BaseModel):
@@ -429,9 +475,20 @@ class Heartbeat(_Message):
         uuids = [gpu.uuid for gpu in self.gpus]
         if len(set(uuids)) != len(uuids):
             raise ValueError("duplicate GPU uuid in one heartbeat")
-        indices = [gpu.index for gpu in self.gpus]
+        # MIG instances share their parent's index; mig_index tells them apart.
+        indices = [(gpu.index, gpu.mig_index) for gpu in self.gpus]
         if len(set(indices)) != len(indices):
             raise ValueError("duplicate GPU index in one heartbeat")
+        parents = {gpu.uuid: gpu for gpu in self.gpus if not gpu.is_mig_instance}
+        for gpu in self.gpus:
+            if gpu.mig_parent_uuid is None:
+                continue
+            parent = parents.get(gpu.mig_parent_uuid)
+            if parent is None or not parent.mig_mode:
+                raise ValueError(f"MIG instance {gpu.uuid} names a parent GPU that this "
+                                 "heartbeat does not list in MIG mode")
+            if parent.index != gpu.index:
+                raise ValueError(f"MIG instance {gpu.uuid} has another index than its parent")
         return self
 
 
@@ -594,6 +651,15 @@ class ModelSummary(BaseModel):
     share_slots: int = Field(description="Slots per GPU; 1 = exclusive only.")
     free_slots: int
     hosts: dict[str, int] = Field(default_factory=dict, description="host -> free GPUs")
+    compute_capability: str | None = Field(
+        default=None, description="The lowest compute capability among its GPUs.")
+    architecture: str | None = None
+    mig_profile: str | None = Field(
+        default=None, description="Set for MIG instances: their profile (``1g.5gb``); "
+        "``total`` and ``free`` then count instances.")
+    mig_parent_model: str | None = Field(
+        default=None, description="Set for MIG instances: the model of the GPUs they are "
+        "carved out of.")
 
 
 class GPUView(BaseModel):
@@ -616,6 +682,12 @@ class GPUView(BaseModel):
     holders: list[str] = Field(default_factory=list, description="Lease ids holding it.")
     free_slots: int
     free_memory_mib: int = Field(description="Memory not promised to shared slices.")
+    compute_capability: str | None = None
+    architecture: str | None = None
+    mig_enabled: bool = Field(default=False, description="In MIG mode: never granted whole.")
+    mig_parent_uuid: str | None = Field(
+        default=None, description="Set on a MIG instance: the GPU it is carved out of.")
+    mig_profile: str | None = None
     conflict: str | None = Field(
         default=None, description="Why a running container's grant contradicts the ledger on "
         "this GPU; while set, nothing is placed on it.")

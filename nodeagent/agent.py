@@ -42,6 +42,7 @@ from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
 from nodeagent.health import HealthPolicy, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
+from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
 from nodeagent.tasks import cancel_and_wait
 
@@ -100,6 +101,11 @@ def gpu_info(sample: GPUSample, verdict: Verdict) -> GPUInfo:
         recent_xids=list(verdict.recent_xids),
         health=verdict.health,
         health_reasons=list(verdict.reasons),
+        compute_capability=sample.compute_capability,
+        architecture=sample.architecture,
+        mig_parent_uuid=sample.mig_parent_uuid,
+        mig_profile=sample.mig_profile,
+        mig_index=sample.mig_index,
     )
 
 
@@ -123,6 +129,16 @@ def gpu_use_by_container(
             ProcessUse(gpu_uuid=gpu_uuid, memory_used_mib=int(memory or 0), utilization_pct=util)
         )
     return result
+
+
+def held_gpu_uuids(running: list[LeaseContainer]) -> set[str]:
+    """GPU (and MIG instance) uuids the running lease containers hold, from their grants."""
+    held: set[str] = set()
+    for container in running:
+        grant = getattr(container, "grant", None)
+        if grant is not None:
+            held.update(grant.gpu_uuids)
+    return held
 
 
 @dataclass(frozen=True)
@@ -154,6 +170,8 @@ class NodeAgent:
         self._last_samples: list[GPUSample] | None = None
         self._pending_read: asyncio.Future[_Snapshot] | None = None
         self._health: dict[str, Health] = {}
+        self.mig_layout = MigLayout()
+        """Keeps held MIG instances reported through a re-partition (see nodeagent.mig)."""
         self._wake = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._xid_thread: threading.Thread | None = None
@@ -366,18 +384,25 @@ class NodeAgent:
             if self._last_samples is None:
                 return None
             samples, pid_containers = self._last_samples, {}
-        self.tracker.forget(sample.uuid for sample in samples)
-        gpus = []
-        for sample in samples:
-            verdict = self.tracker.evaluate(sample, now)
-            if unreadable is not None:
-                verdict = Verdict(Health.UNHEALTHY, (unreadable, *verdict.reasons)[:32],
-                                  verdict.recent_xids)
-            self._log_health_change(sample, verdict)
-            gpus.append(gpu_info(sample, verdict))
         if self.watcher is not None and not self.watcher.events:
             await self.watcher.refresh()  # listing mode: the list is only as fresh as this
         running: list[LeaseContainer] = self.watcher.running() if self.watcher else []
+        samples = self.mig_layout.apply(samples, held_gpu_uuids(running))
+        self.tracker.forget(sample.uuid for sample in samples)
+        own: dict[str, Verdict] = {}
+        for sample in samples:
+            verdict = self.tracker.evaluate(sample, now)
+            if sample.uuid in self.mig_layout.retained:
+                verdict = self.mig_layout.verdict_of_retained(verdict)
+            if unreadable is not None:
+                verdict = Verdict(Health.UNHEALTHY, (unreadable, *verdict.reasons)[:32],
+                                  verdict.recent_xids)
+            own[sample.uuid] = verdict
+        verdicts = inherit_parent_health(samples, own)
+        gpus = []
+        for sample in samples:
+            self._log_health_change(sample, verdicts[sample.uuid])
+            gpus.append(gpu_info(sample, verdicts[sample.uuid]))
         use = gpu_use_by_container(samples, pid_containers)
         containers = [
             ContainerInfo(

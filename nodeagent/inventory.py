@@ -11,10 +11,25 @@ of its own that loops until the agent stops.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 SourceKind = Literal["nvml", "simulated"]
+
+_MIG_NAME = re.compile(r"^(?P<parent>.+?)\s+MIG\s+(?P<profile>\S+)$")
+
+
+def mig_device_name(parent_model: str, profile: str) -> str:
+    """The name NVML gives a MIG device: the parent's name, ``MIG`` and the profile
+    (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``). It is the instance's canonical model."""
+    return f"{parent_model} MIG {profile}"
+
+
+def mig_profile_of(name: str) -> str | None:
+    """The profile in a MIG device's NVML name (``1g.5gb``), or None for another name."""
+    match = _MIG_NAME.match(name.strip())
+    return match.group("profile") if match else None
 
 
 class InventoryUnavailable(RuntimeError):
@@ -59,8 +74,25 @@ class GPUSample:
     remap_failed: bool | None = None
     """Row remapping failed: the memory cannot be repaired in the field."""
     mig_mode: bool | None = None
+    """True for a GPU in MIG mode: it is never offered whole, its instances are."""
     lost: bool = False
     processes: tuple[ProcessSample, ...] = field(default_factory=tuple)
+    compute_capability: str | None = None
+    """CUDA compute capability, ``"major.minor"`` (``"8.0"`` for an A100)."""
+    architecture: str | None = None
+    """NVML's architecture in lower case (``"ampere"``, ``"pascal"``)."""
+    mig_parent_uuid: str | None = None
+    """Set on a MIG instance: the uuid of the GPU it is carved out of. An instance's
+    ``index`` is its parent's; ``mig_index`` tells the instances of one GPU apart."""
+    mig_profile: str | None = None
+    """A MIG instance's GPU instance profile (``1g.5gb``)."""
+    mig_index: int | None = None
+    """A MIG instance's index among its parent's MIG devices."""
+
+    @property
+    def is_mig_instance(self) -> bool:
+        """Whether this sample is a MIG instance rather than a physical GPU."""
+        return self.mig_parent_uuid is not None
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,20 @@ everything read here, for checking on a real GPU machine.
 What is read per GPU, each field on its own so one unsupported query (``NotSupported`` on
 consumer cards, ``NoPermission`` in some containers) costs that field only (None):
 UUID, index, name, memory total/used, utilization, temperature, power, volatile uncorrected
-ECC count, retired pages (before Ampere) or remapped rows (Ampere and later), MIG mode and
-the running compute processes. A GPU whose queries raise ``GpuIsLost`` is reported *lost*
-under the identity it had at its last good read.
+ECC count, retired pages (before Ampere) or remapped rows (Ampere and later), MIG mode,
+CUDA compute capability, architecture and the running compute processes. A GPU whose
+queries raise ``GpuIsLost`` is reported *lost* under the identity it had at its last good
+read, and so are the MIG instances it had then.
+
+A GPU in MIG mode (``nvmlDeviceGetMigMode``) is reported with ``mig_mode=True`` and then
+each of its MIG devices as a sample of its own: ``nvmlDeviceGetMaxMigDeviceCount`` slots,
+``nvmlDeviceGetMigDeviceHandleByIndex`` for each (an empty slot raises ``NotFound``), and per
+device its ``MIG-...`` uuid, name (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``), memory and
+processes. The profile is read from the name, or where the name lacks it from the GPU
+instance's profile (``nvmlDeviceGetGpuInstanceId`` → ``nvmlDeviceGetGpuInstanceById`` →
+``nvmlGpuInstanceGetInfo`` → ``nvmlDeviceGetGpuInstanceProfileInfoById``). These reads are
+written against nvidia-ml-py's API and tested only through the simulated inventory and for
+a host without the library; ``python -m nodeagent.nvml_check`` prints them on a GPU machine.
 
 XIDs come from an NVML event set registered for ``nvmlEventTypeXidCriticalError`` on every
 GPU that supports it; :meth:`NvmlSource.wait_xids` blocks in ``nvmlEventSetWait_v2`` for at
@@ -31,6 +42,7 @@ from nodeagent.inventory import (
     ProcessSample,
     SourceKind,
     XidEvent,
+    mig_profile_of,
 )
 
 log = logging.getLogger(__name__)
@@ -51,6 +63,13 @@ def _load_pynvml() -> Any:
             f"the nvidia-ml-py package is not installed (pip install nvidia-ml-py). {HINT}"
         ) from exc
     return pynvml
+
+
+ARCHITECTURES = {
+    2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing", 7: "ampere", 8: "ada",
+    9: "hopper", 10: "blackwell",
+}
+"""NVML's ``NVML_DEVICE_ARCH_*`` values as the names requests use (others: None)."""
 
 
 def _text(value: str | bytes) -> str:
@@ -76,8 +95,10 @@ class NvmlSource:
         self.driver_version: str | None = self._optional(nvml.nvmlSystemGetDriverVersion)
         if self.driver_version is not None:
             self.driver_version = _text(self.driver_version)
-        self._identity: dict[int, tuple[str, str, int]] = {}
-        """index → (uuid, name, memory MiB) at the last good read, for lost GPUs."""
+        self._identity: dict[int, GPUSample] = {}
+        """index → the GPU's identity at its last good read, for lost GPUs."""
+        self._mig_identity: dict[int, list[GPUSample]] = {}
+        """index → its MIG instances at the last good read, reported lost with it."""
         self._event_set: Any = None
         self.xid_supported: dict[str, bool] = {}
         self._register_xid_events()
@@ -125,18 +146,17 @@ class NvmlSource:
     # ------------------------------------------------------------------ InventorySource
 
     def read_gpus(self) -> list[GPUSample]:
-        """Read every GPU now."""
+        """Read every GPU (and the MIG instances of those in MIG mode) now."""
         nvml = self._nvml
         with self._lock:
             count = nvml.nvmlDeviceGetCount()
-            samples = []
+            samples: list[GPUSample] = []
             for index in range(count):
-                sample = self._read_one(index)
-                if sample is not None:
-                    samples.append(sample)
+                samples.extend(self._read_one(index))
             return samples
 
-    def _read_one(self, index: int) -> GPUSample | None:
+    def _read_one(self, index: int) -> list[GPUSample]:
+        """The GPU at ``index``, followed by its MIG instances when it is in MIG mode."""
         nvml = self._nvml
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -144,8 +164,10 @@ class NvmlSource:
             name = _text(nvml.nvmlDeviceGetName(handle))
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)
             total_mib = int(memory.total // MIB)
-            self._identity[index] = (uuid, name, total_mib)
-            return GPUSample(
+            mig_mode = self._mig_mode(handle)
+            capability = self._compute_capability(handle)
+            architecture = self._architecture(handle)
+            sample = GPUSample(
                 uuid=uuid,
                 index=index,
                 model=name,
@@ -162,20 +184,149 @@ class NvmlSource:
                     nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                     nvml.NVML_VOLATILE_ECC,
                 ),
-                mig_mode=self._mig_mode(handle),
+                mig_mode=mig_mode,
                 processes=self._processes(handle),
+                compute_capability=capability,
+                architecture=architecture,
                 **self._memory_repair(handle),
             )
+            instances = self._mig_instances(sample, handle) if mig_mode else []
+            self._identity[index] = sample
+            self._mig_identity[index] = instances
+            return [sample, *instances]
         except nvml.NVMLError_GpuIsLost:
             known = self._identity.get(index)
             if known is None:
                 log.error("GPU %d is lost and was never read: cannot report it", index)
-                return None
-            uuid, name, total_mib = known
-            log.error("GPU %d (%s) is lost", index, uuid)
-            return GPUSample(
-                uuid=uuid, index=index, model=name, memory_total_mib=total_mib, lost=True
+                return []
+            log.error("GPU %d (%s) is lost", index, known.uuid)
+            return [
+                GPUSample(
+                    uuid=gone.uuid, index=index, model=gone.model,
+                    memory_total_mib=gone.memory_total_mib, mig_mode=gone.mig_mode,
+                    compute_capability=gone.compute_capability,
+                    architecture=gone.architecture, mig_parent_uuid=gone.mig_parent_uuid,
+                    mig_profile=gone.mig_profile, mig_index=gone.mig_index, lost=True,
+                )
+                for gone in (known, *self._mig_identity.get(index, []))
+            ]
+
+    def _mig_instances(self, parent: GPUSample, handle: Any) -> list[GPUSample]:
+        """The MIG devices of a GPU in MIG mode (empty slots skipped)."""
+        nvml = self._nvml
+        slots = self._optional(nvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0
+        instances = []
+        for mig_index in range(int(slots)):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
+            except nvml.NVMLError_GpuIsLost:
+                raise
+            except nvml.NVMLError:
+                continue  # NotFound: no MIG device in this slot
+            try:
+                uuid = _text(nvml.nvmlDeviceGetUUID(mig))
+                name = _text(nvml.nvmlDeviceGetName(mig))
+                memory = nvml.nvmlDeviceGetMemoryInfo(mig)
+            except nvml.NVMLError_GpuIsLost:
+                raise
+            except nvml.NVMLError as exc:
+                # Destroyed between the two calls (an admin re-partitions): next read.
+                log.warning("GPU %d MIG device %d unreadable: %s", parent.index, mig_index, exc)
+                continue
+            instances.append(
+                GPUSample(
+                    uuid=uuid,
+                    index=parent.index,
+                    model=name,
+                    memory_total_mib=int(memory.total // MIB),
+                    memory_used_mib=int(memory.used // MIB),
+                    processes=self._processes(mig),
+                    compute_capability=parent.compute_capability,
+                    architecture=parent.architecture,
+                    mig_parent_uuid=parent.uuid,
+                    mig_profile=mig_profile_of(name) or self._gpu_instance_profile(handle, mig),
+                    mig_index=mig_index,
+                )
             )
+        return instances
+
+    def _gpu_instance_profile(self, parent: Any, mig: Any) -> str | None:
+        """The GPU instance profile's name (``1g.5gb``) through the instance's profile id."""
+        nvml = self._nvml
+        gpu_instance_id = self._optional(nvml.nvmlDeviceGetGpuInstanceId, mig)
+        if gpu_instance_id is None:
+            return None
+        instance = self._optional(nvml.nvmlDeviceGetGpuInstanceById, parent, gpu_instance_id)
+        info = None if instance is None else self._optional(nvml.nvmlGpuInstanceGetInfo, instance)
+        if info is None:
+            return None
+        profile = self._optional(
+            nvml.nvmlDeviceGetGpuInstanceProfileInfoById, parent, info.profileId
+        )
+        if profile is None:
+            return None
+        # The v2 structure's name reads "MIG 1g.5gb".
+        text = _text(profile.name).strip()
+        return text.removeprefix("MIG ").strip() or None
+
+    def mig_report(self) -> list[dict[str, Any]]:
+        """Per GPU, the raw MIG reads (read only): current and pending MIG mode, the number
+        of MIG device slots, and each GPU instance profile the GPU supports with its memory,
+        how many instances of it fit on an empty GPU and how many still fit now. For
+        ``python -m nodeagent.nvml_check``; the agent itself reads only :meth:`read_gpus`."""
+        nvml = self._nvml
+        report = []
+        with self._lock:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                entry: dict[str, Any] = {"index": index}
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                    entry["uuid"] = _text(nvml.nvmlDeviceGetUUID(handle))
+                    modes = self._optional(nvml.nvmlDeviceGetMigMode, handle)
+                    entry["mig_mode_current"] = None if modes is None else int(modes[0])
+                    entry["mig_mode_pending"] = None if modes is None else int(modes[1])
+                    entry["compute_capability"] = self._compute_capability(handle)
+                    entry["architecture_raw"] = self._optional(
+                        nvml.nvmlDeviceGetArchitecture, handle)
+                    entry["architecture"] = self._architecture(handle)
+                    if modes is not None and modes[0] == nvml.NVML_DEVICE_MIG_ENABLE:
+                        entry["max_mig_devices"] = self._optional(
+                            nvml.nvmlDeviceGetMaxMigDeviceCount, handle)
+                        entry["gpu_instance_profiles"] = self._profiles(handle)
+                except nvml.NVMLError as exc:
+                    entry["error"] = str(exc)
+                report.append(entry)
+        return report
+
+    def _profiles(self, handle: Any) -> list[dict[str, Any]]:
+        nvml = self._nvml
+        profiles = []
+        for profile in range(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            info = self._optional(nvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, profile)
+            if info is None:
+                continue  # this profile does not exist on this GPU
+            profiles.append({
+                "profile": profile,
+                "id": int(info.id),
+                "name": _text(info.name),
+                "memory_mib": int(info.memorySizeMB),
+                "slices": int(info.sliceCount),
+                "instances_max": int(info.instanceCount),
+                "instances_free": self._optional(
+                    nvml.nvmlDeviceGetGpuInstanceRemainingCapacity, handle, int(info.id)),
+            })
+        return profiles
+
+    def _compute_capability(self, handle: Any) -> str | None:
+        capability = self._optional(self._nvml.nvmlDeviceGetCudaComputeCapability, handle)
+        if capability is None:
+            return None
+        major, minor = capability
+        return f"{int(major)}.{int(minor)}"
+
+    def _architecture(self, handle: Any) -> str | None:
+        value = self._optional(self._nvml.nvmlDeviceGetArchitecture, handle)
+        return None if value is None else ARCHITECTURES.get(int(value))
 
     def _utilization(self, handle: Any) -> float | None:
         rates = self._optional(self._nvml.nvmlDeviceGetUtilizationRates, handle)

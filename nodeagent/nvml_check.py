@@ -1,10 +1,13 @@
 """``python -m nodeagent.nvml_check``: print what the NVML source reads on this machine.
 
 For checking the real NVML path on a machine with NVIDIA GPUs. Prints one JSON object:
-the driver version, every GPU sample (with its processes), the health verdict of each GPU
-under the default policy (or the agent's settings from the environment / ``--config``),
-whether XID events could be registered, and the XIDs seen while waiting ``--xid-wait``
-seconds. On a machine without NVML it prints ``{"ok": false, "error": ...}`` and exits 2.
+the driver version, every GPU sample (with its processes, compute capability and
+architecture, and for a GPU in MIG mode each MIG instance as a sample of its own), the health
+verdict of each under the default policy (or the agent's settings from the environment /
+``--config``), the raw MIG reads per GPU (current and pending mode, MIG device slots, the GPU
+instance profiles with their free capacity), whether XID events could be registered, and the
+XIDs seen while waiting ``--xid-wait`` seconds. Everything is read only: no MIG setting is
+changed. On a machine without NVML it prints ``{"ok": false, "error": ...}`` and exits 2.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from nodeagent.health import HealthPolicy, HealthTracker
 from nodeagent.inventory import InventoryUnavailable
+from nodeagent.mig import inherit_parent_health
 
 
 def policy_from_settings(config: str | None) -> HealthPolicy:
@@ -40,14 +44,17 @@ def check(xid_wait_s: float, policy: HealthPolicy) -> dict[str, Any]:
         read_started = time.perf_counter()
         samples = source.read_gpus()
         read_s = time.perf_counter() - read_started
+        mig = source.mig_report()
         xids = source.wait_xids(xid_wait_s) if xid_wait_s > 0 else []
         tracker = HealthTracker(policy)
         now = time.time()
         for event in xids:
             tracker.record_xid(event.gpu_uuid, event.xid, now)
+        verdicts = inherit_parent_health(
+            samples, {sample.uuid: tracker.evaluate(sample, now) for sample in samples})
         gpus = []
         for sample in samples:
-            verdict = tracker.evaluate(sample, now)
+            verdict = verdicts[sample.uuid]
             gpus.append(
                 {
                     **dataclasses.asdict(sample),
@@ -62,6 +69,7 @@ def check(xid_wait_s: float, policy: HealthPolicy) -> dict[str, Any]:
             "driver_version": source.driver_version,
             "gpu_count": len(samples),
             "gpus": gpus,
+            "mig": mig,
             "xid_events_registered": source.xid_supported,
             "xids_seen": [dataclasses.asdict(event) for event in xids],
             "read_s": round(read_s, 4),

@@ -13,12 +13,26 @@ describe many hosts; each agent takes its own host's list::
          "processes": [{"pid": 1234, "used_memory_mib": 512}]}
     ]}}
 
-``processes``, ``retired_pages``, ``remap_pending``, ``remap_failed`` and ``mig_mode`` are
-optional. The file is re-read whenever it changes (inode, mtime or size), so a test or a
-demo changes load and health while the agent runs. Every entry appended to a GPU's
-``xids`` list is delivered once as an XID event (entries present at the first read too);
-shortening the list delivers nothing. A file that does not parse while the agent runs is
-logged and the last good content kept, since an editor may be halfway through saving it.
+``processes``, ``retired_pages``, ``remap_pending``, ``remap_failed``, ``mig_mode``,
+``compute_capability`` (``"8.0"``), ``architecture`` (``"ampere"``) and ``mig_instances`` are
+optional. A GPU with ``"mig_mode": true`` lists its MIG instances, each reported as a unit
+of its own under NVML's name for it (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``) with the parent's
+compute capability, architecture and health::
+
+    {"uuid": "GPU-...", "index": 0, "model": "NVIDIA A100-SXM4-40GB",
+     "memory_total_mib": 40960, "mig_mode": true,
+     "compute_capability": "8.0", "architecture": "ampere",
+     "mig_instances": [
+        {"uuid": "MIG-...", "profile": "3g.20gb", "memory_total_mib": 19968},
+        {"uuid": "MIG-...", "profile": "1g.5gb", "memory_total_mib": 4864}]}
+
+Rewriting ``mig_instances`` while the agent runs is how a test re-partitions a GPU.
+
+The file is re-read whenever it changes (inode, mtime or size), so a test or a demo changes
+load and health while the agent runs. Every entry appended to a GPU's ``xids`` list is
+delivered once as an XID event (entries present at the first read too); shortening the list
+delivers nothing. A file that does not parse while the agent runs is logged and the last
+good content kept, since an editor may be halfway through saving it.
 
 :func:`make_hosts` and :func:`write_inventory` write such files (demos and benchmarks);
 ``python -m nodeagent.simulated --hosts 8 --out inventory.json`` does it from a shell.
@@ -38,7 +52,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nodeagent.inventory import (
     GPUSample,
@@ -46,6 +60,7 @@ from nodeagent.inventory import (
     ProcessSample,
     SourceKind,
     XidEvent,
+    mig_device_name,
 )
 
 log = logging.getLogger(__name__)
@@ -66,6 +81,20 @@ class SimulatedProcess(BaseModel):
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
 
 
+class SimulatedMigInstance(BaseModel):
+    """One MIG instance of a simulated GPU in MIG mode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uuid: str = Field(min_length=1, pattern=r"^MIG-")
+    profile: str = Field(min_length=1, pattern=r"^[0-9a-z.+]+$", examples=["1g.5gb"])
+    memory_total_mib: int = Field(ge=0)
+    memory_used_mib: int = Field(default=0, ge=0)
+    mig_index: int | None = Field(
+        default=None, ge=0, description="Default: its position in the list.")
+    processes: list[SimulatedProcess] = Field(default_factory=list)
+
+
 class SimulatedGPU(BaseModel):
     """One GPU entry of the file."""
 
@@ -84,12 +113,21 @@ class SimulatedGPU(BaseModel):
     remap_pending: bool | None = None
     remap_failed: bool | None = None
     mig_mode: bool | None = None
+    compute_capability: str | None = Field(default=None, pattern=r"^[0-9]{1,2}\.[0-9]{1,2}$")
+    architecture: str | None = Field(default=None, pattern=r"^[a-z0-9]{1,32}$")
+    mig_instances: list[SimulatedMigInstance] = Field(default_factory=list)
     xids: list[int] = Field(default_factory=list)
     lost: bool = False
     processes: list[SimulatedProcess] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _instances_need_mig_mode(self) -> SimulatedGPU:
+        if self.mig_instances and self.mig_mode is not True:
+            raise ValueError("mig_instances are listed but mig_mode is not true")
+        return self
+
     def sample(self) -> GPUSample:
-        """This entry as an inventory sample."""
+        """This entry as an inventory sample (the physical GPU only)."""
         return GPUSample(
             uuid=self.uuid,
             index=self.index,
@@ -105,10 +143,37 @@ class SimulatedGPU(BaseModel):
             remap_failed=self.remap_failed,
             mig_mode=self.mig_mode,
             lost=self.lost,
-            processes=tuple(
-                ProcessSample(p.pid, p.used_memory_mib, p.utilization_pct) for p in self.processes
-            ),
+            processes=_processes(self.processes),
+            compute_capability=self.compute_capability,
+            architecture=self.architecture,
         )
+
+    def samples(self) -> list[GPUSample]:
+        """The GPU, then (in MIG mode) each of its instances as NVML would report them."""
+        result = [self.sample()]
+        if self.mig_mode:
+            for position, instance in enumerate(self.mig_instances):
+                result.append(
+                    GPUSample(
+                        uuid=instance.uuid,
+                        index=self.index,
+                        model=mig_device_name(self.model, instance.profile),
+                        memory_total_mib=instance.memory_total_mib,
+                        memory_used_mib=instance.memory_used_mib,
+                        lost=self.lost,
+                        processes=_processes(instance.processes),
+                        compute_capability=self.compute_capability,
+                        architecture=self.architecture,
+                        mig_parent_uuid=self.uuid,
+                        mig_profile=instance.profile,
+                        mig_index=position if instance.mig_index is None else instance.mig_index,
+                    )
+                )
+        return result
+
+
+def _processes(processes: list[SimulatedProcess]) -> tuple[ProcessSample, ...]:
+    return tuple(ProcessSample(p.pid, p.used_memory_mib, p.utilization_pct) for p in processes)
 
 
 class SimulatedInventory(BaseModel):
@@ -161,7 +226,7 @@ class SimulatedSource:
         """This host's GPUs as the file says now."""
         with self._lock:
             self._refresh_locked(strict=False)
-            return [gpu.sample() for gpu in self._gpus]
+            return [sample for gpu in self._gpus for sample in gpu.samples()]
 
     def wait_xids(self, timeout_s: float) -> list[XidEvent]:
         """XIDs appended to the file since the last call, waiting at most ``timeout_s``."""
@@ -228,6 +293,44 @@ MODELS: dict[str, tuple[int, float]] = {
 }
 """Models the generator mixes: NVML name → (memory MiB, power limit W)."""
 
+CAPABILITIES: dict[str, tuple[str, str]] = {
+    "NVIDIA GeForce GTX 1070": ("6.1", "pascal"),
+    "NVIDIA GeForce RTX 3090": ("8.6", "ampere"),
+    "Tesla V100-SXM2-16GB": ("7.0", "volta"),
+    "NVIDIA A100-SXM4-40GB": ("8.0", "ampere"),
+    "NVIDIA H100 80GB HBM3": ("9.0", "hopper"),
+}
+"""NVML name → (CUDA compute capability, architecture), as the real boards report them."""
+
+MIG_PROFILE_MIB: dict[str, int] = {
+    "1g.5gb": 4864, "2g.10gb": 9856, "3g.20gb": 19968, "4g.20gb": 19968, "7g.40gb": 40192,
+    "1g.10gb": 9984, "1g.20gb": 19968, "2g.20gb": 20096, "3g.40gb": 40320, "4g.40gb": 40320,
+    "7g.80gb": 80896,
+}
+"""Memory of the A100 40GB and H100 80GB GPU instance profiles as NVML reports them (MiB)."""
+
+
+def simulated_mig_uuid(host: str, index: int, mig_index: int) -> str:
+    """A stable, NVML-shaped MIG device UUID (same input, same UUID)."""
+    name = f"{host}/gpu{index}/mig{mig_index}"
+    return "MIG-" + str(uuid_module.uuid5(uuid_module.NAMESPACE_DNS, name))
+
+
+def make_mig_instances(
+    host: str, index: int, profiles: Sequence[str], *, first: int = 0
+) -> list[dict[str, Any]]:
+    """MIG instance entries of the given profiles (``["3g.20gb", "1g.5gb"]``); their uuids are
+    stable per position, counted from ``first`` (a re-partition passes fresh positions)."""
+    return [
+        {
+            "uuid": simulated_mig_uuid(host, index, first + position),
+            "profile": profile,
+            "memory_total_mib": MIG_PROFILE_MIB.get(profile, 4864),
+            "mig_index": position,
+        }
+        for position, profile in enumerate(profiles)
+    ]
+
 
 def simulated_uuid(host: str, index: int) -> str:
     """A stable, NVML-shaped UUID for GPU ``index`` of ``host`` (same input, same UUID)."""
@@ -237,6 +340,7 @@ def simulated_uuid(host: str, index: int) -> str:
 def make_gpu(host: str, index: int, model: str, **fields: Any) -> dict[str, Any]:
     """One idle, healthy GPU entry; ``fields`` override any key."""
     memory, _power = MODELS.get(model, (16384, 250.0))
+    capability = CAPABILITIES.get(model)
     entry: dict[str, Any] = {
         "uuid": simulated_uuid(host, index),
         "index": index,
@@ -250,6 +354,18 @@ def make_gpu(host: str, index: int, model: str, **fields: Any) -> dict[str, Any]
         "xids": [],
         "lost": False,
     }
+    if capability is not None:
+        entry["compute_capability"], entry["architecture"] = capability
+    entry.update(fields)
+    return entry
+
+
+def make_mig_gpu(
+    host: str, index: int, model: str, profiles: Sequence[str], **fields: Any
+) -> dict[str, Any]:
+    """A GPU in MIG mode carved into instances of ``profiles``; ``fields`` override any key."""
+    entry = make_gpu(host, index, model, mig_mode=True,
+                     mig_instances=make_mig_instances(host, index, profiles))
     entry.update(fields)
     return entry
 

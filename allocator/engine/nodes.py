@@ -114,7 +114,8 @@ class NodeReconciliation(NodeTruth):
         """Upsert the node's GPUs; True when anything placement depends on changed."""
         changed = False
         listed: list[str] = []
-        for info in sorted(beat.gpus, key=lambda g: g.index):
+        for info in sorted(beat.gpus, key=lambda g: (g.index, -1 if g.mig_index is None
+                                                       else g.mig_index)):
             gpu = self.cluster.gpus.get(info.uuid)
             if gpu is not None and gpu.host != node.host:
                 owner = self.cluster.nodes.get(gpu.host)
@@ -144,6 +145,14 @@ class NodeReconciliation(NodeTruth):
                 gpu.share_slots = policy.share_slots_for(info.model, self.settings)
                 gpu.present = True
                 changed = True
+            # MIG mode and capability decide what is placeable: a change re-indexes the node.
+            capability = (bool(info.mig_mode), info.mig_parent_uuid, info.mig_profile,
+                          info.mig_index, info.compute_capability, info.architecture)
+            if capability != (gpu.mig_enabled, gpu.mig_parent_uuid, gpu.mig_profile,
+                              gpu.mig_index, gpu.compute_capability, gpu.architecture):
+                (gpu.mig_enabled, gpu.mig_parent_uuid, gpu.mig_profile, gpu.mig_index,
+                 gpu.compute_capability, gpu.architecture) = capability
+                changed = True
             if gpu.health != info.health or gpu.health_reasons != list(info.health_reasons):
                 if gpu.health != info.health:
                     changed = True
@@ -170,7 +179,7 @@ class NodeReconciliation(NodeTruth):
             ordered = sorted(set(listed) | {u for u in node.gpu_uuids
                                            if self.cluster.gpus.get(u) is not None
                                            and self.cluster.gpus[u].host == node.host},
-                             key=lambda u: self.cluster.gpus[u].index)
+                             key=lambda u: self.cluster.gpus[u].order)
             node.gpu_uuids = ordered
         return changed
 

@@ -79,9 +79,12 @@ class Views(EngineState):
                 holders=[c.lease_id for c in self.cluster.claims_on(g.uuid)],
                 free_slots=self.cluster.free_slots(g),
                 free_memory_mib=self.cluster.free_memory_mib(g),
+                compute_capability=g.compute_capability, architecture=g.architecture,
+                mig_enabled=g.mig_enabled, mig_parent_uuid=g.mig_parent_uuid,
+                mig_profile=g.mig_profile,
                 conflict=g.conflict,
             )
-            for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.index))
+            for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.order))
             if g.present
         ]
         models = policy.summarize_models(self.cluster, self.settings, now, down_after)
