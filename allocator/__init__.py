@@ -1,7 +1,21 @@
 """swarm-gpu allocator: GPU leases over AMQP RPC from a SQLite ledger.
 
-Public surface for other parts: :mod:`allocator.protocol` (messages),
-:mod:`allocator.topology` (broker names) and :mod:`allocator.client` (the RPC client).
+Public surface for other parts (:data:`PUBLIC_SURFACE`): :mod:`allocator.protocol`
+(messages), :mod:`allocator.topology` (broker names), :mod:`allocator.client` (the RPC
+client), :mod:`allocator.model_names` (which spellings mean which GPU model) and
+:mod:`allocator.lease_container` (the label and environment of a lease's container) and
+:mod:`allocator.tasks` (bounded shutdown of background tasks).
+The node agent and the hub plugin import nothing else of the allocator.
 """
 
 __version__ = "0.1.0"
+
+PUBLIC_SURFACE = frozenset({
+    "allocator.protocol",
+    "allocator.topology",
+    "allocator.client",
+    "allocator.model_names",
+    "allocator.lease_container",
+    "allocator.tasks",
+})
+"""The modules other parts may import."""

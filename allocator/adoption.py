@@ -1,8 +1,9 @@
 """Adoption: a running container whose lease the ledger does not know claims its GPUs again.
 
-Pure policy, no I/O: given the grant a container's labels carry (see :mod:`allocator.labels`),
-the node that reports it and the cluster as the engine holds it, say whether the grant can be
-taken back as a ``bound`` lease, or what contradicts it. The engine acts on the answer.
+Pure policy, no I/O: given the grant a container's labels carry (see
+:mod:`allocator.lease_container`), the node that reports it and the cluster as the engine holds
+it, say whether the grant can be taken back as a ``bound`` lease, or what contradicts it. The
+engine acts on the answer.
 
 Truth lives on the nodes: after a lost ledger, a restored backup or an allocator started on
 an empty volume, the containers still run on the GPUs they were given. Claiming those GPUs

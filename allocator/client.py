@@ -71,6 +71,15 @@ class AllocatorTimeout(AllocatorError):
         super().__init__(ErrorCode.TIMEOUT, message)
 
 
+class StillQueued(AllocatorTimeout):
+    """A queued request was not granted within the caller's own wait (the allocator answers;
+    it just had no GPU). Distinct from a call that got no reply."""
+
+    def __init__(self, wait_s: float):
+        super().__init__(f"still queued after {wait_s:g} s")
+        self.wait_s = wait_s
+
+
 class AllocatorUnavailable(AllocatorError):
     """The broker cannot be reached, or no allocator queue receives requests."""
 
@@ -327,7 +336,8 @@ class AllocatorClient:
         only one request of the cluster is first, the load this adds stays bounded.
 
         Raises :class:`AllocatorError` with ``no_capacity`` when its wait ran out, and
-        :class:`AllocatorTimeout` if ``wait_s`` (plus one call timeout) passes first.
+        :class:`StillQueued` (an :class:`AllocatorTimeout`) if ``wait_s`` (plus one call
+        timeout) passes first.
         """
         give_up = time.monotonic() + wait_s + self.timeout_s
         last_position: int | None = None
@@ -349,7 +359,7 @@ class AllocatorClient:
                     if inspect.isawaitable(result):
                         await result
             if time.monotonic() > give_up:
-                raise AllocatorTimeout(f"still queued after {wait_s:g} s")
+                raise StillQueued(wait_s)
             at_head = head_poll_s is not None and lease.queue_position == 1
             await asyncio.sleep(head_poll_s if head_poll_s is not None and at_head else poll_s)
 

@@ -17,7 +17,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +31,10 @@ from allocator.protocol import Health, LeaseState
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
 
 LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
-GPU_JSON_COLUMNS = ("health_reasons",)
 
 
 class LedgerError(Exception):
@@ -114,6 +113,16 @@ def _migrate_v1(db: sqlite_utils.Database) -> None:
 
 
 def _migrate_v2(db: sqlite_utils.Database) -> None:
+    """MIG and compute capability per GPU, so a restarted allocator knows before the first
+    heartbeat that a GPU in MIG mode is no unit of its own."""
+    gpus = db.table("gpus")
+    for column, kind in (("compute_capability", str), ("architecture", str),
+                         ("mig_enabled", int), ("mig_parent_uuid", str), ("mig_profile", str),
+                         ("mig_index", int)):
+        gpus.add_column(column, kind)
+
+
+def _migrate_v3(db: sqlite_utils.Database) -> None:
     """Where this ledger stands in the replicated log (see :mod:`allocator.replication`)."""
     db.table("log_position").create(
         {"id": int, "log_id": str, "log_offset": int, "entry_id": str, "epoch": int,
@@ -122,7 +131,8 @@ def _migrate_v2(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2]
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
+                                                             _migrate_v3]
 """``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
 
 
@@ -189,6 +199,9 @@ class Changes:
             "power_w": gpu.power_w, "health": gpu.health.value,
             "health_reasons": list(gpu.health_reasons), "drained": int(gpu.drained),
             "present": int(gpu.present), "share_slots": gpu.share_slots, "updated_at": at,
+            "compute_capability": gpu.compute_capability, "architecture": gpu.architecture,
+            "mig_enabled": int(gpu.mig_enabled), "mig_parent_uuid": gpu.mig_parent_uuid,
+            "mig_profile": gpu.mig_profile, "mig_index": gpu.mig_index,
         }
         if first_seen is not None:
             row["first_seen"] = first_seen
@@ -411,7 +424,7 @@ class Ledger:
             if row["agent_user"]:
                 agent_users[row["host"]] = row["agent_user"]
         gpus = []
-        for row in db["gpus"].rows_where(order_by="host, idx"):
+        for row in db["gpus"].rows_where(order_by="host, idx, coalesce(mig_index, -1)"):
             gpu = GPU(
                 uuid=row["uuid"], host=row["host"], index=row["idx"], model=row["model"],
                 memory_total_mib=row["memory_total_mib"], share_slots=row["share_slots"] or 1,
@@ -420,7 +433,10 @@ class Ledger:
                 drained=bool(row["drained"]), present=bool(row["present"]),
                 memory_used_mib=row["memory_used_mib"] or 0,
                 utilization_pct=row["utilization_pct"], temperature_c=row["temperature_c"],
-                power_w=row["power_w"],
+                power_w=row["power_w"], compute_capability=row["compute_capability"],
+                architecture=row["architecture"], mig_enabled=bool(row["mig_enabled"]),
+                mig_parent_uuid=row["mig_parent_uuid"], mig_profile=row["mig_profile"],
+                mig_index=row["mig_index"],
             )
             gpus.append(gpu)
             if gpu.host in nodes:
@@ -461,8 +477,7 @@ class Ledger:
         changes.nodes = {row["host"]: row for row in db["nodes"].rows}
         changes.gpus = {}
         for row in db["gpus"].rows:
-            for column in GPU_JSON_COLUMNS:
-                row[column] = json.loads(row[column]) if row.get(column) else []
+            row["health_reasons"] = json.loads(row.get("health_reasons") or "[]")
             changes.gpus[row["uuid"]] = row
         changes.leases = {row["lease_id"]: self._decode_lease(row) for row in db["leases"].rows}
         changes.history = [{k: v for k, v in row.items() if k != "id"}
@@ -481,13 +496,6 @@ class Ledger:
         rows = list(self.db["leases"].rows_where(
             "request_key = ?", [request_key], order_by="created_at desc", limit=1))
         return LeaseRecord.from_row(self._decode_lease(rows[0])) if rows else None
-
-    def iter_rows(self, sql: str, params: tuple[Any, ...] = ()) -> Iterator[dict[str, Any]]:
-        """Stream rows of a query as dicts (on the ledger thread)."""
-        cursor = self.db.conn.execute(sql, params)
-        names = [d[0] for d in cursor.description]
-        for values in cursor:
-            yield dict(zip(names, values, strict=True))
 
     @staticmethod
     def _decode_lease(row: dict[str, Any]) -> dict[str, Any]:

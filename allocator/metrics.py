@@ -2,17 +2,20 @@
 
 Two parts, so that the request path pays (almost) nothing:
 
-- :func:`observe_request` records one request's latency in a histogram: the only call the
-  service makes per request (a dictionary lookup and an add under a lock).
+- :meth:`AllocatorMetrics.observe_request` records one request's latency in a histogram: the
+  only call the service makes per request (a dictionary lookup and an add under a lock).
 - :class:`AllocatorCollector` computes everything else *at scrape time* from what the engine
-  and the service already keep (their counters, the cluster, the leases). The snapshot is
-  taken on the allocator's event loop, between two batches, because the engine's dicts are
-  only consistent there; the HTTP server thread waits for it (bounded) instead of reading
-  them while the loop changes them.
+  and the service already keep (their :class:`~allocator.counters.Counters`, the cluster, the
+  leases). The snapshot is taken on the allocator's event loop, between two batches, because
+  the engine's dicts are only consistent there; the HTTP server thread waits for it (bounded)
+  instead of reading them while the loop changes them.
 
-Everything lives in :data:`REGISTRY`, this module's own registry, so the process-wide default
-registry (and whatever else registers there) stays out of the allocator's endpoint.
-Start it with :func:`serve`; see ``docs/operations.md`` for the metric list.
+Each service owns an :class:`AllocatorMetrics`, with a registry of its own, so the
+process-wide default registry (and whatever else registers there) stays out of the
+allocator's endpoint, and two services in one process (tests, a takeover drill) never share a
+count. This module reads a service only through :class:`Observed` (what it is handed); it
+does not import the service. Start the endpoint with :func:`serve`; see
+``docs/operations.md`` for the metric list.
 """
 
 from __future__ import annotations
@@ -25,37 +28,26 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Protocol, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from allocator.counters import ANOMALIES, Count, Counters, Family, ServiceStats
+from allocator.engine import Engine
 from allocator.protocol import Health, LeaseState
-
-if TYPE_CHECKING:
-    from allocator.service import AllocatorService
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-REGISTRY = CollectorRegistry()
-"""The allocator's registry: the request histogram and, once :func:`serve` ran, the collector."""
 
 REQUEST_KINDS = frozenset({"allocate", "release", "status", "inventory", "drain", "queue",
                            "heartbeat", "container_event", "invalid"})
 """Label values of the request histogram; anything else is counted as ``other`` so a
 hostile ``kind`` cannot grow the number of time series."""
 
-REQUEST_SECONDS = Histogram(
-    "swarm_gpu_request_seconds",
-    "Seconds from the start of applying a message's batch (decode, decide, commit to the "
-    "ledger) until its reply was sent and the batch acknowledged, by message kind",
-    ["kind"],
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
-    registry=REGISTRY,
-)
+REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict")
 """Each present GPU is in exactly one: conflict (a running container's grant contradicts the
@@ -66,10 +58,57 @@ SNAPSHOT_TIMEOUT_S = 2.0
 """How long a scrape waits for the event loop; a loop blocked longer is itself the news."""
 
 
-def observe_request(kind: str, seconds: float) -> None:
-    """Record the latency of one request of ``kind`` (``allocate``, ``heartbeat``...)."""
-    label = kind if kind in REQUEST_KINDS else "other"
-    REQUEST_SECONDS.labels(label).observe(seconds)
+class Observed(Protocol):
+    """What the metrics read of an allocator service (its engine is replaced on a reload)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def stats(self) -> ServiceStats: ...
+
+    @property
+    def metrics(self) -> AllocatorMetrics: ...
+
+
+class AllocatorMetrics:
+    """One service's metrics: its own registry, its request histogram and its collector."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.request_seconds = Histogram(
+            "swarm_gpu_request_seconds",
+            "Seconds from the start of applying a message's batch (decode, decide, commit to "
+            "the ledger) until its reply was sent and the batch acknowledged, by message kind",
+            ["kind"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self._collector: AllocatorCollector | None = None
+        self._lock = threading.Lock()
+
+    def observe_request(self, kind: str, seconds: float) -> None:
+        """Record the latency of one request of ``kind`` (``allocate``, ``heartbeat``...)."""
+        label = kind if kind in REQUEST_KINDS else "other"
+        self.request_seconds.labels(label).observe(seconds)
+
+    def install(self, service: Observed,
+                loop: asyncio.AbstractEventLoop | None = None) -> AllocatorCollector:
+        """Register a collector for ``service``, replacing an earlier one (no double report)."""
+        collector = AllocatorCollector(service, loop)
+        with self._lock:
+            if self._collector is not None:
+                self.registry.unregister(self._collector)
+            self.registry.register(collector)
+            self._collector = collector
+        return collector
+
+    def uninstall(self, collector: AllocatorCollector) -> None:
+        """Remove a collector that :meth:`install` registered (no-op if it was replaced)."""
+        with self._lock:
+            if self._collector is collector:
+                self.registry.unregister(collector)
+                self._collector = None
 
 
 # --------------------------------------------------------------------------- snapshot
@@ -88,15 +127,15 @@ class Snapshot:
     queue_oldest_wait_s: float = 0.0
     nodes: dict[str, tuple[bool, bool, float | None]] = field(default_factory=dict)
     """host -> (up, drained, last heartbeat)"""
-    engine_counters: Counter[str] = field(default_factory=Counter)
-    service_counters: Counter[str] = field(default_factory=Counter)
+    engine_counters: Counters = field(default_factory=Counters)
+    service_counters: Counters = field(default_factory=Counters)
 
 
-def take_snapshot(service: AllocatorService, now: float) -> Snapshot:
+def take_snapshot(service: Observed, now: float) -> Snapshot:
     """Read the engine and the service (call on the allocator's event loop)."""
     engine = service.engine
-    snap = Snapshot(engine_counters=Counter(engine.counters),
-                    service_counters=Counter(service.stats.counters))
+    snap = Snapshot(engine_counters=engine.counters.copy(),
+                    service_counters=service.stats.counters.copy())
     inventory = engine.inventory(now)
     node_drained = {node.host: node.drained for node in inventory.nodes}
     node_up = {node.host: node.up for node in inventory.nodes}
@@ -137,12 +176,11 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def _labelled_counter(name: str, doc: str, label: str, counters: Mapping[str, int],
-                      prefix: str, suffix: str = "") -> CounterMetricFamily:
+def _labelled_counter(name: str, doc: str, label: str,
+                      counts: Mapping[str, int]) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=[label])
-    for key, value in sorted(counters.items()):
-        if key.startswith(prefix) and key.endswith(suffix):
-            family.add_metric([key[len(prefix):len(key) - len(suffix)]], value)
+    for value_label, value in sorted(counts.items()):
+        family.add_metric([value_label], value)
     return family
 
 
@@ -189,66 +227,65 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
 
     engine, service = snap.engine_counters, snap.service_counters
     yield _labelled_counter("swarm_gpu_releases", "Leases ended, by release reason", "reason",
-                            engine, "released_")
+                            engine.of(Family.RELEASED))
     yield _labelled_counter("swarm_gpu_refusals", "Allocate requests refused, by error code",
-                            "code", engine, "refused_")
+                            "code", engine.of(Family.REFUSED))
     yield _labelled_counter("swarm_gpu_container_events", "Container events from node agents",
-                            "action", engine, "event_")
+                            "action", engine.of(Family.CONTAINER_EVENT))
     yield _labelled_counter("swarm_gpu_node_messages_rejected", "Node messages refused "
                             "because their broker user does not own the host", "kind",
-                            engine, "", "_rejected")
+                            engine.of(Family.NODE_MESSAGE_REJECTED))
     yield _labelled_counter("swarm_gpu_invalid_messages", "Messages that did not decode, by "
-                            "error code", "code", service, "invalid_")
+                            "error code", "code", service.of(Family.INVALID_MESSAGE))
     yield _labelled_counter("swarm_gpu_container_stops_asked", "Stop commands to node agents "
-                            "decided, by reason", "reason", engine, "stop_asked_")
+                            "decided, by reason", "reason", engine.of(Family.STOP_ASKED))
     anomalies = CounterMetricFamily("swarm_gpu_anomalies", "Things a node or client did that "
                                     "should not happen", labels=["kind"])
-    for kind in ("zombie_container", "unknown_lease_container", "adoption_conflict",
-                 "over_budget", "duplicate_gpu",
-                 "node_message_wrong_exchange", "request_from_node_exchange"):
-        anomalies.add_metric([kind], engine.get(kind, 0))
+    for kind in ANOMALIES:
+        anomalies.add_metric([kind.value], engine[kind])
     yield anomalies
-    for name, doc, value in (
-        ("swarm_gpu_grants", "Leases granted (now or from the queue)", engine["granted"]),
-        ("swarm_gpu_queued", "Requests that had to wait", engine["queued"]),
-        ("swarm_gpu_binds", "Leases bound to a running container", engine["bound"]),
+    for name, doc, counters, count in (
+        ("swarm_gpu_grants", "Leases granted (now or from the queue)", engine, Count.GRANTED),
+        ("swarm_gpu_queued", "Requests that had to wait", engine, Count.QUEUED),
+        ("swarm_gpu_binds", "Leases bound to a running container", engine, Count.BOUND),
         ("swarm_gpu_adoptions", "Leases the ledger did not know, taken back from a running "
-         "container's grant labels", engine["adopted"]),
+         "container's grant labels", engine, Count.ADOPTED),
         ("swarm_gpu_allocate_retries", "Allocate retries answered with the existing lease",
-         engine["allocate_retry"]),
-        ("swarm_gpu_heartbeats", "Heartbeats applied", engine["heartbeats"]),
+         engine, Count.ALLOCATE_RETRY),
+        ("swarm_gpu_heartbeats", "Heartbeats applied", engine, Count.HEARTBEATS),
         ("swarm_gpu_heartbeats_stale", "Heartbeats ignored as replayed or reordered",
-         engine["heartbeat_stale"]),
-        ("swarm_gpu_node_down_events", "Times a node was marked down", engine["node_down"]),
+         engine, Count.HEARTBEAT_STALE),
+        ("swarm_gpu_node_down_events", "Times a node was marked down", engine, Count.NODE_DOWN),
         ("swarm_gpu_messages_received", "Messages taken off the inbound queue",
-         service["received"]),
-        ("swarm_gpu_replies", "Replies sent", service["replies"]),
+         service, Count.RECEIVED),
+        ("swarm_gpu_replies", "Replies sent", service, Count.REPLIES),
         ("swarm_gpu_commands_sent", "Commands published to node agents",
-         service["commands_sent"]),
+         service, Count.COMMANDS_SENT),
         ("swarm_gpu_command_failures", "Commands to node agents that could not be published",
-         service["command_failures"]),
-        ("swarm_gpu_reply_failures", "Replies that could not be sent", service["reply_failures"]),
+         service, Count.COMMAND_FAILURES),
+        ("swarm_gpu_reply_failures", "Replies that could not be sent", service,
+         Count.REPLY_FAILURES),
         ("swarm_gpu_dead_lettered", "Messages sent to the dead-letter queue",
-         service["dead_lettered"]),
+         service, Count.DEAD_LETTERED),
         ("swarm_gpu_expired_requests_dropped", "Requests dropped because their sender had "
-         "given up", service["expired_dropped"]),
+         "given up", service, Count.EXPIRED_DROPPED),
         ("swarm_gpu_commit_failures", "Ledger commits that failed (nothing was granted)",
-         service["commit_failures"]),
+         service, Count.COMMIT_FAILURES),
         ("swarm_gpu_batch_failures", "Batches that hit an internal error",
-         service["batch_failures"]),
+         service, Count.BATCH_FAILURES),
         ("swarm_gpu_takeovers", "Times this allocator found the ledger written by another "
-         "(a standby taking over)", service["takeovers"]),
+         "(a standby taking over)", service, Count.TAKEOVERS),
     ):
-        yield _counter(name, doc, value)
+        yield _counter(name, doc, counters[count])
 
 
 # --------------------------------------------------------------------------- collector
 
 
 class AllocatorCollector(Collector):
-    """Reads one :class:`~allocator.service.AllocatorService` at scrape time."""
+    """Reads one allocator service (:class:`Observed`) at scrape time."""
 
-    def __init__(self, service: AllocatorService, loop: asyncio.AbstractEventLoop | None,
+    def __init__(self, service: Observed, loop: asyncio.AbstractEventLoop | None,
                  *, clock: Callable[[], float] = time.time,
                  timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
         self.service = service
@@ -303,42 +340,13 @@ class AllocatorCollector(Collector):
                 from None
 
 
-_installed: AllocatorCollector | None = None
-_install_lock = threading.Lock()
-
-
-def install(service: AllocatorService,
-            loop: asyncio.AbstractEventLoop | None = None) -> AllocatorCollector:
-    """Register a collector for ``service`` in :data:`REGISTRY`, replacing an earlier one.
-
-    One allocator per process is the deployment; replacing (not adding) keeps a restarted
-    service in the same process (tests, a takeover drill) from reporting twice.
-    """
-    global _installed
-    collector = AllocatorCollector(service, loop)
-    with _install_lock:
-        if _installed is not None:
-            REGISTRY.unregister(_installed)
-        REGISTRY.register(collector)
-        _installed = collector
-    return collector
-
-
-def uninstall(collector: AllocatorCollector) -> None:
-    """Remove a collector that :func:`install` registered (no-op if it was replaced)."""
-    global _installed
-    with _install_lock:
-        if _installed is collector:
-            REGISTRY.unregister(collector)
-            _installed = None
-
-
 @dataclass
 class MetricsServer:
-    """The HTTP endpoint serving :data:`REGISTRY`; :meth:`close` stops it."""
+    """The HTTP endpoint serving one service's registry; :meth:`close` stops it."""
 
     server: WSGIServer
     thread: threading.Thread
+    metrics: AllocatorMetrics
     collector: AllocatorCollector
 
     @property
@@ -351,10 +359,10 @@ class MetricsServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
-        uninstall(self.collector)
+        self.metrics.uninstall(self.collector)
 
 
-def serve(service: AllocatorService, port: int, addr: str = "0.0.0.0",
+def serve(service: Observed, port: int, addr: str = "0.0.0.0",
           loop: asyncio.AbstractEventLoop | None = None) -> MetricsServer:
     """Serve the allocator's metrics on ``addr:port`` (``/metrics``) from a daemon thread.
 
@@ -363,22 +371,11 @@ def serve(service: AllocatorService, port: int, addr: str = "0.0.0.0",
     """
     if loop is None:
         loop = asyncio.get_running_loop()
-    collector = install(service, loop)
+    collector = service.metrics.install(service, loop)
     try:
-        server, thread = start_http_server(port, addr, registry=REGISTRY)
+        server, thread = start_http_server(port, addr, registry=service.metrics.registry)
     except OSError:
-        uninstall(collector)
+        service.metrics.uninstall(collector)
         raise
     log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])
-    return MetricsServer(server, thread, collector)
-
-
-def render(service: AllocatorService) -> dict[str, Any]:
-    """The current metrics as ``{sample name with labels: value}`` (for tests and debugging)."""
-    collector = AllocatorCollector(service, None)
-    samples: dict[str, Any] = {}
-    for family in [*collector.collect(), *REQUEST_SECONDS.collect()]:
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples
+    return MetricsServer(server, thread, service.metrics, collector)

@@ -18,7 +18,9 @@ Rules, as in ``docs/design.md``:
 * Exclusive ``count=n``: *n* free GPUs of one model. ``count=None`` ("all"): every present
   GPU of the host that matches the request must be free and placeable (at least one); such a
   lease mixes models only when no model was asked for.
-* Acceptable models are tried in order of preference: the first that fits anywhere wins.
+* Model names a person typed are matched by :mod:`allocator.model_names`, the rule the hub
+  uses too. Acceptable models are tried in order of preference: the first that fits anywhere
+  wins.
 * Best fit: the host with the fewest free placeable GPUs, so whole hosts stay free for "all"
   requests; ties by host name, then the lowest GPU indices.
 * A shared slice takes one slot and a memory budget of one GPU whose model has more than one
@@ -28,20 +30,16 @@ Rules, as in ``docs/design.md``:
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from allocator import lease_container
 from allocator.cluster import GPU, Claim, Cluster
 from allocator.config import PolicySettings
+from allocator.model_names import ModelNameError, ModelNames
 from allocator.protocol import AllocateRequest, ErrorCode, ModelSummary, capability_tuple
-
-BRAND_WORDS = frozenset({"nvidia", "geforce", "tesla", "quadro"})
-"""Vendor and brand words a user may leave out of a model name ("gtx 1070")."""
-
-_TOKEN = re.compile(r"[a-z0-9]+")
 
 # Quotas are floats in the settings; a quota of "one slice of three" is written 0.333...,
 # which must compare equal to 1/3. Slots are at most 64, so a bounded denominator is exact
@@ -99,111 +97,19 @@ class Placement:
 # --------------------------------------------------------------------------- models
 
 
-def _tokens(name: str) -> list[str]:
-    return _TOKEN.findall(name.lower())
-
-
-def _compact(name: str) -> str:
-    """The name without anything but letters and digits: "GTX-1070" -> "gtx1070"."""
-    return "".join(_tokens(name))
-
-
-def _unbranded(name: str) -> str:
-    """The compact name without vendor words: "NVIDIA GeForce GTX 1070" -> "gtx1070"."""
-    return "".join(token for token in _tokens(name) if token not in BRAND_WORDS)
-
-
-@dataclass(frozen=True)
-class _ModelIndex:
-    spellings: dict[str, str]
-    """Accepted spelling (lowercase) -> canonical model."""
-    ambiguous: dict[str, tuple[str, ...]]
-    """Derived spellings that fit more than one model, so they are not accepted."""
-    known: tuple[str, ...]
-    """Canonical models, sorted."""
-    aliases: dict[str, list[str]]
-    """Canonical model -> configured aliases that point to it, sorted."""
-
-
-def _build_index(cluster: Cluster, aliases: Mapping[str, str]) -> _ModelIndex:
-    gpu_models = sorted({gpu.model for gpu in cluster.gpus.values()})
-    by_compact: dict[str, set[str]] = {}
-    for model in gpu_models:
-        by_compact.setdefault(_compact(model), set()).add(model)
-
-    # An admin who writes an alias target in another case or spacing still means the
-    # model the agents report, so targets are matched against the reported names first.
-    alias_targets: dict[str, str] = {}
-    for alias, target in aliases.items():
-        matches = by_compact.get(_compact(target), set())
-        alias_targets[alias] = next(iter(matches)) if len(matches) == 1 else target.strip()
-    known = sorted(set(gpu_models) | set(alias_targets.values()))
-
-    spellings: dict[str, str] = {}
-    ambiguous: dict[str, tuple[str, ...]] = {}
-
-    # Tiers, strongest first: a spelling taken by an earlier tier is not overridden, so an
-    # exact model name always beats an alias, and an alias beats a derived spelling.
-    def add_tier(pairs: list[tuple[str, str]]) -> None:
-        tier: dict[str, set[str]] = {}
-        for key, model in pairs:
-            if key and key not in spellings and key not in ambiguous:
-                tier.setdefault(key, set()).add(model)
-        for key, models in tier.items():
-            if len(models) == 1:
-                spellings[key] = next(iter(models))
-            else:
-                ambiguous[key] = tuple(sorted(models))
-
-    add_tier([(model.strip().lower(), model) for model in known])
-    add_tier(
-        [(alias.strip().lower(), target) for alias, target in alias_targets.items()]
-        + [(_compact(alias), target) for alias, target in alias_targets.items()]
-    )
-    add_tier([(_compact(model), model) for model in known])
-    add_tier([(_unbranded(model), model) for model in known])
-
-    by_model: dict[str, list[str]] = {model: [] for model in known}
-    for alias, target in alias_targets.items():
-        by_model[target].append(alias)
-    return _ModelIndex(
-        spellings=spellings,
-        ambiguous=ambiguous,
-        known=tuple(known),
-        aliases={model: sorted(names) for model, names in by_model.items()},
-    )
-
-
-def _lookup(name: str, index: _ModelIndex) -> str | tuple[str, ...] | None:
-    """The canonical model for a spelling, the candidates if it is ambiguous, or None."""
-    for key in (name.strip().lower(), _compact(name), _unbranded(name)):
-        if key in index.spellings:
-            return index.spellings[key]
-        if key in index.ambiguous:
-            return index.ambiguous[key]
-    return None
-
-
 def canonical_models(cluster: Cluster, aliases: Mapping[str, str]) -> dict[str, str]:
     """Every accepted spelling (lowercase) of every known model -> its canonical NVML name.
 
     Known models are those of the cluster's GPUs (present or not) and the targets of the
-    configured aliases. Accepted: the exact name in any case, the name with everything but
-    letters and digits removed, that without the words nvidia/geforce/tesla/quadro, and the
-    aliases. A derived spelling that two models share is left out (it would be a guess).
-    Callers with user input should use :func:`resolve_models`, which also normalises spaces.
+    configured aliases; the spellings are :mod:`allocator.model_names`' rule. Callers with
+    user input should use :func:`resolve_models`, which also normalises spaces.
     """
-    return dict(_build_index(cluster, aliases).spellings)
+    return dict(model_names(cluster, aliases).spellings)
 
 
-def _known_text(index: _ModelIndex) -> str:
-    if not index.known:
-        return "No GPU model is known yet: no node has reported a GPU."
-    parts = []
-    for model in index.known:
-        names = index.aliases.get(model, [])
-        parts.append(f"{model} (aliases: {', '.join(names)})" if names else model)
-    return "Known models: " + "; ".join(parts) + "."
+def model_names(cluster: Cluster, aliases: Mapping[str, str]) -> ModelNames:
+    """The names of the cluster's models (present or not) and of the configured aliases."""
+    return ModelNames.build((gpu.model for gpu in cluster.gpus.values()), aliases)
 
 
 def resolve_models(
@@ -216,42 +122,10 @@ def resolve_models(
     """
     if requested is None:
         return None
-    index = _build_index(cluster, aliases)
-    if not requested:
-        return Refusal(
-            ErrorCode.BAD_REQUEST,
-            "The list of acceptable models is empty; leave it out to accept any model.",
-            {},
-        )
-    resolved: list[str] = []
-    unknown: list[str] = []
-    ambiguous: dict[str, list[str]] = {}
-    for name in requested:
-        found = _lookup(name, index)
-        if found is None:
-            unknown.append(name)
-        elif isinstance(found, tuple):
-            ambiguous[name] = list(found)
-        elif found not in resolved:
-            resolved.append(found)
-    if unknown or ambiguous:
-        sentences = []
-        if unknown:
-            quoted = ", ".join(repr(name) for name in unknown)
-            sentences.append(f"Unknown GPU model {quoted}.")
-        for name, candidates in ambiguous.items():
-            sentences.append(f"{name!r} could mean {' or '.join(candidates)}; name one.")
-        sentences.append(_known_text(index))
-        return Refusal(
-            ErrorCode.UNKNOWN_MODEL,
-            " ".join(sentences),
-            {
-                "unknown": unknown,
-                "ambiguous": ambiguous,
-                "known": {model: index.aliases.get(model, []) for model in index.known},
-            },
-        )
-    return tuple(resolved)
+    resolved = model_names(cluster, aliases).resolve(requested)
+    if isinstance(resolved, ModelNameError):
+        return Refusal(resolved.code, resolved.message, resolved.details)
+    return resolved
 
 
 def share_slots_for(model: str, settings: PolicySettings) -> int:
@@ -735,32 +609,28 @@ def place(demand: Demand, cluster: Cluster, now: float, down_after_s: float) -> 
 
 
 def apply_placement(cluster: Cluster, placement: Placement, lease_id: str, demand: Demand) -> None:
-    """Record the lease's claims on its GPUs: the only function here that changes anything.
+    """Record the lease's claims on its GPUs: with :func:`claim_gpus`, the only changes here."""
+    claim_gpus(cluster, lease_id, demand.user, demand.groups, placement.gpu_uuids,
+               shared=placement.shared, memory_mib=placement.memory_mib, units=placement.units)
 
-    An exclusive claim promises the GPU's whole memory; a slice its budget and one slot.
+
+def claim_gpus(cluster: Cluster, lease_id: str, user: str, groups: tuple[str, ...],
+               gpu_uuids: Sequence[str], *, shared: bool, memory_mib: int | None,
+               units: Fraction) -> None:
+    """Record one lease's claims on its GPUs (a new grant, or a lease loaded from the ledger).
+
+    An exclusive claim promises each GPU's whole memory and counts 1; a slice its budget and
+    ``units`` (1/slots). ``units`` is the lease's total, split evenly over its GPUs.
     """
-    for uuid in placement.gpu_uuids:
-        gpu = cluster.gpus[uuid]
-        if placement.shared:
-            assert placement.memory_mib is not None
-            claim = Claim(
-                lease_id=lease_id,
-                user=demand.user,
-                groups=demand.groups,
-                exclusive=False,
-                memory_mib=placement.memory_mib,
-                units=placement.units,
-            )
-        else:
-            claim = Claim(
-                lease_id=lease_id,
-                user=demand.user,
-                groups=demand.groups,
-                exclusive=True,
-                memory_mib=gpu.memory_total_mib,
-                units=Fraction(1),
-            )
-        cluster.add_claim(uuid, claim)
+    per_gpu = units / len(gpu_uuids) if gpu_uuids else units
+    for uuid in gpu_uuids:
+        gpu = cluster.gpus.get(uuid)
+        whole = gpu.memory_total_mib if gpu is not None else 0
+        memory = (memory_mib or 0) if shared else whole
+        cluster.add_claim(uuid, Claim(
+            lease_id=lease_id, user=user, groups=groups, exclusive=not shared,
+            memory_mib=memory, units=per_gpu,
+        ))
 
 
 # --------------------------------------------------------------------------- quota
@@ -854,32 +724,21 @@ def queue_order_key(priority: int, enqueued_at: float, lease_id: str) -> tuple[i
     return (-priority, enqueued_at, lease_id)
 
 
-def lease_env(placement: Placement, cluster: Cluster, lease_id: str) -> dict[str, str]:
-    """Environment the lease's container gets.
+def placement_model(placement: Placement, cluster: Cluster) -> str | None:
+    """The one model of a placement's GPUs, or None when it mixes models."""
+    models = {cluster.gpus[u].model for u in placement.gpu_uuids}
+    return models.pop() if len(models) == 1 else None
 
-    Always ``NVIDIA_VISIBLE_DEVICES`` and ``SWARM_GPU_LEASE``. A slice also gets its budget
-    and framework hints that keep JAX, TensorFlow and PyTorch from taking the whole GPU.
-    """
-    env = {
-        "NVIDIA_VISIBLE_DEVICES": ",".join(placement.gpu_uuids),
-        "SWARM_GPU_LEASE": lease_id,
-    }
-    if placement.shared and placement.memory_mib is not None and placement.gpu_uuids:
-        total = cluster.gpus[placement.gpu_uuids[0]].memory_total_mib
-        # Integer arithmetic so the fraction is rounded down exactly: rounding up would let
-        # XLA preallocate more than the budget.
-        hundredths = placement.memory_mib * 100 // total if total > 0 else 0
-        hundredths = min(hundredths, 100)
-        env.update(
-            {
-                "SWARM_GPU_MEMORY_LIMIT_MIB": str(placement.memory_mib),
-                "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{hundredths // 100}.{hundredths % 100:02d}",
-                "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-                "TF_FORCE_GPU_ALLOW_GROWTH": "true",
-                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-            }
-        )
-    return env
+
+def lease_env(placement: Placement, cluster: Cluster, lease_id: str) -> dict[str, str]:
+    """Environment the lease's container gets (:func:`allocator.lease_container.lease_env`)."""
+    first = cluster.gpus.get(placement.gpu_uuids[0]) if placement.gpu_uuids else None
+    return lease_container.lease_env(
+        lease_id=lease_id, host=placement.host, gpu_uuids=placement.gpu_uuids,
+        model=placement_model(placement, cluster), shared=placement.shared,
+        memory_mib=placement.memory_mib,
+        memory_total_mib=first.memory_total_mib if first is not None else None,
+    )
 
 
 def summarize_models(
@@ -891,7 +750,7 @@ def summarize_models(
     the free slots of those placeable GPUs; ``hosts`` gives every host with a present GPU of
     the model and its free GPUs (0 included, so the form can show it).
     """
-    index = _build_index(cluster, settings.aliases)
+    index = model_names(cluster, settings.aliases)
     present: dict[str, list[tuple[str, GPU]]] = {}
     for host in sorted(cluster.nodes):
         for gpu in cluster.gpus_of(host):

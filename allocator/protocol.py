@@ -341,8 +341,6 @@ Request = Annotated[
 ]
 """Any request to the allocator's RPC exchange."""
 
-REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
-
 
 # --------------------------------------------------------------------------- node messages
 
@@ -405,7 +403,7 @@ class ProcessUse(BaseModel):
 
 
 class ContainerGrant(BaseModel):
-    """The grant a lease container carries in its labels (see :mod:`allocator.labels`).
+    """The grant a lease container carries in its labels (see :mod:`allocator.lease_container`).
 
     The hub's spawner sets the labels through the Docker API when it creates the service, so
     a user inside the notebook cannot change them. The node agent reports them with every

@@ -212,6 +212,8 @@ GPU_COLUMNS: tuple[Column, ...] = (
     Column("power_w", "number"), Column("health"), Column("health_reasons", "json"),
     Column("drained", "bool"), Column("present", "bool"), Column("share_slots", "number"),
     Column("first_seen", "time"), Column("updated_at", "time"),
+    Column("compute_capability"), Column("architecture"), Column("mig_enabled", "bool"),
+    Column("mig_parent_uuid"), Column("mig_profile"), Column("mig_index", "number"),
 )
 
 
@@ -299,7 +301,8 @@ def _gpu_query(filters: Filters, time_format: TimeFormat = "epoch") -> tuple[str
     if filters.model is not None:
         where.add("model LIKE ? ESCAPE '\\'", _like(filters.model))
     columns = _select(GPU_COLUMNS, time_format)
-    return f"SELECT {columns} FROM gpus{where.sql()} ORDER BY host, idx", where.params
+    return (f"SELECT {columns} FROM gpus{where.sql()} ORDER BY host, idx, "
+            "coalesce(mig_index, -1)", where.params)
 
 
 _QUERIES: dict[str, Callable[[Filters, TimeFormat], tuple[str, list[Any]]]] = {

@@ -24,9 +24,8 @@ import functools
 import logging
 import time
 import urllib.parse
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aio_pika
 import aio_pika.abc
@@ -37,6 +36,7 @@ from pydantic import BaseModel
 from allocator import metrics
 from allocator.client import broker_user
 from allocator.config import AllocatorSettings
+from allocator.counters import Count, Family, ServiceStats
 from allocator.engine import Engine, Sender
 from allocator.ledger import Changes, Ledger, LedgerChanged, LedgerError
 from allocator.protocol import (
@@ -49,6 +49,7 @@ from allocator.protocol import (
     encode,
     error_reply,
 )
+from allocator.tasks import cancel_and_wait
 from allocator.topology import (
     AGENTS_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
@@ -61,6 +62,9 @@ from allocator.topology import (
 )
 
 log = logging.getLogger(__name__)
+
+STOP_STEP_S = 5.0
+"""Bound on each step of :meth:`AllocatorService.stop` (consumer, tasks, connection)."""
 
 _TICK = object()
 
@@ -77,14 +81,6 @@ class _Pending:
     """Reject it to the dead-letter queue instead of acknowledging it."""
     kind: str = "invalid"
     """The message kind, for the latency histogram."""
-
-
-@dataclass
-class ServiceStats:
-    """Counters of the service loop (the engine keeps its own)."""
-
-    counters: Counter[str] = field(default_factory=Counter)
-    request_seconds: list[float] = field(default_factory=list)
 
 
 class _Poisoned(Exception):
@@ -162,6 +158,8 @@ class AllocatorService:
         self.ledger = Ledger(settings.ledger_path, synchronous=settings.ledger_synchronous)
         self.engine = Engine(settings, started_at=clock())
         self.stats = ServiceStats()
+        self.metrics = metrics.AllocatorMetrics()
+        """This service's registry and request histogram (served when metrics_port is set)."""
         self._inbox: asyncio.Queue[object] = asyncio.Queue()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None
@@ -244,18 +242,18 @@ class AllocatorService:
         if self._stopped:
             return
         self._stopped = True
+        # Each step bounded (asyncio.timeout, not 3.11's wait_for, which can swallow a
+        # cancellation): a broker that does not answer must not hang the shutdown.
         if self._queue is not None and self._consumer_tag is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._queue.cancel(self._consumer_tag), 5)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+                async with asyncio.timeout(STOP_STEP_S):
+                    await self._queue.cancel(self._consumer_tag)
+        await cancel_and_wait(self._tasks, within=STOP_STEP_S)
         self._tasks = []
         if self._connection is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._connection.close(), 5)
+                async with asyncio.timeout(STOP_STEP_S):
+                    await self._connection.close()
             self._connection = None
         if self.metrics_server is not None:
             self.metrics_server.close()
@@ -319,7 +317,7 @@ class AllocatorService:
                 raise
             except Exception:  # the loop must survive anything; the batch is answered below
                 log.exception("batch failed; rebuilding from the ledger")
-                self.stats.counters["batch_failures"] += 1
+                self.stats.counters.add(Count.BATCH_FAILURES)
                 try:
                     await self._recover(batch)
                 except Exception:  # a dead applier would leave the queue unanswered for good
@@ -337,7 +335,7 @@ class AllocatorService:
                 # away what the batch did to memory, and apply the others again without it.
                 log.error("message %d of a batch failed; it alone is refused", bad.index,
                           exc_info=bad.__cause__)
-                self.stats.counters["poisoned"] += 1
+                self.stats.counters.add(Count.POISONED)
                 poisoned[bad.index] = self._refused(batch[bad.index])
                 await self._reload()
                 continue
@@ -354,7 +352,7 @@ class AllocatorService:
                 if takeovers > 3:
                     raise LedgerError("the ledger keeps changing under this allocator") from None
                 log.warning("the ledger was written by another allocator (takeover); reloading")
-                self.stats.counters["takeovers"] += 1
+                self.stats.counters.add(Count.TAKEOVERS)
                 await self._reload()
                 continue
             except LedgerError as exc:
@@ -366,7 +364,7 @@ class AllocatorService:
         await self._finish(pending)
         elapsed = time.monotonic() - began
         for entry in pending:
-            metrics.observe_request(entry.kind, elapsed)
+            self.metrics.observe_request(entry.kind, elapsed)
 
     def _apply_in_memory(self, batch: list[object], poisoned: dict[int, _Pending | None]
                          ) -> tuple[Changes, list[_Pending]]:
@@ -404,7 +402,7 @@ class AllocatorService:
     async def _commit_failed(self, exc: LedgerError, pending: list[_Pending]) -> None:
         """Nothing of the batch was written: forget it in memory and say so to every caller."""
         log.error("ledger commit failed: %s", exc)
-        self.stats.counters["commit_failures"] += 1
+        self.stats.counters.add(Count.COMMIT_FAILURES)
         await self._reload()
         failure = error_reply(ErrorCode.STORAGE_ERROR,
                               f"the allocator could not record the decision ({exc}); "
@@ -417,11 +415,11 @@ class AllocatorService:
 
     def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage, now: float,
                        changes: Changes) -> _Pending:
-        self.stats.counters["received"] += 1
+        self.stats.counters.add(Count.RECEIVED)
         decoded = decode_inbound(message.body)
         wants_reply = bool(message.reply_to and message.correlation_id)
         if isinstance(decoded, ErrorReply):
-            self.stats.counters[f"invalid_{decoded.error.code.value}"] += 1
+            self.stats.counters.add_to(Family.INVALID_MESSAGE, decoded.error.code.value)
             log.info("refused a message: %s", decoded.error.message)
             if not wants_reply:
                 return _Pending(message, None, dead_letter=True)
@@ -429,7 +427,7 @@ class AllocatorService:
         deadline = getattr(decoded, "deadline", None)
         if deadline is not None and now > deadline:
             # The caller gave up already; granting now would leak a lease nobody holds.
-            self.stats.counters["expired_dropped"] += 1
+            self.stats.counters.add(Count.EXPIRED_DROPPED)
             return _Pending(message, None, kind=decoded.kind)
         sender = Sender(user_id=message.user_id,
                         via_nodes_exchange=message.exchange == NODES_EXCHANGE)
@@ -450,7 +448,7 @@ class AllocatorService:
         if not commands:
             return
         if exchange is None:
-            self.stats.counters["command_failures"] += len(commands)
+            self.stats.counters.add(Count.COMMAND_FAILURES, len(commands))
             log.warning("%d stop command(s) not sent: stop commands are off (see the error "
                         "at start)", len(commands))
             return
@@ -460,7 +458,7 @@ class AllocatorService:
         for index, command in enumerate(commands):
             remaining = give_up - time.monotonic()
             if remaining <= 0:
-                self.stats.counters["command_failures"] += len(commands) - index
+                self.stats.counters.add(Count.COMMAND_FAILURES, len(commands) - index)
                 log.warning("gave up sending %d command(s) to node agents: the broker does "
                             "not take them", len(commands) - index)
                 return
@@ -480,12 +478,12 @@ class AllocatorService:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never fail the batch: the decision is committed
-                self.stats.counters["command_failures"] += 1
+                self.stats.counters.add(Count.COMMAND_FAILURES)
                 log.warning("could not ask %s to stop container %s (lease %s): %s",
                             command.host, command.container_id[:12], command.lease_id,
                             exc or type(exc).__name__)
                 continue
-            self.stats.counters["commands_sent"] += 1
+            self.stats.counters.add(Count.COMMANDS_SENT)
             log.info("asked %s to stop container %s of lease %s (%s, grace %g s)",
                      command.host, command.container_id[:12], command.lease_id,
                      command.reason.value, command.grace_s)
@@ -520,14 +518,14 @@ class AllocatorService:
                         mandatory=False,
                         timeout=self.settings.request_timeout_s,
                     )
-                    self.stats.counters["replies"] += 1
+                    self.stats.counters.add(Count.REPLIES)
                 except (AMQPError, aio_pika.exceptions.AMQPError, TimeoutError, OSError,
                         ChannelInvalidStateError) as exc:
                     # The client is gone (its direct reply-to consumer closed) or the broker
                     # is down (the channel is closed until the robust connection restores it:
                     # ChannelInvalidStateError, a RuntimeError); the decision stands in the
                     # ledger and a retry will find it.
-                    self.stats.counters["reply_failures"] += 1
+                    self.stats.counters.add(Count.REPLY_FAILURES)
                     log.info("could not send a reply: %s", exc)
         if pending and not any(entry.dead_letter for entry in pending):
             # One acknowledgement for the whole batch. The batch holds every delivery not yet
@@ -542,7 +540,7 @@ class AllocatorService:
                 if entry.dead_letter:
                     # Rejected without requeue: the queue's dead-letter exchange keeps it
                     # for a person to look at.
-                    self.stats.counters["dead_lettered"] += 1
+                    self.stats.counters.add(Count.DEAD_LETTERED)
                     await entry.message.reject(requeue=False)
                 else:
                     await entry.message.ack()

@@ -65,8 +65,8 @@ from common import (
 )
 
 from allocator.client import AllocatorClient
+from allocator.lease_container import LEASE_LABEL
 from allocator.protocol import AllocateRequest, LeaseState
-from nodeagent.containers import LEASE_LABEL
 from nodeagent.simulated import make_gpu, write_inventory
 
 MODEL = "NVIDIA GeForce GTX 1070"

@@ -4,11 +4,14 @@ Pure functions over plain data, like kubespawner's ``objects.py``: given a
 :class:`~allocator.protocol.Lease` (or None for "no GPU") and the admin's own
 ``SwarmSpawner`` settings, they return new dicts and never modify their inputs.
 
-- environment: ``NVIDIA_VISIBLE_DEVICES=<uuid,...>`` plus the lease's own env
-  (``void`` without a GPU, so the NVIDIA runtime exposes none);
+- environment: the lease's own env, exactly as the allocator computed it
+  (:func:`allocator.lease_container.lease_env`), checked for control characters;
+  ``NVIDIA_VISIBLE_DEVICES=void`` without a GPU, so the NVIDIA runtime exposes none;
 - placement: the admin's constraints plus ``node.hostname == <lease host>``;
-- labels: ``swarm-gpu.lease=<lease id>`` on the container (what node agents look for) and on
-  the service (for ``docker service ls --filter label=...``);
+- labels: :func:`allocator.lease_container.grant_labels` on the container (the lease id, what
+  node agents look for, and the whole grant, which they report so that an allocator that lost
+  the lease adopts it), :func:`allocator.lease_container.lease_labels`
+  (``swarm-gpu.lease=<lease id>``) on the service (for ``docker service ls --filter label=...``);
 - restart policy: ``none`` for a service that holds a lease. Swarm's default restarts a dead
   task in a *new* container with the same environment, but the lease was released the moment
   the old container died and its GPUs may already be someone else's.
@@ -22,15 +25,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from allocator.lease_container import (
+    GRANT_LABELS,
+    LEASE_LABEL,
+    grant_labels,
+    lease_labels,
+    no_gpu_env,
+)
 from allocator.protocol import Lease, LeaseState
 
-LEASE_LABEL = "swarm-gpu.lease"
-"""Container (and service) label carrying the lease id. Node agents report containers with it."""
-
-NO_GPU_DEVICES = "void"
-"""``NVIDIA_VISIBLE_DEVICES`` value that gives a container no GPU at all."""
-
-GPU_ENV_PREFIX = "SWARM_GPU_"
+__all__ = [
+    "LEASE_LABEL", "BuildError", "ServiceGPUSpec", "build_service_spec", "describe_lease",
+    "gpu_env", "placement_constraints",
+]
 
 _HOSTNAME_CONSTRAINT = re.compile(r"^\s*node\.hostname\s*(==|!=)\s*(.+?)\s*$")
 _SAFE_VALUE = re.compile(r"[^\x00-\x1f\x7f]*")
@@ -72,37 +79,19 @@ def _usable(lease: Lease) -> None:
             raise BuildError(f"lease {lease.lease_id} has a malformed GPU uuid {uuid!r}")
 
 
-def gpu_env(lease: Lease | None, *, memory_total_mib: int | None = None) -> dict[str, str]:
+def gpu_env(lease: Lease | None) -> dict[str, str]:
     """Environment for the container of a lease (or of a server without GPU).
 
-    ``memory_total_mib`` is the GPU's memory, when known, so a shared slice also gets
-    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if the allocator sent none.
+    The allocator's own env of the lease, checked, with ``NVIDIA_VISIBLE_DEVICES`` always the
+    lease's GPUs (whatever the env says), so the container sees exactly what was granted.
     """
     if lease is None:
-        return {"NVIDIA_VISIBLE_DEVICES": NO_GPU_DEVICES}
+        return no_gpu_env()
     _usable(lease)
     env: dict[str, str] = {}
     for key, value in lease.env.items():
         env[_check_value(key, key)] = _check_value(key, str(value))
     env["NVIDIA_VISIBLE_DEVICES"] = ",".join(lease.gpu_uuids)
-    env.setdefault("NVIDIA_DRIVER_CAPABILITIES", "compute,utility")
-    env[f"{GPU_ENV_PREFIX}LEASE_ID"] = lease.lease_id
-    env[f"{GPU_ENV_PREFIX}HOST"] = _check_value("host", lease.host or "")
-    env[f"{GPU_ENV_PREFIX}GPU_COUNT"] = str(len(lease.gpu_uuids))
-    if lease.model:
-        env[f"{GPU_ENV_PREFIX}MODEL"] = _check_value("model", lease.model)
-    env[f"{GPU_ENV_PREFIX}SHARED"] = "1" if lease.shared else "0"
-    if lease.shared:
-        # framework hints so a slice stays within its budget
-        env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
-        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        if lease.memory_mib:
-            env[f"{GPU_ENV_PREFIX}MEMORY_MIB"] = str(lease.memory_mib)
-            if memory_total_mib:
-                # rounded down, like the allocator's own hint: never more than the budget
-                hundredths = min(lease.memory_mib * 100 // memory_total_mib, 100)
-                env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
-                               f"{hundredths // 100}.{hundredths % 100:02d}")
     return env
 
 
@@ -138,12 +127,13 @@ def placement_constraints(admin_constraints: Sequence[str] | None, host: str | N
     return list(dict.fromkeys(kept))
 
 
-def _with_label(spec: Mapping[str, Any], key: str, lease_id: str | None) -> dict[str, Any]:
+def _with_labels(spec: Mapping[str, Any], key: str, ours: Mapping[str, str]) -> dict[str, Any]:
+    """The admin's labels with ours on top: never a stale or forged lease or grant label."""
     out = copy.deepcopy(dict(spec))
     labels = dict(out.get(key) or {})
-    labels.pop(LEASE_LABEL, None)
-    if lease_id is not None:
-        labels[LEASE_LABEL] = lease_id
+    for name in (LEASE_LABEL, *GRANT_LABELS):
+        labels.pop(name, None)
+    labels.update({name: _check_value(name, value) for name, value in ours.items()})
     if labels or key in out:
         out[key] = labels
     return out
@@ -156,18 +146,22 @@ def build_service_spec(
     extra_placement_spec: Mapping[str, Any] | None = None,
     extra_create_kwargs: Mapping[str, Any] | None = None,
     extra_task_spec: Mapping[str, Any] | None = None,
-    memory_total_mib: int | None = None,
+    server_name: str = "",
 ) -> ServiceGPUSpec:
     """Everything the service needs for this lease, merged with the admin's settings.
 
-    The admin's dicts are copied, never modified. Without a lease the placement is the
-    admin's own and any stale lease label is removed.
+    The admin's dicts are copied, never modified. The container carries the whole grant
+    (:func:`~allocator.lease_container.grant_labels`, with ``server_name``, the JupyterHub
+    server's name, empty for a user's default server), the service the lease label. Without
+    a lease the placement is the admin's own and any stale lease or grant label is removed.
     """
-    env = gpu_env(lease, memory_total_mib=memory_total_mib)
+    env = gpu_env(lease)
     lease_id = lease.lease_id if lease is not None else None
     host = lease.host if lease is not None else None
-    container = _with_label(extra_container_spec or {}, "labels", lease_id)
-    create = _with_label(extra_create_kwargs or {}, "labels", lease_id)
+    container = _with_labels(extra_container_spec or {}, "labels",
+                             grant_labels(lease, server_name) if lease is not None else {})
+    create = _with_labels(extra_create_kwargs or {}, "labels",
+                          lease_labels(lease_id) if lease_id is not None else {})
     placement = copy.deepcopy(dict(extra_placement_spec or {}))
     if host is not None or placement.get("constraints"):
         placement["constraints"] = placement_constraints(placement.get("constraints"), host)

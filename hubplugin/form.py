@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from html import escape
 
+from allocator.model_names import display_name
 from allocator.protocol import InventoryReply, ModelSummary
 
 from .options import (
@@ -61,15 +62,6 @@ def user_models(inventory: InventoryReply | None, policy: GPUPolicy) -> list[Mod
             summary = summary.model_copy(update={"hosts": hosts})
         out.append(summary)
     return sorted(out, key=lambda m: m.model)
-
-
-def _host_totals(inventory: InventoryReply, models: Sequence[ModelSummary]) -> dict[str, int]:
-    names = {m.model for m in models}
-    totals: dict[str, int] = {}
-    for gpu in inventory.gpus:
-        if gpu.model in names:
-            totals[gpu.host] = totals.get(gpu.host, 0) + 1
-    return totals
 
 
 def _free_slices(inventory: InventoryReply | None, model: str) -> dict[str, int]:
@@ -256,7 +248,7 @@ def _model_options(models: Sequence[ModelSummary], current: GPUOptions) -> str:
         share = f", {m.free_slots} shared slots free" if m.share_slots > 1 else ""
         opts.append(
             f'<option value="{_e(m.model)}" data-key="m{i}"{sel}>'
-            f"{_e(m.model)} · {_e(format_mib(m.memory_total_mib))} · "
+            f"{_e(display_name(m.model))} · {_e(format_mib(m.memory_total_mib))} · "
             f"{m.free}/{m.total} free{share}</option>"
         )
     return "".join(opts)
@@ -312,7 +304,8 @@ def _availability_table(
         ) or "—"
         slots = f"{m.free_slots} of {m.total * m.share_slots}" if m.share_slots > 1 else "—"
         rows.append(
-            f"<tr><td>{_e(m.model)}</td><td class=\"sg-num\">{_e(format_mib(m.memory_total_mib))}"
+            f"<tr><td>{_e(display_name(m.model))}</td>"
+            f'<td class="sg-num">{_e(format_mib(m.memory_total_mib))}'
             f'</td><td class="sg-num">{m.free} of {m.total}</td>'
             f'<td class="sg-num">{slots}</td><td>{hosts}</td></tr>'
         )

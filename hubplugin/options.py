@@ -19,15 +19,19 @@ Every problem is an :class:`OptionsError` (a ``ValueError``) whose message a use
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from allocator.model_names import ModelNameError, ModelNames, same_model
 from allocator.protocol import (
     MAX_COUNT,
     MAX_WAIT_S,
     AllocateRequest,
+    Architecture,
+    ComputeCapability,
     InventoryReply,
     ModelSummary,
     ShareRequest,
@@ -93,6 +97,10 @@ class GPUOptions(BaseModel):
     share_memory_mib: int | None = Field(
         default=None, description="Memory budget of a shared slice; default: the admin's."
     )
+    min_compute_capability: ComputeCapability | None = Field(
+        default=None, description='Only GPUs of at least this CUDA compute capability ("8.0").')
+    architecture: Architecture | None = Field(
+        default=None, description='Only GPUs of this architecture ("ampere").')
     profile: str | None = Field(
         default=None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Slug of one of the admin's named profiles.",
@@ -155,6 +163,8 @@ def _field_label(loc: Sequence[Any]) -> str:
         "all_gpus_of_host": "all GPUs of a host",
         "host": "host",
         "share_memory_mib": "shared memory budget (MiB)",
+        "min_compute_capability": "minimum compute capability",
+        "architecture": "GPU architecture",
         "profile": "profile",
     }
     name = str(loc[0]) if loc else ""
@@ -283,6 +293,8 @@ class Profile(BaseModel):
     all_gpus_of_host: bool = False
     host: str | None = None
     share_memory_mib: int | None = Field(default=None, ge=1)
+    min_compute_capability: ComputeCapability | None = None
+    architecture: Architecture | None = None
     spawner_override: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("slug")
@@ -301,6 +313,8 @@ class Profile(BaseModel):
             all_gpus_of_host=self.all_gpus_of_host,
             host=self.host,
             share_memory_mib=self.share_memory_mib,
+            min_compute_capability=self.min_compute_capability,
+            architecture=self.architecture,
             profile=self.slug,
         ).normalized()
 
@@ -319,6 +333,10 @@ class Profile(BaseModel):
             return f"Shared slice of one GPU ({model}{budget}){where}"
         if opts.all_gpus_of_host:
             return f"All GPUs of one host ({model}){where}"
+        if opts.min_compute_capability or opts.architecture:
+            needs = [f"compute capability {opts.min_compute_capability}+"
+                     if opts.min_compute_capability else "", opts.architecture or ""]
+            where += " (" + ", ".join(n for n in needs if n) + ")"
         plural = "GPU" if opts.count == 1 else "GPUs"
         return f"{opts.count} whole {plural} ({model}){where}"
 
@@ -419,18 +437,19 @@ def allowed_models_for(
 
 
 class ModelCatalog:
-    """Model names and aliases as the allocator reports them (case-insensitive)."""
+    """The models the allocator's inventory lists, matched by the allocator's own rule.
+
+    Spellings are :mod:`allocator.model_names`' (case, spaces, punctuation and vendor words
+    do not matter; aliases count), so the hub accepts exactly what the allocator accepts.
+    """
 
     def __init__(self, models: Iterable[ModelSummary]):
         self.models = {m.model: m for m in models}
-        self._by_name: dict[str, str] = {}
-        for summary in self.models.values():
-            self._by_name[summary.model.lower()] = summary.model
-            for alias in summary.aliases:
-                self._by_name.setdefault(alias.lower(), summary.model)
+        self.names = ModelNames.from_summaries(self.models.values())
 
     def canonical(self, name: str) -> str | None:
-        return self._by_name.get(name.strip().lower())
+        """The canonical model a spelling means, or None (unknown or ambiguous)."""
+        return self.names.canonical(name)
 
     def canonical_or_raw(self, name: str) -> str:
         return self.canonical(name) or name
@@ -440,9 +459,7 @@ class ModelCatalog:
 
 
 def _same_model(a: str, b: str, catalog: ModelCatalog | None) -> bool:
-    if catalog is not None:
-        a, b = catalog.canonical_or_raw(a), catalog.canonical_or_raw(b)
-    return a.strip().lower() == b.strip().lower()
+    return same_model(a, b, catalog.names if catalog is not None else None)
 
 
 def _plural(n: int, word: str = "GPU") -> str:
@@ -462,6 +479,31 @@ class CheckedRequest(BaseModel):
     share_memory_mib: int | None = None
     shared: bool = False
 
+    @property
+    def min_compute_capability(self) -> str | None:
+        """Passed through to the allocator, which alone knows each GPU's capability."""
+        return self.options.min_compute_capability
+
+    @property
+    def architecture(self) -> str | None:
+        """Passed through to the allocator, which alone knows each GPU's architecture."""
+        return self.options.architecture
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every per-field check reads: the choice, the limits and what the cluster has."""
+
+    options: GPUOptions
+    policy: GPUPolicy
+    inventory: InventoryReply | None
+    catalog: ModelCatalog | None
+    trusted: bool
+
+    @property
+    def who(self) -> str:
+        return f" (groups: {', '.join(self.policy.groups)})" if self.policy.groups else ""
+
 
 def check_options(
     options: GPUOptions,
@@ -474,137 +516,170 @@ def check_options(
 
     Returns None for "no GPU". ``trusted`` (an admin's profile) skips the per-user limits:
     models, count, hosts and share size; sanity checks against the inventory still apply.
+    One check per field, in this order: may use GPUs, model, host, then the shared slice or
+    the number of whole GPUs.
     """
     options = options.normalized()
     if not options.wants_gpu:
         return None
-    catalog = ModelCatalog(inventory.models) if inventory is not None else None
-    who = f" (groups: {', '.join(policy.groups)})" if policy.groups else ""
-
-    if not trusted and not policy.may_use_gpus:
-        raise OptionsError(
-            f"You may not use GPUs{who}. Start without a GPU, or ask an administrator.",
-            field="mode",
-        )
-
-    # --- model
-    model: str | None = None
-    models: list[str] | None = None
-    allowed = None if trusted else policy.allowed_models
-    if options.any_model:
-        if allowed is not None:
-            if catalog is not None:
-                # only models the cluster has: the allocator refuses unknown names
-                names = [c for c in (catalog.canonical(m) for m in allowed) if c is not None]
-                if not names:
-                    raise OptionsError(
-                        f"None of the GPU models you may use ({', '.join(allowed)}) is in "
-                        "the cluster right now.",
-                        field="model",
-                    )
-            else:
-                names = list(allowed)
-            models = list(dict.fromkeys(names))[:MAX_LISTED_MODELS]
-    else:
-        if catalog is not None and catalog.canonical(options.model) is None:
-            known = ", ".join(catalog.known()) or "none (no GPU has reported yet)"
-            raise OptionsError(
-                f"Unknown GPU model '{options.model}'. Models in the cluster: {known}.",
-                field="model",
-            )
-        if allowed is not None and not any(
-            _same_model(options.model, a, catalog) for a in allowed
-        ):
-            raise OptionsError(
-                f"You may not use GPU model '{options.model}'{who}. "
-                f"Models you may use: {', '.join(allowed) or 'none'}.",
-                field="model",
-            )
-        model = catalog.canonical_or_raw(options.model) if catalog else options.model
-
-    # the models this request could land on, as the inventory knows them
-    eligible: list[ModelSummary] | None = None
-    if catalog is not None:
-        if model is not None:
-            eligible = [catalog.models[model]]
-        elif models is not None:
-            eligible = [catalog.models[m] for m in models if m in catalog.models]
-        else:
-            eligible = list(catalog.models.values())
-
-    # --- host
-    host = options.host
-    if host is not None:
-        if not trusted and policy.allowed_hosts is not None and host not in policy.allowed_hosts:
-            raise OptionsError(
-                f"You may not use host '{host}'. "
-                f"Hosts you may use: {', '.join(policy.allowed_hosts) or 'none'}.",
-                field="host",
-            )
-        if inventory is not None and host not in {n.host for n in inventory.nodes}:
-            known_hosts = ", ".join(sorted(n.host for n in inventory.nodes)) or "none"
-            raise OptionsError(
-                f"Unknown host '{host}'. Hosts with GPUs: {known_hosts}.", field="host"
-            )
-
-    # GPUs per host of the eligible models (total, not just free)
-    per_host: dict[str, int] = {}
-    if inventory is not None and eligible is not None:
-        eligible_names = {m.model for m in eligible}
-        for gpu in inventory.gpus:
-            if gpu.model in eligible_names and (
-                trusted or policy.allowed_hosts is None or gpu.host in policy.allowed_hosts
-            ):
-                per_host[gpu.host] = per_host.get(gpu.host, 0) + 1
-        if host is not None:
-            per_host = {host: per_host.get(host, 0)}
+    ctx = _Context(options, policy, inventory,
+                   ModelCatalog(inventory.models) if inventory is not None else None, trusted)
+    _check_may_use_gpus(ctx)
+    model, models = _check_model(ctx)
+    eligible = _eligible_models(ctx, model, models)
+    host = _check_host(ctx)
+    per_host = _gpus_per_host(ctx, eligible, host)
     what = "any model you may use" if model is None else model
-
-    # --- shared slice
     if options.mode is GPUMode.SHARED:
-        memory = options.share_memory_mib or policy.default_share_memory_mib
-        if (
-            not trusted
-            and memory is not None
-            and policy.max_share_memory_mib is not None
-            and memory > policy.max_share_memory_mib
-        ):
-            raise OptionsError(
-                f"A shared slice may have at most {policy.max_share_memory_mib} MiB; "
-                f"you asked for {memory} MiB.",
-                field="share_memory_mib",
-            )
-        if eligible is not None:
-            shareable = [m for m in eligible if m.share_slots > 1]
-            if not shareable:
-                raise OptionsError(
-                    f"GPU model {what} cannot be shared (whole GPUs only); "
-                    "choose exclusive mode or another model.",
-                    field="mode",
-                )
-            if memory is not None:
-                fitting = [m for m in shareable if m.memory_total_mib >= memory]
-                if not fitting:
-                    biggest = max(shareable, key=lambda m: m.memory_total_mib)
-                    raise OptionsError(
-                        f"A shared slice of {memory} MiB is larger than the GPU: "
-                        f"{biggest.model} has {biggest.memory_total_mib} MiB.",
-                        field="share_memory_mib",
-                    )
-                shareable = fitting
-            if model is None and len(shareable) < len(eligible):
-                models = [m.model for m in shareable][:MAX_LISTED_MODELS]
+        memory, models = _check_share(ctx, eligible, model, models, what)
         if host is not None and per_host and per_host.get(host, 0) == 0:
             raise OptionsError(f"Host '{host}' has no GPU of {what}.", field="host")
         return CheckedRequest(
             options=options, model=model, models=models, count=1, host=host,
             share_memory_mib=memory, shared=True,
         )
+    count = _check_count(ctx, per_host, host, what)
+    return CheckedRequest(options=options, model=model, models=models, count=count, host=host)
 
-    # --- whole GPUs
-    limit = MAX_COUNT if trusted else policy.max_gpus
+
+def _check_may_use_gpus(ctx: _Context) -> None:
+    if not ctx.trusted and not ctx.policy.may_use_gpus:
+        raise OptionsError(
+            f"You may not use GPUs{ctx.who}. Start without a GPU, or ask an administrator.",
+            field="mode",
+        )
+
+
+def _check_model(ctx: _Context) -> tuple[str | None, list[str] | None]:
+    """The model asked for (canonical when the catalog knows it), or the list to send."""
+    options, catalog = ctx.options, ctx.catalog
+    allowed = None if ctx.trusted else ctx.policy.allowed_models
+    if options.any_model:
+        if allowed is None:
+            return None, None
+        if catalog is not None:
+            # only models the cluster has: the allocator refuses unknown names
+            names = [c for c in (catalog.canonical(m) for m in allowed) if c is not None]
+            if not names:
+                raise OptionsError(
+                    f"None of the GPU models you may use ({', '.join(allowed)}) is in "
+                    "the cluster right now.",
+                    field="model",
+                )
+        else:
+            names = list(allowed)
+        return None, list(dict.fromkeys(names))[:MAX_LISTED_MODELS]
+    if catalog is not None:
+        resolved = catalog.names.resolve([options.model])
+        if isinstance(resolved, ModelNameError):
+            # the allocator's own refusal, from the same rule
+            raise OptionsError(resolved.message, field="model")
+    if allowed is not None and not any(_same_model(options.model, a, catalog) for a in allowed):
+        raise OptionsError(
+            f"You may not use GPU model '{options.model}'{ctx.who}. "
+            f"Models you may use: {', '.join(allowed) or 'none'}.",
+            field="model",
+        )
+    return (catalog.canonical_or_raw(options.model) if catalog else options.model), None
+
+
+def _eligible_models(ctx: _Context, model: str | None,
+                     models: list[str] | None) -> list[ModelSummary] | None:
+    """The models this request could land on, as the inventory knows them (None: unknown)."""
+    catalog = ctx.catalog
+    if catalog is None:
+        return None
+    if model is not None:
+        return [catalog.models[model]]
+    if models is not None:
+        return [catalog.models[m] for m in models if m in catalog.models]
+    return list(catalog.models.values())
+
+
+def _check_host(ctx: _Context) -> str | None:
+    host, policy, inventory = ctx.options.host, ctx.policy, ctx.inventory
+    if host is None:
+        return None
+    if not ctx.trusted and policy.allowed_hosts is not None and host not in policy.allowed_hosts:
+        raise OptionsError(
+            f"You may not use host '{host}'. "
+            f"Hosts you may use: {', '.join(policy.allowed_hosts) or 'none'}.",
+            field="host",
+        )
+    if inventory is not None and host not in {n.host for n in inventory.nodes}:
+        known_hosts = ", ".join(sorted(n.host for n in inventory.nodes)) or "none"
+        raise OptionsError(f"Unknown host '{host}'. Hosts with GPUs: {known_hosts}.",
+                           field="host")
+    return host
+
+
+def _gpus_per_host(ctx: _Context, eligible: list[ModelSummary] | None,
+                   host: str | None) -> dict[str, int]:
+    """GPUs per host of the eligible models (total, not just free); empty when unknown."""
+    per_host: dict[str, int] = {}
+    if ctx.inventory is None or eligible is None:
+        return per_host
+    eligible_names = {m.model for m in eligible}
+    allowed_hosts = ctx.policy.allowed_hosts
+    for gpu in ctx.inventory.gpus:
+        if gpu.mig_enabled:
+            continue  # a GPU in MIG mode is no unit: its instances are counted instead
+        if gpu.model in eligible_names and (
+            ctx.trusted or allowed_hosts is None or gpu.host in allowed_hosts
+        ):
+            per_host[gpu.host] = per_host.get(gpu.host, 0) + 1
+    if host is not None:
+        per_host = {host: per_host.get(host, 0)}
+    return per_host
+
+
+def _check_share(ctx: _Context, eligible: list[ModelSummary] | None, model: str | None,
+                 models: list[str] | None, what: str) -> tuple[int | None, list[str] | None]:
+    """The slice's budget, and the models narrowed to those that can be shared."""
+    policy = ctx.policy
+    memory = ctx.options.share_memory_mib or policy.default_share_memory_mib
+    if (
+        not ctx.trusted
+        and memory is not None
+        and policy.max_share_memory_mib is not None
+        and memory > policy.max_share_memory_mib
+    ):
+        raise OptionsError(
+            f"A shared slice may have at most {policy.max_share_memory_mib} MiB; "
+            f"you asked for {memory} MiB.",
+            field="share_memory_mib",
+        )
+    if eligible is None:
+        return memory, models
+    shareable = [m for m in eligible if m.share_slots > 1]
+    if not shareable:
+        raise OptionsError(
+            f"GPU model {what} cannot be shared (whole GPUs only); "
+            "choose exclusive mode or another model.",
+            field="mode",
+        )
+    if memory is not None:
+        fitting = [m for m in shareable if m.memory_total_mib >= memory]
+        if not fitting:
+            biggest = max(shareable, key=lambda m: m.memory_total_mib)
+            raise OptionsError(
+                f"A shared slice of {memory} MiB is larger than the GPU: "
+                f"{biggest.model} has {biggest.memory_total_mib} MiB.",
+                field="share_memory_mib",
+            )
+        shareable = fitting
+    if model is None and len(shareable) < len(eligible):
+        models = [m.model for m in shareable][:MAX_LISTED_MODELS]
+    return memory, models
+
+
+def _check_count(ctx: _Context, per_host: dict[str, int], host: str | None,
+                 what: str) -> int | str:
+    """The number of whole GPUs (or ``"all"``) within the user's limit and the hosts."""
+    options, policy = ctx.options, ctx.policy
+    limit = MAX_COUNT if ctx.trusted else policy.max_gpus
     if options.all_gpus_of_host:
-        if not trusted and not policy.allow_all_gpus_of_host:
+        if not ctx.trusted and not policy.allow_all_gpus_of_host:
             raise OptionsError(
                 "'All GPUs of a host' is not offered here; choose a number of GPUs.",
                 field="count",
@@ -621,32 +696,30 @@ def check_options(
                     f"limit of {limit} per server.{hint}",
                     field="count",
                 )
-        count: int | str = "all"
-    else:
-        if options.count > limit:
+        return "all"
+    if options.count > limit:
+        raise OptionsError(
+            f"You may use at most {_plural(limit)} per server; you asked for "
+            f"{options.count}.",
+            field="count",
+        )
+    if per_host:
+        largest = max(per_host.values())
+        if largest == 0 and host is not None:
+            raise OptionsError(f"Host '{host}' has no GPU of {what}.", field="host")
+        if options.count > largest and host is not None:
             raise OptionsError(
-                f"You may use at most {_plural(limit)} per server; you asked for "
+                f"Host '{host}' has only {_plural(largest)} of {what}; you asked for "
                 f"{options.count}.",
                 field="count",
             )
-        if per_host:
-            largest = max(per_host.values())
-            if largest == 0 and host is not None:
-                raise OptionsError(f"Host '{host}' has no GPU of {what}.", field="host")
-            if options.count > largest and host is not None:
-                raise OptionsError(
-                    f"Host '{host}' has only {_plural(largest)} of {what}; you asked for "
-                    f"{options.count}.",
-                    field="count",
-                )
-            if options.count > largest:
-                raise OptionsError(
-                    f"No host has {_plural(options.count)} of {what} (the largest has "
-                    f"{largest}).",
-                    field="count",
-                )
-        count = options.count
-    return CheckedRequest(options=options, model=model, models=models, count=count, host=host)
+        if options.count > largest:
+            raise OptionsError(
+                f"No host has {_plural(options.count)} of {what} (the largest has "
+                f"{largest}).",
+                field="count",
+            )
+    return options.count
 
 
 def request_key(hub_id: str, user: str, server_name: str) -> str:
@@ -675,6 +748,8 @@ def build_allocate_request(
         count=checked.count,
         host=checked.host,
         share=share,
+        min_compute_capability=checked.min_compute_capability,
+        architecture=checked.architecture,
         wait_s=min(max(wait_s, 0.0), MAX_WAIT_S),
         priority=priority,
     )

@@ -46,7 +46,7 @@ from traitlets import (
     Callable as CallableTrait,
 )
 
-from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
+from allocator.client import AllocatorClient, AllocatorError, StillQueued
 from allocator.protocol import ErrorCode, InventoryReply, Lease, LeaseState
 
 from .builders import BuildError, build_service_spec, describe_lease
@@ -362,9 +362,7 @@ class GPUSwarmSpawner(SwarmSpawner):
         self._gpu_env: dict[str, str] = {}
         self._gpu_events: list[dict[str, Any]] = []
         self._gpu_events_done = True
-        self._gpu_lease: Lease | None = None
         self._override_saved: dict[str, Any] = {}
-        self._gpu_memory_total: int | None = None
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
@@ -539,7 +537,11 @@ class GPUSwarmSpawner(SwarmSpawner):
         """Lease GPUs for the choice (None for "no GPU"). Raises HTTPError with a message."""
         if not options.wants_gpu:
             return None
-        inventory = await self._inventory_or_none()
+        # One RPC per spawn: the allocator checks the request against the cluster and refuses
+        # with its own text. Only a user held to a list of models needs the cluster's model
+        # names first (aliases, and which of the allowed models exist to ask for).
+        restricted = profile is None and self.gpu_policy().allowed_models is not None
+        inventory = await self._inventory_or_none() if restricted else None
         checked = self.check_choice(options, profile, inventory)
         if checked is None:
             return None
@@ -578,9 +580,7 @@ class GPUSwarmSpawner(SwarmSpawner):
                         head_poll_s=self.wait_poll_head_s,
                         on_position=on_position,
                     )
-                except AllocatorTimeout as exc:
-                    if "still queued" not in exc.message:
-                        raise
+                except StillQueued:
                     raise AllocatorError(
                         ErrorCode.NO_CAPACITY, f"none became free within {wait:g} s"
                     ) from None
@@ -601,18 +601,12 @@ class GPUSwarmSpawner(SwarmSpawner):
             raise allocator_http_error(exc) from None
         if lease.state not in (LeaseState.GRANTED, LeaseState.BOUND):
             raise user_error(503, f"The GPU allocator answered with a {lease.state.value} lease")
-        self._gpu_lease = lease
         self._emit(f"Granted {describe_lease(lease)}", 40)
-        if inventory is not None and lease.model:
-            for summary in inventory.models:
-                if summary.model == lease.model:
-                    self._gpu_memory_total = summary.memory_total_mib
         return lease
 
     async def start(self) -> Any:
         self._gpu_events = []
         self._gpu_events_done = False
-        self._gpu_memory_total = None
         if self.gpu_lease_id or self.gpu_request_key:
             # a stop path that skipped the post-stop hook: do not carry its lease over
             await self.release_gpus(reason="stale lease before a new spawn")
@@ -627,7 +621,7 @@ class GPUSwarmSpawner(SwarmSpawner):
                     extra_placement_spec=self.extra_placement_spec,
                     extra_create_kwargs=self.extra_create_kwargs,
                     extra_task_spec=self.extra_task_spec,
-                    memory_total_mib=self._gpu_memory_total,
+                    server_name=self.name or "",
                 )
             except BuildError as exc:
                 raise user_error(500, f"Cannot place the server: {exc}") from None
@@ -707,7 +701,6 @@ class GPUSwarmSpawner(SwarmSpawner):
         await self._release(key, lease_id, reason=reason)
         self.gpu_lease_id = None
         self.gpu_request_key = None
-        self._gpu_lease = None
 
     async def run_post_stop_hook(self) -> Any:
         """Release the lease on every stop path (failed spawns included), then the admin's hook."""

@@ -36,6 +36,7 @@ from allocator.protocol import (
     Heartbeat,
     ProcessUse,
 )
+from allocator.tasks import cancel_and_wait
 from nodeagent.cgroups import CgroupReader
 from nodeagent.commands import CommandConsumer
 from nodeagent.config import AgentSettings, resolve_host
@@ -44,7 +45,6 @@ from nodeagent.health import HealthPolicy, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
 from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
-from nodeagent.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,6 @@ class NodeAgent:
         self.commands: CommandConsumer | None = None
         self.last_heartbeat: Heartbeat | None = None
         self.xids_received = 0
-        self.inventory_failures = 0
         self._last_samples: list[GPUSample] | None = None
         self._pending_read: asyncio.Future[_Snapshot] | None = None
         self._health: dict[str, Health] = {}
@@ -378,7 +377,6 @@ class NodeAgent:
         except Exception as exc:
             # A heartbeat without the GPUs would read as "GPUs gone" and release their leases;
             # report the last known GPUs as unhealthy instead, so nothing new lands on them.
-            self.inventory_failures += 1
             unreadable = f"inventory: reading the GPUs failed ({type(exc).__name__}: {exc})"
             log.error("%s", unreadable)
             if self._last_samples is None:

@@ -43,13 +43,13 @@ import aio_pika.abc
 import aiormq
 
 from allocator.protocol import StopContainer, decode_agent_command
+from allocator.tasks import cancel_and_wait
 from allocator.topology import (
     AGENTS_EXCHANGE,
     agent_queue_spec,
     command_routing_key,
 )
 from nodeagent.containers import StopOutcome
-from nodeagent.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -49,10 +49,10 @@ import aiodocker
 import aiohttp
 from aiodocker.events import DockerEvents
 
-from allocator.labels import LEASE_LABEL as LEASE_LABEL  # re-exported: the agent's label
-from allocator.labels import grant_from_labels
+from allocator.lease_container import LEASE_LABEL as LEASE_LABEL  # re-exported: the agent's label
+from allocator.lease_container import grant_from_labels
 from allocator.protocol import ContainerGrant
-from nodeagent.tasks import cancel_and_wait
+from allocator.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ class LeaseContainer:
     started_at: float | None = None
     """Epoch seconds: from the start event, or the creation time when only listed."""
     grant: ContainerGrant | None = None
-    """The grant its labels carry (see :mod:`allocator.labels`), None without grant labels."""
+    """The grant its labels carry (see :mod:`allocator.lease_container`); None without grant
+    labels."""
 
 
 @dataclass(frozen=True)

@@ -11,26 +11,10 @@ of its own that loops until the agent stops.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 SourceKind = Literal["nvml", "simulated"]
-
-_MIG_NAME = re.compile(r"^(?P<parent>.+?)\s+MIG\s+(?P<profile>\S+)$")
-
-
-def mig_device_name(parent_model: str, profile: str) -> str:
-    """The name NVML gives a MIG device: the parent's name, ``MIG`` and the profile
-    (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``). It is the instance's canonical model."""
-    return f"{parent_model} MIG {profile}"
-
-
-def mig_profile_of(name: str) -> str | None:
-    """The profile in a MIG device's NVML name (``1g.5gb``), or None for another name."""
-    match = _MIG_NAME.match(name.strip())
-    return match.group("profile") if match else None
-
 
 class InventoryUnavailable(RuntimeError):
     """The source cannot work at all on this host (no NVML library, no driver, no file).

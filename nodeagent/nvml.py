@@ -36,13 +36,13 @@ import threading
 import time
 from typing import Any
 
+from allocator.model_names import mig_parts
 from nodeagent.inventory import (
     GPUSample,
     InventoryUnavailable,
     ProcessSample,
     SourceKind,
     XidEvent,
-    mig_profile_of,
 )
 
 log = logging.getLogger(__name__)
@@ -244,11 +244,16 @@ class NvmlSource:
                     compute_capability=parent.compute_capability,
                     architecture=parent.architecture,
                     mig_parent_uuid=parent.uuid,
-                    mig_profile=mig_profile_of(name) or self._gpu_instance_profile(handle, mig),
+                    mig_profile=self._profile(name, handle, mig),
                     mig_index=mig_index,
                 )
             )
         return instances
+
+    def _profile(self, name: str, parent: Any, mig: Any) -> str | None:
+        """The MIG device's profile: from its NVML name, else from its GPU instance."""
+        parts = mig_parts(name)
+        return parts[1] if parts is not None else self._gpu_instance_profile(parent, mig)
 
     def _gpu_instance_profile(self, parent: Any, mig: Any) -> str | None:
         """The GPU instance profile's name (``1g.5gb``) through the instance's profile id."""

@@ -36,8 +36,8 @@ from aio_pika.abc import AbstractExchange, AbstractRobustConnection
 from yarl import URL
 
 from allocator.protocol import ContainerEvent, Heartbeat, encode
+from allocator.tasks import cancel_and_wait
 from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
-from nodeagent.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

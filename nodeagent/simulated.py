@@ -54,13 +54,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from allocator.model_names import mig_model_name
 from nodeagent.inventory import (
     GPUSample,
     InventoryUnavailable,
     ProcessSample,
     SourceKind,
     XidEvent,
-    mig_device_name,
 )
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class SimulatedGPU(BaseModel):
                     GPUSample(
                         uuid=instance.uuid,
                         index=self.index,
-                        model=mig_device_name(self.model, instance.profile),
+                        model=mig_model_name(self.model, instance.profile),
                         memory_total_mib=instance.memory_total_mib,
                         memory_used_mib=instance.memory_used_mib,
                         lost=self.lost,

@@ -37,6 +37,26 @@ if _TESTS_DIR not in sys.path:
 import services  # noqa: E402
 from services import require_service  # noqa: E402
 
+# ----------------------------------------------------------------------------- timeouts
+
+MARKER_TIMEOUTS_S = {"hub": 300, "browser": 300, "slow": 300, "docker": 180}
+"""pytest-timeout's bound for a test by its markers (the largest that applies). A test that
+needs more says so itself with ``@pytest.mark.timeout``."""
+
+UNIT_TIMEOUT_S = 60
+"""The bound for a test with none of those markers (a pure unit or a broker round trip):
+generous on a loaded machine, yet a hang or a slow unit test is found in a minute, not five."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give every test without its own timeout the bound of its markers."""
+    for item in items:
+        if item.get_closest_marker("timeout") is not None:
+            continue
+        limit = max((seconds for marker, seconds in MARKER_TIMEOUTS_S.items()
+                     if item.get_closest_marker(marker) is not None), default=UNIT_TIMEOUT_S)
+        item.add_marker(pytest.mark.timeout(limit))
+
 # ----------------------------------------------------------------------------- RabbitMQ
 
 

@@ -17,6 +17,7 @@ from typing import TypeVar
 import aio_pika
 import aio_pika.abc
 
+from allocator.engine import Sender
 from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
@@ -34,6 +35,14 @@ GTX1070 = "NVIDIA GeForce GTX 1070"
 RTX3090 = "NVIDIA GeForce RTX 3090"
 A100 = "NVIDIA A100-SXM4-80GB"
 MEMORY = {GTX1070: 8192, RTX3090: 24576, A100: 81920}
+
+# Senders as the engine sees them, for tests that drive the engine without a broker.
+NODE = Sender(user_id="agent", via_nodes_exchange=True)
+"""A node agent (broker user ``agent``), through the nodes exchange."""
+HUB = Sender(user_id="hub", via_nodes_exchange=False)
+"""The hub (broker user ``hub``), through the RPC exchange."""
+ADMIN = Sender(user_id="admin", via_nodes_exchange=False)
+"""An admin (broker user ``admin``), through the RPC exchange."""
 
 _seq = itertools.count(1)
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from support import A100, GTX1070, RTX3090, gpus, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError
+from allocator.client import AllocatorClient, AllocatorError, StillQueued
 from allocator.protocol import (
     AllocateRequest,
     ContainerAction,
@@ -141,6 +141,16 @@ async def test_queue_waits_in_order_and_reports_position(client, mixed):
     assert granted.state is LeaseState.GRANTED
     carol = await client.status(request_key="hub/carol/")
     assert carol.state is LeaseState.GRANTED, "the second 3090 went to the next in line"
+
+
+async def test_a_wait_that_runs_out_first_on_the_callers_side_is_still_queued(client, mixed):
+    await client.allocate(ask(model="3090", count=2))
+    queued = await client.allocate(ask(user="bob", model="3090", wait_s=60))
+    assert queued.state is LeaseState.QUEUED
+    with pytest.raises(StillQueued) as raised:
+        await client.wait_for_grant("hub/bob/", wait_s=0.2, poll_s=0.05)
+    assert raised.value.code is ErrorCode.TIMEOUT and raised.value.wait_s == 0.2
+    assert (await client.status(request_key="hub/bob/")).state is LeaseState.QUEUED
 
 
 async def test_the_head_of_the_queue_polls_faster(client, mixed, monkeypatch):

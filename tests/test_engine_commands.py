@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import ADMIN, HUB, NODE
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
@@ -28,9 +29,6 @@ from allocator.protocol import (
     StopReason,
 )
 
-NODE = Sender(user_id="agent", via_nodes_exchange=True)
-HUB = Sender(user_id="hub", via_nodes_exchange=False)
-ADMIN = Sender(user_id="admin", via_nodes_exchange=False)
 HOST = "gpu-a"
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support import ADMIN, NODE
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
@@ -41,8 +42,8 @@ from allocator.protocol import (
 SMALL, BIG = "NVIDIA GeForce GTX 1070", "NVIDIA A100-SXM4-80GB"
 HOSTS = {"h0": [SMALL, SMALL, BIG], "h1": [BIG, BIG], "h2": [SMALL] * 4}
 MEMORY = {SMALL: 8192, BIG: 81920}
-HUB = Sender(user_id="admin", via_nodes_exchange=False)
-NODE = Sender(user_id="agent", via_nodes_exchange=True)
+HUB = ADMIN
+"""The hub's requests come from an admin here, so that force-releases are allowed too."""
 
 
 class LedgerMachine(RuleBasedStateMachine):

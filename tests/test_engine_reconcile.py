@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from support import HUB, NODE
+
 from allocator.config import AllocatorSettings
-from allocator.engine import Engine, Sender
+from allocator.engine import Engine
 from allocator.ledger import Changes, Ledger
 from allocator.protocol import (
     AllocateRequest,
@@ -19,9 +21,6 @@ from allocator.protocol import (
     LeaseState,
     ReleaseReason,
 )
-
-NODE = Sender(user_id="agent", via_nodes_exchange=True)
-HUB = Sender(user_id="hub", via_nodes_exchange=False)
 
 
 def beat(host: str, seq: int, at: float, containers: list[ContainerInfo]) -> Heartbeat:

@@ -29,6 +29,8 @@ from allocator.topology import agent_queue_name
 from nodeagent.commands import CommandConsumer
 from nodeagent.containers import StopOutcome
 
+pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
+
 HOST = "gpu-commands"
 RECOVERY_BOUND_S = 20.0
 """The consumer (and the allocator) must work again within this of the broker coming back."""

@@ -31,6 +31,8 @@ from support import RTX3090, NodeSimulator, gpus, wait_until
 from allocator.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
 from allocator.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 
+pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
+
 HOSTS = 12
 GPUS_PER_HOST = 16
 WORKERS = 16

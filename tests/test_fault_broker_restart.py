@@ -37,6 +37,8 @@ from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
 
+pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
+
 HOST = "gpu-restart"
 CALL_TIMEOUT_S = 3.0
 SLACK_S = 1.0

@@ -37,6 +37,8 @@ from support import GTX1070, NodeSimulator, gpus, wait_until
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
 
+pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
+
 GPUS = 16
 
 

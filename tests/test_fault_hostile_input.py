@@ -73,6 +73,8 @@ from allocator.protocol import (
 )
 from allocator.topology import DEAD_LETTER_QUEUE, NODES_EXCHANGE, RPC_EXCHANGE
 
+pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
+
 EXAMPLES = 500
 """Messages per property run (about 15 s on a loaded 2-core machine)."""
 REPLY_WITHIN_S = 10.0

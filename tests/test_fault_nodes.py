@@ -45,6 +45,7 @@ from support import GTX1070, NodeSimulator, gpus, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.invariants import NodeReport
+from allocator.lease_container import LEASE_LABEL
 from allocator.protocol import (
     AllocateRequest,
     ContainerAction,
@@ -55,8 +56,9 @@ from allocator.protocol import (
 )
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
-from nodeagent.containers import LEASE_LABEL
 from nodeagent.simulated import make_gpu, write_inventory
+
+pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
 
 SLACK_S = 1.5
 """How much later than its bound a timer may fire on a loaded 2-core machine (ticks: 0.1 s)."""

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import copy
+from fractions import Fraction
 
 import pytest
 from hub_inventory import GTX1070, lease
 
-from allocator.protocol import LeaseState
+from allocator import policy
+from allocator.cluster import GPU, Cluster
+from allocator.lease_container import grant_from_labels
+from allocator.policy import Placement
+from allocator.protocol import ContainerGrant, LeaseState
 from hubplugin.builders import (
     LEASE_LABEL,
     BuildError,
@@ -32,16 +37,11 @@ def test_no_gpu_means_void() -> None:
     assert spec.lease_id is None and spec.summary == "no GPU"
 
 
-def test_exclusive_lease_env() -> None:
-    env = gpu_env(lease(gpu_uuids=["GPU-1", "GPU-2"], gpu_indices=[0, 1]))
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1,GPU-2"
-    assert env["SWARM_GPU_LEASE_ID"] == "L-42"
-    assert env["SWARM_GPU_HOST"] == "gpu-a"
-    assert env["SWARM_GPU_GPU_COUNT"] == "2"
-    assert env["SWARM_GPU_MODEL"] == GTX1070
-    assert env["SWARM_GPU_SHARED"] == "0"
-    assert env["SWARM_GPU_LEASE"] == "L-42"  # the allocator's own env is kept
-    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in env
+def test_the_container_gets_the_allocators_env_and_nothing_else() -> None:
+    allocators = {"NVIDIA_VISIBLE_DEVICES": "GPU-1,GPU-2", "SWARM_GPU_LEASE": "L-42",
+                  "SWARM_GPU_HOST": "gpu-a", "SWARM_GPU_GPU_COUNT": "2"}
+    env = gpu_env(lease(gpu_uuids=["GPU-1", "GPU-2"], gpu_indices=[0, 1], env=allocators))
+    assert env == allocators
 
 
 def test_uuids_win_over_the_lease_env() -> None:
@@ -49,21 +49,18 @@ def test_uuids_win_over_the_lease_env() -> None:
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaaa"
 
 
-def test_shared_lease_gets_framework_hints() -> None:
-    shared = lease(shared=True, memory_mib=2048,
-                   env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.240"})
-    env = gpu_env(shared, memory_total_mib=8192)
+def test_a_granted_slice_carries_the_allocators_budget_and_hints() -> None:
+    cluster = Cluster()
+    cluster.gpus["GPU-aaaa"] = GPU(uuid="GPU-aaaa", host="gpu-a", index=0, model=GTX1070,
+                                   memory_total_mib=8192)
+    placement = Placement("gpu-a", ("GPU-aaaa",), True, 2048, Fraction(1, 4))
+    env = gpu_env(lease(shared=True, memory_mib=2048,
+                        env=policy.lease_env(placement, cluster, "L-42")))
     assert env["SWARM_GPU_SHARED"] == "1"
-    assert env["SWARM_GPU_MEMORY_MIB"] == "2048"
+    assert env["SWARM_GPU_MEMORY_LIMIT_MIB"] == "2048"
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.240"  # the allocator's hint wins
-    env = gpu_env(shared.model_copy(update={"env": {}}), memory_total_mib=8192)
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.25"
-    env = gpu_env(shared.model_copy(update={"env": {}, "memory_mib": 2047}),
-                  memory_total_mib=8192)
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.24"  # rounded down
-    env = gpu_env(shared.model_copy(update={"env": {}}))
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
+    assert "SWARM_GPU_MEMORY_MIB" not in env and "SWARM_GPU_LEASE_ID" not in env, "one name each"
 
 
 @pytest.mark.parametrize(
@@ -114,7 +111,11 @@ def test_full_spec_merges_without_touching_the_admins_settings() -> None:
     )
     assert (container, placement, create) == originals
     assert spec.extra_container_spec == {
-        "labels": {"team": "ml", LEASE_LABEL: "L-42"}, "hostname": "nb",
+        "labels": {"team": "ml", LEASE_LABEL: "L-42", "swarm-gpu.host": "gpu-a",
+                   "swarm-gpu.gpus": "GPU-aaaa", "swarm-gpu.shared": "0",
+                   "swarm-gpu.user": "alice", "swarm-gpu.server": "",
+                   "swarm-gpu.request-key": "hub/alice/"},
+        "hostname": "nb",
     }
     assert spec.extra_placement_spec == {
         "constraints": ["node.role == worker", "node.hostname == gpu-a"],
@@ -128,6 +129,21 @@ def test_full_spec_merges_without_touching_the_admins_settings() -> None:
 def test_admin_cannot_override_the_lease_label() -> None:
     spec = build_service_spec(lease(), extra_container_spec={"labels": {LEASE_LABEL: "forged"}})
     assert spec.extra_container_spec["labels"][LEASE_LABEL] == "L-42"
+
+
+def test_the_container_carries_the_whole_grant_and_nothing_forged() -> None:
+    """What the agent reads back is what the allocator granted: an allocator that lost the
+    lease adopts exactly this grant (a forged or stale grant label is replaced or dropped)."""
+    sliced = lease(shared=True, memory_mib=2048, request_key="hub/alice/big")
+    forged = {"labels": {"swarm-gpu.gpus": "GPU-1,GPU-2,GPU-3", "swarm-gpu.memory-mib": "99"}}
+    spec = build_service_spec(sliced, extra_container_spec=forged, server_name="big")
+    grant = grant_from_labels(spec.extra_container_spec["labels"])
+    assert grant == ContainerGrant(host="gpu-a", gpu_uuids=["GPU-aaaa"], shared=True,
+                                   memory_mib=2048, user="alice", server_name="big",
+                                   request_key="hub/alice/big")
+    assert spec.extra_create_kwargs == {"labels": {LEASE_LABEL: "L-42"}}
+    unlabelled = build_service_spec(None, extra_container_spec=forged)
+    assert unlabelled.extra_container_spec == {"labels": {}}
 
 
 def test_bound_lease_is_usable() -> None:

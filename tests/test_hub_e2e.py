@@ -25,6 +25,7 @@ from hub_harness import Hub
 from support import GTX1070, RTX3090, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
+from allocator.lease_container import LEASE_LABEL, grant_labels
 from allocator.protocol import ErrorCode, Lease, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
@@ -32,7 +33,6 @@ from nodeagent.simulated import make_gpu, write_inventory
 
 pytestmark = [pytest.mark.hub, pytest.mark.docker, pytest.mark.slow]
 
-LEASE_LABEL = "swarm-gpu.lease"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TEST_BUDGET_S = 150
 
@@ -194,11 +194,16 @@ async def test_gpu_server_through_rest(
         spec = await service_spec(docker, hub.service_name("alice"))
         env = env_of(spec)
         assert env["NVIDIA_VISIBLE_DEVICES"] == lease.gpu_uuids[0]
-        assert env["SWARM_GPU_LEASE_ID"] == lease.lease_id
+        assert env["SWARM_GPU_LEASE"] == lease.lease_id
         assert env["SWARM_GPU_HOST"] == swarm_host
+        assert {k: env[k] for k in lease.env} == lease.env, "the allocator's env, unchanged"
+        assert "SWARM_GPU_LEASE_ID" not in env, "one name for the lease id"
         assert env["JUPYTER_ENABLE_LAB"] == "1"  # the example config's environment is kept
         container = spec["TaskTemplate"]["ContainerSpec"]
-        assert container["Labels"] == {LEASE_LABEL: lease.lease_id, "swarm-gpu.test": "e2e"}
+        # The whole grant travels with the container (an allocator that lost the ledger
+        # adopts the lease from these labels).
+        assert container["Labels"] == {**grant_labels(lease, server_name=""),
+                                       "swarm-gpu.test": "e2e"}
         assert spec["Labels"][LEASE_LABEL] == lease.lease_id
         constraints = spec["TaskTemplate"]["Placement"]["Constraints"]
         assert constraints == ["node.role == manager", f"node.hostname == {swarm_host}"]
@@ -228,7 +233,7 @@ async def test_gpu_server_through_rest(
         share_env = env_of(await service_spec(docker, hub.service_name("bob")))
         assert share_env["NVIDIA_VISIBLE_DEVICES"] == share.gpu_uuids[0]
         assert share_env["SWARM_GPU_SHARED"] == "1"
-        assert share_env["SWARM_GPU_MEMORY_MIB"] == "2048"
+        assert share_env["SWARM_GPU_MEMORY_LIMIT_MIB"] == "2048"
         assert share_env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
         assert float(share_env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == pytest.approx(0.25, abs=0.01)
         await hub.stop_server("bob")

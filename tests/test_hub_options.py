@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from hub_inventory import A100, GTX1070, RTX3090, inventory
 
+from allocator.cluster import GPU, Cluster
+from allocator.policy import resolve_models
 from allocator.protocol import AllocateRequest
 from hubplugin.options import (
     GPUMode,
@@ -159,6 +161,30 @@ def test_aliases_match_canonical_names() -> None:
     assert checked is not None and checked.model == GTX1070
     checked = check_options(GPUOptions(mode=GPUMode.EXCLUSIVE, model="GTX1070"), STUDENTS, INV)
     assert checked is not None and checked.model == GTX1070
+
+
+def test_the_hub_accepts_every_spelling_the_allocator_accepts() -> None:
+    # "gtx 1070" is neither a name nor an alias: the allocator derives it (vendor words and
+    # punctuation do not matter), and so must the hub, with the inventory and without.
+    for spelling in ("gtx 1070", "GTX-1070", "geforce gtx 1070", "nvidia gtx1070"):
+        opts = GPUOptions(mode=GPUMode.EXCLUSIVE, model=spelling)
+        checked = check_options(opts, STUDENTS, INV)
+        assert checked is not None and checked.model == GTX1070, spelling
+        without = GPUPolicy(allowed_models=["NVIDIA GeForce GTX 1070"], max_gpus=1)
+        assert check_options(opts, without, None) is not None, spelling
+
+
+def test_unknown_model_is_refused_with_the_allocators_text() -> None:
+    cluster = Cluster(gpus={m: GPU(uuid=m, host="h", index=0, model=m, memory_total_mib=1)
+                            for m in (GTX1070, RTX3090, A100)})
+    aliases = {alias: model for model in (GTX1070, RTX3090, A100)
+               for alias in {GTX1070: ["1070", "gtx1070"], RTX3090: ["3090"],
+                             A100: ["a100"]}[model]}
+    refusal = resolve_models(["h100"], cluster, aliases)
+    with pytest.raises(OptionsError) as err:
+        check_options(GPUOptions(mode=GPUMode.EXCLUSIVE, model="h100"), STAFF, INV)
+    assert not isinstance(refusal, tuple) and refusal is not None
+    assert str(err.value) == refusal.message
 
 
 def test_unknown_model_lists_known_ones() -> None:

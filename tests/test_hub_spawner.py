@@ -11,6 +11,7 @@ import pytest
 from tornado import web
 from traitlets import TraitError
 
+from allocator import PUBLIC_SURFACE
 from allocator.client import AllocatorError, AllocatorTimeout, AllocatorUnavailable
 from allocator.protocol import ErrorCode
 from hubplugin.options import GPUMode, options_from_form
@@ -157,4 +158,4 @@ def test_hubplugin_imports_only_the_allocators_public_surface() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=True)
     loaded = set(result.stdout.split())
-    assert loaded <= {"allocator", "allocator.protocol", "allocator.topology", "allocator.client"}
+    assert loaded <= {"allocator", *PUBLIC_SURFACE}

@@ -42,6 +42,8 @@ from allocator.protocol import (
 )
 from allocator.service import AllocatorService
 
+pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
+
 REPO = Path(__file__).resolve().parents[1]
 UNREACHABLE = "amqp://guest:guest@127.0.0.1:1/"
 

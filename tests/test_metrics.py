@@ -61,8 +61,6 @@ async def test_scrape_reports_gpus_leases_queue_and_counters(allocator, client, 
         exchange = await channel.get_exchange(RPC_EXCHANGE, ensure=False)
         await exchange.publish(aio_pika.Message(b"{not json"), routing_key=RPC_ROUTING_KEY)
     await wait_until(lambda: _dead_lettered(allocator))
-    metrics.observe_request("allocate", 0.004)
-    metrics.observe_request("made-up-kind", 0.5)
 
     samples = await asyncio.to_thread(scrape, served.port)
     assert samples["swarm_gpu_metrics_ok"] == 1
@@ -84,9 +82,34 @@ async def test_scrape_reports_gpus_leases_queue_and_counters(allocator, client, 
     assert samples["swarm_gpu_heartbeats_total"] >= 2
     assert samples["swarm_gpu_dead_lettered_total"] == 1
     assert samples['swarm_gpu_invalid_messages_total{code="bad_request"}'] == 1
-    assert samples['swarm_gpu_request_seconds_count{kind="allocate"}'] >= 1
-    assert samples['swarm_gpu_request_seconds_count{kind="other"}'] >= 1
+    # What the service itself recorded: its registry is its own, so the counts are exact.
+    assert samples['swarm_gpu_request_seconds_count{kind="allocate"}'] == 3
+    assert samples['swarm_gpu_request_seconds_count{kind="drain"}'] == 1
+    assert samples['swarm_gpu_request_seconds_count{kind="release"}'] == 1
+    assert samples['swarm_gpu_request_seconds_count{kind="invalid"}'] == 1
+    assert samples['swarm_gpu_request_seconds_count{kind="heartbeat"}'] >= 2
+
+
+def test_a_hostile_kind_becomes_other_instead_of_a_new_series() -> None:
+    recorder = metrics.AllocatorMetrics()
+    recorder.observe_request("made-up-kind", 0.5)
+    samples = {s.name + str(sorted(s.labels.items())): s.value
+               for family in recorder.registry.collect() for s in family.samples}
+    assert samples["swarm_gpu_request_seconds_count[('kind', 'other')]"] == 1
     assert not any("made-up-kind" in name for name in samples)
+
+
+def test_each_service_has_a_registry_of_its_own(allocator) -> None:
+    from allocator.config import AllocatorSettings
+    from allocator.service import AllocatorService
+
+    other = AllocatorService(AllocatorSettings(amqp_url="amqp://127.0.0.1:1/",
+                                               ledger_path=allocator.settings.ledger_path))
+    other.metrics.observe_request("allocate", 0.1)
+    assert other.metrics.registry is not allocator.metrics.registry
+    counts = [s.value for f in allocator.metrics.registry.collect() for s in f.samples
+              if s.name == "swarm_gpu_request_seconds_count" and s.labels["kind"] == "allocate"]
+    assert counts in ([], [0.0]), "another service's request is not counted here"
 
 
 async def _dead_lettered(allocator) -> bool:
@@ -124,16 +147,16 @@ async def test_a_blocked_loop_makes_a_short_failed_scrape(allocator):
     assert {f.name: f for f in again}["swarm_gpu_metrics_ok"].samples[0].value == 1
 
 
-async def test_a_second_service_replaces_the_first_collector(allocator):
-    first = metrics.install(allocator)
-    second = metrics.install(allocator)
+async def test_a_second_install_replaces_the_first_collector(allocator):
+    first = allocator.metrics.install(allocator)
+    second = allocator.metrics.install(allocator)
     try:
-        names = [m.name for m in metrics.REGISTRY.collect()]
+        names = [m.name for m in allocator.metrics.registry.collect()]
         assert names.count("swarm_gpu_gpus") == 1
     finally:
-        metrics.uninstall(second)
-        metrics.uninstall(first)
-    assert "swarm_gpu_gpus" not in [m.name for m in metrics.REGISTRY.collect()]
+        allocator.metrics.uninstall(second)
+        allocator.metrics.uninstall(first)
+    assert "swarm_gpu_gpus" not in [m.name for m in allocator.metrics.registry.collect()]
 
 
 async def test_the_allocator_serves_metrics_on_its_configured_port(amqp_vhost, ledger_path):

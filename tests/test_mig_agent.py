@@ -9,6 +9,8 @@ The heartbeat tests run the agent's own ``build_heartbeat`` on a simulated inven
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from allocator.model_names import display_name, mig_model_name, mig_parts
 from allocator.protocol import GPUInfo, Health, Heartbeat
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.health import Verdict
-from nodeagent.inventory import GPUSample, InventoryUnavailable, mig_device_name, mig_profile_of
+from nodeagent.inventory import GPUSample, InventoryUnavailable
 from nodeagent.mig import REMOVED_REASON, MigLayout, inherit_parent_health
 from nodeagent.simulated import (
     SimulatedSource,
@@ -51,11 +54,14 @@ def inventory(tmp_path: Path) -> Path:
 
 
 def test_names_and_profiles_follow_nvml() -> None:
-    name = mig_device_name(A100, "1g.5gb")
+    name = mig_model_name(A100, "1g.5gb")
     assert name == "NVIDIA A100-SXM4-40GB MIG 1g.5gb"
-    assert mig_profile_of(name) == "1g.5gb"
-    assert mig_profile_of("NVIDIA H100 80GB HBM3 MIG 1c.2g.20gb") == "1c.2g.20gb"
-    assert mig_profile_of(A100) is None
+    assert mig_parts(name) == (A100, "1g.5gb")
+    assert mig_parts("NVIDIA H100 80GB HBM3 MIG 1c.2g.20gb") == ("NVIDIA H100 80GB HBM3",
+                                                                 "1c.2g.20gb")
+    assert mig_parts(A100) is None
+    assert display_name(name) == "NVIDIA A100-SXM4-40GB · 1g.5gb"
+    assert display_name(A100) == A100
 
 
 def test_simulated_mig_gpu_reports_parent_then_instances(inventory: Path) -> None:
@@ -160,7 +166,7 @@ def _sample(uuid: str, **fields: Any) -> GPUSample:
 
 
 def _instance(uuid: str, mig_index: int, profile: str = "1g.5gb") -> GPUSample:
-    return _sample(uuid, model=mig_device_name(A100, profile), mig_parent_uuid="GPU-p",
+    return _sample(uuid, model=mig_model_name(A100, profile), mig_parent_uuid="GPU-p",
                    mig_profile=profile, mig_index=mig_index)
 
 
@@ -209,7 +215,7 @@ async def test_repartition_in_the_file_reaches_the_heartbeat(inventory: Path) ->
 
 def test_the_protocol_refuses_inconsistent_mig_entries() -> None:
     parent = GPUInfo(uuid="GPU-p", index=0, model=A100, memory_total_mib=40960, mig_mode=True)
-    instance = GPUInfo(uuid="MIG-a", index=0, model=mig_device_name(A100, "1g.5gb"),
+    instance = GPUInfo(uuid="MIG-a", index=0, model=mig_model_name(A100, "1g.5gb"),
                        memory_total_mib=4864, mig_parent_uuid="GPU-p", mig_profile="1g.5gb",
                        mig_index=0)
     beat: dict[str, Any] = {"host": "h", "agent_id": "a", "seq": 0, "sent_at": 1.0,
@@ -257,3 +263,25 @@ def test_an_instance_is_healthy_only_when_it_and_its_parent_are(
         assert set(verdict.reasons) <= set(got.reasons)
         assert got.healthy == (not got.reasons)
 
+
+
+def test_nvml_check_reports_mig_and_compute_capability_reads() -> None:
+    """On a GPU machine: the MIG reads per physical GPU and the capability of every sample;
+    elsewhere the clear error (no NVIDIA library), exit status 2."""
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "nodeagent.nvml_check", "--xid-wait", "0"],
+                            cwd=repo, capture_output=True, text=True, timeout=60)
+    report = json.loads(result.stdout)
+    if not report["ok"]:
+        assert result.returncode == 2 and "--inventory simulated" in report["error"]
+        return
+    assert result.returncode == 0
+    physical = [g for g in report["gpus"] if g["mig_parent_uuid"] is None]
+    assert [m["uuid"] for m in report["mig"]] == [g["uuid"] for g in physical]
+    for gpu, mig in zip(physical, report["mig"], strict=True):
+        assert "compute_capability" in gpu and "architecture" in gpu
+        assert mig["mig_mode_current"] in (None, 0, 1)
+        if gpu["mig_mode"]:
+            assert "gpu_instance_profiles" in mig
+    for instance in (g for g in report["gpus"] if g["mig_parent_uuid"] is not None):
+        assert instance["uuid"].startswith("MIG-") and instance["mig_profile"]

@@ -320,3 +320,30 @@ def test_a_profile_can_have_aliases_and_is_matched_like_any_model() -> None:
         assert demand.models == (MIG_1G,)
     summary = {s.model: s for s in summarize_models(cluster, aliased, NOW, DOWN)}
     assert summary[MIG_1G].aliases == ["1g.5gb", "a100-small"]
+
+
+@pytest.mark.parametrize("spelling", [
+    "1g.5gb", "A100 1g.5gb", "a100-sxm4-40gb 1g.5gb", "NVIDIA A100 1g.5gb", MIG_1G.upper()])
+def test_a_profile_is_found_by_its_short_spellings(spelling: str) -> None:
+    cluster = mig_cluster()
+    request = AllocateRequest(request_key="k", user="alice", model=spelling)
+    demand = make_demand(request, cluster, SETTINGS)
+    assert not isinstance(demand, Refusal), spelling
+    assert demand.models == (MIG_1G,)
+
+
+def test_a_profile_two_gpu_models_have_needs_its_family() -> None:
+    cluster = mig_cluster()
+    h100 = "NVIDIA H100 80GB HBM3"
+    for model in (f"{A100} MIG 1g.10gb", f"{h100} MIG 1g.10gb"):
+        gpu = _gpu("whole-a", 9, model, 9984, "9.0", "hopper", uuid=f"MIG-{model}",
+                   mig_parent_uuid="GPU-whole-a-0", mig_profile="1g.10gb", mig_index=0)
+        cluster.gpus[gpu.uuid] = gpu
+        cluster.nodes["whole-a"].gpu_uuids.append(gpu.uuid)
+    ambiguous = make_demand(AllocateRequest(request_key="k", user="u", model="1g.10gb"),
+                            cluster, SETTINGS)
+    assert isinstance(ambiguous, Refusal) and ambiguous.code is ErrorCode.UNKNOWN_MODEL
+    assert "could mean" in ambiguous.message
+    named = make_demand(AllocateRequest(request_key="k", user="u", model="h100 1g.10gb"),
+                        cluster, SETTINGS)
+    assert not isinstance(named, Refusal) and named.models == (f"{h100} MIG 1g.10gb",)

@@ -27,7 +27,7 @@ import pytest
 from support import docker_cli
 from yarl import URL
 
-from allocator.labels import HOST_LABEL, MEMORY_LABEL, grant_labels
+from allocator.lease_container import HOST_LABEL, LEASE_LABEL, MEMORY_LABEL, grant_labels
 from allocator.protocol import (
     NODE_MESSAGE_ADAPTER,
     ContainerAction,
@@ -42,7 +42,7 @@ from allocator.protocol import (
 from allocator.topology import NODES_EXCHANGE
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
-from nodeagent.containers import LEASE_LABEL, ContainerChange, ContainerWatcher, LeaseContainer
+from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
 from nodeagent.simulated import make_gpu, simulated_uuid, update_gpu, write_inventory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -13,11 +13,11 @@ import aio_pika
 import aiodocker
 import pytest
 
+from allocator.lease_container import LEASE_LABEL
 from allocator.protocol import NODE_MESSAGE_ADAPTER, ContainerEvent, Heartbeat
 from allocator.topology import NODES_EXCHANGE
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
-from nodeagent.containers import LEASE_LABEL
 from nodeagent.simulated import make_gpu, write_inventory
 
 

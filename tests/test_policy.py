@@ -654,20 +654,35 @@ def test_apply_placement_records_a_slice_with_its_budget() -> None:
 
 
 class TestLeaseEnv:
-    def test_exclusive_gets_devices_and_lease_only(self) -> None:
+    def test_exclusive_gets_devices_lease_and_where(self) -> None:
         cluster = build({"a": [GTX, GTX]})
         placement = Placement("a", ("GPU-a-0", "GPU-a-1"), False, None, Fraction(2))
         assert lease_env(placement, cluster, "L1") == {
             "NVIDIA_VISIBLE_DEVICES": "GPU-a-0,GPU-a-1",
+            "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
             "SWARM_GPU_LEASE": "L1",
+            "SWARM_GPU_HOST": "a",
+            "SWARM_GPU_GPU_COUNT": "2",
+            "SWARM_GPU_MODEL": GTX,
+            "SWARM_GPU_SHARED": "0",
         }
+
+    def test_mixed_models_name_no_model(self) -> None:
+        cluster = build({"a": [GTX, A100]})
+        placement = Placement("a", ("GPU-a-0", "GPU-a-1"), False, None, Fraction(2))
+        assert "SWARM_GPU_MODEL" not in lease_env(placement, cluster, "L1")
 
     def test_slice_gets_budget_and_framework_hints(self) -> None:
         cluster = build({"a": [GTX]})
         placement = Placement("a", ("GPU-a-0",), True, 2048, Fraction(1, 4))
         assert lease_env(placement, cluster, "L1") == {
             "NVIDIA_VISIBLE_DEVICES": "GPU-a-0",
+            "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
             "SWARM_GPU_LEASE": "L1",
+            "SWARM_GPU_HOST": "a",
+            "SWARM_GPU_GPU_COUNT": "1",
+            "SWARM_GPU_MODEL": GTX,
+            "SWARM_GPU_SHARED": "1",
             "SWARM_GPU_MEMORY_LIMIT_MIB": "2048",
             "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25",
             "XLA_PYTHON_CLIENT_PREALLOCATE": "false",

@@ -24,6 +24,7 @@ from test_release_e2e import container_of, granted_on, state_of
 
 from allocator.client import AllocatorClient
 from allocator.config import AllocatorSettings
+from allocator.lease_container import LEASE_LABEL
 from allocator.protocol import (
     Lease,
     LeaseState,
@@ -36,7 +37,6 @@ from allocator.service import AllocatorService
 from allocator.topology import AGENTS_EXCHANGE, command_routing_key
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
-from nodeagent.containers import LEASE_LABEL
 from nodeagent.simulated import make_gpu, write_inventory
 
 pytestmark = pytest.mark.docker

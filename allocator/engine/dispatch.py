@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from allocator.counters import Count
 from allocator.engine.nodes import NodeReconciliation
 from allocator.engine.state import Sender
 from allocator.ledger import Changes
@@ -38,7 +39,7 @@ class Engine(NodeReconciliation):
         """Apply one message; return its reply (None for node messages)."""
         if isinstance(message, Heartbeat | ContainerEvent):
             if not sender.via_nodes_exchange:
-                self.counters["node_message_wrong_exchange"] += 1
+                self.counters.add(Count.NODE_MESSAGE_WRONG_EXCHANGE)
                 return error_reply(ErrorCode.FORBIDDEN,
                                    "node messages must be published to the nodes exchange")
             if not self._node_may_report(message.host, sender, now, changes, message.kind):
@@ -49,7 +50,7 @@ class Engine(NodeReconciliation):
                 self._container_event(message, now, changes)
             return None
         if sender.via_nodes_exchange:
-            self.counters["request_from_node_exchange"] += 1
+            self.counters.add(Count.REQUEST_FROM_NODE_EXCHANGE)
             changes.event(now, "request_refused", reason="request on the nodes exchange",
                           user=sender.user_id)
             return None
@@ -98,6 +99,6 @@ class Engine(NodeReconciliation):
                 self._down.add(node.host)
                 changes.event(now, "node_down", host=node.host,
                               last_heartbeat=node.last_heartbeat)
-                self.counters["node_down"] += 1
+                self.counters.add(Count.NODE_DOWN)
         if freed:
             self._serve_queue(now, changes)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from allocator import policy
 from allocator.cluster import GPU, Cluster, Node
+from allocator.counters import Count, Family
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.state import RECENT_FINAL_LEASES, Sender
 from allocator.engine.views import Views
@@ -44,7 +45,7 @@ class LeaseBook(Views, CommandOutbox):
                     ErrorCode.CONFLICT,
                     f"request key {request.request_key!r} belongs to user {existing.user!r}",
                 )
-            self.counters["allocate_retry"] += 1
+            self.counters.add(Count.ALLOCATE_RETRY)
             return self.lease_reply(existing)
         demand = policy.make_demand(request, self._model_catalog(), self.settings)
         if isinstance(demand, policy.Refusal):
@@ -65,7 +66,7 @@ class LeaseBook(Views, CommandOutbox):
             record.wait_until = now + request.wait_s
             self._track(record)
             changes.transition(record, None, now, "no GPU free; waiting", by=request.user)
-            self.counters["queued"] += 1
+            self.counters.add(Count.QUEUED)
             return self.lease_reply(record)
         return self._refuse(placement)
 
@@ -95,8 +96,8 @@ class LeaseBook(Views, CommandOutbox):
         self._track(record)
         changes.transition(record, None, now, "waiting for the nodes' first reports",
                            by=request.user)
-        self.counters["queued"] += 1
-        self.counters["queued_behind_fence"] += 1
+        self.counters.add(Count.QUEUED)
+        self.counters.add(Count.QUEUED_BEHIND_FENCE)
         return self.lease_reply(record)
 
     def _close_fence(self, now: float, changes: Changes) -> None:
@@ -174,12 +175,11 @@ class LeaseBook(Views, CommandOutbox):
 
     def _grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,
                now: float, changes: Changes, old: LeaseState | None) -> None:
-        models = {self.cluster.gpus[u].model for u in placement.gpu_uuids}
         record.state = LeaseState.GRANTED
         record.host = placement.host
         self._by_host.setdefault(record.host, {})[record.lease_id] = record
         record.gpu_uuids = tuple(placement.gpu_uuids)
-        record.model = models.pop() if len(models) == 1 else None
+        record.model = policy.placement_model(placement, self.cluster)
         record.shared = placement.shared
         record.memory_mib = placement.memory_mib
         record.units = placement.units
@@ -190,10 +190,10 @@ class LeaseBook(Views, CommandOutbox):
         self.index.refresh(self.cluster, placement.host)
         self.by_key[record.request_key] = record.lease_id
         changes.transition(record, old, now, "granted", by=record.user)
-        self.counters["granted"] += 1
+        self.counters.add(Count.GRANTED)
 
     def _refuse(self, refusal: policy.Refusal) -> ErrorReply:
-        self.counters[f"refused_{refusal.code.value}"] += 1
+        self.counters.add_to(Family.REFUSED, refusal.code.value)
         return error_reply(refusal.code, refusal.message, **refusal.details)
 
     def _serve_queue(self, now: float, changes: Changes) -> None:
@@ -289,4 +289,4 @@ class LeaseBook(Views, CommandOutbox):
         while len(self.recent) > RECENT_FINAL_LEASES:
             self.recent.popitem(last=False)
         changes.transition(record, old, now, reason.value, by=by)
-        self.counters[f"released_{reason.value}"] += 1
+        self.counters.add_to(Family.RELEASED, reason.value)

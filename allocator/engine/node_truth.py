@@ -2,8 +2,8 @@
 
 The ledger can be behind the nodes: deleted, restored from last night's backup, or another
 node's volume. The containers still run, and their labels carry their whole grant (see
-:mod:`allocator.labels`). Here a container of a lease the ledger does not know (or knows only
-as queued) becomes a ``bound`` lease again, its GPUs claimed (event and history reason
+:mod:`allocator.lease_container`). Here a container of a lease the ledger does not know (or
+knows only as queued) becomes a ``bound`` lease again, its GPUs claimed (event and history reason
 ``adopted``), unless its grant contradicts what the allocator knows: then the GPUs it names
 stay out of placement while the node lists it, an ``adoption_conflict`` event and counter say
 why, and nothing is stopped (see :mod:`allocator.adoption`).
@@ -15,6 +15,7 @@ a node before its first complete report has been applied, so the adoptions come 
 from __future__ import annotations
 
 from allocator import adoption
+from allocator.counters import Count
 from allocator.engine.leases import LeaseBook
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
@@ -36,7 +37,7 @@ class NodeTruth(LeaseBook):
                      for c in self._conflicts.get(host, {}).get(container_id, [])}
             for conflict in conflicts:
                 if (conflict.kind, conflict.gpu_uuid) not in known:
-                    self.counters["adoption_conflict"] += 1
+                    self.counters.add(Count.ADOPTION_CONFLICT)
                     changes.event(now, "adoption_conflict", host=host, lease_id=lease_id,
                                   gpu_uuid=conflict.gpu_uuid, user=grant.user,
                                   container_id=container_id, conflict=conflict.kind.value,
@@ -79,7 +80,7 @@ class NodeTruth(LeaseBook):
                       container_id=container_id, gpu_uuids=list(grant.gpu_uuids),
                       shared=grant.shared, memory_mib=grant.memory_mib, via=via,
                       was=old.value if old else None)
-        self.counters["adopted"] += 1
+        self.counters.add(Count.ADOPTED)
 
     def _record_conflicts(self, host: str, found: dict[str, list[adoption.Conflict]], *,
                           complete: bool, gone: set[str] | None = None) -> bool:

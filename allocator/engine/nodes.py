@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from allocator import policy
 from allocator.adoption import Conflict
 from allocator.cluster import GPU, Node
+from allocator.counters import Count, Family
 from allocator.engine.node_truth import NodeTruth
 from allocator.engine.state import CLOCK_SKEW_WARN_S, Sender, log
 from allocator.lease import LeaseRecord
@@ -44,7 +45,7 @@ class NodeReconciliation(NodeTruth):
             host=host)
         if sender.user_id == expected:
             return True
-        self.counters[f"{kind}_rejected"] += 1
+        self.counters.add_to(Family.NODE_MESSAGE_REJECTED, kind)
         log.warning("refused %s for host %r from broker user %r (expected %r)",
                     kind, host, sender.user_id, expected)
         changes.event(now, f"{kind}_rejected", host=host, from_user=sender.user_id,
@@ -54,15 +55,15 @@ class NodeReconciliation(NodeTruth):
     def _heartbeat(self, beat: Heartbeat, sender: Sender, now: float, changes: Changes) -> None:
         last = self._last_seq.get(beat.host)
         if last is not None and last[0] == beat.agent_id and beat.seq <= last[1]:
-            self.counters["heartbeat_stale"] += 1  # replayed or reordered: older news
+            self.counters.add(Count.HEARTBEAT_STALE)  # replayed or reordered: older news
             return
         self._last_seq[beat.host] = (beat.agent_id, beat.seq)
-        self.counters["heartbeats"] += 1
+        self.counters.add(Count.HEARTBEATS)
         skew = beat.sent_at - now
         if abs(skew) > CLOCK_SKEW_WARN_S:
             # Liveness uses receipt time, so a skewed node clock harms nothing here; but the
             # agent's event times feed the container checks, so an admin should know.
-            self.counters["heartbeat_clock_skew"] += 1
+            self.counters.add(Count.HEARTBEAT_CLOCK_SKEW)
             if beat.host not in self._skewed:
                 self._skewed.add(beat.host)
                 log.warning("node %s's clock is %+.1f s off the allocator's", beat.host, skew)
@@ -120,7 +121,7 @@ class NodeReconciliation(NodeTruth):
             if gpu is not None and gpu.host != node.host:
                 owner = self.cluster.nodes.get(gpu.host)
                 if owner is not None and gpu.present and self._up(owner, now):
-                    self.counters["duplicate_gpu"] += 1
+                    self.counters.add(Count.DUPLICATE_GPU)
                     changes.event(now, "duplicate_gpu", host=node.host, gpu_uuid=info.uuid,
                                   owner=gpu.host)
                     continue
@@ -248,9 +249,9 @@ class NodeReconciliation(NodeTruth):
     def _unexpected_container(self, lease_id: str, container_id: str, host: str, now: float,
                               changes: Changes) -> None:
         finished = self.recent.get(lease_id)
-        kind = "zombie_container" if finished is not None else "unknown_lease_container"
-        self.counters[kind] += 1
-        changes.event(now, kind, host=host, lease_id=lease_id, container_id=container_id)
+        kind = Count.ZOMBIE_CONTAINER if finished is not None else Count.UNKNOWN_LEASE_CONTAINER
+        self.counters.add(kind)
+        changes.event(now, kind.value, host=host, lease_id=lease_id, container_id=container_id)
         if finished is not None and finished.host in (None, host):
             # A container of a lease this allocator finished (e.g. a start after the bind
             # deadline reclaimed it): it would use GPUs the ledger gave away. A lease the
@@ -264,7 +265,7 @@ class NodeReconciliation(NodeTruth):
         used = sum(use.memory_used_mib for use in info.gpu_use)
         if used > record.memory_mib and record.lease_id not in self._over_budget:
             self._over_budget.add(record.lease_id)
-            self.counters["over_budget"] += 1
+            self.counters.add(Count.OVER_BUDGET)
             changes.event(now, "over_budget", host=record.host, lease_id=record.lease_id,
                           user=record.user, used_mib=used, budget_mib=record.memory_mib)
         elif used <= record.memory_mib:
@@ -279,10 +280,10 @@ class NodeReconciliation(NodeTruth):
         self._node_clock_bound[record.lease_id] = node_time
         changes.transition(record, old, now, f"container {container_id[:12]} running ({via})",
                            by=f"node {record.host}")
-        self.counters["bound"] += 1
+        self.counters.add(Count.BOUND)
 
     def _container_event(self, event: ContainerEvent, now: float, changes: Changes) -> None:
-        self.counters[f"event_{event.action.value}"] += 1
+        self.counters.add_to(Family.CONTAINER_EVENT, event.action.value)
         record = self.leases.get(event.lease_id)
         if event.action is ContainerAction.START and event.grant is not None \
                 and self._forgotten(record, event.lease_id):

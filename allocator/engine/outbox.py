@@ -8,6 +8,7 @@ The engine only appends :class:`~allocator.protocol.StopContainer` commands to
 
 from __future__ import annotations
 
+from allocator.counters import Family
 from allocator.engine.state import RECENT_FINAL_LEASES, EngineState
 from allocator.ledger import Changes
 from allocator.protocol import (
@@ -48,7 +49,7 @@ class CommandOutbox(EngineState):
         self.commands.append(StopContainer(
             host=host, lease_id=lease_id, container_id=container_id,
             grace_s=self.settings.container_stop_grace_s, reason=reason))
-        self.counters[f"stop_asked_{reason.value}"] += 1
+        self.counters.add_to(Family.STOP_ASKED, reason.value)
         changes.event(now, "stop_container", host=host, lease_id=lease_id,
                       container_id=container_id, reason=reason.value,
                       repeat=last is not None)

@@ -10,15 +10,16 @@ from __future__ import annotations
 import bisect
 import logging
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from allocator import policy
 from allocator.adoption import Conflict
-from allocator.cluster import Claim, Cluster, Node
+from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
+from allocator.counters import Counters
 from allocator.lease import LeaseRecord
 from allocator.ledger import LoadedState
 from allocator.placement_index import PlacementIndex
@@ -67,7 +68,7 @@ class EngineState:
         self.recent: OrderedDict[str, LeaseRecord] = OrderedDict()
         self._queue: list[tuple[tuple[Any, ...], str]] = []
         self.agent_users: dict[str, str] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         self._last_seq: dict[str, tuple[str, int]] = {}
         self._telemetry_saved: dict[str, float] = {}
         self._node_clock_bound: dict[str, float] = {}
@@ -156,12 +157,6 @@ class EngineState:
             bisect.insort(self._queue, (key, record.lease_id))
 
     def _claim(self, record: LeaseRecord) -> None:
-        exclusive = not record.shared
-        for gpu_uuid in record.gpu_uuids:
-            gpu = self.cluster.gpus.get(gpu_uuid)
-            memory = record.memory_mib if record.shared else (gpu.memory_total_mib if gpu else 0)
-            units = record.units / len(record.gpu_uuids) if record.gpu_uuids else record.units
-            self.cluster.add_claim(gpu_uuid, Claim(
-                lease_id=record.lease_id, user=record.user, groups=record.groups,
-                exclusive=exclusive, memory_mib=memory or 0, units=units,
-            ))
+        policy.claim_gpus(self.cluster, record.lease_id, record.user, record.groups,
+                          record.gpu_uuids, shared=record.shared,
+                          memory_mib=record.memory_mib, units=record.units)

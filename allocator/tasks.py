@@ -1,4 +1,7 @@
-"""Stopping the agent's background tasks."""
+"""Stopping background tasks, bounded: the allocator's service and the node agent alike.
+
+Part of the allocator's public surface, so the node agent uses the same rule.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any] | None],
 
     All are cancelled before any is awaited, so one slow task does not delay the others'
     cancellation. The wait is bounded because a library call that swallows a cancellation
-    (a broker client in the middle of connecting, say) must not hang the agent's shutdown.
+    (a broker client in the middle of connecting, say) must not hang a shutdown.
     """
     pending = {task for task in tasks if task is not None and not task.done()}
     for task in pending:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from allocator.labels import (
+from allocator.lease_container import (
     GPUS_LABEL,
     HOST_LABEL,
     LEASE_LABEL,

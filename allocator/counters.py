@@ -1,0 +1,128 @@
+"""The allocator's counters, typed: every name is declared here, once.
+
+The engine and the service count what happens (:class:`Count` for plain counters,
+:class:`Family` for counters with a label such as a release reason); :mod:`allocator.metrics`
+reads them back by name and by family, never by taking string keys apart.
+
+A :class:`Counters` also answers a plain name (``counters["zombie_container"]``,
+``counters["released_admin"]``): the name in logs and tests, made by :meth:`Family.key`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+
+
+class Count(StrEnum):
+    """Plain counters (no label)."""
+
+    # the engine
+    GRANTED = "granted"
+    QUEUED = "queued"
+    BOUND = "bound"
+    ALLOCATE_RETRY = "allocate_retry"
+    HEARTBEATS = "heartbeats"
+    HEARTBEAT_STALE = "heartbeat_stale"
+    HEARTBEAT_CLOCK_SKEW = "heartbeat_clock_skew"
+    NODE_DOWN = "node_down"
+    DUPLICATE_GPU = "duplicate_gpu"
+    OVER_BUDGET = "over_budget"
+    ZOMBIE_CONTAINER = "zombie_container"
+    UNKNOWN_LEASE_CONTAINER = "unknown_lease_container"
+    NODE_MESSAGE_WRONG_EXCHANGE = "node_message_wrong_exchange"
+    REQUEST_FROM_NODE_EXCHANGE = "request_from_node_exchange"
+    ADOPTED = "adopted"
+    """A lease the ledger did not know, taken back from a running container's grant labels."""
+    ADOPTION_CONFLICT = "adoption_conflict"
+    """A running container's grant that contradicts the ledger (not adopted)."""
+    QUEUED_BEHIND_FENCE = "queued_behind_fence"
+    """A request that waited for the nodes' first reports after a start (the start fence)."""
+    # the service
+    RECEIVED = "received"
+    REPLIES = "replies"
+    REPLY_FAILURES = "reply_failures"
+    COMMANDS_SENT = "commands_sent"
+    COMMAND_FAILURES = "command_failures"
+    DEAD_LETTERED = "dead_lettered"
+    EXPIRED_DROPPED = "expired_dropped"
+    COMMIT_FAILURES = "commit_failures"
+    BATCH_FAILURES = "batch_failures"
+    TAKEOVERS = "takeovers"
+    POISONED = "poisoned"
+
+
+ANOMALIES = (
+    Count.ZOMBIE_CONTAINER, Count.UNKNOWN_LEASE_CONTAINER, Count.OVER_BUDGET,
+    Count.DUPLICATE_GPU, Count.NODE_MESSAGE_WRONG_EXCHANGE, Count.REQUEST_FROM_NODE_EXCHANGE,
+    Count.ADOPTION_CONFLICT,
+)
+"""Things a node or client did that should not happen (one metric, labelled by kind)."""
+
+
+class Family(Enum):
+    """Counters with one label; the value is the plain name's pattern."""
+
+    RELEASED = "released_{}"
+    """Leases ended, by release reason."""
+    REFUSED = "refused_{}"
+    """Allocate requests refused, by error code."""
+    CONTAINER_EVENT = "event_{}"
+    """Container events from node agents, by action."""
+    NODE_MESSAGE_REJECTED = "{}_rejected"
+    """Node messages whose broker user does not own the host, by message kind."""
+    STOP_ASKED = "stop_asked_{}"
+    """Stop commands decided, by reason."""
+    INVALID_MESSAGE = "invalid_{}"
+    """Messages that did not decode, by error code."""
+
+    def key(self, label: str) -> str:
+        """The plain name of this family's counter for ``label``."""
+        return str(self.value).format(label)
+
+
+class Counters:
+    """Counts by :class:`Count` and by :class:`Family` and label."""
+
+    def __init__(self) -> None:
+        self._plain: Counter[str] = Counter()
+        self._families: dict[Family, Counter[str]] = {family: Counter() for family in Family}
+
+    def add(self, what: Count, n: int = 1) -> None:
+        """Count ``n`` more of ``what``."""
+        self._plain[what.value] += n
+
+    def add_to(self, family: Family, label: str, n: int = 1) -> None:
+        """Count ``n`` more of ``family`` with ``label``."""
+        self._families[family][label] += n
+        self._plain[family.key(label)] += n
+
+    def of(self, family: Family) -> dict[str, int]:
+        """Label -> count of one family."""
+        return dict(self._families[family])
+
+    def __getitem__(self, name: str) -> int:
+        """The count of a plain name (0 when nothing was counted)."""
+        return self._plain[name]
+
+    def get(self, name: str, default: int = 0) -> int:
+        return self._plain.get(name, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plain)
+
+    def copy(self) -> Counters:
+        """An independent copy (a metrics snapshot)."""
+        other = Counters()
+        other._plain = Counter(self._plain)
+        other._families = {family: Counter(c) for family, c in self._families.items()}
+        return other
+
+
+@dataclass
+class ServiceStats:
+    """Counters of the service loop (the engine keeps its own)."""
+
+    counters: Counters = field(default_factory=Counters)
