@@ -20,7 +20,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 from urllib.parse import unquote, urlparse
 
@@ -42,6 +42,8 @@ from allocator.protocol import (
     LeaseState,
     QueueReply,
     QueueRequest,
+    QuotaReply,
+    QuotaRequest,
     ReleaseRequest,
     Reply,
     StatusRequest,
@@ -301,6 +303,12 @@ class AllocatorClient:
         return await self._expect(
             InventoryRequest(include_leases=include_leases), InventoryReply, timeout_s
         )
+
+    async def quota(self, user: str, groups: Sequence[str] = (), *,
+                    timeout_s: float | None = None) -> QuotaReply:
+        """The user's quotas (theirs, then their groups') and what each holds now."""
+        return await self._expect(QuotaRequest(user=user, groups=list(groups)), QuotaReply,
+                                  timeout_s)
 
     async def queue(self, *, timeout_s: float | None = None) -> list[Lease]:
         """Queued requests in the order they will be served."""

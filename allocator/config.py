@@ -122,6 +122,25 @@ class AllocatorSettings(PolicySettings):
         default=False,
         description="Accept heartbeats for any host from any broker user (single-user setups).",
     )
+    max_hosts_per_node_user: int = Field(
+        default=4096, ge=1,
+        description="Hosts one broker user may bring into the cluster by its heartbeats; past "
+        "it, heartbeats for further new hosts are refused and counted (anomaly host_limit). "
+        "Matters where one user may report for any host (allow_any_node_user).",
+    )
+    max_gpus_per_host: int = Field(
+        default=256, ge=1, le=65536,
+        description="GPUs one host may have on record, present or gone (replaced cards stay "
+        "on record); past it, further new GPU uuids of that host are ignored and counted "
+        "(anomaly gpu_limit).",
+    )
+    reply_to_prefix: str | None = Field(
+        default=None, min_length=1,
+        description="Besides RabbitMQ direct reply-to addresses, accept reply_to queues whose "
+        "name starts with this (clients that consume a reply queue of their own); None: direct "
+        "reply-to only. Any other reply_to is refused unanswered and counted, so that no sender "
+        "can make the allocator publish into a queue of its choice.",
+    )
     metrics_port: int | None = Field(default=None, description="Prometheus port; None = off.")
     request_timeout_s: float = Field(default=10.0, gt=0, description="Bound on broker calls.")
     start_fence_s: float = Field(

@@ -34,6 +34,9 @@ class Count(StrEnum):
     UNKNOWN_LEASE_CONTAINER = "unknown_lease_container"
     NODE_MESSAGE_WRONG_EXCHANGE = "node_message_wrong_exchange"
     REQUEST_FROM_NODE_EXCHANGE = "request_from_node_exchange"
+    REQUEST_KEY_CONFLICT = "request_key_conflict"
+    HOST_LIMIT = "host_limit"
+    GPU_LIMIT = "gpu_limit"
     ADOPTED = "adopted"
     """A lease the ledger did not know, taken back from a running container's grant labels."""
     ADOPTION_CONFLICT = "adoption_conflict"
@@ -47,6 +50,7 @@ class Count(StrEnum):
     COMMANDS_SENT = "commands_sent"
     COMMAND_FAILURES = "command_failures"
     DEAD_LETTERED = "dead_lettered"
+    REPLY_TO_REFUSED = "reply_to_refused"
     EXPIRED_DROPPED = "expired_dropped"
     COMMIT_FAILURES = "commit_failures"
     BATCH_FAILURES = "batch_failures"
@@ -57,6 +61,7 @@ class Count(StrEnum):
 ANOMALIES = (
     Count.ZOMBIE_CONTAINER, Count.UNKNOWN_LEASE_CONTAINER, Count.OVER_BUDGET,
     Count.DUPLICATE_GPU, Count.NODE_MESSAGE_WRONG_EXCHANGE, Count.REQUEST_FROM_NODE_EXCHANGE,
+    Count.REQUEST_KEY_CONFLICT, Count.HOST_LIMIT, Count.GPU_LIMIT,
     Count.ADOPTION_CONFLICT,
 )
 """Things a node or client did that should not happen (one metric, labelled by kind)."""

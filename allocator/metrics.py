@@ -267,6 +267,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          Count.REPLY_FAILURES),
         ("swarm_gpu_dead_lettered", "Messages sent to the dead-letter queue",
          service, Count.DEAD_LETTERED),
+        ("swarm_gpu_reply_to_refused", "Messages refused unanswered because their reply_to "
+         "was not a direct reply-to address", service, Count.REPLY_TO_REFUSED),
         ("swarm_gpu_expired_requests_dropped", "Requests dropped because their sender had "
          "given up", service, Count.EXPIRED_DROPPED),
         ("swarm_gpu_commit_failures", "Ledger commits that failed (nothing was granted)",

@@ -654,6 +654,47 @@ def _limit(value: float | None) -> Fraction | None:
     return Fraction(value).limit_denominator(_QUOTA_DENOMINATOR)
 
 
+@dataclass(frozen=True)
+class QuotaStanding:
+    """One quota that applies to a user (their own, or one of their groups') and its use."""
+
+    scope: str
+    """``user`` or ``group``."""
+    name: str
+    limit: Fraction | None
+    """GPUs that may be held at once (a slice counts 1/slots); None = no limit."""
+    held: Fraction
+    """Held now by the user, or by all members of the group together."""
+
+
+def quota_standings(user: str, groups: Sequence[str], cluster: Cluster,
+                    settings: PolicySettings, *, limited_only: bool = False
+                    ) -> list[QuotaStanding]:
+    """The user's own quota, then one per group of theirs that has one (each group once, in
+    the order given), with what each holds now.
+
+    Holdings are the claims in the cluster: one per GPU a lease holds (1 unit each for
+    exclusive leases, 1/slots for a slice). The user's limit is ``user_quota[user]``, else
+    ``default_user_quota`` (None = unlimited); each of the user's groups in ``group_quota``
+    limits what all claims carrying that group hold together. ``limited_only`` leaves out
+    the unlimited ones, and counts nothing when none is limited.
+    """
+    scopes = [("user", user, _limit(settings.user_quota.get(user, settings.default_user_quota)))]
+    scopes += [("group", group, _limit(settings.group_quota[group]))
+               for group in dict.fromkeys(groups) if group in settings.group_quota]
+    if limited_only:
+        scopes = [scope for scope in scopes if scope[2] is not None]
+        if not scopes:
+            return []  # no quota applies: no need to count what everybody holds
+    claims = [claim for held in cluster.claims.values() for claim in held]
+    return [
+        QuotaStanding(scope, name, limit, sum(
+            (c.units for c in claims if (c.user == name if scope == "user" else name in c.groups)),
+            Fraction(0)))
+        for scope, name, limit in scopes
+    ]
+
+
 def check_quota(
     demand_units: Fraction,
     user: str,
@@ -661,55 +702,27 @@ def check_quota(
     cluster: Cluster,
     settings: PolicySettings,
 ) -> Refusal | None:
-    """``quota_exceeded`` if granting ``demand_units`` more would pass a user or group quota.
-
-    Holdings are the claims in the cluster: one per GPU a lease holds (1 unit each for
-    exclusive leases, 1/slots for a slice). The user's limit is ``user_quota[user]``, else
-    ``default_user_quota`` (None = unlimited); each of the user's groups in ``group_quota``
-    limits what all claims carrying that group hold together.
-    """
-    user_limit = _limit(settings.user_quota.get(user, settings.default_user_quota))
-    if user_limit is None and not any(
-        _limit(settings.group_quota[group]) is not None
-        for group in groups if group in settings.group_quota
-    ):
-        return None  # no quota applies: no need to count what everybody holds
-    claims = [claim for held in cluster.claims.values() for claim in held]
-    if user_limit is not None:
-        held = sum((c.units for c in claims if c.user == user), Fraction(0))
-        if held + demand_units > user_limit:
-            return Refusal(
-                ErrorCode.QUOTA_EXCEEDED,
-                f"User {user} may hold {_gpus(user_limit)} at once and holds "
-                f"{_fmt_units(held)}; this request asks for {_fmt_units(demand_units)} more.",
-                {
-                    "scope": "user",
-                    "name": user,
-                    "limit": float(user_limit),
-                    "held": float(held),
-                    "asked": float(demand_units),
-                },
-            )
-    for group in dict.fromkeys(groups):  # each group once, in the order given
-        if group not in settings.group_quota:
+    """``quota_exceeded`` if granting ``demand_units`` more would pass a user or group quota
+    (see :func:`quota_standings`)."""
+    for standing in quota_standings(user, groups, cluster, settings, limited_only=True):
+        assert standing.limit is not None
+        if standing.held + demand_units <= standing.limit:
             continue
-        group_limit = _limit(settings.group_quota[group])
-        if group_limit is None:
-            continue
-        held = sum((c.units for c in claims if group in c.groups), Fraction(0))
-        if held + demand_units > group_limit:
-            return Refusal(
-                ErrorCode.QUOTA_EXCEEDED,
-                f"Group {group} may hold {_gpus(group_limit)} at once and its members hold "
-                f"{_fmt_units(held)}; this request asks for {_fmt_units(demand_units)} more.",
-                {
-                    "scope": "group",
-                    "name": group,
-                    "limit": float(group_limit),
-                    "held": float(held),
-                    "asked": float(demand_units),
-                },
-            )
+        who = (f"User {user} may" if standing.scope == "user"
+               else f"Group {standing.name} may")
+        holds = "holds" if standing.scope == "user" else "its members hold"
+        return Refusal(
+            ErrorCode.QUOTA_EXCEEDED,
+            f"{who} hold {_gpus(standing.limit)} at once and {holds} "
+            f"{_fmt_units(standing.held)}; this request asks for {_fmt_units(demand_units)} more.",
+            {
+                "scope": standing.scope,
+                "name": standing.name,
+                "limit": float(standing.limit),
+                "held": float(standing.held),
+                "asked": float(demand_units),
+            },
+        )
     return None
 
 

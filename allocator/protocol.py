@@ -24,6 +24,7 @@ from pydantic import (
     StrictInt,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -43,6 +44,21 @@ MAX_WAIT_S = 24 * 3600.0
 
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
 """A printable identifier (user, host, model, request key...)."""
+
+MAX_TEXT = 500
+"""The longest free text (a reason, a health verdict) a message may carry."""
+
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+"""Free text for people: bounded, so that one message cannot bloat every later reply."""
+
+Count64 = Annotated[StrictInt, Field(ge=0, le=(1 << 63) - 1)]
+"""A non-negative counter that fits a signed 64-bit integer (SQLite's, and most languages')."""
+
+WIRE: Final = {"wire": True}
+"""Validation context of a body read off the broker: :func:`decode_inbound` and
+:func:`decode_agent_command` validate with it, in strict mode (``"60"`` is not a number and
+``"yes"`` not a boolean), and it makes ``"v"`` required. Messages built in Python get ``v``
+by default."""
 
 MiB = Annotated[StrictInt, Field(ge=0, le=1 << 30)]
 """A memory size in MiB (up to 1 PiB)."""
@@ -157,12 +173,26 @@ class Health(StrEnum):
     UNHEALTHY = "unhealthy"
 
 
+def speaks_this_version(body: dict[str, Any]) -> bool:
+    """Whether a decoded body carries ``"v"`` as exactly the integer 1 (not ``true``, not
+    ``1.0``, not absent): the one version rule, for the validator and for the error code."""
+    version = body.get("v")
+    return type(version) is int and version == PROTOCOL_VERSION
+
+
 class _Message(BaseModel):
     """Base of every message: strict about unknown fields so typos are reported, not ignored."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     v: Literal[1] = PROTOCOL_VERSION
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_on_the_wire(cls, data: Any, info: ValidationInfo) -> Any:
+        if info.context is WIRE and isinstance(data, dict) and not speaks_this_version(data):
+            raise ValueError(f"'v' must be the integer {PROTOCOL_VERSION}")
+        return data
 
 
 # --------------------------------------------------------------------------- requests
@@ -254,12 +284,23 @@ class AllocateRequest(_Message):
             raise ValueError("a shared slice is always one GPU: count must be 1")
         return self
 
+    def what_is_asked(self) -> dict[str, Any]:
+        """The fields that say which GPUs are asked for, in wire form: a retry under the same
+        ``request_key`` repeats them exactly; different ones are another request (``conflict``).
+        Waiting, priority, groups and the deadline may differ between tries."""
+        return self.model_dump(mode="json", include=set(WHAT_IS_ASKED))
+
     @property
     def acceptable_models(self) -> list[str] | None:
         """The requested model names or aliases, or None for any model."""
         if self.model is not None:
             return [self.model]
         return list(self.models) if self.models is not None else None
+
+
+WHAT_IS_ASKED: Final = ("model", "models", "min_memory_mib", "min_compute_capability",
+                        "architecture", "count", "host", "share")
+"""The fields of :class:`AllocateRequest` that :meth:`AllocateRequest.what_is_asked` compares."""
 
 
 class ReleaseRequest(_Message):
@@ -274,7 +315,7 @@ class ReleaseRequest(_Message):
     lease_id: Name | None = None
     request_key: Name | None = None
     by: Name = Field(default="hub", description="Who asks, for the record.")
-    reason: str = Field(default="", max_length=500)
+    reason: Text = ""
     force: bool = False
     deadline: float | None = None
 
@@ -319,7 +360,7 @@ class DrainRequest(_Message):
     gpu_uuid: Name | None = None
     drained: bool = True
     by: Name = "admin"
-    reason: str = Field(default="", max_length=500)
+    reason: Text = ""
     deadline: float | None = None
 
 
@@ -330,19 +371,38 @@ class QueueRequest(_Message):
     deadline: float | None = None
 
 
+class QuotaRequest(_Message):
+    """A user's quotas and what they hold now, so a spawn form can say "you hold 2 of 4"
+    before a request is refused ``quota_exceeded``."""
+
+    kind: Literal["quota"] = "quota"
+    user: Name
+    groups: list[Name] = Field(default_factory=list, max_length=64,
+                               description="The user's groups, as an allocate would give them.")
+    deadline: float | None = None
+
+
 Request = Annotated[
     AllocateRequest
     | ReleaseRequest
     | StatusRequest
     | InventoryRequest
     | DrainRequest
-    | QueueRequest,
+    | QueueRequest
+    | QuotaRequest,
     Field(discriminator="kind"),
 ]
 """Any request to the allocator's RPC exchange."""
 
 
 # --------------------------------------------------------------------------- node messages
+
+
+MAX_REASONS = 16
+"""Health reasons one GPU may carry in a heartbeat (the agent's checks give at most 6)."""
+MAX_REASON = 300
+"""The longest health reason; with :data:`MAX_REASONS` and 64 GPUs, one host's reasons add
+at most 300 KiB to an inventory reply, not the whole body limit per GPU."""
 
 
 class GPUInfo(BaseModel):
@@ -359,14 +419,16 @@ class GPUInfo(BaseModel):
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
     temperature_c: float | None = Field(default=None, ge=-100, le=300)
     power_w: float | None = Field(default=None, ge=0, le=10_000)
-    ecc_uncorrected: int | None = Field(default=None, ge=0)
-    retired_pages: int | None = Field(default=None, ge=0)
+    ecc_uncorrected: Count64 | None = None
+    retired_pages: Count64 | None = None
     mig_mode: bool | None = Field(
         default=None, description="True: the GPU is in MIG mode. It is never granted whole; "
         "its MIG instances, listed as GPUs of their own, are.")
-    recent_xids: list[int] = Field(default_factory=list, max_length=64)
+    recent_xids: list[Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]] = Field(
+        default_factory=list, max_length=64)
     health: Health = Health.HEALTHY
-    health_reasons: list[str] = Field(default_factory=list, max_length=32)
+    health_reasons: list[Annotated[str, Field(max_length=MAX_REASON)]] = Field(
+        default_factory=list, max_length=MAX_REASONS)
     compute_capability: ComputeCapability | None = None
     architecture: Architecture | None = None
     mig_parent_uuid: Name | None = Field(
@@ -437,7 +499,7 @@ class ContainerInfo(BaseModel):
 
     container_id: Name
     lease_id: Name
-    name: str = ""
+    name: Annotated[str, Field(max_length=255)] = ""
     started_at: float | None = Field(default=None, allow_inf_nan=False)
     gpu_use: list[ProcessUse] = Field(default_factory=list, max_length=64)
     grant: ContainerGrant | None = Field(
@@ -456,7 +518,7 @@ class Heartbeat(_Message):
     kind: Literal["heartbeat"] = "heartbeat"
     host: Name
     agent_id: Name = Field(description="Changes when the agent restarts.")
-    seq: int = Field(ge=0, description="Increases by one per heartbeat of one agent_id.")
+    seq: Count64 = Field(description="Increases by one per heartbeat of one agent_id.")
     sent_at: float = Field(allow_inf_nan=False, description="Epoch seconds on the node.")
     interval_s: float = Field(gt=0, le=3600)
     gpus: list[GPUInfo] = Field(max_length=64)
@@ -508,7 +570,7 @@ class ContainerEvent(_Message):
     lease_id: Name
     action: ContainerAction
     at: float = Field(allow_inf_nan=False, description="Epoch seconds of the Docker event.")
-    exit_code: int | None = None
+    exit_code: Annotated[StrictInt, Field(ge=-(1 << 31), le=(1 << 31) - 1)] | None = None
     grant: ContainerGrant | None = Field(
         default=None, description="The grant from the container's labels (on start events).")
 
@@ -525,6 +587,7 @@ AnyInbound = Annotated[
     | InventoryRequest
     | DrainRequest
     | QueueRequest
+    | QuotaRequest
     | Heartbeat
     | ContainerEvent,
     Field(discriminator="kind"),
@@ -588,7 +651,7 @@ def decode_agent_command(body: bytes) -> AgentCommand | str:
     if len(body) > MAX_BODY_BYTES:
         return f"the message is {len(body)} bytes; the limit is {MAX_BODY_BYTES}"
     try:
-        return AGENT_COMMAND_ADAPTER.validate_json(body)
+        return AGENT_COMMAND_ADAPTER.validate_json(body, strict=True, context=WIRE)
     except ValidationError as exc:
         return describe_validation_error(exc)
     except RecursionError:  # pydantic's JSON parser limits nesting; belt and braces
@@ -734,6 +797,28 @@ class DrainReply(_Message):
     drained: bool
 
 
+class QuotaView(BaseModel):
+    """One quota that applies to the user, and its use."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scope: Literal["user", "group"]
+    name: str = Field(description="The user, or the group.")
+    limit: float | None = Field(
+        description="GPUs that may be held at once (a slice counts 1/slots); null = no limit.")
+    held: float = Field(description="Held now: by the user, or by all members of the group.")
+    free: float | None = Field(description="limit - held (never below 0); null = no limit.")
+
+
+class QuotaReply(_Message):
+    """The user's own quota first, then one per group of theirs that has a quota."""
+
+    kind: Literal["quota"] = "quota"
+    ok: Literal[True] = True
+    user: str
+    quotas: list[QuotaView]
+
+
 class ErrorBody(BaseModel):
     """What went wrong, for programs (``code``) and people (``message``)."""
 
@@ -753,7 +838,7 @@ class ErrorReply(_Message):
 
 
 Reply = Annotated[
-    LeaseReply | InventoryReply | QueueReply | DrainReply | ErrorReply,
+    LeaseReply | InventoryReply | QueueReply | DrainReply | QuotaReply | ErrorReply,
     Field(discriminator="kind"),
 ]
 """Any reply from the allocator."""
@@ -795,7 +880,7 @@ def decode_inbound(body: bytes) -> AnyInbound | ErrorReply:
             limit=MAX_BODY_BYTES,
         )
     try:
-        return INBOUND_ADAPTER.validate_json(body)
+        return INBOUND_ADAPTER.validate_json(body, strict=True, context=WIRE)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         if first["type"] == "json_invalid":
@@ -808,12 +893,12 @@ def decode_inbound(body: bytes) -> AnyInbound | ErrorReply:
         if not isinstance(data, dict):
             return error_reply(ErrorCode.BAD_REQUEST,
                                "the body must be a JSON object with 'v' and 'kind'")
-        version = data.get("v")
-        if version != PROTOCOL_VERSION:
+        if not speaks_this_version(data):
+            given = (f"protocol version {json.dumps(data['v'])[:40]} is not supported"
+                     if "v" in data else 'the body carries no "v"')
             return error_reply(
                 ErrorCode.UNSUPPORTED_VERSION,
-                f"protocol version {version!r} is not supported; this allocator speaks "
-                f"version {PROTOCOL_VERSION}",
+                f'{given}; every body carries "v": {PROTOCOL_VERSION} (the integer)',
                 supported=[PROTOCOL_VERSION],
             )
         return error_reply(ErrorCode.BAD_REQUEST, describe_validation_error(exc))

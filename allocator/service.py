@@ -59,6 +59,7 @@ from allocator.topology import (
     allocator_queue_spec,
     command_routing_key,
     dead_letter_queue_spec,
+    is_direct_reply_to,
 )
 
 log = logging.getLogger(__name__)
@@ -102,17 +103,39 @@ async def declare_topology(
     rpc = await channel.declare_exchange(RPC_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True)
     nodes = await channel.declare_exchange(NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC,
                                            durable=True)
-    dead = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT,
+    await channel.declare_exchange(DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT,
                                           durable=True)
-    dead_spec = dead_letter_queue_spec()
-    dead_queue = await channel.declare_queue(dead_spec.name, durable=True,
-                                             arguments=dead_spec.arguments)
-    await dead_queue.bind(dead, routing_key="")
+    await declare_dead_letter_queue(channel)
     spec = allocator_queue_spec(queue_name)
     queue = await channel.declare_queue(spec.name, durable=True, arguments=spec.arguments)
     await queue.bind(rpc, routing_key=RPC_ROUTING_KEY)
     await queue.bind(nodes, routing_key="#")
     return queue
+
+
+async def declare_dead_letter_queue(channel: aio_pika.abc.AbstractChannel) -> None:
+    """Declare the dead-letter queue with its bounds, on a channel of its own, and bind it.
+
+    A queue declared by a version without the byte bound (or by hand) has other arguments,
+    and RabbitMQ refuses to redeclare it (PRECONDITION_FAILED, which closes the channel): it
+    is then used as it is, with a warning, instead of the allocator not starting.
+    """
+    spec = dead_letter_queue_spec()
+    connection = (await channel.get_underlay_channel()).connection
+    own = await connection.channel()
+    try:
+        await own.queue_declare(spec.name, durable=True, arguments=spec.arguments)
+    except aiormq.exceptions.ChannelPreconditionFailed as exc:
+        log.warning("the dead-letter queue %s exists with other arguments (%s); it is used as "
+                    "it is. It stays unbounded by bytes unless the broker policy bounds it "
+                    "(compose/rabbitmq-definitions.json) or it is deleted, once read, for the "
+                    "allocator to declare it again", spec.name, exc)
+        own = await connection.channel()
+    try:
+        await own.queue_bind(spec.name, DEAD_LETTER_EXCHANGE, routing_key="")
+    finally:
+        with contextlib.suppress(Exception):
+            await own.close()
 
 
 async def declare_agents_exchange(
@@ -416,8 +439,16 @@ class AllocatorService:
     def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage, now: float,
                        changes: Changes) -> _Pending:
         self.stats.counters.add(Count.RECEIVED)
-        decoded = decode_inbound(message.body)
         wants_reply = bool(message.reply_to and message.correlation_id)
+        if wants_reply and not self._may_reply_to(message.reply_to or ""):
+            # Publishing there would let any sender make the allocator write into a queue of
+            # its choosing (its own inbound queue included): refuse unanswered, keep it for a
+            # person in the dead-letter queue, and count it.
+            self.stats.counters.add(Count.REPLY_TO_REFUSED)
+            log.warning("refused a message whose reply_to %r is not a direct reply-to address",
+                        (message.reply_to or "")[:100])
+            return _Pending(message, None, dead_letter=True)
+        decoded = decode_inbound(message.body)
         if isinstance(decoded, ErrorReply):
             self.stats.counters.add_to(Family.INVALID_MESSAGE, decoded.error.code.value)
             log.info("refused a message: %s", decoded.error.message)
@@ -437,6 +468,11 @@ class AllocatorService:
                 and reply.error.code is ErrorCode.NOT_FOUND):
             entry.lookup = (decoded.lease_id, decoded.request_key)
         return entry
+
+    def _may_reply_to(self, address: str) -> bool:
+        """Whether a reply may be published to ``address`` (see ``reply_to_prefix``)."""
+        prefix = self.settings.reply_to_prefix
+        return is_direct_reply_to(address) or (prefix is not None and address.startswith(prefix))
 
     async def _send_commands(self, commands: list[StopContainer]) -> None:
         """Publish the batch's commands to the agents (after the commit, never before).

@@ -48,6 +48,14 @@ AGENT_QUEUE_MAX_LENGTH = 10_000
 DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
 """RabbitMQ's pseudo-queue for replies without a reply queue per client."""
 
+DEAD_LETTER_MAX_LENGTH = 100_000
+"""Messages the dead-letter queue keeps; beyond this the oldest are dropped."""
+
+DEAD_LETTER_MAX_BYTES = 64 * 1024 * 1024
+"""Bytes of message bodies the dead-letter queue keeps (64 MiB: 256 bodies at the body limit);
+beyond this the oldest are dropped, so a flood of large refused messages cannot fill the
+broker's disk."""
+
 DELIVERY_LIMIT = 5
 """A message redelivered this often (it crashed the allocator each time) is dead-lettered."""
 
@@ -98,9 +106,25 @@ def allocator_queue_spec(name: str = ALLOCATOR_QUEUE) -> QueueSpec:
     )
 
 
+def is_direct_reply_to(address: str) -> bool:
+    """Whether ``address`` is a RabbitMQ direct reply-to address.
+
+    A caller publishes with ``reply_to: amq.rabbitmq.reply-to``; the broker rewrites it to
+    ``amq.rabbitmq.reply-to.<the caller's channel>`` before delivery, and a reply to that name
+    reaches only that channel's consumer, never a queue.
+    """
+    return address.startswith(DIRECT_REPLY_TO + ".")
+
+
 def dead_letter_queue_spec() -> QueueSpec:
-    """Where undecodable messages wait for a person to look at them."""
-    return QueueSpec(name=DEAD_LETTER_QUEUE, arguments={"x-queue-type": "quorum"})
+    """Where undecodable messages wait for a person to look at them: bounded by count and by
+    bytes, the oldest dropped first (``drop-head``) when either bound is reached."""
+    return QueueSpec(name=DEAD_LETTER_QUEUE, arguments={
+        "x-queue-type": "quorum",
+        "x-max-length": DEAD_LETTER_MAX_LENGTH,
+        "x-max-length-bytes": DEAD_LETTER_MAX_BYTES,
+        "x-overflow": "drop-head",
+    })
 
 
 def agent_queue_spec(host: str) -> QueueSpec:

@@ -1,24 +1,33 @@
 """Example JupyterHub configuration for swarm-gpu: GPUs per notebook server on Docker Swarm.
 
 Runs the hub as a Swarm service next to RabbitMQ and the allocator (see the stack file in this
-folder). Everything site-specific comes from environment variables, so the same file serves a
-laptop demo and a cluster:
+folder). Everything site-specific comes from environment variables and secret files, so the
+same file serves a laptop demo and a cluster:
 
     SWARM_GPU_AMQP_URL     broker URL with the hub's own broker user
     SWARM_GPU_HUB_ID       names this hub in lease request keys (unique per hub)
     NOTEBOOK_IMAGE         the single-user image (with CUDA libraries for GPU work)
-    SWARM_GPU_NETWORK      overlay network shared by the hub and the notebook services
-    HUB_CONNECT_IP         how notebook containers reach the hub (its service name)
+    SWARM_GPU_NETWORK      network shared by the hub and the notebook services: the stack's
+                           overlay network, or "host" on a Swarm without overlay networks
+    HUB_CONNECT_IP         how notebook containers reach the hub (its service name, or an
+                           address of the hub's node under host networking)
+    NOTEBOOK_PORT_BASE     host networking only: a user's server listens on this + user id
     SWARM_GPU_WAIT_S       how long a GPU request may wait in the queue (seconds)
+    HUB_STAFF, HUB_STUDENTS  comma-separated user names of the two groups (default: staff
+                           "admin", students none)
+
+A first login works with the stack as it is: the authenticator is JupyterHub's
+``shared-password`` (one password for every user, from the secret
+``swarm-gpu-hub-login-password``; the ``admin`` user logs in with the longer one in
+``swarm-gpu-hub-admin-password``), and ``admin`` is in ``staff``, so it may take any GPU.
+Replace it with your site's authenticator (``c.JupyterHub.authenticator_class``) and fill
+the groups from it (``manage_groups``) or from ``HUB_STAFF``/``HUB_STUDENTS``. Automation gets
+an admin API token from the secret ``swarm-gpu-hub-api-token`` (the service ``admin-api``).
 
 GPU nodes need the NVIDIA container runtime as Docker's *default* runtime
 (``"default-runtime": "nvidia"`` in /etc/docker/daemon.json): Swarm services cannot ask for
 ``--gpus``, so the runtime exposes exactly the GPUs named by ``NVIDIA_VISIBLE_DEVICES``, which
 the spawner sets from the lease (``void`` = none for servers without a GPU).
-
-Pick an authenticator for your site (``c.JupyterHub.authenticator_class``); groups used below
-(``students``, ``staff``) are JupyterHub groups, e.g. from ``load_groups`` or your
-authenticator's ``manage_groups``.
 """
 
 import os
@@ -31,10 +40,45 @@ c.JupyterHub.hub_ip = "0.0.0.0"
 c.JupyterHub.hub_connect_ip = os.environ.get("HUB_CONNECT_IP", "jupyterhub")
 c.JupyterHub.cleanup_servers = False  # a hub restart leaves notebooks (and their GPUs) alone
 
+
+
+def secret(name: str) -> str | None:
+    """The content of the Docker secret ``name`` (trailing newline stripped), if mounted."""
+    path = os.path.join(os.environ.get("SECRETS_DIR", "/run/secrets"), name)
+    try:
+        with open(path) as file:
+            return file.read().rstrip("\r\n") or None
+    except FileNotFoundError:
+        return None
+
+
+def user_list(variable: str, default: str = "") -> list[str]:
+    return [name.strip() for name in os.environ.get(variable, default).split(",") if name.strip()]
+
+
+# ------------------------------------------------------------------------------- log in
+c.JupyterHub.authenticator_class = "shared-password"
+c.Authenticator.admin_users = {"admin"}
+c.Authenticator.allow_all = True  # whoever knows the shared password: replace for real users
+if (login_password := secret("swarm-gpu-hub-login-password")) is not None:
+    c.SharedPasswordAuthenticator.user_password = login_password
+if (admin_password := secret("swarm-gpu-hub-admin-password")) is not None:
+    c.SharedPasswordAuthenticator.admin_password = admin_password  # at least 32 characters
+
 c.JupyterHub.load_groups = {
-    "students": {"users": []},
-    "staff": {"users": []},
+    "students": {"users": user_list("HUB_STUDENTS")},
+    "staff": {"users": user_list("HUB_STAFF", "admin")},
 }
+
+# An API token for the admin's automation (start and stop servers, list users).
+if (api_token := secret("swarm-gpu-hub-api-token")) is not None:
+    c.JupyterHub.services = [{"name": "admin-api", "api_token": api_token}]
+    c.JupyterHub.load_roles = [{
+        "name": "admin-api",
+        "scopes": ["admin:users", "admin:servers", "admin:groups", "list:users",
+                   "read:users", "tokens"],
+        "services": ["admin-api"],
+    }]
 
 # -------------------------------------------------------------------------- the allocator
 # The broker user `hub` of compose/rabbitmq-definitions.json (vhost `swarm-gpu`): it may only
@@ -112,6 +156,25 @@ c.GPUSwarmSpawner.image = os.environ.get(
     "NOTEBOOK_IMAGE", "quay.io/jupyter/pytorch-notebook:cuda12-latest"
 )
 c.GPUSwarmSpawner.network_name = os.environ.get("SWARM_GPU_NETWORK", "swarm-gpu_default")
+if c.GPUSwarmSpawner.network_name == "host":
+    # A Swarm without overlay networks: notebook services share their node's network, so
+    # no address comes from Swarm and each user's server needs a port of its own.
+    from hubplugin.spawner import GPUSwarmSpawner
+
+    class HostNetworkGPUSwarmSpawner(GPUSwarmSpawner):  # type: ignore[misc]
+        """The server's address is the one configured (dockerspawner asks for this
+        override under host networking)."""
+
+        async def get_ip_and_port(self) -> tuple[str, int]:
+            return self.host_ip, self.port
+
+    def host_network_port(spawner) -> None:  # type: ignore[no-untyped-def]
+        spawner.port = int(os.environ.get("NOTEBOOK_PORT_BASE", "18800")) + spawner.user.id
+
+    c.JupyterHub.spawner_class = HostNetworkGPUSwarmSpawner
+    c.GPUSwarmSpawner.use_internal_ip = True
+    c.GPUSwarmSpawner.host_ip = os.environ.get("NOTEBOOK_HOST_IP", "127.0.0.1")
+    c.Spawner.pre_spawn_hook = host_network_port
 c.GPUSwarmSpawner.extra_placement_spec = {"constraints": ["node.role == worker"]}
 c.GPUSwarmSpawner.extra_container_spec = {
     "stop_grace_period": 10_000_000_000,  # nanoseconds

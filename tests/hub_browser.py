@@ -33,7 +33,6 @@ CHROMIUM_FLAGS = [
     "--disable-default-apps",
     "--disable-extensions",
     "--mute-audio",
-    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1, EXCLUDE localhost",
 ]
 
 
@@ -45,12 +44,15 @@ class Browser:
     """One headless Chromium; ``page()`` opens a tab and returns its session id."""
 
     def __init__(self, chromium: Path, user_data_dir: Path, *, width: int = 1200,
-                 height: int = 900, timeout: float = 30.0) -> None:
+                 height: int = 900, timeout: float = 30.0,
+                 hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> None:
         self.chromium = chromium
         self.user_data_dir = user_data_dir
         self.width = width
         self.height = height
         self.timeout = timeout
+        self.hosts = hosts
+        """The only hosts pages may reach (every other name resolves to nothing)."""
         self._proc: subprocess.Popen[bytes] | None = None
         self._buffer = b""
         self._next_id = 0
@@ -75,6 +77,8 @@ class Browser:
 
         args = [
             str(self.chromium), *CHROMIUM_FLAGS,
+            "--host-resolver-rules=MAP * ~NOTFOUND , "
+            + ", ".join(f"EXCLUDE {host}" for host in self.hosts),
             f"--user-data-dir={self.user_data_dir}",
             f"--window-size={self.width},{self.height}",
             "--remote-debugging-pipe", "about:blank",

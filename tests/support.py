@@ -27,7 +27,12 @@ from allocator.protocol import (
     Heartbeat,
     encode,
 )
-from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
+from allocator.topology import (
+    DEAD_LETTER_QUEUE,
+    NODES_EXCHANGE,
+    event_routing_key,
+    heartbeat_routing_key,
+)
 
 T = TypeVar("T")
 
@@ -177,3 +182,27 @@ async def docker_cli(*args: str, within: float = 60.0) -> str:
         out, err = await process.communicate()
     assert process.returncode == 0, f"docker {' '.join(args)}: {err.decode()}"
     return out.decode().strip()
+
+
+async def drain_queue(channel: aio_pika.abc.AbstractChannel, name: str) -> list[bytes]:
+    """Every message now in queue ``name``, taken off it."""
+    queue = await channel.get_queue(name)
+    bodies = []
+    while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+        bodies.append(message.body)
+    return bodies
+
+
+async def settled_dead_letters(channel: aio_pika.abc.AbstractChannel, within: float = 60.0
+                               ) -> int:
+    """The dead-letter queue's message count once it stops moving (dead-lettering is
+    asynchronous, and a bound drops the oldest as new ones arrive)."""
+    counts: list[int] = []
+
+    async def settled() -> bool:
+        declared = await channel.declare_queue(DEAD_LETTER_QUEUE, passive=True)
+        counts.append(declared.declaration_result.message_count or 0)
+        await asyncio.sleep(0.5)
+        return len(counts) > 1 and counts[-1] == counts[-2] > 0
+    await wait_until(settled, within=within)
+    return counts[-1]

@@ -8,10 +8,17 @@ import time
 
 import aio_pika
 import pytest
-from support import GTX1070, RawRPC, gpus, wait_until
+from support import GTX1070, RawRPC, drain_queue, gpus, settled_dead_letters, wait_until
 
-from allocator.protocol import MAX_BODY_BYTES, AllocateRequest, ErrorCode, LeaseState, encode
-from allocator.topology import DEAD_LETTER_QUEUE
+from allocator.protocol import (
+    MAX_BODY_BYTES,
+    AllocateRequest,
+    ErrorCode,
+    Lease,
+    LeaseState,
+    encode,
+)
+from allocator.topology import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_QUEUE
 
 
 @pytest.fixture
@@ -39,7 +46,27 @@ def allocate_body(**fields) -> bytes:
         (b"[1, 2, 3]", "bad_request", "JSON object"),
         (b"[" * 5000 + b"]" * 5000, "bad_request", "JSON"),
         (b'{"v": 2, "kind": "allocate"}', "unsupported_version", "version 2"),
-        (b'{"kind": "allocate", "user": "a"}', "unsupported_version", "version None"),
+        (b'{"kind": "allocate", "user": "a"}', "unsupported_version", 'no "v"'),
+        # "v" is required and exactly the integer 1, even when the rest is a valid request.
+        (b'{"kind": "allocate", "request_key": "k/alice/", "user": "alice"}',
+         "unsupported_version", 'no "v"'),
+        (allocate_body(v=True), "unsupported_version", "version true"),
+        (allocate_body(v=1.0), "unsupported_version", "version 1.0"),
+        (allocate_body(v="1"), "unsupported_version", 'version "1"'),
+        (b'{"v": null, "kind": "queue"}', "unsupported_version", "version null"),
+        # Strict types: a number in a string is not a number, "yes" is not a boolean.
+        (allocate_body(wait_s="60"), "bad_request", "wait_s"),
+        (allocate_body(deadline=str(time.time() + 600)), "bad_request", "deadline"),
+        (allocate_body(priority="5"), "bad_request", "priority"),
+        (allocate_body(count=1.0), "bad_request", "count"),
+        (allocate_body(min_memory_mib="1024"), "bad_request", "min_memory_mib"),
+        (allocate_body(share={"memory_mib": "1024"}), "bad_request", "memory_mib"),
+        (b'{"v": 1, "kind": "inventory", "include_leases": "yes"}', "bad_request",
+         "include_leases"),
+        (b'{"v": 1, "kind": "inventory", "include_leases": 1}', "bad_request", "include_leases"),
+        (b'{"v": 1, "kind": "release", "request_key": "k/alice/", "force": "true"}',
+         "bad_request", "force"),
+        (b'{"v": 1, "kind": "drain", "host": "gpu-a", "drained": 0}', "bad_request", "drained"),
         (b'{"v": 1, "kind": "teleport"}', "bad_request", "teleport"),
         (b'{"v": 1, "kind": "allocate", "user": "alice"}', "bad_request", "request_key"),
         (allocate_body(count=0), "bad_request", "count"),
@@ -128,11 +155,16 @@ async def test_heartbeat_sent_to_the_rpc_exchange_is_refused(raw):
     assert reply["error"]["code"] == "forbidden"
 
 
-async def test_allocate_sent_to_the_nodes_exchange_grants_nothing(raw, client, allocator):
+async def test_allocate_sent_to_the_nodes_exchange_is_forbidden(raw, client, allocator):
+    """Every message that asks for a reply gets one: the wrong exchange is ``forbidden``."""
     await raw.send(allocate_body(), exchange="swarm-gpu.nodes", routing_key="heartbeat.gpu-a")
-    assert await raw.no_reply(within=1.0)
+    reply = await raw.reply()
+    assert reply["error"]["code"] == "forbidden"
+    assert "swarm-gpu.rpc" in reply["error"]["message"]
+    await raw.send(allocate_body(), exchange="swarm-gpu.nodes", routing_key="event.gpu-a",
+                   reply=False)
     assert (await client.inventory(include_leases=True)).leases == []
-    assert allocator.engine.counters["request_from_node_exchange"] == 1
+    assert allocator.engine.counters["request_from_node_exchange"] == 2
 
 
 async def test_a_message_the_engine_fails_on_is_refused_alone(allocator, client, nodes,
@@ -157,6 +189,130 @@ async def test_a_message_the_engine_fails_on_is_refused_alone(allocator, client,
         return_exceptions=True)
     ann, mallory, bob = results
     assert getattr(mallory, "code", None) == ErrorCode.INTERNAL_ERROR
+    assert isinstance(ann, Lease) and isinstance(bob, Lease), results
     assert ann.state == bob.state == LeaseState.GRANTED
     leases = (await client.inventory(include_leases=True)).leases
     assert sorted(lease.user for lease in leases) == ["ann", "bob"]
+
+
+async def test_reply_to_that_is_not_a_direct_reply_to_address_is_refused(
+        raw, amqp_vhost, allocator, client):
+    """Otherwise any sender could make the allocator publish into a queue of its choosing
+    (its own inbound queue included): refused unanswered, dead-lettered, counted."""
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        await channel.declare_queue("victim", auto_delete=False)
+        rpc = await channel.get_exchange("swarm-gpu.rpc", ensure=False)
+        targets = ["victim", "swarm-gpu.allocator", "swarm-gpu.dead-letters", "amq.rabbitmq"]
+        replies_before = allocator.stats.counters["replies"]
+        for target in targets:
+            await rpc.publish(aio_pika.Message(allocate_body(request_key=f"k/{target}/"),
+                                               correlation_id=target, reply_to=target),
+                              routing_key="request", timeout=10)
+        await client.inventory()  # one queue, applied in order: the four were handled
+        dead: list[bytes] = []
+
+        async def all_dead_lettered():  # a batch's rejections follow its replies
+            dead.extend(await drain_queue(channel, DEAD_LETTER_QUEUE))
+            return len(dead) >= len(targets)
+        await wait_until(all_dead_lettered)
+        assert await drain_queue(channel, "victim") == []
+    assert sorted(json.loads(body)["request_key"] for body in dead) == sorted(
+        f"k/{target}/" for target in targets)
+    assert allocator.stats.counters["reply_to_refused"] == len(targets)
+    assert allocator.stats.counters["replies"] == replies_before + 1  # the inventory call's
+    assert (await client.inventory(include_leases=True)).leases == []
+    # A direct reply-to address that no channel owns is accepted (nobody can tell it from a
+    # real one) and harms nothing: the reply goes nowhere, the allocator answers on.
+    await raw.channel.default_exchange.publish(
+        aio_pika.Message(allocate_body(request_key="k/forged/"), correlation_id="f",
+                         reply_to="amq.rabbitmq.reply-to.g2dkABNyYWJiaXRAbm9ib2R5AAAAAAAA"),
+        routing_key="swarm-gpu.allocator", timeout=10)
+    lease = await client.allocate(AllocateRequest(request_key="k/bob/", user="bob"))
+    assert lease.state is LeaseState.GRANTED
+
+
+async def test_a_configured_reply_to_prefix_is_accepted(amqp_vhost, ledger_path):
+    from faults import running_allocator
+
+    async with (running_allocator(amqp_vhost.url, ledger_path, reply_to_prefix="replies.")
+                as allocator,
+                await aio_pika.connect(amqp_vhost.url) as connection):
+        channel = await connection.channel()
+        for name in ("replies.hub1", "victim"):
+            await channel.declare_queue(name, auto_delete=False)
+        rpc = await channel.get_exchange("swarm-gpu.rpc", ensure=False)
+        for target in ("replies.hub1", "victim"):
+            await rpc.publish(aio_pika.Message(b'{"v": 1, "kind": "queue"}',
+                                               correlation_id=target, reply_to=target),
+                              routing_key="request", timeout=10)
+
+        async def answered():
+            return await drain_queue(channel, "replies.hub1")
+        replies = await wait_until(answered)
+        assert [json.loads(body)["kind"] for body in replies] == ["queue"]
+        assert await drain_queue(channel, "victim") == []
+        assert allocator.stats.counters["reply_to_refused"] == 1
+
+
+async def test_dead_letter_queue_is_bounded_by_bytes(raw, amqp_vhost, allocator):
+    """A flood of large unreadable messages keeps the dead-letter queue within
+    DEAD_LETTER_MAX_BYTES: the oldest are dropped (drop-head)."""
+    body = b"\x00" * (MAX_BODY_BYTES - 16)
+    flood = DEAD_LETTER_MAX_BYTES // len(body) + 40
+    for _ in range(flood):
+        await raw.send(body, reply=False)
+    await raw.send(b'{"v": 1, "kind": "queue"}')
+    assert (await raw.reply())["kind"] == "queue"
+
+    async def all_rejected():  # a batch's rejections follow its replies
+        return allocator.stats.counters["dead_lettered"] == flood
+    await wait_until(all_rejected)
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        await settled_dead_letters(channel)
+        kept = await drain_queue(channel, DEAD_LETTER_QUEUE)
+    assert 0 < len(kept) < flood
+    assert sum(len(b) for b in kept) <= DEAD_LETTER_MAX_BYTES
+
+
+async def test_an_unbounded_dead_letter_queue_of_an_older_version_does_not_stop_the_start(
+        amqp_vhost, ledger_path, caplog):
+    """RabbitMQ refuses to redeclare a queue with other arguments; the allocator uses the
+    existing dead-letter queue as it is, says so, and serves."""
+    from faults import running_allocator
+
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        await channel.declare_queue(DEAD_LETTER_QUEUE, durable=True,
+                                    arguments={"x-queue-type": "quorum"})
+    async with (running_allocator(amqp_vhost.url, ledger_path) as allocator,
+                RawRPC(amqp_vhost.url) as rpc):
+        await rpc.send(b"not json", reply=False)
+        await rpc.send(b'{"v": 1, "kind": "queue"}')
+        assert (await rpc.reply())["kind"] == "queue"
+        assert allocator.stats.counters["dead_lettered"] == 1
+    assert "exists with other arguments" in caplog.text
+
+
+async def test_a_request_that_expires_in_the_queue_is_dead_lettered_with_x_death(amqp_vhost):
+    """What docs/protocol.md says the dead-letter queue holds: the broker moves a request
+    whose AMQP expiration passed while it waited there, with an ``x-death`` header."""
+    from allocator.service import declare_topology
+
+    async with await aio_pika.connect(amqp_vhost.url) as connection:
+        channel = await connection.channel()
+        await declare_topology(channel, "swarm-gpu.allocator")  # no allocator consumes it
+        rpc = await channel.get_exchange("swarm-gpu.rpc", ensure=False)
+        await rpc.publish(aio_pika.Message(allocate_body(), expiration=0.05),
+                          routing_key="request", timeout=10)
+        queue = await channel.get_queue(DEAD_LETTER_QUEUE)
+
+        async def dead_letter():
+            return await queue.get(no_ack=True, fail=False, timeout=5)
+        message = await wait_until(dead_letter, within=20)
+    assert json.loads(message.body)["request_key"] == "k/alice/"
+    death = message.headers["x-death"][0]
+    assert death["reason"] == "expired"
+    assert death["queue"] == "swarm-gpu.allocator"
+    assert death["exchange"] == "swarm-gpu.rpc"

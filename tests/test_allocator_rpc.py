@@ -359,3 +359,98 @@ def test_ledger_synchronous_setting(tmp_path, mode, pragma):
         assert ledger.call(lambda: ledger.db.execute("PRAGMA journal_mode").fetchone()[0]) == "wal"
     finally:
         ledger.close()
+
+
+async def test_another_request_under_a_used_request_key_is_a_conflict(allocator, client, nodes):
+    """A retry is the same request; a different one under a key in use is a client bug, and
+    the answer names the lease that holds the key instead of quietly returning it."""
+    await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 2))
+    await nodes.beat("gpu-b", gpus("gpu-b", RTX3090, 1))
+
+    async def both():
+        return len((await client.inventory()).nodes) == 2
+    await wait_until(both)
+    first = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice",
+                                                  model="1070", wait_s=5))
+    retry = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice",
+                                                  model="1070", wait_s=60, priority=3))
+    assert retry.lease_id == first.lease_id
+    with pytest.raises(AllocatorError) as refused:
+        await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice",
+                                              model="3090"))
+    assert refused.value.code is ErrorCode.CONFLICT
+    assert first.lease_id in str(refused.value)
+    assert refused.value.details["lease_id"] == first.lease_id
+    assert refused.value.details["differs"] == ["model"]
+    leases = (await client.inventory(include_leases=True)).leases
+    assert [lease.lease_id for lease in leases] == [first.lease_id]
+
+
+async def test_quota_request_shows_limits_and_what_is_held(amqp_vhost, ledger_path):
+    """A form can say "you hold 1.25 of 2" before the allocator refuses quota_exceeded."""
+    from faults import running_allocator
+    from support import NodeSimulator
+
+    async with (running_allocator(amqp_vhost.url, ledger_path, user_quota={"alice": 2},
+                                  group_quota={"students": 4, "staff": 10},
+                                  share_slots={GTX1070: 4}),
+                AllocatorClient(amqp_vhost.url, timeout_s=10) as client,
+                NodeSimulator(amqp_vhost.url) as nodes):
+        await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 4))
+
+        async def up():
+            return (await client.inventory()).nodes
+        await wait_until(up)
+        empty = await client.quota("alice", ["students", "nobody-limits-this"])
+        assert [(q.scope, q.name, q.limit, q.held, q.free) for q in empty.quotas] == [
+            ("user", "alice", 2.0, 0.0, 2.0), ("group", "students", 4.0, 0.0, 4.0)]
+        await client.allocate(AllocateRequest(request_key="h/alice/1", user="alice",
+                                              groups=["students"]))
+        await client.allocate(AllocateRequest(request_key="h/alice/2", user="alice",
+                                              groups=["students"], share=ShareRequest()))
+        await client.allocate(AllocateRequest(request_key="h/bob/", user="bob",
+                                              groups=["students"]))
+        alice = await client.quota("alice", ["students"])
+        assert alice.user == "alice"
+        assert [(q.scope, q.name, q.limit, q.held, q.free) for q in alice.quotas] == [
+            ("user", "alice", 2.0, 1.25, 0.75), ("group", "students", 4.0, 2.25, 1.75)]
+        bob = await client.quota("bob")
+        assert [(q.scope, q.limit, q.held, q.free) for q in bob.quotas] == [
+            ("user", None, 1.0, None)]
+        with pytest.raises(AllocatorError) as refused:
+            await client.allocate(AllocateRequest(request_key="h/alice/3", user="alice"))
+        assert refused.value.code is ErrorCode.QUOTA_EXCEEDED
+        assert refused.value.details["held"] == alice.quotas[0].held
+
+
+async def test_a_lease_released_unbound_on_a_node_without_container_listing_comes_free(
+        amqp_vhost, ledger_path):
+    """A node without Docker never sends a complete container list, so no heartbeat can say
+    the released lease's container is gone: it ends stop_grace_s after the release
+    (``stopped``), while the node keeps heartbeating; a node that lists containers frees its
+    own at once."""
+    from faults import await_state, running_allocator
+    from support import NodeSimulator
+
+    async with (running_allocator(amqp_vhost.url, ledger_path, stop_grace_s=1.0,
+                                  node_down_after_s=60),
+                AllocatorClient(amqp_vhost.url, timeout_s=10) as client,
+                NodeSimulator(amqp_vhost.url) as nodes):
+        await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 1), containers_complete=False)
+        await cluster_ready(client, 1)
+        lease = await client.allocate(AllocateRequest(request_key="h/alice/", user="alice"))
+        releasing = await client.release(lease_id=lease.lease_id)
+        assert releasing.state is LeaseState.RELEASING
+
+        async def beating() -> None:
+            while True:
+                await nodes.beat("gpu-a", containers_complete=False)
+                await asyncio.sleep(0.2)
+        heartbeats = asyncio.create_task(beating())
+        try:
+            done, waited = await await_state(client, lease.lease_id, LeaseState.RELEASED)
+        finally:
+            heartbeats.cancel()
+        assert done.release_reason is ReleaseReason.STOPPED
+        assert waited >= 0.5  # not at once: the grace comes first
+        assert (await client.inventory()).models[0].free == 1

@@ -54,7 +54,9 @@ def stack(docker_engine: str) -> dict[str, Any]:
 def test_the_cli_accepts_the_stack(stack):
     assert set(stack["services"]) == {"rabbitmq", "allocator", "nodeagent", "jupyterhub"}
     assert set(stack["secrets"]) == {"swarm-gpu-rabbitmq-definitions",
-                                     "swarm-gpu-allocator-password", "swarm-gpu-hub-password"}
+                                     "swarm-gpu-allocator-password", "swarm-gpu-hub-password",
+                                     "swarm-gpu-hub-login-password",
+                                     "swarm-gpu-hub-admin-password", "swarm-gpu-hub-api-token"}
     assert all(secret.get("external") for secret in stack["secrets"].values())
 
 
@@ -102,6 +104,7 @@ def test_rabbitmq_loads_the_definitions(stack):
     (path,) = re.findall(r"^load_definitions\s*=\s*(\S+)", conf, re.MULTILINE)
     assert secret["target"] == path
     assert rabbitmq["image"].startswith("rabbitmq:3.10") and "management" in rabbitmq["image"]
+    assert "${SWARM_GPU_BROKER_IMAGE:-rabbitmq:3.10-management}" in STACK.read_text()
 
 
 def test_every_broker_url_names_a_defined_user_and_the_vhost(stack):
@@ -136,7 +139,17 @@ def test_mounted_config_files_parse(stack):
 def test_dockerfile_builds_from_the_repo_root():
     dockerfile = (COMPOSE / "Dockerfile").read_text()
     stages = re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.MULTILINE)
-    assert stages[-1] == "swarm-gpu", "a build without --target makes the allocator image"
+    assert stages == ["swarm-gpu", "hub"], \
+        "the legacy builder builds every stage up to --target: swarm-gpu must come first"
+    bases = re.findall(r"^FROM \$\{(\w+)\} AS", dockerfile, re.MULTILINE)
+    assert bases == ["PYTHON_BASE", "HUB_BASE"], "base images are build arguments"
+    for arg in bases:
+        assert re.search(rf"^ARG {arg}=\S+$", dockerfile, re.MULTILINE), arg
+    # Both builders read the context's root .dockerignore (the legacy one reads no other).
+    ignore = (COMPOSE.parent / ".dockerignore").read_text().split()
+    assert ignore[ignore.index("*") + 1:][:5] == [
+        "!pyproject.toml", "!README.md", "!allocator/", "!nodeagent/", "!hubplugin/"]
+    assert not (COMPOSE / "Dockerfile.dockerignore").exists(), "one ignore file, not two"
     repo = COMPOSE.parent
     for sources in re.findall(r"^COPY (.+) \S+$", dockerfile, re.MULTILINE):
         for source in sources.split():

@@ -12,9 +12,9 @@ from a broker user that does not own the host or from none. Then:
   error code is the one the protocol gives that body (unless its own deadline had passed:
   then it is dropped unanswered); a node message that does not parse is dead-lettered;
 - a request's answer agrees with a model of the leases the run created: a retry with the
-  same request key gets the same lease, another user's request with that key a
-  ``conflict``, a status never shows an active lease nobody was granted, a non-admin cannot
-  drain or force-release;
+  same request key gets the same lease, another user's request with that key, or another
+  request under it, a ``conflict`` (naming the lease), a status never shows an active lease
+  nobody was granted, a non-admin cannot drain or force-release;
 - node messages for hosts the sender does not own are refused; no node message changes
   another host's GPUs or leases (two anchor leases, bound on two hosts, stay bound);
 - the consumer answers after every example; at the end the invariant checker finds nothing
@@ -45,7 +45,15 @@ import services
 from faults import assert_sound, audit_ledger, await_state, report, running_allocator
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
-from support import GTX1070, NodeSimulator, gpus, heartbeat, wait_until
+from support import (
+    GTX1070,
+    NodeSimulator,
+    drain_queue,
+    gpus,
+    heartbeat,
+    settled_dead_letters,
+    wait_until,
+)
 
 from allocator.client import AllocatorClient
 from allocator.protocol import (
@@ -58,6 +66,7 @@ from allocator.protocol import (
     DrainRequest,
     ErrorCode,
     ErrorReply,
+    Health,
     Heartbeat,
     InventoryReply,
     InventoryRequest,
@@ -65,6 +74,8 @@ from allocator.protocol import (
     LeaseState,
     QueueReply,
     QueueRequest,
+    QuotaReply,
+    QuotaRequest,
     ReleaseReason,
     ReleaseRequest,
     StatusRequest,
@@ -149,6 +160,8 @@ class Known:
     user: str
     host: str | None
     state: LeaseState
+    asked: dict[str, Any] | None = None
+    """What the allocate that created it asked for: a retry must repeat it."""
 
     @property
     def volatile(self) -> bool:
@@ -170,8 +183,10 @@ class Model:
     replies: Counter[str] = field(default_factory=Counter)
     """Replies by kind, errors by code."""
 
-    def learn(self, lease: Any) -> None:
-        known = Known(lease.lease_id, lease.request_key, lease.user, lease.host, lease.state)
+    def learn(self, lease: Any, asked: dict[str, Any] | None = None) -> None:
+        earlier = self.leases.get(lease.lease_id)
+        known = Known(lease.lease_id, lease.request_key, lease.user, lease.host, lease.state,
+                      asked if asked is not None else earlier.asked if earlier else None)
         self.leases[lease.lease_id] = known
         if lease.state in ACTIVE:
             self.active[lease.request_key] = known
@@ -237,7 +252,7 @@ def deadline_value(draw: Any) -> Any:
 
 def valid_request(draw: Any, model: Model) -> dict[str, Any]:
     kind = draw(st.sampled_from(["allocate"] * 4 + ["release"] * 2
-                                + ["status", "inventory", "queue", "drain"]))
+                                + ["status", "inventory", "queue", "drain", "quota"]))
     body: dict[str, Any] = {"v": 1, "kind": kind}
     ids = [*sorted(i for i in model.leases if i not in model.anchors), "no-such-lease"]
     if kind == "allocate":
@@ -267,6 +282,8 @@ def valid_request(draw: Any, model: Model) -> dict[str, Any]:
         body["include_leases"] = draw(st.booleans())
     elif kind == "drain":
         body.update(host=draw(st.sampled_from(HOSTS)), drained=draw(st.booleans()))
+    elif kind == "quota":
+        body.update(user=draw(names), groups=draw(st.lists(names, max_size=2)))
     body["deadline"] = deadline_value(draw)
     return body
 
@@ -430,10 +447,15 @@ class Harness:
             assert {lease.lease_id for lease in reply.leases} <= set(self.model.leases)
         elif isinstance(decoded, DrainRequest):
             assert isinstance(reply, ErrorReply) and reply.error.code is ErrorCode.FORBIDDEN
+        elif isinstance(decoded, QuotaRequest):
+            assert isinstance(reply, QuotaReply) and reply.user == decoded.user, reply
 
     def check_allocate(self, request: AllocateRequest, before: Known | None, reply: Any) -> None:
-        still_there = (isinstance(reply, LeaseReply) and reply.lease.lease_id == before.lease_id
-                       if before is not None and before.user == request.user else
+        retry = (before is not None and before.user == request.user
+                 and before.asked in (None, request.what_is_asked()))
+        still_there = (isinstance(reply, LeaseReply) and before is not None
+                       and reply.lease.lease_id == before.lease_id
+                       if retry else
                        isinstance(reply, ErrorReply) and reply.error.code is ErrorCode.CONFLICT)
         if before is not None and before.state is LeaseState.QUEUED and not still_there:
             # Its wait ran out (a timer) between our look and this request: a new request.
@@ -441,18 +463,20 @@ class Harness:
             self.model.active.pop(before.key, None)
             before = None
         if before is not None:
-            if before.user == request.user:
+            if retry:
                 assert isinstance(reply, LeaseReply), reply
                 assert reply.lease.lease_id == before.lease_id, "a retry got another lease"
                 self.model.learn(reply.lease)
-            else:
+            else:  # another user's key, or another request under a used key
                 assert isinstance(reply, ErrorReply), reply
                 assert reply.error.code is ErrorCode.CONFLICT
+                if before.user == request.user:
+                    assert reply.error.details["lease_id"] == before.lease_id, reply
             return
         if isinstance(reply, LeaseReply):
             assert reply.lease.state in (LeaseState.GRANTED, LeaseState.QUEUED), reply
             assert reply.lease.lease_id not in self.model.leases, "an old lease came back"
-            self.model.learn(reply.lease)
+            self.model.learn(reply.lease, request.what_is_asked())
             self.model.figures["leases_granted"] += 1
         else:
             assert isinstance(reply, ErrorReply), reply
@@ -650,6 +674,17 @@ def test_fuzzed_messages_of_every_kind_against_the_live_consumer(rabbitmq, tmp_p
 # ------------------------------------------------------------------ one by one
 
 
+async def one_gpu_up(client: AllocatorClient, nodes: NodeSimulator) -> list[Any]:
+    """Report host gpu-a with one GTX 1070 and wait until the allocator has it up."""
+    gpu_list = gpus("gpu-a", GTX1070, 1)
+    await nodes.beat("gpu-a", gpu_list)
+
+    async def up() -> list[Any]:
+        return [n for n in (await client.inventory()).nodes if n.up]
+    await wait_until(up)
+    return gpu_list
+
+
 async def test_replayed_and_reordered_heartbeats_never_undo_newer_facts(amqp_vhost, ledger_path):
     async with (running_allocator(amqp_vhost.url, ledger_path, container_gone_grace_s=0.5),
                 AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
@@ -685,6 +720,34 @@ async def test_replayed_and_reordered_heartbeats_never_undo_newer_facts(amqp_vho
                                       sent_at=later))
         gone, _ = await await_state(client, lease.lease_id, LeaseState.RELEASED)
         assert gone.release_reason is ReleaseReason.CONTAINER_GONE
+    assert_sound(audit_ledger(ledger_path))
+
+
+async def test_a_captured_heartbeat_replayed_under_another_agent_id_is_stale(amqp_vhost,
+                                                                             ledger_path):
+    """A report older than the newest accepted for its host is stale, whatever agent id it
+    claims; a restarted agent (a new agent id, sent now) is news."""
+    async with (running_allocator(amqp_vhost.url, ledger_path) as allocator,
+                AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
+                NodeSimulator(amqp_vhost.url) as nodes,
+                Wire(amqp_vhost.url) as wire):
+        healthy = gpus("gpu-a", GTX1070, 1)
+        sick = gpus("gpu-a", GTX1070, 1, health=Health.UNHEALTHY)
+        captured = heartbeat("gpu-a", sick, agent_id="agent-1", sent_at=time.time() - 3600)
+        await nodes.publish(heartbeat("gpu-a", healthy, agent_id="agent-1"))
+        await wire.sync()
+        for replay in range(3):
+            await nodes.publish(Heartbeat(**{**captured.model_dump(),
+                                             "agent_id": f"replayer-{replay}"}))
+        await wire.sync()
+        assert allocator.engine.counters["heartbeat_stale"] == 3
+        assert [g.health for g in (await client.inventory()).gpus] == [Health.HEALTHY]
+        # The agent restarts: a new agent id, sent now, with news the allocator takes.
+        await nodes.publish(heartbeat("gpu-a", sick, agent_id="agent-2"))
+        await wire.sync()
+        assert [g.health for g in (await client.inventory()).gpus] == [Health.UNHEALTHY]
+        assert allocator.engine.counters["heartbeat_stale"] == 3
+        report("replayed_heartbeats", replayed=3, stale=3, restart_accepted=1)
     assert_sound(audit_ledger(ledger_path))
 
 
@@ -728,12 +791,7 @@ async def test_non_finite_times_are_refused(amqp_vhost, ledger_path, body):
                 AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
                 NodeSimulator(amqp_vhost.url) as nodes,
                 Wire(amqp_vhost.url) as wire):
-        gpu_list = gpus("gpu-a", GTX1070, 1)
-        await nodes.beat("gpu-a", gpu_list)
-
-        async def up():
-            return [n for n in (await client.inventory()).nodes if n.up]
-        await wait_until(up)
+        await one_gpu_up(client, nodes)
         lease = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice"))
         await wire.send(body.replace(b'"L"', json.dumps(lease.lease_id).encode()),
                         to_nodes=True, routing_key="event.gpu-a", reply=False)
@@ -748,21 +806,19 @@ async def test_non_finite_times_are_refused(amqp_vhost, ledger_path, body):
     assert_sound(audit_ledger(ledger_path))
 
 
-@pytest.mark.parametrize(("digits", "accepted"), [(4000, True), (5000, False)])
+@pytest.mark.parametrize(("digits", "accepted"), [(3, True), (11, False), (4000, False),
+                                                (5000, False)])
 async def test_huge_integers_in_a_node_message_harm_nothing(amqp_vhost, ledger_path, digits,
                                                             accepted):
     """JSON integers have no size limit, and Python refuses to print one of more than 4300
-    digits. An exit code of 4000 digits ends its lease like any other (its note is written);
-    one of 5000 is refused by the parser (dead-lettered). Neither fails a batch."""
+    digits. An exit code is a 32-bit integer: one of 3 digits ends its lease like any other;
+    one of 11 or 4000 digits is refused by the protocol, one of 5000 by the parser (each
+    dead-lettered). None fails a batch."""
     async with (running_allocator(amqp_vhost.url, ledger_path) as allocator,
                 AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
                 NodeSimulator(amqp_vhost.url) as nodes,
                 Wire(amqp_vhost.url) as wire):
-        await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 1))
-
-        async def up():
-            return [n for n in (await client.inventory()).nodes if n.up]
-        await wait_until(up)
+        await one_gpu_up(client, nodes)
         lease = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice"))
         await nodes.event("gpu-a", lease.lease_id, ContainerAction.START, container_id="c")
         await await_state(client, lease.lease_id, LeaseState.BOUND)
@@ -777,3 +833,116 @@ async def test_huge_integers_in_a_node_message_harm_nothing(amqp_vhost, ledger_p
         done = await client.status(lease_id=lease.lease_id)
         assert done.state is (LeaseState.RELEASED if accepted else LeaseState.BOUND)
     assert_sound(audit_ledger(ledger_path))
+
+
+@pytest.mark.parametrize("field", ["health_reasons", "container_name", "recent_xids"])
+async def test_oversized_strings_and_lists_in_a_heartbeat_are_refused(amqp_vhost, ledger_path,
+                                                                      field):
+    """One forged GPU with a 200 KB health reason would make every inventory reply 200 KB
+    larger: a node message's strings and lists are bounded, and one past a bound is
+    dead-lettered whole; the host's state stays what its last good heartbeat said."""
+    async with (running_allocator(amqp_vhost.url, ledger_path) as allocator,
+                AllocatorClient(amqp_vhost.url, timeout_s=5) as client,
+                NodeSimulator(amqp_vhost.url) as nodes,
+                Wire(amqp_vhost.url) as wire):
+        gpu_list = await one_gpu_up(client, nodes)
+        before = len((await wire.call(InventoryRequest())).model_dump_json())
+        beat = json.loads(heartbeat("gpu-a", gpu_list).model_dump_json())
+        if field == "health_reasons":
+            beat["gpus"][0]["health_reasons"] = ["x" * 200_000]
+        elif field == "container_name":
+            beat["containers"] = [{"container_id": "c", "lease_id": "L", "name": "n" * 100_000}]
+        else:
+            beat["gpus"][0]["recent_xids"] = [2**40]
+        await wire.send(json.dumps(beat).encode(), to_nodes=True, routing_key="heartbeat.gpu-a",
+                        reply=False)
+        await wire.sync()
+        assert allocator.stats.counters["dead_lettered"] == 1
+        assert allocator.stats.counters["invalid_bad_request"] == 1
+        assert len((await wire.call(InventoryRequest())).model_dump_json()) < before + 100
+    assert_sound(audit_ledger(ledger_path))
+
+
+async def test_an_outsider_cannot_use_the_holes_replay_bloat_reply_to_dead_letters(
+        amqp_vhost, ledger_path):
+    """The holes an outside tester found, against one live allocator, counted: replayed
+    heartbeats under other agent ids, oversized strings, invented hosts and cycling GPU
+    uuids, reply_to naming queues of the vhost, and a flood of large unreadable messages
+    into the dead-letter queue."""
+    from allocator.topology import DEAD_LETTER_MAX_BYTES
+
+    replays, bloated, invented, cycled, hostile_replies = 20, 10, 10, 20, 20
+    started = time.monotonic()
+    async with (running_allocator(amqp_vhost.url, ledger_path, max_hosts_per_node_user=3,
+                                  max_gpus_per_host=8) as allocator,
+                AllocatorClient(amqp_vhost.url, timeout_s=10) as client,
+                NodeSimulator(amqp_vhost.url) as nodes,
+                Wire(amqp_vhost.url) as wire,
+                await aio_pika.connect(amqp_vhost.url) as connection):
+        healthy = gpus("gpu-a", GTX1070, 1)
+        await nodes.publish(heartbeat("gpu-a", healthy, agent_id="agent-1"))
+        await wire.sync()
+        inventory_size = len((await wire.call(InventoryRequest())).model_dump_json())
+
+        # 4. A captured hour-old heartbeat, replayed under other agent ids.
+        sick = gpus("gpu-a", GTX1070, 1, health=Health.UNHEALTHY)
+        captured = heartbeat("gpu-a", sick, agent_id="agent-1", sent_at=time.time() - 3600)
+        for i in range(replays):
+            await nodes.publish(Heartbeat(**{**captured.model_dump(), "agent_id": f"r{i}"}))
+        # 5. Oversized strings, invented hosts, a new GPU uuid in every heartbeat.
+        for _ in range(bloated):
+            beat = json.loads(heartbeat("gpu-a", healthy, agent_id="agent-1").model_dump_json())
+            beat["gpus"][0]["health_reasons"] = ["x" * 200_000]
+            await wire.send(json.dumps(beat).encode(), to_nodes=True,
+                            routing_key="heartbeat.gpu-a", reply=False)
+        for i in range(invented):
+            await nodes.publish(heartbeat(f"invented-{i}", gpus(f"invented-{i}", GTX1070, 1)))
+        for i in range(cycled):
+            fresh = gpus("gpu-a", GTX1070, 1, start_index=1 + i)
+            await nodes.publish(heartbeat("gpu-a", healthy + fresh, agent_id="agent-1"))
+        # 6. Replies asked into queues of the vhost, the allocator's own among them.
+        channel = await connection.channel()
+        victim = await channel.declare_queue("victim", auto_delete=False)
+        for i in range(hostile_replies):
+            target = ("victim", "swarm-gpu.allocator")[i % 2]
+            await wire.rpc.publish(aio_pika.Message(
+                encode(AllocateRequest(request_key=f"outsider/{i}/", user="mallory")),
+                correlation_id=f"o{i}", reply_to=target), routing_key="request", timeout=10)
+        # 7. Large unreadable messages, more bytes than the dead-letter queue keeps.
+        flood = DEAD_LETTER_MAX_BYTES // (MAX_BODY_BYTES - 16) + 40
+        for _ in range(flood):
+            await wire.send(b"\x00" * (MAX_BODY_BYTES - 16), reply=False)
+        await wire.sync()
+
+        counters = allocator.engine.counters
+        service = allocator.stats.counters
+        assert counters["heartbeat_stale"] == replays
+        inventory = await wire.call(InventoryRequest())
+        assert next(g.health for g in inventory.gpus if g.host == "gpu-a") is Health.HEALTHY
+        assert counters["host_limit"] == invented - 2  # gpu-a and two invented ones: 3 hosts
+        assert len(inventory.nodes) == 3
+        on_record = len(allocator.engine.cluster.nodes["gpu-a"].gpu_uuids)
+        assert on_record == 8
+        assert counters["gpu_limit"] > 0
+        assert service["reply_to_refused"] == hostile_replies
+        assert (await victim.declare()).message_count == 0
+        assert len(inventory.model_dump_json()) < inventory_size + 2_000  # two small hosts more
+
+        async def all_rejected():  # a batch's rejections follow its replies
+            return service["dead_lettered"] == bloated + hostile_replies + flood
+        await wait_until(all_rejected)
+        kept = await settled_dead_letters(channel)
+        dead_bytes = sum(map(len, await drain_queue(channel, DEAD_LETTER_QUEUE)))
+        assert dead_bytes <= DEAD_LETTER_MAX_BYTES
+        assert kept < bloated + hostile_replies + flood
+        assert (await client.inventory(include_leases=True)).leases == []
+    assert_sound(audit_ledger(ledger_path))
+    report("outsider_holes", replayed_heartbeats=replays, stale=counters["heartbeat_stale"],
+           oversized_heartbeats=bloated, dead_lettered_oversized=bloated,
+           invented_hosts=invented, hosts_refused=counters["host_limit"],
+           new_gpu_uuids=cycled, gpu_uuids_ignored=counters["gpu_limit"],
+           gpus_on_record=on_record, hostile_reply_to=hostile_replies,
+           reply_to_refused=service["reply_to_refused"], victim_messages=0,
+           dead_letter_flood=flood, dead_letters_kept=kept,
+           dead_letter_mib=round(dead_bytes / 2**20, 1),
+           seconds=round(time.monotonic() - started, 1))

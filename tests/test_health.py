@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -175,11 +176,11 @@ def run(steps: list[tuple[float, tuple[str, object]]]) -> tuple[HealthTracker, G
         if kind == "xid":
             tracker.record_xid(UUID, int(value), now)  # type: ignore[call-overload]
         elif kind == "temp":
-            sample = replace(sample, temperature_c=value)
+            sample = replace(sample, temperature_c=cast(float, value))
         elif kind == "ecc":
-            sample = replace(sample, ecc_uncorrected=value)
+            sample = replace(sample, ecc_uncorrected=cast(int, value))
         else:
-            sample = replace(sample, lost=value)
+            sample = replace(sample, lost=cast(bool, value))
         tracker.evaluate(sample, now)
     return tracker, sample, now
 
@@ -229,8 +230,8 @@ def test_non_fatal_xids_never_change_health(steps: list, benign: list[int]) -> N
     sample = gpu()
     for n, (at, (kind, value)) in enumerate(ordered):
         if kind == "xid":
-            with_benign.record_xid(UUID, int(value), at)  # type: ignore[call-overload]
-            without.record_xid(UUID, int(value), at)  # type: ignore[call-overload]
+            with_benign.record_xid(UUID, int(value), at)
+            without.record_xid(UUID, int(value), at)
         elif kind == "temp":
             sample = replace(sample, temperature_c=value)
         elif kind == "ecc":

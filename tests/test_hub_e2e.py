@@ -261,7 +261,7 @@ async def _in_state(client: AllocatorClient, lease_id: str, state: LeaseState) -
     return lease if lease.state is state else None
 
 
-FORGED = [
+FORGED: list[tuple[dict[str, Any], int, str]] = [
     ({"mode": "exclusive", "model": "3090"}, 400, "may not use GPU model '3090'"),
     ({"mode": "exclusive", "count": 0}, 400, "between 1 and 64"),
     ({"mode": "exclusive", "count": 10**6}, 400, "between 1 and 64"),

@@ -59,7 +59,8 @@ def test_bad_configuration_is_refused() -> None:
 
 
 def test_policy_from_groups() -> None:
-    config = {"group_models": {"students": ["1070"], "staff": ["*"]}, "default_models": [],
+    config: dict[str, Any] = {"group_models": {"students": ["1070"], "staff": ["*"]},
+                              "default_models": [],
               "group_max_gpus": {"staff": 8}}
     student = make(**config).gpu_policy()
     assert student.allowed_models == ["1070"] and student.max_gpus == 1
@@ -117,6 +118,7 @@ def test_policy_violation_before_the_allocator_is_asked() -> None:
     with pytest.raises(web.HTTPError) as err:
         spawner.apply_user_options(spawner, spawner.user_options)
     assert err.value.status_code == 400
+    assert err.value.log_message is not None
     assert "may not use GPU model 'a100'" in err.value.log_message % err.value.args
 
 

@@ -163,7 +163,7 @@ async def _running_task(docker: aiodocker.Docker, service: str, within: float) -
         states = [f"{t['Status']['State']} {t['Status'].get('Err', '')}".strip() for t in tasks]
         for task in tasks:
             if task["Status"]["State"] == "running":
-                return task
+                return dict(task)
             if task["Status"]["State"] in {"failed", "rejected"}:
                 pytest.fail(f"task of {service} did not start: {states}")
         await asyncio.sleep(0.2)

@@ -162,6 +162,11 @@ def _set(lease_id: str, **columns: Any) -> Damage:
     return damage
 
 
+def _add_slices(conn: sqlite3.Connection, count: int) -> None:
+    for i in range(count):
+        add_lease(conn, f"s{i}", "granted", gpu_uuids=["g1"], shared=True, memory_mib=100)
+
+
 DAMAGES: dict[str, tuple[Damage, str]] = {
     "two exclusive holders": (
         lambda c: add_lease(c, "eve", gpu_uuids=["g0"], user="eve"), "exclusive_conflict"),
@@ -169,9 +174,7 @@ DAMAGES: dict[str, tuple[Damage, str]] = {
         lambda c: add_lease(c, "eve", gpu_uuids=["g0"], shared=True, memory_mib=1024),
         "exclusive_conflict"),
     "more slices than slots": (
-        lambda c: [add_lease(c, f"s{i}", "granted", gpu_uuids=["g1"], shared=True,
-                             memory_mib=100) for i in range(3)],
-        "over_slots"),
+        lambda c: _add_slices(c, 3), "over_slots"),
     "budgets over the memory": (
         lambda c: add_lease(c, "big", "granted", gpu_uuids=["g1"], shared=True,
                             memory_mib=6000),

@@ -335,10 +335,10 @@ def test_usage_is_clipped_and_weighted(tmp_path):
         ("never", "dee", [], [], 0, (0, 1), None, t0 + hour, "expired"),
     ]
     with sqlite3.connect(path) as conn:
-        for uuid, host, model in (("a0", "h1", "M1"), ("a1", "h1", "M1"), ("a2", "h1", "M1"),
-                                  ("a3", "h1", "M1"), ("b0", "h2", "M2"), ("b1", "h2", "M2")):
+        for uuid, host, gpu_model in (("a0", "h1", "M1"), ("a1", "h1", "M1"), ("a2", "h1", "M1"),
+                                      ("a3", "h1", "M1"), ("b0", "h2", "M2"), ("b1", "h2", "M2")):
             conn.execute("INSERT INTO gpus (uuid, host, idx, model, memory_total_mib, present) "
-                         "VALUES (?, ?, 0, ?, 8192, 1)", (uuid, host, model))
+                         "VALUES (?, ?, 0, ?, 8192, 1)", (uuid, host, gpu_model))
         for lease, user, groups, uuids, shared, (num, den), granted, released, state in rows:
             model = None if lease == "mix" else ("M2" if uuids and uuids[0][0] == "b" else "M1")
             conn.execute(
@@ -359,9 +359,9 @@ def test_usage_is_clipped_and_weighted(tmp_path):
     assert everything == pytest.approx({
         ("ann", "M1"): 2 * 2 + 0.25 * 4, ("ben", "M2"): 4.0 + 1.0,
         ("cy", "M1"): 1.0, ("cy", "M2"): 1.0})  # a lease of two models splits by GPU
-    groups = {(r.key, r.model): r.gpu_hours
-              for r in reports.usage(conn, reports.Filters(), by="group", now=t0 + 5 * hour)}
-    assert groups == pytest.approx({
+    by_group = {(r.key, r.model): r.gpu_hours
+                for r in reports.usage(conn, reports.Filters(), by="group", now=t0 + 5 * hour)}
+    assert by_group == pytest.approx({
         ("lab", "M1"): 5.0 + 1.0, ("lab", "M2"): 1.0, ("ops", "M1"): 1.0, ("ops", "M2"): 1.0,
         (reports.NO_GROUP, "M2"): 5.0})
     only = reports.usage(conn, reports.Filters(model="m2", user="ben"), now=t0 + 5 * hour)
@@ -440,18 +440,20 @@ async def test_check_passes_on_the_real_ledger_and_live(cluster):
     run = await gpu_ledger("check", "--ledger", cluster.ledger)
     assert run.rc == 0 and run.out.startswith("ok:"), run
 
-    async def beat_for(seconds: float, containers: list[ContainerInfo]) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            await cluster.nodes.beat("gpu-b", containers=containers)
-            await cluster.nodes.beat("gpu-a", containers=[])
+    async def beat_until_done(check: asyncio.Task[object], on_b: list[ContainerInfo],
+                              on_a: list[ContainerInfo]) -> None:
+        # Until the check ends, not for a fixed time: on a loaded machine the command may take
+        # longer to start listening than its listening time.
+        while not check.done():
+            await cluster.nodes.beat("gpu-b", containers=on_b)
+            await cluster.nodes.beat("gpu-a", containers=on_a)
             await asyncio.sleep(0.2)
 
     alice = ContainerInfo(container_id="c-alice", lease_id=cluster.leases["alice"])
     checking = asyncio.create_task(gpu_ledger("check", "--ledger", cluster.ledger, "--live",
                                               "--amqp", cluster.url, "--listen", "2",
                                               "--grace", "0", "--json"))
-    await beat_for(2.5, [alice])
+    await beat_until_done(checking, [alice], [])
     run = await checking
     assert run.rc == 0, run
     assert run.json()["hosts_reported"] == ["gpu-a", "gpu-b"]
@@ -460,11 +462,7 @@ async def test_check_passes_on_the_real_ledger_and_live(cluster):
     carol = ContainerInfo(container_id="c-carol", lease_id=cluster.leases["carol"])
     checking = asyncio.create_task(gpu_ledger("check", "--ledger", cluster.ledger, "--live",
                                               "--amqp", cluster.url, "--listen", "2"))
-    end = time.monotonic() + 2.5
-    while time.monotonic() < end:
-        await cluster.nodes.beat("gpu-b", containers=[alice])
-        await cluster.nodes.beat("gpu-a", containers=[carol])
-        await asyncio.sleep(0.2)
+    await beat_until_done(checking, [alice], [carol])
     run = await checking
     assert run.rc == 1, run
     assert "VIOLATION orphan_container" in run.out and "c-carol" in run.out

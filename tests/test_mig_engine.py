@@ -86,10 +86,10 @@ def test_a_ledger_of_schema_1_is_migrated_and_keeps_its_gpus(tmp_path: Path) -> 
     db = sqlite_utils.Database(sqlite3.connect(str(path)))
     MIGRATIONS[0](db)
     db.execute("PRAGMA user_version = 1")
-    db["gpus"].insert({"uuid": "GPU-old", "host": "m", "idx": 0, "model": A100,
+    db.table("gpus").insert({"uuid": "GPU-old", "host": "m", "idx": 0, "model": A100,
                        "memory_total_mib": 40960, "health": "healthy", "present": 1,
                        "share_slots": 1, "drained": 0})
-    db["nodes"].insert({"host": "m", "drained": 0})
+    db.table("nodes").insert({"host": "m", "drained": 0})
     db.conn.commit()
     db.conn.close()
     ledger = Ledger(path)

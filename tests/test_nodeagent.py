@@ -520,6 +520,7 @@ async def test_docker_stream_cut_resumes_and_reports_a_death_in_the_gap(
             started = await inbox.wait_for(
                 lambda r: isinstance(r.message, ContainerEvent)
                 and r.message.container_id == second, after=mark)
+            assert isinstance(started.message, ContainerEvent)
             assert started.message.action is ContainerAction.START
             await docker.containers.container(second).delete(force=True)
             destroyed = await inbox.wait_for(

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import GTX1070, docker_cli, wait_until
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.docker
 
 
 @contextlib.asynccontextmanager
-async def node_agent(amqp_url: str, tmp_path: Path, **overrides: object
+async def node_agent(amqp_url: str, tmp_path: Path, **overrides: Any
                      ) -> AsyncIterator[str]:
     """A real node agent for a simulated host with one GTX 1070; yields the host name."""
     host = f"e2e-{uuid.uuid4().hex[:8]}"

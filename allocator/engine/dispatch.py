@@ -8,6 +8,7 @@ from pydantic import BaseModel
 from allocator.counters import Count
 from allocator.engine.nodes import NodeReconciliation
 from allocator.engine.state import Sender
+from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
 from allocator.protocol import (
     AllocateRequest,
@@ -20,11 +21,13 @@ from allocator.protocol import (
     LeaseState,
     QueueReply,
     QueueRequest,
+    QuotaRequest,
     ReleaseReason,
     ReleaseRequest,
     StatusRequest,
     error_reply,
 )
+from allocator.topology import RPC_EXCHANGE
 
 
 class Engine(NodeReconciliation):
@@ -53,7 +56,9 @@ class Engine(NodeReconciliation):
             self.counters.add(Count.REQUEST_FROM_NODE_EXCHANGE)
             changes.event(now, "request_refused", reason="request on the nodes exchange",
                           user=sender.user_id)
-            return None
+            return error_reply(ErrorCode.FORBIDDEN,
+                               "requests must be published to the RPC exchange "
+                               f"{RPC_EXCHANGE!r}, not to the nodes exchange")
         if isinstance(message, AllocateRequest):
             return self._allocate(message, now, changes)
         if isinstance(message, ReleaseRequest):
@@ -66,7 +71,18 @@ class Engine(NodeReconciliation):
             return QueueReply(leases=[self._view(self.leases[i]) for _, i in self._queue])
         if isinstance(message, DrainRequest):
             return self._drain(message, sender, now, changes)
+        if isinstance(message, QuotaRequest):
+            return self.quota(message)
         raise TypeError(f"unhandled message kind {type(message).__name__}")
+
+    def _never_ran_and_nobody_will_say(self, record: LeaseRecord, now: float) -> bool:
+        """A lease released before any container ran, on a node whose heartbeats cannot list
+        containers: its node will never report it gone, so it ends ``stop_grace_s`` after
+        the release, as a lease of a silent node does."""
+        return (record.state is LeaseState.RELEASING and record.bound_at is None
+                and record.container_id is None and record.host in self._cannot_list
+                and record.releasing_at is not None
+                and now - record.releasing_at > self.settings.stop_grace_s)
 
     def tick(self, now: float, changes: Changes) -> None:
         """Run the timers: the start fence, queue waits, bind deadlines, node silence."""
@@ -93,6 +109,11 @@ class Engine(NodeReconciliation):
                   and self._silent_for(record.host, now) > self.settings.stop_grace_s):
                 self._end_lease(record, LeaseState.RELEASED, ReleaseReason.NODE_SILENT, now,
                              changes, by="allocator")
+                freed = True
+            elif self._never_ran_and_nobody_will_say(record, now):
+                self._end_lease(record, LeaseState.RELEASED, ReleaseReason.STOPPED, now,
+                                changes, by="allocator",
+                                note="never bound; its node cannot list containers")
                 freed = True
         for node in self.cluster.nodes.values():
             if node.host not in self._down and not node.is_up(now, self.settings.node_down_after_s):

@@ -7,6 +7,8 @@ stopped it) -> ``released`` (the container is gone). Every release records its r
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ValidationError
 
 from allocator import policy
@@ -45,6 +47,18 @@ class LeaseBook(Views, CommandOutbox):
                     ErrorCode.CONFLICT,
                     f"request key {request.request_key!r} belongs to user {existing.user!r}",
                 )
+            asked, held = request.what_is_asked(), self._what_was_asked(existing)
+            if held is not None and asked != held:
+                self.counters.add(Count.REQUEST_KEY_CONFLICT)
+                differs = sorted(name for name in asked if asked[name] != held.get(name))
+                return error_reply(
+                    ErrorCode.CONFLICT,
+                    f"request key {request.request_key!r} is in use by lease "
+                    f"{existing.lease_id} ({existing.state.value}), which asked for other GPUs "
+                    f"({', '.join(differs)} differ). A retry repeats its request exactly; for "
+                    "another request, release that lease first or use another key.",
+                    lease_id=existing.lease_id, state=existing.state.value, differs=differs,
+                    held=held, asked=asked)
             self.counters.add(Count.ALLOCATE_RETRY)
             return self.lease_reply(existing)
         demand = policy.make_demand(request, self._model_catalog(), self.settings)
@@ -119,6 +133,17 @@ class LeaseBook(Views, CommandOutbox):
             elif record.wait_until is not None and record.wait_until > own_end:
                 record.wait_until = own_end
                 changes.lease(record)
+
+    @staticmethod
+    def _what_was_asked(record: LeaseRecord) -> dict[str, Any] | None:
+        """What the lease's request asked for (see ``AllocateRequest.what_is_asked``), or None
+        for a lease whose stored request does not say (recorded by another writer)."""
+        if not record.request:
+            return None
+        try:
+            return AllocateRequest.model_validate(record.request).what_is_asked()
+        except ValidationError:
+            return None
 
     def _model_catalog(self) -> Cluster:
         """The cluster as model resolution needs it: every node, one GPU per model and size.

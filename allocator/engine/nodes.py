@@ -52,12 +52,51 @@ class NodeReconciliation(NodeTruth):
                       expected_user=expected)
         return False
 
+    def _stale(self, beat: Heartbeat) -> bool:
+        """Whether ``beat`` is older news than the newest heartbeat accepted for its host.
+
+        The same agent counts in ``seq`` (its clock may step back; its counter does not). A
+        heartbeat under another ``agent_id`` is news only if sent after the newest accepted
+        one: a restarted agent's first heartbeat is, a replayed capture (whatever agent id it
+        claims) is not.
+        """
+        newest = self._newest_beat.get(beat.host)
+        if newest is None:
+            return False
+        agent_id, seq, sent_at = newest
+        return beat.seq <= seq if beat.agent_id == agent_id else beat.sent_at <= sent_at
+
+    def _may_add_host(self, host: str, sender: Sender, now: float, changes: Changes) -> bool:
+        """Whether the sender may bring one more host in (``max_hosts_per_node_user``): else a
+        user who may report for any host could fill memory, the ledger and every inventory
+        reply with invented hosts."""
+        if self._hosts_of_user[sender.user_id or ""] < self.settings.max_hosts_per_node_user:
+            return True
+        if self._count_anomaly(Count.HOST_LIMIT):
+            log.warning("refused new host %r: broker user %r reports for %d hosts already "
+                        "(max_hosts_per_node_user)", host, sender.user_id,
+                        self._hosts_of_user[sender.user_id or ""])
+            changes.event(now, "host_limit", host=host, from_user=sender.user_id)
+        return False
+
+    def _count_anomaly(self, kind: Count) -> bool:
+        """Count one more ``kind``; True for the first and every 1000th, the ones worth a log
+        line and a ledger event (one per heartbeat would grow the ledger without end)."""
+        self.counters.add(kind)
+        return self.counters[kind.value] % 1000 == 1
+
     def _heartbeat(self, beat: Heartbeat, sender: Sender, now: float, changes: Changes) -> None:
-        last = self._last_seq.get(beat.host)
-        if last is not None and last[0] == beat.agent_id and beat.seq <= last[1]:
+        if self._stale(beat):
             self.counters.add(Count.HEARTBEAT_STALE)  # replayed or reordered: older news
             return
-        self._last_seq[beat.host] = (beat.agent_id, beat.seq)
+        if beat.host not in self.cluster.nodes and not self._may_add_host(beat.host, sender,
+                                                                           now, changes):
+            return
+        self._newest_beat[beat.host] = (beat.agent_id, beat.seq, beat.sent_at)
+        if beat.containers_complete:
+            self._cannot_list.discard(beat.host)
+        else:
+            self._cannot_list.add(beat.host)
         self.counters.add(Count.HEARTBEATS)
         skew = beat.sent_at - now
         if abs(skew) > CLOCK_SKEW_WARN_S:
@@ -75,6 +114,7 @@ class NodeReconciliation(NodeTruth):
         if node is None:
             node = Node(host=beat.host)
             self.cluster.nodes[beat.host] = node
+            self._hosts_of_user[sender.user_id or ""] += 1
             if now < self._fence_until:
                 # During the start fence, placeable once a complete report is applied (this
                 # one, usually): only then is it known which GPUs running containers hold.
@@ -133,6 +173,15 @@ class NodeReconciliation(NodeTruth):
                 changes.event(now, "gpu_moved", host=node.host, gpu_uuid=info.uuid,
                               old_host=gpu.host)
                 gpu = None
+            if gpu is None and len(set(node.gpu_uuids) | set(listed)) \
+                    >= self.settings.max_gpus_per_host:
+                # Cycling uuids would otherwise add a GPU row per heartbeat, forever.
+                if self._count_anomaly(Count.GPU_LIMIT):
+                    log.warning("ignored new GPU %s of %s: it has %d GPUs on record "
+                                "(max_gpus_per_host)", info.uuid, node.host,
+                                len(node.gpu_uuids))
+                    changes.event(now, "gpu_limit", host=node.host, gpu_uuid=info.uuid)
+                continue
             if gpu is None:
                 gpu = GPU(uuid=info.uuid, host=node.host, index=info.index, model=info.model,
                           memory_total_mib=info.memory_total_mib,

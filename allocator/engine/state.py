@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,11 +69,18 @@ class EngineState:
         self._queue: list[tuple[tuple[Any, ...], str]] = []
         self.agent_users: dict[str, str] = {}
         self.counters = Counters()
-        self._last_seq: dict[str, tuple[str, int]] = {}
+        self._newest_beat: dict[str, tuple[str, int, float]] = {}
+        """host -> (agent_id, seq, sent_at) of the newest heartbeat accepted for it (see
+        :meth:`~allocator.engine.nodes.NodeReconciliation._stale`)."""
         self._telemetry_saved: dict[str, float] = {}
         self._node_clock_bound: dict[str, float] = {}
         """lease id -> node-clock time its container was known to run (start event or listing)."""
         self._down: set[str] = set()
+        self._hosts_of_user: Counter[str] = Counter()
+        """broker user -> hosts its heartbeats brought in (``max_hosts_per_node_user``)."""
+        self._cannot_list: set[str] = set()
+        """Hosts whose newest heartbeat could not list containers (``containers_complete``
+        false: no Docker engine): no heartbeat of theirs will ever free a lease."""
         self._over_budget: set[str] = set()
         self._skewed: set[str] = set()
         self.index = PlacementIndex()
@@ -120,6 +127,7 @@ class EngineState:
             if owner is not None:
                 owner.gpu_uuids.append(gpu.uuid)
         self.agent_users = dict(state.agent_users)
+        self._hosts_of_user = Counter(self.agent_users.values())
         self.leases, self.by_key, self._queue, self._by_host = {}, {}, [], {}
         # Finished leases of the ledger: a container still running for one is a zombie to
         # stop, never a lease the ledger forgot.
@@ -137,7 +145,8 @@ class EngineState:
         # released starts no earlier than this start (see _silent_for).
         self._down = {host for host, node in self.cluster.nodes.items()
                       if not node.is_up(now, self.settings.node_down_after_s)}
-        self._last_seq.clear()
+        self._newest_beat.clear()
+        self._cannot_list.clear()
         self.index.rebuild(self.cluster)
         self._catalog = None
         # Commands of a batch that was not committed must not go out; containers still

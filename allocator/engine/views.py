@@ -17,6 +17,9 @@ from allocator.protocol import (
     LeaseReply,
     LeaseState,
     NodeView,
+    QuotaReply,
+    QuotaRequest,
+    QuotaView,
     StatusRequest,
     error_reply,
 )
@@ -24,6 +27,18 @@ from allocator.protocol import (
 
 class Views(EngineState):
     """Answers built from memory without changing it."""
+
+    def quota(self, request: QuotaRequest) -> QuotaReply:
+        """The user's quotas and what they and their groups hold now."""
+        views = []
+        for standing in policy.quota_standings(request.user, request.groups, self.cluster,
+                                               self.settings):
+            limit = None if standing.limit is None else float(standing.limit)
+            views.append(QuotaView(
+                scope="user" if standing.scope == "user" else "group", name=standing.name,
+                limit=limit, held=float(standing.held),
+                free=None if limit is None else max(limit - float(standing.held), 0.0)))
+        return QuotaReply(user=request.user, quotas=views)
 
     def queue_position(self, lease_id: str) -> int | None:
         """1-based position of a queued lease, or None."""

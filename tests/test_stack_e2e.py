@@ -1,0 +1,506 @@
+"""swarm-gpu deployed as an admin deploys it, on a real three-node Swarm (``scripts/cluster``).
+
+``scripts/cluster up`` builds the images (a Debian base from mmdebstrap, the broker from
+Debian's rabbitmq-server, compose/Dockerfile's stages), pushes them to a local registry, and
+runs ``docker stack deploy -c compose/stack.yml -c compose/stack.one-machine.yml`` on a manager
+and two GPU workers, each its own Docker engine with its own host name. The tests then use the
+cluster as an admin and users would: ``docker`` against each node, ``gpu-ledger`` in the
+allocator's container (where docs/operations.md says), the hub's REST API with the admin token,
+and the spawn form in headless Chromium. The GPUs are simulated (the agents' only stand-in):
+gpu-1 has two GTX 1070, gpu-2 an RTX 3090 and a GTX 1070.
+
+One cluster for the whole module, so CI builds the images once; the tests run in file order
+and each leaves the cluster as it found it (no server running, every GPU free). The module
+ends with ``scripts/cluster down`` unless SWARM_GPU_CLUSTER_KEEP=1 (then the next run's
+``scripts/cluster up`` finds it running and only rebuilds what changed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from services import REQUIRE_ENV, require_service
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "cluster"
+LEASE_LABEL = "swarm-gpu.lease"
+GTX1070 = "NVIDIA GeForce GTX 1070"
+RTX3090 = "NVIDIA GeForce RTX 3090"
+UP_TIMEOUT_S = 1500
+"""A cold ``scripts/cluster up`` (base image, four images, deploy) on a loaded 2-core machine."""
+WITHIN_S = 90.0
+"""Bound on anything the cluster is waited for (a spawn, a free GPU, a converged service)."""
+
+pytestmark = [pytest.mark.docker, pytest.mark.hub, pytest.mark.slow,
+              pytest.mark.timeout(UP_TIMEOUT_S + 600)]
+
+T = TypeVar("T")
+
+
+def eventually(probe: Callable[[], T | None], what: str, within: float = WITHIN_S,
+               interval: float = 0.5) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while True:
+        try:
+            last = probe()
+        except (AssertionError, subprocess.CalledProcessError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within}s (last: {last!r})")
+        time.sleep(interval)
+
+
+@dataclass
+class Cluster:
+    """The running cluster: ``docker`` on each node, the hub's API, ``gpu-ledger``."""
+
+    dir: Path
+    env: dict[str, str]
+
+    @property
+    def hub_url(self) -> str:
+        return self.env["SWARM_GPU_CLUSTER_HUB_URL"]
+
+    @property
+    def stack(self) -> str:
+        return self.env["SWARM_GPU_CLUSTER_STACK"]
+
+    def secret(self, name: str) -> str:
+        return (self.dir / "secrets" / name).read_text().strip()
+
+    def script(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(CLUSTER_SCRIPT), *args], capture_output=True, text=True,
+                              timeout=timeout, env=script_env(self.dir), stdin=subprocess.DEVNULL)
+
+    def docker(self, node: str, *args: str, timeout: float = 120,
+               check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, **self.env,
+               "DOCKER_HOST": self.env[f"SWARM_GPU_CLUSTER_DOCKER_{node.replace('-', '_')}"]}
+        result = subprocess.run(["docker", *args], capture_output=True, text=True, env=env,
+                                timeout=timeout, stdin=subprocess.DEVNULL)
+        if check and result.returncode != 0:
+            raise AssertionError(f"docker {shlex.join(args)} on {node}: {result.stderr}")
+        return result
+
+    def manager(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return self.docker("manager-1", *args, **kwargs)
+
+    def allocator_container(self) -> str:
+        """An allocator container on the allocator's node, as docs/operations.md finds it."""
+        ids = self.manager("ps", "-q", "-f", f"name={self.stack}_allocator").stdout.split()
+        assert ids, "no allocator container on manager-1"
+        return ids[0]
+
+    def ledger_status(self) -> dict[str, Any]:
+        """``docker exec $ALLOC gpu-ledger status --json`` (docs/operations.md, step 9)."""
+        out = self.manager("exec", self.allocator_container(), "gpu-ledger", "status",
+                           "--json").stdout
+        status: dict[str, Any] = json.loads(out)
+        return status
+
+    def holders(self) -> dict[str, list[dict[str, Any]]]:
+        """GPU uuid -> the leases holding it, from gpu-ledger status."""
+        return {gpu["uuid"]: gpu["holders"] for gpu in self.ledger_status()["gpus"]}
+
+    def lease(self, lease_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(the GPU, the holder) of a lease holding a GPU, or None."""
+        for gpu in self.ledger_status()["gpus"]:
+            for holder in gpu["holders"]:
+                if holder["lease_id"] == lease_id:
+                    return gpu, holder
+        return None
+
+    # ----------------------------------------------------------------- the hub
+
+    def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """The hub's REST API with the admin token (secret swarm-gpu-hub-api-token)."""
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            f"{self.hub_url}/hub/api{path}", data=data, method=method,
+            headers={"Authorization": f"token {self.secret('hub-api-token')}",
+                     "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                text = response.read().decode()
+                return response.status, json.loads(text) if text else None
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode()
+            try:
+                return exc.code, json.loads(text)
+            except ValueError:
+                return exc.code, text
+
+    def user(self, name: str, group: str) -> None:
+        """A hub user in ``group`` (staff may take any GPU, students GTX 1070s)."""
+        status, body = self.api("POST", f"/users/{name}")
+        assert status in (201, 409), body
+        status, body = self.api("POST", f"/groups/{group}/users", {"users": [name]})
+        assert status == 200, body
+
+    def spawn(self, name: str, options: dict[str, Any]) -> None:
+        status, body = self.api("POST", f"/users/{name}/server", options)
+        assert status in (201, 202), body
+
+    def ready(self, name: str) -> dict[str, Any]:
+        def probe() -> dict[str, Any] | None:
+            status, body = self.api("GET", f"/users/{name}")
+            assert status == 200, body
+            server = body["servers"].get("")
+            return server if server and server["ready"] else None
+        return eventually(probe, f"{name}'s server ready")
+
+    def stop(self, name: str) -> None:
+        status, body = self.api("DELETE", f"/users/{name}/server")
+        assert status in (202, 204), body
+
+        def stopped() -> bool:
+            status, body = self.api("GET", f"/users/{name}")
+            return status == 200 and "" not in body["servers"]
+        eventually(stopped, f"{name}'s server stopped")
+
+    def service(self, name: str) -> dict[str, Any]:
+        """The notebook service of a user (the spawner's default prefix: jupyter-<name>)."""
+        spec: dict[str, Any] = json.loads(
+            self.manager("service", "inspect", f"jupyter-{name}").stdout)[0]["Spec"]
+        return spec
+
+    def lease_of(self, name: str) -> tuple[str, str, dict[str, str]]:
+        """(lease id, node, container env) of a user's running notebook service."""
+        spec = self.service(name)
+        env = dict(item.split("=", 1) for item in spec["TaskTemplate"]["ContainerSpec"]["Env"])
+        lease_id = spec["TaskTemplate"]["ContainerSpec"]["Labels"][LEASE_LABEL]
+        constraint = [c for c in spec["TaskTemplate"]["Placement"]["Constraints"]
+                      if c.startswith("node.hostname == ")]
+        assert len(constraint) == 1, spec["TaskTemplate"]["Placement"]
+        return lease_id, constraint[0].removeprefix("node.hostname == "), env
+
+    def container_on(self, node: str, lease_id: str) -> str | None:
+        ids = self.docker(node, "ps", "-q", "-f", f"label={LEASE_LABEL}={lease_id}").stdout.split()
+        return ids[0] if ids else None
+
+    def free(self) -> dict[str, int]:
+        """Free GPUs per node, from gpu-ledger status."""
+        counts: dict[str, int] = {}
+        for gpu in self.ledger_status()["gpus"]:
+            counts.setdefault(gpu["host"], 0)
+            counts[gpu["host"]] += gpu["state"] == "free"
+        return counts
+
+
+def script_env(cluster_dir: Path) -> dict[str, str]:
+    return {**os.environ, "SWARM_GPU_CLUSTER_DIR": str(cluster_dir)}
+
+
+def read_env(path: Path) -> dict[str, str]:
+    env = {}
+    for line in path.read_text().splitlines():
+        (assignment,) = shlex.split(line.removeprefix("export "))
+        key, value = assignment.split("=", 1)
+        env[key] = value
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    missing = [tool for tool in ("docker", "dockerd", "mmdebstrap", "unshare")
+               if shutil.which(tool) is None]
+    if missing and os.environ.get(REQUIRE_ENV) != "1":
+        # In CI scripts/cluster installs what is missing; on a laptop this is a skip.
+        require_service("a three-node Swarm (scripts/cluster)", f"missing {', '.join(missing)}")
+    directory = Path(os.environ.get("SWARM_GPU_CLUSTER_DIR", REPO_ROOT / ".cluster"))
+    started = time.monotonic()
+    up = subprocess.run([str(CLUSTER_SCRIPT), "up"], capture_output=True, text=True,
+                        timeout=UP_TIMEOUT_S, env=script_env(directory), stdin=subprocess.DEVNULL)
+    print(f"scripts/cluster up: {time.monotonic() - started:.0f} s\n{up.stderr}")
+    try:
+        assert up.returncode == 0, f"scripts/cluster up failed:\n{up.stderr[-4000:]}"
+        yield Cluster(directory, read_env(directory / "env"))
+    finally:
+        # SWARM_GPU_CLUSTER_KEEP=1 leaves it running on purpose, for the next run.
+        if os.environ.get("SWARM_GPU_CLUSTER_KEEP") != "1":
+            down = subprocess.run([str(CLUSTER_SCRIPT), "down"], capture_output=True,
+                                  text=True, timeout=600, env=script_env(directory),
+                                  stdin=subprocess.DEVNULL)
+            assert down.returncode == 0, down.stderr
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_every_service_runs_and_is_healthy(cluster: Cluster) -> None:
+    services = {}
+    for line in cluster.manager("service", "ls", "--format",
+                                "{{.Name}} {{.Mode}} {{.Replicas}}").stdout.splitlines():
+        name, mode, replicas = line.split()[:3]
+        if name.startswith(f"{cluster.stack}_"):  # not the users' notebook services
+            services[name] = (mode, replicas)
+    stack = cluster.stack
+    assert services == {
+        f"{stack}_rabbitmq": ("replicated", "1/1"),
+        f"{stack}_allocator": ("replicated", "2/2"),
+        f"{stack}_nodeagent": ("global", "2/2"),
+        f"{stack}_jupyterhub": ("replicated", "1/1"),
+    }
+    # The agents run on the GPU nodes, one each; broker, allocators and hub on the manager.
+    where: dict[str, set[str]] = {}
+    for line in cluster.manager("stack", "ps", stack, "--filter", "desired-state=running",
+                                "--format", "{{.Name}} {{.Node}}").stdout.splitlines():
+        name, node = line.split()
+        where.setdefault(name.split(".")[0], set()).add(node)
+    assert where[f"{stack}_nodeagent"] == {"gpu-1", "gpu-2"}
+    assert where[f"{stack}_rabbitmq"] == where[f"{stack}_allocator"] == {"manager-1"}
+    # Every container with a health check is healthy (the broker, both allocators).
+    health = cluster.manager("ps", "--format", "{{.Names}} {{.Status}}").stdout
+    healthy = [line for line in health.splitlines() if "(healthy)" in line]
+    assert len(healthy) == 3, health
+    status, body = cluster.api("GET", "/")
+    assert status == 200 and "version" in body
+
+
+def test_every_gpu_node_is_up_in_gpu_ledger_status(cluster: Cluster) -> None:
+    def both_up() -> dict[str, Any] | None:
+        status = cluster.ledger_status()
+        up = {h["host"] for h in status["hosts"] if h["up"]}
+        return status if up == {"gpu-1", "gpu-2"} else None
+    status = eventually(both_up, "gpu-1 and gpu-2 up in gpu-ledger status")
+    models = sorted((g["host"], g["model"]) for g in status["gpus"])
+    assert models == [("gpu-1", GTX1070), ("gpu-1", GTX1070), ("gpu-2", GTX1070),
+                      ("gpu-2", RTX3090)]
+    assert all(g["state"] == "free" for g in status["gpus"])
+    # The table form, as an admin reads it.
+    table = cluster.manager("exec", cluster.allocator_container(), "gpu-ledger", "status").stdout
+    assert "gpu-1" in table and "gpu-2" in table and RTX3090 in table
+
+
+def test_rest_spawn_lands_on_the_node_and_gpus_of_its_lease(cluster: Cluster) -> None:
+    cluster.user("alice", "staff")
+    cluster.spawn("alice", {"mode": "exclusive", "model": "3090"})
+    cluster.ready("alice")
+    lease_id, node, env = cluster.lease_of("alice")
+    assert node == "gpu-2", "the only RTX 3090 is on gpu-2"
+    held = eventually(lambda: cluster.lease(lease_id), "alice's lease in the ledger")
+    gpu, holder = held
+    assert gpu["host"] == "gpu-2" and gpu["model"] == RTX3090 and holder["user"] == "alice"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"]
+    # The task runs on gpu-2's own engine, its container labelled with the lease and given
+    # exactly that GPU; the agent there reports it, so the lease is bound.
+    container = eventually(lambda: cluster.container_on("gpu-2", lease_id),
+                           "alice's container on gpu-2")
+    assert cluster.container_on("gpu-1", lease_id) is None
+    inspect = json.loads(cluster.docker("gpu-2", "inspect", container).stdout)[0]
+    assert f"NVIDIA_VISIBLE_DEVICES={gpu['uuid']}" in inspect["Config"]["Env"]
+    assert inspect["Config"]["Labels"][LEASE_LABEL] == lease_id
+    eventually(lambda: (cluster.lease(lease_id) or ({}, {}))[1].get("state") == "bound",
+               "alice's lease bound")
+
+
+def test_a_killed_notebook_frees_its_gpu_by_the_agents_event(cluster: Cluster) -> None:
+    lease_id, node, _ = cluster.lease_of("alice")
+    container = cluster.container_on(node, lease_id)
+    assert container is not None
+    cluster.docker(node, "kill", container)
+    killed = time.monotonic()
+    eventually(lambda: cluster.lease(lease_id) is None, "alice's GPU free", interval=0.1)
+    print(f"kill to GPU free on {node}: {time.monotonic() - killed:.2f} s")
+    assert cluster.free()["gpu-2"] == 2
+    cluster.stop("alice")
+
+
+def test_stopping_the_server_frees_its_gpu(cluster: Cluster) -> None:
+    cluster.user("bob", "students")
+    cluster.spawn("bob", {"mode": "exclusive", "model": "1070"})
+    cluster.ready("bob")
+    lease_id, node, env = cluster.lease_of("bob")
+    gpu, _ = eventually(lambda: cluster.lease(lease_id), "bob's lease")
+    assert gpu["model"] == GTX1070 and gpu["host"] == node
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"]
+    cluster.stop("bob")
+    eventually(lambda: cluster.lease(lease_id) is None, "bob's GPU free")
+    gone = cluster.manager("service", "ls", "-q", "-f", "name=jupyter-bob").stdout.strip()
+    assert gone == "", "the notebook service is removed"
+    assert cluster.container_on(node, lease_id) is None
+
+
+def test_the_spawn_form_in_chromium(cluster: Cluster, chromium_path: Path,
+                                    tmp_path: Path) -> None:
+    from hub_browser import Browser
+
+    cluster.user("carol", "students")
+    password = cluster.secret("hub-login-password")
+    hub_host = urllib.parse.urlsplit(cluster.hub_url).hostname or ""
+    with Browser(chromium_path, tmp_path / "chromium", timeout=60,
+                 hosts=(hub_host,)) as browser:
+        page = browser.page()
+        browser.navigate(page, f"{cluster.hub_url}/hub/login")
+        browser.submit(page, f"""
+            document.querySelector('#username_input').value = 'carol';
+            document.querySelector('#password_input').value = {json.dumps(password)};
+            document.querySelector('form').submit();
+        """)
+        browser.navigate(page, f"{cluster.hub_url}/hub/spawn")
+        profiles = browser.evaluate(
+            page, "[...document.querySelectorAll('input[name=profile]')].map(e => e.value)")
+        text = browser.evaluate(page, "document.body.innerText")
+        browser.evaluate(page, "document.querySelector('input[name=profile][value=gtx1070]')"
+                               ".click()")
+        browser.submit(page, "document.querySelector('#spawn_form').requestSubmit()")
+        url = browser.url(page)
+    # a student sees the GTX 1070 profiles, not the staff ones; the free GPUs are listed
+    assert "gtx1070" in profiles and "two-3090" not in profiles, profiles
+    assert "gpu-1" in text and "gpu-2" in text, text
+    assert "/spawn-pending/carol" in url or "/user/carol" in url, url
+    cluster.ready("carol")
+    lease_id, node, env = cluster.lease_of("carol")
+    gpu, holder = eventually(lambda: cluster.lease(lease_id), "carol's lease")
+    assert holder["user"] == "carol" and gpu["model"] == GTX1070 and gpu["host"] == node
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"]
+    cluster.stop("carol")
+    eventually(lambda: cluster.lease(lease_id) is None, "carol's GPU free")
+
+
+def test_a_rolling_update_of_the_allocator_keeps_every_lease(cluster: Cluster) -> None:
+    cluster.user("dave", "students")
+    cluster.spawn("dave", {"mode": "exclusive", "model": "1070"})
+    cluster.ready("dave")
+    lease_id, _, _ = cluster.lease_of("dave")
+    eventually(lambda: (cluster.lease(lease_id) or ({}, {}))[1].get("state") == "bound",
+               "dave's lease bound")
+    before = {c.split()[0] for c in cluster.manager(
+        "ps", "-q", "-f", f"name={cluster.stack}_allocator").stdout.splitlines()}
+    cluster.manager("service", "update", "--force", "--detach=false", "--quiet",
+                    f"{cluster.stack}_allocator", timeout=300)
+    after = set(cluster.manager(
+        "ps", "-q", "-f", f"name={cluster.stack}_allocator").stdout.split())
+    assert len(after) == 2 and not before & after, "both replicas were replaced"
+    gpu, holder = eventually(lambda: cluster.lease(lease_id), "dave's lease after the update")
+    assert holder["user"] == "dave" and holder["state"] == "bound"
+    # the next spawn is served by the new replicas
+    cluster.user("ellen", "staff")  # students may hold 1 GPU at once (allocator.toml)
+    cluster.spawn("ellen", {"mode": "exclusive", "model": "1070"})
+    cluster.ready("ellen")
+    erin_lease, _, _ = cluster.lease_of("ellen")
+    erin_gpu, _ = eventually(lambda: cluster.lease(erin_lease), "ellen's lease")
+    assert erin_gpu["uuid"] != gpu["uuid"]
+    cluster.stop("ellen")
+    cluster.stop("dave")
+    eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
+
+
+def test_a_worker_engine_stopped_and_started_its_leases_follow_what_runs(
+        cluster: Cluster) -> None:
+    cluster.user("frank", "students")
+    cluster.spawn("frank", {"mode": "exclusive", "model": "1070", "host": "gpu-1"})
+    cluster.ready("frank")
+    lease_id, node, _ = cluster.lease_of("frank")
+    assert node == "gpu-1"
+    eventually(lambda: (cluster.lease(lease_id) or ({}, {}))[1].get("state") == "bound",
+               "frank's lease bound")
+    stop = cluster.script("stop-node", "gpu-1")
+    assert stop.returncode == 0, stop.stderr
+    start = cluster.script("start-node", "gpu-1")
+    assert start.returncode == 0, start.stderr
+    # The engine came back without frank's container (Swarm does not restart a notebook
+    # task: restart condition none); the agent, restarted by Swarm, reports what runs there.
+    assert cluster.container_on("gpu-1", lease_id) is None
+    eventually(lambda: cluster.lease(lease_id) is None, "frank's GPU free after the restart")
+
+    def gpu1_up() -> bool:
+        return any(h["host"] == "gpu-1" and h["up"] for h in cluster.ledger_status()["hosts"])
+    eventually(gpu1_up, "gpu-1 up again")
+    cluster.stop("frank")
+    # and the node takes new work
+    cluster.spawn("frank", {"mode": "exclusive", "model": "1070", "host": "gpu-1"})
+    cluster.ready("frank")
+    lease_id, node, _ = cluster.lease_of("frank")
+    assert node == "gpu-1" and cluster.lease(lease_id) is not None
+    cluster.stop("frank")
+    eventually(lambda: cluster.lease(lease_id) is None, "frank's GPU free")
+
+
+def test_stack_rm_and_deploy_again_keeps_the_leases_in_the_ledger_volume(
+        cluster: Cluster) -> None:
+    cluster.user("grace", "staff")
+    cluster.spawn("grace", {"mode": "exclusive", "model": "1070"})
+    cluster.ready("grace")
+    lease_id, node, _ = cluster.lease_of("grace")
+    eventually(lambda: (cluster.lease(lease_id) or ({}, {}))[1].get("state") == "bound",
+               "grace's lease bound")
+    cluster.manager("stack", "rm", cluster.stack)
+
+    def stack_gone() -> bool:
+        names = cluster.manager("ps", "-a", "--format", "{{.Names}}").stdout.split()
+        return not [n for n in names if n.startswith(f"{cluster.stack}_")]
+    eventually(stack_gone, "the stack's containers gone")
+    volumes = cluster.manager("volume", "ls", "--format", "{{.Name}}").stdout.split()
+    assert f"{cluster.stack}_ledger" in volumes
+    deploy = cluster.script("deploy")
+    assert deploy.returncode == 0, deploy.stderr
+    gpu, holder = eventually(lambda: cluster.lease(lease_id), "grace's lease after the deploy")
+    assert holder["user"] == "grace" and gpu["host"] == node
+    # grace's notebook kept running through it; the hub (its volume too) still stops it
+    assert cluster.container_on(node, lease_id) is not None
+    eventually(lambda: cluster.lease(lease_id)[1]["state"] == "bound",  # type: ignore[index]
+               "grace's lease bound again")
+    cluster.stop("grace")
+    eventually(lambda: cluster.lease(lease_id) is None, "grace's GPU free")
+
+
+def test_a_missing_label_or_node_password_is_told_in_the_service_state(
+        cluster: Cluster) -> None:
+    """docs/operations.md, Troubleshooting: `docker service ps --no-trunc` names it."""
+    agent = f"{cluster.stack}_nodeagent"
+    password = cluster.dir / "nodes" / "gpu-2" / "agent-password"
+    aside = password.with_name("agent-password.aside")
+    password.rename(aside)
+    try:
+        cluster.manager("service", "update", "--force", "--detach", agent)
+
+        def refused() -> str | None:
+            errors = cluster.manager("service", "ps", "--no-trunc", "--format",
+                                     "{{.Node}} {{.Error}}", agent).stdout
+            lines = [line for line in errors.splitlines()
+                     if line.startswith("gpu-2 ") and "agent-password" in line]
+            return lines[0] if lines else None
+        error = eventually(refused, "the agent's task on gpu-2 refused")
+        assert "bind source path does not exist" in error, error
+    finally:
+        aside.rename(password)
+    cluster.manager("service", "update", "--force", "--detach=false", "--quiet", agent,
+                    timeout=300)
+
+    allocator = f"{cluster.stack}_allocator"
+    # Without its label the allocator's node no longer meets the constraint: Swarm stops the
+    # replicas and keeps the new tasks pending, saying why.
+    cluster.manager("node", "update", "--label-rm", "swarm-gpu.allocator", "manager-1")
+    try:
+        def pending() -> str | None:
+            errors = cluster.manager("service", "ps", "--no-trunc", "--format",
+                                     "{{.CurrentState}} {{.Error}}", allocator).stdout
+            lines = [line for line in errors.splitlines() if line.startswith("Pending")
+                     and "scheduling constraints not satisfied" in line]
+            return lines[0] if lines else None
+        state = eventually(pending, "the allocator's task pending, saying why")
+        assert "no suitable node" in state, state
+    finally:
+        cluster.manager("node", "update", "--label-add", "swarm-gpu.allocator=true",
+                        "manager-1")
+    deploy = cluster.script("deploy")
+    assert deploy.returncode == 0, deploy.stderr
