@@ -185,8 +185,8 @@ async def test_a_lost_ledger_gets_its_running_leases_back_and_doubles_nothing(
                         LeaseState.BOUND, lease.gpu_uuids, containers[lease_id], lease.user)
 
                 granted = refused = double_booked = 0
-                shapes = [{"count": 1}, {"count": 2}, {"count": 3}, {"count": "all"},
-                          {"share": {}}, {"count": 4}]
+                shapes: list[dict[str, Any]] = [{"count": 1}, {"count": 2}, {"count": 3},
+                                                {"count": "all"}, {"share": {}}, {"count": 4}]
                 for number in range(ALLOCATIONS):
                     shape = shapes[number % len(shapes)]
                     request = AllocateRequest.model_validate(
