@@ -246,6 +246,20 @@ class LoadedState:
     a restart is still known as a zombie, not adopted as a lease the ledger forgot."""
 
 
+def _upsert_sql(table: str, columns: list[str], pk: str) -> str:
+    cols = ", ".join(f'"{c}"' for c in columns)
+    marks = ", ".join("?" for _ in columns)
+    updates = ", ".join(f'"{c}" = excluded."{c}"' for c in columns if c != pk)
+    return (f'INSERT INTO "{table}" ({cols}) VALUES ({marks}) '
+            f'ON CONFLICT("{pk}") DO UPDATE SET {updates}')
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return value
+
+
 class Ledger:
     """The SQLite ledger, owned by one writer thread."""
 
@@ -355,20 +369,18 @@ class Ledger:
             raise LedgerChanged(f"{self.path} was written by another process")
         if not changes and position is None:
             return
-        db = self.db
-        conn = db.conn
+        conn = self.db.conn
         try:
-            # One transaction for the batch: sqlite-utils' own writes inside it are savepoints.
-            with db.atomic():
+            with conn:
                 if position is not None:
                     conn.execute(
                         "INSERT OR REPLACE INTO log_position (id, log_id, log_offset, entry_id, "
                         "epoch, writer) VALUES (1, ?, ?, ?, ?, ?)",
                         (position.log_id, position.offset, position.entry_id, position.epoch,
                          position.writer))
-                self._upsert(db, "nodes", "host", list(changes.nodes.values()))
-                self._upsert(db, "gpus", "uuid", list(changes.gpus.values()))
-                self._upsert(db, "leases", "lease_id", list(changes.leases.values()))
+                self._write_rows(conn, "nodes", "host", list(changes.nodes.values()))
+                self._write_rows(conn, "gpus", "uuid", list(changes.gpus.values()))
+                self._write_rows(conn, "leases", "lease_id", list(changes.leases.values()))
                 if changes.history:
                     conn.executemany(
                         "INSERT INTO lease_history (lease_id, at, from_state, to_state, reason, by)"
@@ -386,18 +398,17 @@ class Ledger:
             raise LedgerError(f"cannot write the ledger {self.path}: {exc}{why}") from exc
 
     @staticmethod
-    def _upsert(db: sqlite_utils.Database, table: str, pk: str,
-                rows: list[dict[str, Any]]) -> None:
-        """Insert or update rows by primary key (lists and dicts are stored as JSON).
-
-        Rows of one table may carry different column sets (a partial node update): each set
-        is written on its own, so a row never overwrites a column it does not carry.
-        """
-        by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    def _write_rows(conn: sqlite3.Connection, table: str, pk: str,
+                    rows: list[dict[str, Any]]) -> None:
+        # Rows of one table may carry different column sets (a partial node update): group them.
+        # Not sqlite-utils' upsert_all: it reads the table's schema on every call, which made
+        # one allocate's commit 2.5x (fsync per commit) to 2.9x (no fsync) slower, measured.
+        by_columns: dict[tuple[str, ...], list[list[Any]]] = {}
         for row in rows:
-            by_columns.setdefault(tuple(row), []).append(row)
-        for group in by_columns.values():
-            db.table(table).upsert_all(group, pk=pk)
+            columns = tuple(row)
+            by_columns.setdefault(columns, []).append([_encode(row[c]) for c in columns])
+        for columns, values in by_columns.items():
+            conn.executemany(_upsert_sql(table, list(columns), pk), values)
 
     # -- reads -----------------------------------------------------------------------------
 
