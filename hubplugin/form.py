@@ -273,24 +273,7 @@ def render_form(
     ``images`` (display name -> image) adds an image choice, as DockerSpawner's own form does.
     ``template_paths``: directories searched for an admin's own ``spawn_form.html.j2`` first.
     """
-    return _environment(tuple(template_paths)).get_template(TEMPLATE).render(form_context(
-        inventory, policy=policy, profiles=profiles, current=current, default_mode=default_mode,
-        unavailable=unavailable, wait_s=wait_s, images=images, current_image=current_image))
-
-
-def form_context(
-    inventory: InventoryReply | None,
-    *,
-    policy: GPUPolicy,
-    profiles: Sequence[Profile] = (),
-    current: GPUOptions | None = None,
-    default_mode: GPUMode = GPUMode.NONE,
-    unavailable: str | None = None,
-    wait_s: float = 0.0,
-    images: Mapping[str, str] | None = None,
-    current_image: str | None = None,
-) -> dict[str, Any]:
-    """What the template shows: plain data (strings, numbers, lists, dicts), nothing to call."""
+    # What the template shows: plain data (strings, numbers, lists, dicts), nothing to call.
     gpus_reachable = inventory is not None
     models = user_models(inventory, policy)
     may_use = policy.may_use_gpus and gpus_reachable
@@ -315,7 +298,7 @@ def form_context(
         minutes = wait_s / 60
         wait_text = f"{minutes:g} min" if wait_s >= 60 else f"{wait_s:g} s"
         limits.append(f"if nothing fits now, your request waits up to {wait_text} in the queue")
-    return {
+    context = {
         "gpus_reachable": gpus_reachable,
         "may_use_gpus": policy.may_use_gpus,
         "unavailable_reason": f" ({unavailable})" if unavailable else "",
@@ -342,3 +325,4 @@ def form_context(
         "availability": _availability(inventory, models, hidden) if inventory is not None
         else None,
     }
+    return _environment(tuple(template_paths)).get_template(TEMPLATE).render(context)

@@ -409,6 +409,7 @@ class NodeAgent:
                 name=c.name,
                 started_at=c.started_at,
                 gpu_use=use.get(c.container_id, []),
+                grant=c.grant,
             )
             for c in running
         ]
@@ -467,6 +468,7 @@ class NodeAgent:
                 action=ContainerAction(change.action),
                 at=change.at,
                 exit_code=change.exit_code,
+                grant=change.grant,
             )
         except ValidationError as exc:
             log.error("cannot report container %s: %s", change.container_id[:12], exc)

@@ -89,7 +89,8 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
                                        for i in range(4)]})
     allocator = AllocatorService(AllocatorSettings(
         amqp_url=url, ledger_path=ledger_path, allow_any_node_user=True, admin_users=["guest"],
-        tick_s=0.1, node_down_after_s=60, stop_grace_s=60))
+        tick_s=0.1, node_down_after_s=60, stop_grace_s=60,
+        start_fence_s=0))  # the agent watches no Docker engine: its listings never complete
     agent = NodeAgent(AgentSettings(
         host=HOST, amqp_url=url, inventory="simulated", simulated_file=inventory,
         interval_s=0.25, publish_timeout_s=1.0, amqp_reconnect_s=0.2, docker=False))
