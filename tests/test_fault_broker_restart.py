@@ -189,6 +189,8 @@ async def test_the_allocator_waits_for_a_broker_that_is_not_up_yet(
     """A first deploy may start the allocator before the broker listens: it keeps trying,
     one log line per attempt without the password, for ``broker_wait_s`` and no longer."""
     broker = private_rabbitmq
+    if not port_open("127.0.0.1", broker.port):  # an earlier test of the module left it down
+        await asyncio.to_thread(broker.start_app if broker.running() else broker.start)
     await asyncio.to_thread(broker.stop_app)
     try:
         impatient = AllocatorProcess("impatient", broker.url, ledger_path, tmp_path,
