@@ -44,6 +44,10 @@ class GPU:
     """A MIG instance's GPU instance profile (``1g.5gb``)."""
     mig_index: int | None = None
     """A MIG instance's index on its parent; instances share the parent's ``index``."""
+    conflict: str | None = None
+    """Why a running container's grant contradicts the ledger on this GPU (see
+    :mod:`allocator.adoption`); None when nothing does. Kept in memory only: it is judged
+    again from every listing of the node."""
 
     @property
     def allocatable(self) -> bool:
@@ -53,10 +57,10 @@ class GPU:
 
     @property
     def placeable(self) -> bool:
-        """Allocatable, healthy, listed by its node and not drained (node state is checked
-        separately)."""
+        """Allocatable, healthy, listed by its node, not drained and not in conflict (node
+        state is checked separately)."""
         return (self.allocatable and self.present and self.health is Health.HEALTHY
-                and not self.drained)
+                and not self.drained and self.conflict is None)
 
     @property
     def order(self) -> tuple[int, int]:

@@ -143,6 +143,16 @@ class AllocatorSettings(PolicySettings):
     )
     metrics_port: int | None = Field(default=None, description="Prometheus port; None = off.")
     request_timeout_s: float = Field(default=10.0, gt=0, description="Bound on broker calls.")
+    start_fence_s: float = Field(
+        default=30.0, ge=0, le=3600,
+        description="After a start, the ledger may be behind the nodes (deleted, restored from "
+        "a backup, another node's volume): nothing is granted on a node before its first "
+        "complete report is applied, and a request that does not fit meanwhile waits in the "
+        "queue (at most this long, or its own wait_s if longer) instead of being refused. The "
+        "fence ends once every node the ledger knows has reported (a ledger that knows no "
+        "node: once the first one has), or after this long: then a node whose agent cannot "
+        "list its containers is placed as usual. 0 turns the fence off.",
+    )
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> AllocatorSettings:

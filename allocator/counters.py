@@ -37,6 +37,12 @@ class Count(StrEnum):
     REQUEST_KEY_CONFLICT = "request_key_conflict"
     HOST_LIMIT = "host_limit"
     GPU_LIMIT = "gpu_limit"
+    ADOPTED = "adopted"
+    """A lease the ledger did not know, taken back from a running container's grant labels."""
+    ADOPTION_CONFLICT = "adoption_conflict"
+    """A running container's grant that contradicts the ledger (not adopted)."""
+    QUEUED_BEHIND_FENCE = "queued_behind_fence"
+    """A request that waited for the nodes' first reports after a start (the start fence)."""
     # the service
     RECEIVED = "received"
     REPLIES = "replies"
@@ -56,6 +62,7 @@ ANOMALIES = (
     Count.ZOMBIE_CONTAINER, Count.UNKNOWN_LEASE_CONTAINER, Count.OVER_BUDGET,
     Count.DUPLICATE_GPU, Count.NODE_MESSAGE_WRONG_EXCHANGE, Count.REQUEST_FROM_NODE_EXCHANGE,
     Count.REQUEST_KEY_CONFLICT, Count.HOST_LIMIT, Count.GPU_LIMIT,
+    Count.ADOPTION_CONFLICT,
 )
 """Things a node or client did that should not happen (one metric, labelled by kind)."""
 

@@ -26,6 +26,10 @@ With what the nodes report (``reports``, e.g. from their heartbeats), also:
   after the bind (plus a grace), and did not list the lease's container.
 - ``orphan_container``: a node runs a lease-labelled container whose lease holds no GPU: the
   GPU can be given to someone else while that container still uses it.
+- ``grant_conflict``: the grants the running containers' labels carry contradict each other or
+  the ledger on one GPU (two holders of which one is exclusive, slices over the GPU's memory),
+  or name a GPU the ledger does not know on that host. The allocator keeps such a GPU out of
+  placement and stops nothing; a person decides which container goes.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from allocator.protocol import Heartbeat, LeaseState, ReleaseReason
+from allocator.protocol import ContainerGrant, Heartbeat, LeaseState, ReleaseReason
 
 _STATES = {s.value for s in LeaseState}
 _HOLDING = {s.value for s in LeaseState if s.holds_gpus}
@@ -69,13 +73,16 @@ class NodeReport:
     containers: dict[str, str] = field(default_factory=dict)
     complete: bool = True
     """False when the node could not list its containers; then nothing missing is a finding."""
+    grants: dict[str, ContainerGrant] = field(default_factory=dict)
+    """lease id -> the grant its container's labels carry (containers with grant labels)."""
 
     @classmethod
     def from_heartbeat(cls, beat: Heartbeat, received_at: float) -> NodeReport:
         """The report a heartbeat makes."""
         return cls(host=beat.host, received_at=received_at,
                    containers={c.lease_id: c.container_id for c in beat.containers},
-                   complete=beat.containers_complete)
+                   complete=beat.containers_complete,
+                   grants={c.lease_id: c.grant for c in beat.containers if c.grant is not None})
 
 
 @dataclass
@@ -236,6 +243,44 @@ def _check_reports(conn: sqlite3.Connection, reports: Mapping[str, NodeReport],
                 "orphan_container",
                 f"{host} runs container {container_id} for lease {lease_id}, but {what}: its "
                 "GPUs may be given to someone else", lease_id=lease_id, host=host))
+        _check_grants(conn, host, report, violations)
+
+
+def _check_grants(conn: sqlite3.Connection, host: str, report: NodeReport,
+                  violations: list[Violation]) -> None:
+    """The reported grants of one host against each other and against the ledger's leases."""
+    known = {uuid: memory or 0 for uuid, memory in conn.execute(
+        "SELECT uuid, memory_total_mib FROM gpus WHERE host = ?", (host,))}
+    holders: dict[str, dict[str, tuple[bool, int]]] = {}
+    """GPU uuid -> lease id -> (shared, memory budget), reported and ledger holders together."""
+    for lease_id, shared, memory, uuids_json in conn.execute(
+            "SELECT lease_id, shared, memory_mib, gpu_uuids FROM leases WHERE host = ? AND "
+            f"state IN ({', '.join('?' for _ in _HOLDING)})", (host, *sorted(_HOLDING))):
+        for gpu_uuid in _uuid_list(uuids_json) or []:
+            holders.setdefault(gpu_uuid, {})[lease_id] = (bool(shared), memory or 0)
+    for lease_id, grant in sorted(report.grants.items()):
+        for gpu_uuid in grant.gpu_uuids:
+            if grant.host != host or gpu_uuid not in known:
+                violations.append(Violation(
+                    "grant_conflict",
+                    f"{host} runs a container of lease {lease_id} whose labels grant GPU "
+                    f"{gpu_uuid} of {grant.host}, which the ledger does not know on {host}",
+                    lease_id=lease_id, host=host, gpu_uuid=gpu_uuid))
+                continue
+            holders.setdefault(gpu_uuid, {})[lease_id] = (grant.shared, grant.memory_mib or 0)
+    for gpu_uuid, held in sorted(holders.items()):
+        if len(held) < 2 or gpu_uuid not in known or not set(held) & set(report.grants):
+            continue  # the ledger's own conflicts are exclusive_conflict / over_memory
+        names = ", ".join(f"{lease} ({'shared' if shared else 'exclusive'})"
+                          for lease, (shared, _) in sorted(held.items()))
+        if not all(shared for shared, _ in held.values()):
+            violations.append(Violation(
+                "grant_conflict", f"GPU {gpu_uuid} on {host} is claimed by running containers "
+                f"or leases of which one is exclusive: {names}", host=host, gpu_uuid=gpu_uuid))
+        elif sum(memory for _, memory in held.values()) > known[gpu_uuid]:
+            violations.append(Violation(
+                "grant_conflict", f"GPU {gpu_uuid} on {host}: the slices of {names} add up to "
+                f"more than its {known[gpu_uuid]} MiB", host=host, gpu_uuid=gpu_uuid))
 
 
 def _uuid_list(text: str | None) -> list[str] | None:

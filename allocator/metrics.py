@@ -49,9 +49,10 @@ hostile ``kind`` cannot grow the number of time series."""
 
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-GPU_STATES = ("free", "held", "unhealthy", "drained", "down")
-"""Each present GPU is in exactly one: held (any claim) first, then unhealthy, drained (the
-GPU or its node), down (its node is silent), else free."""
+GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict")
+"""Each present GPU is in exactly one: conflict (a running container's grant contradicts the
+ledger on it) first, then held (any claim), unhealthy, drained (the GPU or its node), down
+(its node is silent), else free."""
 
 SNAPSHOT_TIMEOUT_S = 2.0
 """How long a scrape waits for the event loop; a loop blocked longer is itself the news."""
@@ -141,7 +142,9 @@ def take_snapshot(service: Observed, now: float) -> Snapshot:
     for node in inventory.nodes:
         snap.nodes[node.host] = (node.up, node.drained, node.last_heartbeat)
     for gpu in inventory.gpus:
-        if gpu.holders:
+        if gpu.conflict is not None:
+            state = "conflict"
+        elif gpu.holders:
             state = "held"
         elif gpu.health is not Health.HEALTHY:
             state = "unhealthy"
@@ -184,7 +187,7 @@ def _labelled_counter(name: str, doc: str, label: str,
 def metric_families(snap: Snapshot) -> Iterator[Metric]:
     """The Prometheus families of one snapshot."""
     gpus = GaugeMetricFamily("swarm_gpu_gpus", "GPUs by model and state (free, held, "
-                             "unhealthy, drained, down)", labels=["model", "state"])
+                             "unhealthy, drained, down, conflict)", labels=["model", "state"])
     for model in sorted({model for model, _ in snap.gpus}):
         for state in GPU_STATES:  # every state, zeros included, so series never vanish
             gpus.add_metric([model, state], snap.gpus.get((model, state), 0))
@@ -245,6 +248,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         ("swarm_gpu_grants", "Leases granted (now or from the queue)", engine, Count.GRANTED),
         ("swarm_gpu_queued", "Requests that had to wait", engine, Count.QUEUED),
         ("swarm_gpu_binds", "Leases bound to a running container", engine, Count.BOUND),
+        ("swarm_gpu_adoptions", "Leases the ledger did not know, taken back from a running "
+         "container's grant labels", engine, Count.ADOPTED),
         ("swarm_gpu_allocate_retries", "Allocate retries answered with the existing lease",
          engine, Count.ALLOCATE_RETRY),
         ("swarm_gpu_heartbeats", "Heartbeats applied", engine, Count.HEARTBEATS),

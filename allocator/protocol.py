@@ -464,6 +464,34 @@ class ProcessUse(BaseModel):
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
 
 
+class ContainerGrant(BaseModel):
+    """The grant a lease container carries in its labels (see :mod:`allocator.lease_container`).
+
+    The hub's spawner sets the labels through the Docker API when it creates the service, so
+    a user inside the notebook cannot change them. The node agent reports them with every
+    listing and start event, and an allocator whose ledger lost the lease (a deleted or
+    restored ledger) claims the GPUs again from them: the grant travels with its container.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: Name = Field(description="The node the GPUs were granted on.")
+    gpu_uuids: list[Name] = Field(min_length=1, max_length=MAX_COUNT)
+    shared: bool = False
+    memory_mib: MiB | None = Field(default=None, description="Budget of a shared slice.")
+    user: Name
+    server_name: str = Field(default="", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")
+    request_key: Name
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ContainerGrant:
+        if len(set(self.gpu_uuids)) != len(self.gpu_uuids):
+            raise ValueError("a GPU is named twice")
+        if self.shared and (len(self.gpu_uuids) != 1 or self.memory_mib is None):
+            raise ValueError("a shared slice is one GPU with a memory budget")
+        return self
+
+
 class ContainerInfo(BaseModel):
     """A running container that carries the lease label."""
 
@@ -474,6 +502,9 @@ class ContainerInfo(BaseModel):
     name: Annotated[str, Field(max_length=255)] = ""
     started_at: float | None = Field(default=None, allow_inf_nan=False)
     gpu_use: list[ProcessUse] = Field(default_factory=list, max_length=64)
+    grant: ContainerGrant | None = Field(
+        default=None, description="The grant from the container's labels; None when the "
+        "container carries only the lease label (a spawner of an older release).")
 
 
 class Heartbeat(_Message):
@@ -540,6 +571,8 @@ class ContainerEvent(_Message):
     action: ContainerAction
     at: float = Field(allow_inf_nan=False, description="Epoch seconds of the Docker event.")
     exit_code: Annotated[StrictInt, Field(ge=-(1 << 31), le=(1 << 31) - 1)] | None = None
+    grant: ContainerGrant | None = Field(
+        default=None, description="The grant from the container's labels (on start events).")
 
 
 NodeMessage = Annotated[Heartbeat | ContainerEvent, Field(discriminator="kind")]
@@ -716,6 +749,9 @@ class GPUView(BaseModel):
     mig_parent_uuid: str | None = Field(
         default=None, description="Set on a MIG instance: the GPU it is carved out of.")
     mig_profile: str | None = None
+    conflict: str | None = Field(
+        default=None, description="Why a running container's grant contradicts the ledger on "
+        "this GPU; while set, nothing is placed on it.")
 
 
 class NodeView(BaseModel):

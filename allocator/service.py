@@ -205,7 +205,9 @@ class AllocatorService:
     async def start(self) -> None:
         """Open the ledger, load it, connect, declare the topology and start consuming."""
         self.ledger.open()
-        await self._reload()
+        # Fenced: this ledger may be behind what the nodes run (deleted, restored, another
+        # node's volume); each node's first complete report comes before any grant there.
+        await self._reload(fenced=True)
         self._connection = await self._connect()
         self._channel = await self._connection.channel(publisher_confirms=False)
         await self._channel.set_qos(prefetch_count=self.settings.prefetch)
@@ -288,10 +290,14 @@ class AllocatorService:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
-    async def _reload(self) -> None:
-        """Rebuild the engine from the ledger (start, failed commit, takeover)."""
+    async def _reload(self, *, fenced: bool = False) -> None:
+        """Rebuild the engine from the ledger (start, failed commit, takeover).
+
+        Only the start is fenced: after a failed commit the ledger is what this process
+        wrote, and a takeover finds what the active one wrote.
+        """
         state = await self.ledger.run(self.ledger.load)
-        self.engine.load(state, self.clock())
+        self.engine.load(state, self.clock(), fenced=fenced)
         self._data_version = await self.ledger.run(self.ledger.data_version)
 
     # ------------------------------------------------------------------ loops

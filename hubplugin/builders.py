@@ -8,9 +8,10 @@ Pure functions over plain data, like kubespawner's ``objects.py``: given a
   (:func:`allocator.lease_container.lease_env`), checked for control characters;
   ``NVIDIA_VISIBLE_DEVICES=void`` without a GPU, so the NVIDIA runtime exposes none;
 - placement: the admin's constraints plus ``node.hostname == <lease host>``;
-- labels: :func:`allocator.lease_container.lease_labels` (``swarm-gpu.lease=<lease id>``) on
-  the container (what node agents look for) and on the service (for
-  ``docker service ls --filter label=...``);
+- labels: :func:`allocator.lease_container.grant_labels` on the container (the lease id, what
+  node agents look for, and the whole grant, which they report so that an allocator that lost
+  the lease adopts it), :func:`allocator.lease_container.lease_labels`
+  (``swarm-gpu.lease=<lease id>``) on the service (for ``docker service ls --filter label=...``);
 - restart policy: ``none`` for a service that holds a lease. Swarm's default restarts a dead
   task in a *new* container with the same environment, but the lease was released the moment
   the old container died and its GPUs may already be someone else's.
@@ -24,7 +25,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from allocator.lease_container import LEASE_LABEL, lease_labels, no_gpu_env
+from allocator.lease_container import (
+    GRANT_LABELS,
+    LEASE_LABEL,
+    grant_labels,
+    lease_labels,
+    no_gpu_env,
+)
 from allocator.protocol import Lease, LeaseState
 
 __all__ = [
@@ -120,12 +127,13 @@ def placement_constraints(admin_constraints: Sequence[str] | None, host: str | N
     return list(dict.fromkeys(kept))
 
 
-def _with_label(spec: Mapping[str, Any], key: str, lease_id: str | None) -> dict[str, Any]:
+def _with_labels(spec: Mapping[str, Any], key: str, ours: Mapping[str, str]) -> dict[str, Any]:
+    """The admin's labels with ours on top: never a stale or forged lease or grant label."""
     out = copy.deepcopy(dict(spec))
     labels = dict(out.get(key) or {})
-    labels.pop(LEASE_LABEL, None)  # never a stale or forged lease label
-    if lease_id is not None:
-        labels.update(lease_labels(lease_id))
+    for name in (LEASE_LABEL, *GRANT_LABELS):
+        labels.pop(name, None)
+    labels.update({name: _check_value(name, value) for name, value in ours.items()})
     if labels or key in out:
         out[key] = labels
     return out
@@ -138,17 +146,22 @@ def build_service_spec(
     extra_placement_spec: Mapping[str, Any] | None = None,
     extra_create_kwargs: Mapping[str, Any] | None = None,
     extra_task_spec: Mapping[str, Any] | None = None,
+    server_name: str = "",
 ) -> ServiceGPUSpec:
     """Everything the service needs for this lease, merged with the admin's settings.
 
-    The admin's dicts are copied, never modified. Without a lease the placement is the
-    admin's own and any stale lease label is removed.
+    The admin's dicts are copied, never modified. The container carries the whole grant
+    (:func:`~allocator.lease_container.grant_labels`, with ``server_name``, the JupyterHub
+    server's name, empty for a user's default server), the service the lease label. Without
+    a lease the placement is the admin's own and any stale lease or grant label is removed.
     """
     env = gpu_env(lease)
     lease_id = lease.lease_id if lease is not None else None
     host = lease.host if lease is not None else None
-    container = _with_label(extra_container_spec or {}, "labels", lease_id)
-    create = _with_label(extra_create_kwargs or {}, "labels", lease_id)
+    container = _with_labels(extra_container_spec or {}, "labels",
+                             grant_labels(lease, server_name) if lease is not None else {})
+    create = _with_labels(extra_create_kwargs or {}, "labels",
+                          lease_labels(lease_id) if lease_id is not None else {})
     placement = copy.deepcopy(dict(extra_placement_spec or {}))
     if host is not None or placement.get("constraints"):
         placement["constraints"] = placement_constraints(placement.get("constraints"), host)

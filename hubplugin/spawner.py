@@ -295,6 +295,17 @@ class GPUSwarmSpawner(SwarmSpawner):
         adds at most 1/wait_poll_head_s status calls a second to the allocator.""",
     )
 
+    gpu_form_template_paths = List(
+        Unicode(),
+        config=True,
+        help="""Directories searched first for the spawn form's template,
+        spawn_form.html.j2 (Jinja2, autoescaped), as kubespawner's
+        additional_profile_form_template_paths. A file there replaces the packaged form; it
+        may also {% extends "swarm_gpu/spawn_form.html.j2" %} and override one block (style,
+        notes, images, profiles, custom, availability, script). The field names must stay
+        those the packaged form uses.""",
+    )
+
     gpu_priority = Union(
         [Int(), CallableTrait()],
         default_value=0,
@@ -506,6 +517,7 @@ class GPUSwarmSpawner(SwarmSpawner):
             wait_s=self.wait_s,
             images=images if isinstance(images, dict) and len(images) > 1 else None,
             current_image=(self.user_options or {}).get("image"),
+            template_paths=self.gpu_form_template_paths,
         )
 
     # ------------------------------------------------------------------ start / stop
@@ -621,6 +633,7 @@ class GPUSwarmSpawner(SwarmSpawner):
                     extra_placement_spec=self.extra_placement_spec,
                     extra_create_kwargs=self.extra_create_kwargs,
                     extra_task_spec=self.extra_task_spec,
+                    server_name=self.name or "",
                 )
             except BuildError as exc:
                 raise user_error(500, f"Cannot place the server: {exc}") from None

@@ -49,7 +49,9 @@ import aiodocker
 import aiohttp
 from aiodocker.events import DockerEvents
 
-from allocator.lease_container import LEASE_LABEL
+from allocator.lease_container import LEASE_LABEL as LEASE_LABEL  # re-exported: the agent's label
+from allocator.lease_container import grant_from_labels
+from allocator.protocol import ContainerGrant
 from allocator.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class LeaseContainer:
     name: str = ""
     started_at: float | None = None
     """Epoch seconds: from the start event, or the creation time when only listed."""
+    grant: ContainerGrant | None = None
+    """The grant its labels carry (see :mod:`allocator.lease_container`); None without grant
+    labels."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ class ContainerChange:
     name: str = ""
     synthesized: bool = False
     """True for a death the watcher inferred after a gap in the event stream."""
+    grant: ContainerGrant | None = None
+    """The grant the container's labels carry (Docker puts the labels on every event)."""
 
 
 class StopOutcome(StrEnum):
@@ -118,6 +125,17 @@ async def _call(callback: Callable[..., Any] | None, *args: Any) -> None:
         log.exception("container watcher callback failed")
 
 
+def read_grant(labels: dict[str, Any], container_id: str) -> ContainerGrant | None:
+    """The grant of a container's labels; a grant that does not parse is logged and left out
+    (the container is still reported by its lease id, as a spawner of an older release's)."""
+    grant = grant_from_labels({str(k): str(v) for k, v in labels.items()})
+    if isinstance(grant, str):
+        log.warning("container %s: its grant labels do not make a grant (%s); reporting it by "
+                    "its lease id only", container_id[:12], grant)
+        return None
+    return grant
+
+
 def change_from_event(event: dict[str, Any]) -> ContainerChange | None:
     """A Docker events-API message as a :class:`ContainerChange`, or None if not ours.
 
@@ -146,6 +164,7 @@ def change_from_event(event: dict[str, Any]) -> ContainerChange | None:
         at=at,
         exit_code=int(exit_code) if exit_code not in (None, "") else None,
         name=attributes.get("name", ""),
+        grant=read_grant(attributes, container_id) if action == "start" else None,
     )
 
 
@@ -345,6 +364,7 @@ class ContainerWatcher:
                     lease_id=labels.get(LEASE_LABEL, ""),
                     name=names[0].lstrip("/") if names else "",
                     started_at=float(created) if created else None,
+                    grant=read_grant(labels, container["Id"]),
                 )
             )
         return [c for c in result if c.lease_id]
@@ -462,7 +482,7 @@ class ContainerWatcher:
     def _apply(self, change: ContainerChange) -> None:
         if change.action == "start":
             self._running[change.container_id] = LeaseContainer(
-                change.container_id, change.lease_id, change.name, change.at
+                change.container_id, change.lease_id, change.name, change.at, change.grant
             )
             self._ended.pop(change.container_id, None)
         elif change.action in ("die", "destroy"):

@@ -432,8 +432,10 @@ async def test_a_lease_released_unbound_on_a_node_without_container_listing_come
     from faults import await_state, running_allocator
     from support import NodeSimulator
 
+    # No start fence: this node's listings are never complete, so the fence would hold it
+    # for start_fence_s (test_engine_node_truth.py tests that).
     async with (running_allocator(amqp_vhost.url, ledger_path, stop_grace_s=1.0,
-                                  node_down_after_s=60),
+                                  node_down_after_s=60, start_fence_s=0),
                 AllocatorClient(amqp_vhost.url, timeout_s=10) as client,
                 NodeSimulator(amqp_vhost.url) as nodes):
         await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 1), containers_complete=False)

@@ -89,7 +89,8 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
                                        for i in range(4)]})
     allocator = AllocatorService(AllocatorSettings(
         amqp_url=url, ledger_path=ledger_path, allow_any_node_user=True, admin_users=["guest"],
-        tick_s=0.1, node_down_after_s=60, stop_grace_s=60))
+        tick_s=0.1, node_down_after_s=60, stop_grace_s=60,
+        start_fence_s=0))  # the agent watches no Docker engine: its listings never complete
     agent = NodeAgent(AgentSettings(
         host=HOST, amqp_url=url, inventory="simulated", simulated_file=inventory,
         interval_s=0.25, publish_timeout_s=1.0, amqp_reconnect_s=0.2, docker=False))
@@ -198,9 +199,12 @@ async def test_the_allocator_waits_for_a_broker_that_is_not_up_yet(
         async with asyncio.timeout(30):
             status = await impatient.process.wait()
         assert status != 0, "gave up: the task fails and Swarm restarts it"
-        assert time.monotonic() - started < 2 + 20, "bounded by broker_wait_s"
+        # Bounded by broker_wait_s: pauses of 1 s, then 1 s (what is left of the 2 s), then
+        # the last attempt fails and the process exits. Counted, not timed: Python's start-up
+        # alone takes seconds on a loaded machine.
         attempts = re.findall(r"not reachable \(attempt (\d+):", impatient.log())
-        assert attempts[:2] == ["1", "2"], impatient.log()[-2000:]
+        assert attempts[:2] == ["1", "2"] and len(attempts) <= 3, impatient.log()[-2000:]
+        assert time.monotonic() - started < 120
 
         patient = AllocatorProcess("patient", broker.url, ledger_path, tmp_path,
                                    broker_wait_s=120)
@@ -208,7 +212,7 @@ async def test_the_allocator_waits_for_a_broker_that_is_not_up_yet(
         try:
             async def tried_twice() -> bool:
                 return len(re.findall(r"not reachable \(attempt", patient.log())) >= 2
-            await wait_until(tried_twice, within=30, interval=0.1)
+            await wait_until(tried_twice, within=90, interval=0.1)
             assert patient.process is not None and patient.process.returncode is None
             await asyncio.to_thread(broker.start_app)
             await patient.wait_consuming(within=60)

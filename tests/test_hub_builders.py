@@ -10,8 +10,9 @@ from hub_inventory import GTX1070, lease
 
 from allocator import policy
 from allocator.cluster import GPU, Cluster
+from allocator.lease_container import grant_from_labels
 from allocator.policy import Placement
-from allocator.protocol import LeaseState
+from allocator.protocol import ContainerGrant, LeaseState
 from hubplugin.builders import (
     LEASE_LABEL,
     BuildError,
@@ -110,7 +111,11 @@ def test_full_spec_merges_without_touching_the_admins_settings() -> None:
     )
     assert (container, placement, create) == originals
     assert spec.extra_container_spec == {
-        "labels": {"team": "ml", LEASE_LABEL: "L-42"}, "hostname": "nb",
+        "labels": {"team": "ml", LEASE_LABEL: "L-42", "swarm-gpu.host": "gpu-a",
+                   "swarm-gpu.gpus": "GPU-aaaa", "swarm-gpu.shared": "0",
+                   "swarm-gpu.user": "alice", "swarm-gpu.server": "",
+                   "swarm-gpu.request-key": "hub/alice/"},
+        "hostname": "nb",
     }
     assert spec.extra_placement_spec == {
         "constraints": ["node.role == worker", "node.hostname == gpu-a"],
@@ -124,6 +129,21 @@ def test_full_spec_merges_without_touching_the_admins_settings() -> None:
 def test_admin_cannot_override_the_lease_label() -> None:
     spec = build_service_spec(lease(), extra_container_spec={"labels": {LEASE_LABEL: "forged"}})
     assert spec.extra_container_spec["labels"][LEASE_LABEL] == "L-42"
+
+
+def test_the_container_carries_the_whole_grant_and_nothing_forged() -> None:
+    """What the agent reads back is what the allocator granted: an allocator that lost the
+    lease adopts exactly this grant (a forged or stale grant label is replaced or dropped)."""
+    sliced = lease(shared=True, memory_mib=2048, request_key="hub/alice/big")
+    forged = {"labels": {"swarm-gpu.gpus": "GPU-1,GPU-2,GPU-3", "swarm-gpu.memory-mib": "99"}}
+    spec = build_service_spec(sliced, extra_container_spec=forged, server_name="big")
+    grant = grant_from_labels(spec.extra_container_spec["labels"])
+    assert grant == ContainerGrant(host="gpu-a", gpu_uuids=["GPU-aaaa"], shared=True,
+                                   memory_mib=2048, user="alice", server_name="big",
+                                   request_key="hub/alice/big")
+    assert spec.extra_create_kwargs == {"labels": {LEASE_LABEL: "L-42"}}
+    unlabelled = build_service_spec(None, extra_container_spec=forged)
+    assert unlabelled.extra_container_spec == {"labels": {}}
 
 
 def test_bound_lease_is_usable() -> None:

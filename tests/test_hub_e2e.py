@@ -25,7 +25,7 @@ from hub_harness import Hub
 from support import GTX1070, RTX3090, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
-from allocator.lease_container import LEASE_LABEL
+from allocator.lease_container import LEASE_LABEL, grant_labels
 from allocator.protocol import ErrorCode, Lease, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
@@ -200,7 +200,10 @@ async def test_gpu_server_through_rest(
         assert "SWARM_GPU_LEASE_ID" not in env, "one name for the lease id"
         assert env["JUPYTER_ENABLE_LAB"] == "1"  # the example config's environment is kept
         container = spec["TaskTemplate"]["ContainerSpec"]
-        assert container["Labels"] == {LEASE_LABEL: lease.lease_id, "swarm-gpu.test": "e2e"}
+        # The whole grant travels with the container (an allocator that lost the ledger
+        # adopts the lease from these labels).
+        assert container["Labels"] == {**grant_labels(lease, server_name=""),
+                                       "swarm-gpu.test": "e2e"}
         assert spec["Labels"][LEASE_LABEL] == lease.lease_id
         constraints = spec["TaskTemplate"]["Placement"]["Constraints"]
         assert constraints == ["node.role == manager", f"node.hostname == {swarm_host}"]

@@ -256,3 +256,25 @@ def test_script_reads_only_data_attributes() -> None:
     script = html[html.index("<script>"):]
     assert GTX1070 not in script and "gpu-a" not in script
     assert re.search(r"getAttribute\(\"data-key\"\)", script)
+
+
+def test_an_admin_template_replaces_a_block_of_the_packaged_form(tmp_path) -> None:
+    (tmp_path / "spawn_form.html.j2").write_text(
+        '{% extends "swarm_gpu/spawn_form.html.j2" %}'
+        '{% block notes %}<div class="site-note">Ask {{ "<ops>" }} for more GPUs.</div>'
+        "{{ super() }}{% endblock %}")
+    html = render_form(inventory(), policy=STAFF, template_paths=[str(tmp_path)])
+    assert '<div class="site-note">Ask &lt;ops&gt; for more GPUs.</div>' in html
+    form = parse(html)
+    assert form.selected("model") == "any", "the rest is the packaged form, unchanged"
+    assert "Available now" in html
+    assert "site-note" not in render_form(inventory(), policy=STAFF), "only where configured"
+
+
+def test_an_admin_template_replaces_the_whole_form(tmp_path) -> None:
+    (tmp_path / "spawn_form.html.j2").write_text(
+        '<select name="mode">{% for m in modes %}<option value="{{ m.value }}">'
+        "{{ m.label }}</option>{% endfor %}</select>")
+    html = render_form(inventory(), policy=STAFF, template_paths=[str(tmp_path)])
+    assert html.startswith('<select name="mode">') and "sg-form" not in html
+    assert [o["value"] for o in parse(html).selects["mode"]] == ["none", "exclusive", "shared"]

@@ -27,13 +27,16 @@ import pytest
 from support import docker_cli
 from yarl import URL
 
-from allocator.lease_container import LEASE_LABEL
+from allocator.lease_container import HOST_LABEL, LEASE_LABEL, MEMORY_LABEL, grant_labels
 from allocator.protocol import (
     NODE_MESSAGE_ADAPTER,
     ContainerAction,
     ContainerEvent,
+    ContainerGrant,
     Health,
     Heartbeat,
+    Lease,
+    LeaseState,
     ProcessUse,
 )
 from allocator.topology import NODES_EXCHANGE
@@ -295,14 +298,14 @@ async def docker(docker_engine: str) -> AsyncIterator[aiodocker.Docker]:
 
 @pytest.fixture
 async def lease_containers(docker: aiodocker.Docker, busybox_image: str
-                           ) -> AsyncIterator[Callable[[str], Awaitable[str]]]:
+                           ) -> AsyncIterator[Callable[..., Awaitable[str]]]:
     """Starts plain containers with the lease label (faster than a service); removed after."""
     started: list[str] = []
 
-    async def run(lease_id: str) -> str:
+    async def run(lease_id: str, labels: dict[str, str] | None = None) -> str:
         container = await docker.containers.run(
             config={"Image": busybox_image, "Cmd": ["sleep", "300"],
-                    "Labels": {LEASE_LABEL: lease_id},
+                    "Labels": {LEASE_LABEL: lease_id, **(labels or {})},
                     "HostConfig": {"NetworkMode": "host"}},
             name=f"nodeagent-test-{lease_id}",
         )
@@ -694,3 +697,45 @@ async def test_a_fatal_xid_is_reported_at_once_not_an_interval_later(
         assert time.monotonic() - written < 1.0
         assert [g.health for g in beat.gpus] == [Health.HEALTHY, Health.UNHEALTHY]
         assert beat.gpus[1].recent_xids == [48]
+
+
+@pytest.mark.docker
+async def test_the_grant_labels_travel_in_start_events_and_heartbeats(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, docker_engine: str,
+        lease_containers: Callable[..., Awaitable[str]]) -> None:
+    """A container labelled with its whole grant is reported with it (start event and every
+    listing), so an allocator that lost the lease can claim its GPUs again; labels that do
+    not make a grant are reported as no grant, the container still by its lease id."""
+    granted = Lease(lease_id=lease(), request_key="hub/alice/big", user="alice",
+                    state=LeaseState.GRANTED, host=host, shared=True, memory_mib=3000,
+                    gpu_uuids=[simulated_uuid(host, 1)], created_at=1.0)
+    settings = agent_settings(host, amqp_vhost.url, inventory, docker=True,
+                              docker_url=docker_engine)
+    async with running(settings):
+        await inbox.wait_for(lambda r: isinstance(r.message, Heartbeat))
+        container_id = await lease_containers(granted.lease_id,
+                                              grant_labels(granted, server_name="big"))
+        broken = lease()
+        broken_id = await lease_containers(broken, {HOST_LABEL: host, MEMORY_LABEL: "lots"})
+        expected = ContainerGrant(host=host, gpu_uuids=[simulated_uuid(host, 1)], shared=True,
+                                  memory_mib=3000, user="alice", server_name="big",
+                                  request_key="hub/alice/big")
+        started = await inbox.event(granted.lease_id, ContainerAction.START)
+        assert (started.container_id, started.grant) == (container_id, expected)
+        broken_start = await inbox.event(broken, ContainerAction.START)
+        assert (broken_start.container_id, broken_start.grant) == (broken_id, None)
+        beat = await inbox.heartbeat(host, lambda b: {c.lease_id for c in b.containers}
+                                     >= {granted.lease_id, broken})
+        by_lease = {c.lease_id: c for c in beat.containers}
+        assert by_lease[granted.lease_id].grant == expected
+        assert by_lease[broken].grant is None
+        mark = inbox.mark()
+    # Listing mode (no event stream): the listing itself reads the labels.
+    listing = agent_settings(host, amqp_vhost.url, inventory, docker=True,
+                             docker_url=docker_engine, docker_events=False)
+    async with running(listing):
+        beat = await inbox.heartbeat(host, lambda b: {c.lease_id for c in b.containers}
+                                     >= {granted.lease_id, broken}, after=mark)
+        by_lease = {c.lease_id: c for c in beat.containers}
+        assert by_lease[granted.lease_id].grant == expected
+        assert by_lease[broken].grant is None

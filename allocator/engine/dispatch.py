@@ -85,7 +85,15 @@ class Engine(NodeReconciliation):
                 and now - record.releasing_at > self.settings.stop_grace_s)
 
     def tick(self, now: float, changes: Changes) -> None:
-        """Run the timers: queue waits, bind deadlines, node silence."""
+        """Run the timers: the start fence, queue waits, bind deadlines, node silence."""
+        if (self._fenced or self._fence_awaits_first_report) and now >= self._fence_until:
+            # start_fence_s ran out with nodes that never reported in full (an agent that
+            # cannot list its containers): they are placed as usual from now on, before the
+            # requests that waited only for the fence expire.
+            changes.event(now, "start_fence_expired", unreported=sorted(self._fenced))
+            self._fenced.clear()
+            self._fence_awaits_first_report = False
+            self._serve_queue(now, changes)
         freed = False
         for record in list(self.leases.values()):
             if record.state is LeaseState.QUEUED and record.wait_until is not None \

@@ -30,6 +30,10 @@ from allocator.protocol import (
     error_reply,
 )
 
+FENCE_WAITS_FOR = frozenset({ErrorCode.NO_CAPACITY, ErrorCode.UNKNOWN_MODEL,
+                             ErrorCode.UNKNOWN_HOST, ErrorCode.UNSATISFIABLE})
+"""Refusals that nodes not yet heard from since a fenced start could turn into a grant."""
+
 
 class LeaseBook(Views, CommandOutbox):
     """Requests from the hub and admins that create, queue and end leases."""
@@ -59,18 +63,18 @@ class LeaseBook(Views, CommandOutbox):
             return self.lease_reply(existing)
         demand = policy.make_demand(request, self._model_catalog(), self.settings)
         if isinstance(demand, policy.Refusal):
+            if self._fence_holds(now) and demand.code in FENCE_WAITS_FOR:
+                return self._wait_behind_fence(self._new_record(request, now), request, now,
+                                               changes)
             return self._refuse(demand)
         placement = self._place(demand, now)
-        record = LeaseRecord(
-            lease_id=self.new_lease_id(), request_key=request.request_key, user=request.user,
-            groups=tuple(request.groups), state=LeaseState.QUEUED, created_at=now,
-            request=request.model_dump(mode="json", exclude={"deadline"}),
-            priority=request.priority,
-        )
+        record = self._new_record(request, now)
         if isinstance(placement, policy.Placement):
             self._grant(record, placement, demand, now, changes, old=None)
             self._track(record)
             return self.lease_reply(record)
+        if self._fence_holds(now) and placement.code in FENCE_WAITS_FOR:
+            return self._wait_behind_fence(record, request, now, changes)
         if placement.code is ErrorCode.NO_CAPACITY and request.wait_s > 0:
             record.enqueued_at = now
             record.wait_until = now + request.wait_s
@@ -79,6 +83,56 @@ class LeaseBook(Views, CommandOutbox):
             self.counters.add(Count.QUEUED)
             return self.lease_reply(record)
         return self._refuse(placement)
+
+    def _new_record(self, request: AllocateRequest, now: float) -> LeaseRecord:
+        return LeaseRecord(
+            lease_id=self.new_lease_id(), request_key=request.request_key, user=request.user,
+            groups=tuple(request.groups), state=LeaseState.QUEUED, created_at=now,
+            request=request.model_dump(mode="json", exclude={"deadline"}),
+            priority=request.priority,
+        )
+
+    # ------------------------------------------------------------------ the start fence
+
+    def _fence_holds(self, now: float) -> bool:
+        """Whether requests wait instead of being refused: after a fenced start, until every
+        node the ledger knew has reported (an empty ledger: the first node), or
+        ``start_fence_s`` ran out."""
+        return now < self._fence_until and (bool(self._fenced)
+                                            or self._fence_awaits_first_report)
+
+    def _wait_behind_fence(self, record: LeaseRecord, request: AllocateRequest, now: float,
+                           changes: Changes) -> BaseModel:
+        """Queue a request that may fit once the nodes not heard from yet have reported; a
+        request that asked not to wait waits only for the fence."""
+        record.enqueued_at = now
+        record.wait_until = max(now + request.wait_s, self._fence_until)
+        self._track(record)
+        changes.transition(record, None, now, "waiting for the nodes' first reports",
+                           by=request.user)
+        self.counters.add(Count.QUEUED)
+        self.counters.add(Count.QUEUED_BEHIND_FENCE)
+        return self.lease_reply(record)
+
+    def _close_fence(self, now: float, changes: Changes) -> None:
+        """Every node the ledger knew has reported (an empty ledger: the first node): requests
+        queued only by the fence that still do not fit get the answer they asked for (no
+        waiting beyond their wait_s)."""
+        self._fence_until = now
+        self._fenced.clear()
+        self._fence_awaits_first_report = False
+        changes.event(now, "start_fence_closed")
+        for _, lease_id in list(self._queue):
+            record = self.leases[lease_id]
+            wait_s = float(record.request.get("wait_s") or 0.0)
+            own_end = (record.enqueued_at or record.created_at) + wait_s
+            if own_end <= now:
+                self._end_lease(record, LeaseState.EXPIRED, ReleaseReason.WAIT_EXPIRED, now,
+                                changes, by="allocator",
+                                note="nothing fits now that every node has reported")
+            elif record.wait_until is not None and record.wait_until > own_end:
+                record.wait_until = own_end
+                changes.lease(record)
 
     @staticmethod
     def _what_was_asked(record: LeaseRecord) -> dict[str, Any] | None:
@@ -113,8 +167,8 @@ class LeaseBook(Views, CommandOutbox):
         placement: policy.Placement | policy.Refusal | None = None
         narrowed = self.index.narrow(
             demand, view,
-            lambda node: node.host not in self._down and not node.drained
-            and node.is_up(now, down_after))
+            lambda node: node.host not in self._down and node.host not in self._fenced
+            and not node.drained and node.is_up(now, down_after))
         if narrowed is not None:
             placement = policy.place(demand, narrowed, now, down_after)
         if not isinstance(placement, policy.Placement):
@@ -130,12 +184,13 @@ class LeaseBook(Views, CommandOutbox):
         return refusal if refusal is not None else placement
 
     def _placement_view(self, now: float) -> Cluster:
-        """The cluster as placement sees it: nodes not yet heard from since a restart are down."""
-        if not self._down:
+        """The cluster as placement sees it: nodes not yet heard from since a restart are down,
+        and so are fenced nodes (no complete report applied since a fenced start)."""
+        if not self._down and not self._fenced:
             return self.cluster
         view = Cluster(nodes=dict(self.cluster.nodes), gpus=self.cluster.gpus,
                        claims=self.cluster.claims)
-        for host in self._down:
+        for host in self._down | self._fenced:
             node = view.nodes.get(host)
             if node is not None:
                 view.nodes[host] = Node(host=node.host, last_heartbeat=None,

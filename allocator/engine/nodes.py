@@ -13,9 +13,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from allocator import policy
+from allocator.adoption import Conflict
 from allocator.cluster import GPU, Node
 from allocator.counters import Count, Family
-from allocator.engine.leases import LeaseBook
+from allocator.engine.node_truth import NodeTruth
 from allocator.engine.state import CLOCK_SKEW_WARN_S, Sender, log
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
@@ -33,7 +34,7 @@ from allocator.protocol import (
 )
 
 
-class NodeReconciliation(LeaseBook):
+class NodeReconciliation(NodeTruth):
     """Keeps memory true to what the node agents report."""
 
     def _node_may_report(self, host: str, sender: Sender, now: float, changes: Changes,
@@ -114,6 +115,10 @@ class NodeReconciliation(LeaseBook):
             node = Node(host=beat.host)
             self.cluster.nodes[beat.host] = node
             self._hosts_of_user[sender.user_id or ""] += 1
+            if now < self._fence_until:
+                # During the start fence, placeable once a complete report is applied (this
+                # one, usually): only then is it known which GPUs running containers hold.
+                self._fenced.add(beat.host)
             changes.event(now, "node_joined", host=beat.host, agent_id=beat.agent_id)
         agent_changed = node.agent_id != beat.agent_id
         node.agent_id = beat.agent_id
@@ -139,8 +144,12 @@ class NodeReconciliation(LeaseBook):
             for gpu in self.cluster.gpus_of(beat.host):
                 changes.gpu(gpu, now)
         freed = self._reconcile_containers(beat, now, changes)
-        if inventory_changed or freed:
+        # Adoptions first (above), then the node is placeable.
+        reported = beat.containers_complete and self._report_applied(beat.host, now, changes)
+        if inventory_changed or freed or reported:
             self._serve_queue(now, changes)
+        if reported and now < self._fence_until and not self._fence_holds(now):
+            self._close_fence(now, changes)
 
     def _update_gpus(self, node: Node, beat: Heartbeat, now: float, changes: Changes) -> bool:
         """Upsert the node's GPUs; True when anything placement depends on changed."""
@@ -230,8 +239,17 @@ class NodeReconciliation(LeaseBook):
         Returns whether any GPU was freed.
         """
         running = {c.lease_id: c for c in beat.containers}
-        for info in beat.containers:
+        found: dict[str, list[Conflict]] = {}
+        for info in sorted(beat.containers, key=lambda c: (c.started_at or 0.0, c.container_id)):
             record = self.leases.get(info.lease_id)
+            if self._forgotten(record, info.lease_id) and info.grant is not None:
+                # Oldest first: of two containers claiming one GPU, the one that ran first
+                # is adopted and the other is the conflict.
+                if not self._adopt_or_flag(info.lease_id, info.container_id, info.grant,
+                                           beat.host, beat.sent_at, now, changes, found,
+                                           "heartbeat"):
+                    continue
+                record = self.leases[info.lease_id]
             if record is None or record.host != beat.host:
                 self._unexpected_container(info.lease_id, info.container_id, beat.host, now,
                                            changes)
@@ -246,9 +264,9 @@ class NodeReconciliation(LeaseBook):
                                StopReason.RELEASED, now, changes, observed=True)
             self._node_clock_bound.setdefault(record.lease_id, beat.sent_at)
             self._check_budget(record, info, now, changes)
+        freed = self._record_conflicts(beat.host, found, complete=beat.containers_complete)
         if not beat.containers_complete:
-            return False
-        freed = False
+            return freed
         grace = self.settings.container_gone_grace_s
         for record in list(self._by_host.get(beat.host, {}).values()):
             if record.lease_id in running:
@@ -269,6 +287,13 @@ class NodeReconciliation(LeaseBook):
                                  now, changes, by=f"node {beat.host}")
                     freed = True
         return freed
+
+    def _forgotten(self, record: LeaseRecord | None, lease_id: str) -> bool:
+        """Whether a running container's lease is one the ledger lost: unknown and not a
+        lease finished here (a zombie), or still queued (a restored ledger)."""
+        if record is None:
+            return lease_id not in self.recent
+        return record.state is LeaseState.QUEUED
 
     def _unexpected_container(self, lease_id: str, container_id: str, host: str, now: float,
                               changes: Changes) -> None:
@@ -309,6 +334,19 @@ class NodeReconciliation(LeaseBook):
     def _container_event(self, event: ContainerEvent, now: float, changes: Changes) -> None:
         self.counters.add_to(Family.CONTAINER_EVENT, event.action.value)
         record = self.leases.get(event.lease_id)
+        if event.action is ContainerAction.START and event.grant is not None \
+                and self._forgotten(record, event.lease_id):
+            found: dict[str, list[Conflict]] = {}
+            if self._adopt_or_flag(event.lease_id, event.container_id, event.grant,
+                                   event.host, event.at, now, changes, found, "start event"):
+                return
+            self._record_conflicts(event.host, found, complete=False)
+            return
+        if (event.action is not ContainerAction.START
+                and event.container_id in self._conflicts.get(event.host, {})
+                and self._record_conflicts(event.host, {}, complete=False,
+                                           gone={event.container_id})):
+            self._serve_queue(now, changes)
         if record is None or record.host != event.host or not record.state.holds_gpus:
             if event.action is ContainerAction.START:
                 self._unexpected_container(event.lease_id, event.container_id, event.host, now,

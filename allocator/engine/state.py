@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from allocator import policy
+from allocator.adoption import Conflict
 from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
 from allocator.counters import Counters
@@ -90,9 +91,28 @@ class EngineState:
         self._stops_asked: OrderedDict[tuple[str, str], float] = OrderedDict()
         """(lease id, container id) -> when its stop was last asked, so that a container that
         heartbeats keep listing is not asked again every heartbeat (see :meth:`_ask_stop`)."""
+        self._fenced: set[str] = set()
+        """Hosts nothing is granted on until their first complete report since the start is
+        applied: the ledger may be behind what runs there (see :meth:`load`)."""
+        self._fence_until = started_at
+        """Until then, a request that does not fit waits in the queue instead of being
+        refused, since nodes not heard from yet may hold what it needs."""
+        self._fence_awaits_first_report = False
+        """A fenced load of a ledger that knew no node: it cannot know which nodes will report,
+        so requests wait until the first one has (the window closes then)."""
+        self._conflicts: dict[str, dict[str, list[Conflict]]] = {}
+        """host -> container id -> why its grant cannot be adopted (see :mod:`allocator.adoption`);
+        the GPUs named stay out of placement while the node lists the container."""
 
-    def load(self, state: LoadedState, now: float) -> None:
-        """Rebuild memory from the ledger (at start, after a failed commit, on takeover)."""
+    def load(self, state: LoadedState, now: float, *, fenced: bool = False) -> None:
+        """Rebuild memory from the ledger (at start, after a failed commit, on takeover).
+
+        ``fenced``: the ledger may be behind the nodes (a process start: the file may be
+        deleted, restored or another node's). Nothing is then granted on a node before its
+        first complete report has been applied, which adopts the containers the ledger does
+        not know (see :mod:`allocator.engine.node_truth`). A reload of a ledger this process
+        or the active one kept current needs no fence.
+        """
         self.started_at = now
         self.cluster = Cluster()
         for node in state.nodes:
@@ -109,6 +129,13 @@ class EngineState:
         self.agent_users = dict(state.agent_users)
         self._hosts_of_user = Counter(self.agent_users.values())
         self.leases, self.by_key, self._queue, self._by_host = {}, {}, [], {}
+        # Finished leases of the ledger: a container still running for one is a zombie to
+        # stop, never a lease the ledger forgot.
+        self.recent = OrderedDict((r.lease_id, r) for r in state.finished[-RECENT_FINAL_LEASES:])
+        self._fenced = set(self.cluster.nodes) if fenced else set()
+        self._fence_awaits_first_report = fenced and not self._fenced
+        self._fence_until = now + self.settings.start_fence_s if fenced else now
+        self._conflicts = {}
         for record in state.leases:
             self._track(record)
             if record.state.holds_gpus:

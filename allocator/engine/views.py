@@ -97,6 +97,7 @@ class Views(EngineState):
                 compute_capability=g.compute_capability, architecture=g.architecture,
                 mig_enabled=g.mig_enabled, mig_parent_uuid=g.mig_parent_uuid,
                 mig_profile=g.mig_profile,
+                conflict=g.conflict,
             )
             for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.order))
             if g.present

@@ -1,0 +1,108 @@
+"""Adoption: a running container whose lease the ledger does not know claims its GPUs again.
+
+Pure policy, no I/O: given the grant a container's labels carry (see
+:mod:`allocator.lease_container`), the node that reports it and the cluster as the engine holds
+it, say whether the grant can be taken back as a ``bound`` lease, or what contradicts it. The
+engine acts on the answer.
+
+Truth lives on the nodes: after a lost ledger, a restored backup or an allocator started on
+an empty volume, the containers still run on the GPUs they were given. Claiming those GPUs
+again, before anything else is granted on the node, is what keeps them from being handed out
+a second time. A grant that contradicts what the allocator already knows (two containers on
+one exclusive GPU, slices over a GPU's memory or slots, a GPU the node does not have) is not
+adopted: the GPUs it names stay out of placement while the container runs, and nothing is
+stopped to resolve it — that is a person's decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+
+from allocator.cluster import Cluster
+from allocator.protocol import ContainerGrant
+
+
+class ConflictKind(StrEnum):
+    """Why a container's grant cannot be adopted."""
+
+    WRONG_HOST = "wrong_host"
+    """The labels name another node than the one that runs the container."""
+    UNKNOWN_GPU = "unknown_gpu"
+    """The labels name a GPU the node does not list."""
+    EXCLUSIVE_CONFLICT = "exclusive_conflict"
+    """The GPU is held already, and one of the two holds it exclusively."""
+    OVER_SLOTS = "over_slots"
+    """One more slice than the GPU has share slots."""
+    OVER_MEMORY = "over_memory"
+    """The slices' budgets would add up to more than the GPU's memory."""
+    REQUEST_KEY_TAKEN = "request_key_taken"
+    """Another active lease holds the request key (a server cannot have two)."""
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """One contradiction between a container's grant and what the allocator knows."""
+
+    kind: ConflictKind
+    gpu_uuid: str | None
+    message: str
+
+
+def judge(lease_id: str, grant: ContainerGrant, host: str, cluster: Cluster,
+          active_key_holder: str | None) -> list[Conflict]:
+    """Every reason the grant of ``lease_id``, reported by ``host``, cannot be adopted now
+    (empty: adopt it). ``active_key_holder`` is the id of another active lease with the
+    grant's request key, if there is one."""
+    if grant.host != host:
+        return [Conflict(ConflictKind.WRONG_HOST, None,
+                         f"container of lease {lease_id} runs on {host} but its labels grant "
+                         f"GPUs of {grant.host}")]
+    conflicts: list[Conflict] = []
+    if active_key_holder is not None and active_key_holder != lease_id:
+        conflicts.append(Conflict(
+            ConflictKind.REQUEST_KEY_TAKEN, None,
+            f"request key {grant.request_key!r} of lease {lease_id} is held by active lease "
+            f"{active_key_holder}"))
+    for gpu_uuid in grant.gpu_uuids:
+        gpu = cluster.gpus.get(gpu_uuid)
+        if gpu is None or gpu.host != host or not gpu.present:
+            conflicts.append(Conflict(ConflictKind.UNKNOWN_GPU, gpu_uuid,
+                                      f"lease {lease_id} names GPU {gpu_uuid}, which {host} "
+                                      "does not list"))
+            continue
+        if not gpu.allocatable:
+            conflicts.append(Conflict(ConflictKind.UNKNOWN_GPU, gpu_uuid,
+                                      f"lease {lease_id} names GPU {gpu_uuid} of {host} whole, "
+                                      "but it is in MIG mode (only its instances are granted)"))
+            continue
+        claims = cluster.claims_on(gpu_uuid)
+        holders = ", ".join(sorted(c.lease_id for c in claims))
+        if claims and (not grant.shared or any(c.exclusive for c in claims)):
+            conflicts.append(Conflict(
+                ConflictKind.EXCLUSIVE_CONFLICT, gpu_uuid,
+                f"lease {lease_id} claims GPU {gpu_uuid} on {host}, held already by {holders}"))
+            continue
+        if not grant.shared:
+            continue
+        if len(claims) + 1 > gpu.share_slots:
+            conflicts.append(Conflict(
+                ConflictKind.OVER_SLOTS, gpu_uuid,
+                f"lease {lease_id} would be slice {len(claims) + 1} of GPU {gpu_uuid} on "
+                f"{host}, which has {gpu.share_slots} slot(s) ({holders})"))
+        promised = sum(c.memory_mib for c in claims) + (grant.memory_mib or 0)
+        if promised > gpu.memory_total_mib:
+            conflicts.append(Conflict(
+                ConflictKind.OVER_MEMORY, gpu_uuid,
+                f"lease {lease_id} would take the slices of GPU {gpu_uuid} on {host} to "
+                f"{promised} MiB of {gpu.memory_total_mib} MiB"))
+    return conflicts
+
+
+def units_of(grant: ContainerGrant, cluster: Cluster) -> Fraction:
+    """Quota units of an adopted grant, as :mod:`allocator.policy` counts a placement's."""
+    if not grant.shared:
+        return Fraction(len(grant.gpu_uuids))
+    gpu = cluster.gpus.get(grant.gpu_uuids[0])
+    return Fraction(1, gpu.share_slots if gpu is not None and gpu.share_slots > 0 else 1)
