@@ -103,10 +103,17 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, stop.set)
     await service.start()
     try:
-        await stop.wait()
+        stopping = asyncio.create_task(stop.wait())
+        failing = asyncio.create_task(service.failed.wait())
+        await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (stopping, failing):
+            task.cancel()
     finally:
         with contextlib.suppress(Exception):
             await service.stop()
+    if service.failure is not None:
+        print(f"gpu-allocator: {service.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -153,6 +153,24 @@ class AllocatorSettings(PolicySettings):
         "node: once the first one has), or after this long: then a node whose agent cannot "
         "list its containers is placed as usual. 0 turns the fence off.",
     )
+    ledger_log: Literal["off", "stream"] = Field(
+        default="off",
+        description="'stream': every committed batch is appended to a RabbitMQ stream "
+        "(ledger_log_stream) and read back before it is answered; every replica applies the "
+        "stream to its own ledger, so a standby on another node, with its own disk, takes over "
+        "with the whole ledger (docs/design.md, high availability). 'off': one ledger file, "
+        "shared by the replicas (one node).",
+    )
+    ledger_log_stream: str = Field(
+        default="swarm-gpu.ledger-log", min_length=1, max_length=200,
+        description="The stream queue of the replicated ledger log.",
+    )
+    ledger_log_max_bytes: int = Field(
+        default=20 * 1024**3, ge=1024**2,
+        description="Retention of the log stream: a replica whose ledger is older than the "
+        "oldest entry kept cannot catch up and refuses to serve (seed it from a backup).",
+    )
+
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> AllocatorSettings:

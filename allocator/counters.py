@@ -56,6 +56,8 @@ class Count(StrEnum):
     BATCH_FAILURES = "batch_failures"
     TAKEOVERS = "takeovers"
     POISONED = "poisoned"
+    FENCED_BATCHES = "fenced_batches"
+    """Batches a newer writer of the ledger log fenced: applied nowhere, given back."""
 
 
 ANOMALIES = (

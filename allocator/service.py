@@ -49,6 +49,7 @@ from allocator.protocol import (
     encode,
     error_reply,
 )
+from allocator.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
 from allocator.tasks import cancel_and_wait
 from allocator.topology import (
     AGENTS_EXCHANGE,
@@ -178,7 +179,12 @@ class AllocatorService:
     def __init__(self, settings: AllocatorSettings, *, clock: Callable[[], float] = time.time):
         self.settings = settings
         self.clock = clock
-        self.ledger = Ledger(settings.ledger_path, synchronous=settings.ledger_synchronous)
+        # With the replicated log, the log is the durable record: a replica's file may lose
+        # its last transactions in a power cut and replays them from its recorded position
+        # (kept in the same transactions), so it needs no fsync per batch.
+        self.ledger = Ledger(settings.ledger_path,
+                             synchronous="normal" if settings.ledger_log == "stream"
+                             else settings.ledger_synchronous)
         self.engine = Engine(settings, started_at=clock())
         self.stats = ServiceStats()
         self.metrics = metrics.AllocatorMetrics()
@@ -199,6 +205,12 @@ class AllocatorService:
         self.metrics_server: metrics.MetricsServer | None = None
         self._stopped = False
         self.started = asyncio.Event()
+        self.log: ReplicatedLog | None = None
+        """The replicated ledger log (``ledger_log = "stream"``), or None: one shared file."""
+        self.failure: str | None = None
+        """Why this allocator stopped serving (its ledger is not the log's history)."""
+        self.failed = asyncio.Event()
+        self._watchdog: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ life
 
@@ -209,6 +221,15 @@ class AllocatorService:
         # node's volume); each node's first complete report comes before any grant there.
         await self._reload(fenced=True)
         self._connection = await self._connect()
+        if self.settings.ledger_log == "stream":
+            # Follow the log before consuming requests: a ledger that is not the log's
+            # history must be found out before it could serve.
+            self.log = ReplicatedLog(self.ledger, self.settings.ledger_log_stream,
+                                     max_bytes=self.settings.ledger_log_max_bytes,
+                                     timeout_s=self.settings.request_timeout_s)
+            await self.log.start(self._connection)
+            self._watchdog = asyncio.create_task(self._watch_log(self.log),
+                                                 name="allocator-log-watch")
         self._channel = await self._connection.channel(publisher_confirms=False)
         await self._channel.set_qos(prefetch_count=self.settings.prefetch)
         self._queue = await declare_topology(self._channel, self.settings.queue_name)
@@ -271,8 +292,10 @@ class AllocatorService:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(STOP_STEP_S):
                     await self._queue.cancel(self._consumer_tag)
-        await cancel_and_wait(self._tasks, within=STOP_STEP_S)
-        self._tasks = []
+        await cancel_and_wait([*self._tasks, self._watchdog], within=STOP_STEP_S)
+        self._tasks, self._watchdog = [], None
+        if self.log is not None:
+            await self.log.stop()
         if self._connection is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(STOP_STEP_S):
@@ -315,6 +338,9 @@ class AllocatorService:
         standby. An allocator alone with a silent cluster counts as active: its timers must
         still notice the silence.
         """
+        if self.log is not None:
+            # With the log, the writer is whoever made the newest accepted claim.
+            return not self.log.is_writer
         if (self._last_delivery is not None
                 and time.monotonic() - self._last_delivery < self.settings.standby_after_s):
             return False
@@ -346,10 +372,38 @@ class AllocatorService:
                 except Exception:  # a dead applier would leave the queue unanswered for good
                     log.exception("could not answer a failed batch")
 
+    async def _watch_log(self, replicated: ReplicatedLog) -> None:
+        """Stop serving for good when the log turns out not to be this ledger's history."""
+        await replicated.mismatch_event.wait()
+        self.failure = str(replicated.mismatch)
+        if self._queue is not None and self._consumer_tag is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._queue.cancel(self._consumer_tag), 5)
+            self._consumer_tag = None
+        self.failed.set()
+
+    async def _become_writer(self, replicated: ReplicatedLog) -> None:
+        """Claim the log (single-active-consumer made this allocator the active one) and
+        rebuild memory from the ledger, which now holds every entry before the claim."""
+        genesis = await replicated.claim()
+        self.stats.counters.add(Count.TAKEOVERS)
+        # A log started here from an empty or unlogged ledger may be behind the nodes; a
+        # ledger caught up with the log is not.
+        await self._reload(fenced=genesis)
+
     async def _apply_batch(self, batch: list[object]) -> None:
         began = time.monotonic()
         poisoned: dict[int, _Pending | None] = {}
         takeovers = 0
+        replicated = self.log
+        if replicated is not None and not replicated.is_writer:
+            try:
+                await self._become_writer(replicated)
+            except (LogFenced, LogMismatch, LogUnavailable) as exc:
+                log.warning("not the writer of the ledger log (%s); the batch goes back to "
+                            "the queue", exc)
+                await self._requeue(batch)
+                return
         while True:
             try:
                 changes, pending = self._apply_in_memory(batch, poisoned)
@@ -369,7 +423,21 @@ class AllocatorService:
                 self.ledger.commit(batch_changes, expect_version=self._data_version)
 
             try:
-                await self.ledger.run(commit)
+                if replicated is not None:
+                    if changes:
+                        await replicated.append(changes)
+                else:
+                    await self.ledger.run(commit)
+            except (LogFenced, LogMismatch) as exc:
+                # Deposed (or stopped): the batch was applied nowhere. Memory holds its
+                # decisions: rebuild it, answer nothing, and give the messages back to the
+                # queue for the active allocator.
+                log.warning("batch fenced, not applied (%s); its messages go back to the "
+                            "queue", exc)
+                self.stats.counters.add(Count.FENCED_BATCHES)
+                await self._reload()
+                await self._requeue(batch)
+                return
             except LedgerChanged:
                 takeovers += 1
                 if takeovers > 3:
@@ -580,6 +648,14 @@ class AllocatorService:
                     await entry.message.reject(requeue=False)
                 else:
                     await entry.message.ack()
+
+    async def _requeue(self, batch: list[object]) -> None:
+        """Give a batch's messages back to the broker unanswered (another allocator is the
+        writer; a quorum queue hands them to the active consumer)."""
+        for item in batch:
+            if isinstance(item, aio_pika.abc.AbstractIncomingMessage):
+                with contextlib.suppress(Exception):
+                    await item.nack(requeue=True)
 
     async def _recover(self, batch: list[object]) -> None:
         """After an unexpected error: rebuild from disk and answer what was asked."""

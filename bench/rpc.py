@@ -189,6 +189,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
             "SWARM_GPU_NODE_DOWN_AFTER_S": "86400",
             "SWARM_GPU_STOP_GRACE_S": "86400",
             "SWARM_GPU_LEDGER_SYNCHRONOUS": args.ledger_synchronous,
+            "SWARM_GPU_LEDGER_LOG": args.ledger_log,
         }
         allocator_log, echo_log = Path(tmp) / "allocator.log", Path(tmp) / "echo.log"
         allocator = start_process([sys.executable, "-m", "allocator.cli", "serve"],
@@ -227,6 +228,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "benchmark": "rpc",
         "inventory": {"hosts": args.hosts, "gpus": args.hosts * args.gpus_per_host},
         "ledger_synchronous": args.ledger_synchronous,
+        "ledger_log": args.ledger_log,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         **results,
         "ratios": {
@@ -250,6 +252,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--ledger-synchronous", choices=["full", "normal"], default="full",
                         help="the allocator's SQLite synchronous mode (default: full)")
+    parser.add_argument("--ledger-log", choices=["off", "stream"], default="off",
+                        help="the allocator's replicated ledger log (default: off); with "
+                        "stream the local ledger is not fsynced (the stream is the record)")
     parser.add_argument("--echo-server", metavar="AMQP_URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:

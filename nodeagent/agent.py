@@ -133,12 +133,7 @@ def gpu_use_by_container(
 
 def held_gpu_uuids(running: list[LeaseContainer]) -> set[str]:
     """GPU (and MIG instance) uuids the running lease containers hold, from their grants."""
-    held: set[str] = set()
-    for container in running:
-        grant = getattr(container, "grant", None)
-        if grant is not None:
-            held.update(grant.gpu_uuids)
-    return held
+    return {uuid for c in running if c.grant is not None for uuid in c.grant.gpu_uuids}
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,17 @@ def audit_ledger(path: Path, reports: dict[str, NodeReport] | None = None) -> Le
     return LedgerAudit(violations, leases, per_key, held, double)
 
 
+def backup_ledger(ledger: Path, target: Path) -> None:
+    """docs/operations.md's backup of a running allocator's ledger: ``VACUUM INTO``, one
+    consistent snapshot while the allocator keeps writing."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(ledger)
+    try:
+        conn.execute("VACUUM INTO ?", (str(target),))
+    finally:
+        conn.close()
+
+
 def gpu_ledger_check(path: Path, *, live_amqp: str | None = None,
                      listen_s: float = 2.0) -> subprocess.CompletedProcess[str]:
     """``gpu-ledger check --ledger PATH``, the operator's command after a fault; with

@@ -28,7 +28,14 @@ from typing import Any
 
 import aiodocker
 import pytest
-from faults import AllocatorProcess, assert_sound, audit_ledger, gpu_ledger_check, report
+from faults import (
+    AllocatorProcess,
+    assert_sound,
+    audit_ledger,
+    backup_ledger,
+    gpu_ledger_check,
+    report,
+)
 from support import GTX1070, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
@@ -102,15 +109,6 @@ def lose_ledger(ledger: Path, restore_from: Path | None) -> None:
         restore_from.rename(ledger)
 
 
-def backup(ledger: Path, target: Path) -> None:
-    """docs/operations.md's backup: one consistent snapshot while the allocator runs."""
-    conn = sqlite3.connect(ledger)
-    try:
-        conn.execute("VACUUM INTO ?", (str(target),))
-    finally:
-        conn.close()
-
-
 @pytest.mark.docker
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["deleted", "restored"])
@@ -142,7 +140,7 @@ async def test_a_lost_ledger_gets_its_running_leases_back_and_doubles_nothing(
             containers: dict[str, str] = {}
             for number, (user, share) in enumerate(users):
                 if number == before_backup and loss == "restored":
-                    await asyncio.to_thread(backup, ledger_path, saved)
+                    await asyncio.to_thread(backup_ledger, ledger_path, saved)
                 lease = await client.allocate(ask(user, host, share=share))
                 leases[lease.lease_id] = lease
                 containers[lease.lease_id] = await run(lease)

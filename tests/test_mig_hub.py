@@ -27,8 +27,9 @@ from test_hub_e2e import (
 )
 
 from allocator.client import AllocatorClient
-from allocator.protocol import LeaseState
+from allocator.protocol import Health, LeaseState
 from nodeagent.agent import NodeAgent
+from nodeagent.mig import REMOVED_REASON
 from nodeagent.simulated import (
     make_gpu,
     make_mig_gpu,
@@ -98,6 +99,14 @@ async def test_notebook_gets_the_instance_uuids_and_keeps_them_through_a_reparti
         async def new_layout_seen() -> bool:
             return any(g.uuid == new_uuid for g in (await client.inventory()).gpus)
         await eventually(new_layout_seen, what="the new instance")
+
+        # The container's grant labels name the removed instances: the agent still reports
+        # them, unhealthy, so they stay held and nothing new is placed on them.
+        async def removed_but_reported() -> bool:
+            gpus = {g.uuid: g for g in (await client.inventory()).gpus}
+            return all(u in gpus and gpus[u].health is Health.UNHEALTHY
+                       and REMOVED_REASON in gpus[u].health_reasons for u in small)
+        await eventually(removed_but_reported, what="held instances still reported")
         await asyncio.sleep(1.5)  # a few more heartbeats: the lease must stay as it is
         held = await client.status(lease_id=lease.lease_id)
         assert held.state is LeaseState.BOUND and sorted(held.gpu_uuids) == small
@@ -109,4 +118,8 @@ async def test_notebook_gets_the_instance_uuids_and_keeps_them_through_a_reparti
         await hub.stop_server("carol")
         await eventually(lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED),
                          what="released")
-        assert agent.heartbeats_sent > 0
+
+        async def removed_gone() -> bool:
+            return not {g.uuid for g in (await client.inventory()).gpus} & set(small)
+        await eventually(removed_gone, what="the removed instances no longer reported")
+        assert agent.mig_layout.retained == frozenset()

@@ -1,0 +1,121 @@
+"""The replicated ledger log on the real broker, with real SQLite ledgers: epochs fence a
+deposed writer, every replica's ledger is the same history, and a ledger that is not the log's
+history is refused. (Whole allocator processes: tests/test_fault_ledger_log.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aio_pika
+import pytest
+from support import wait_until
+
+from allocator.ledger import Changes, Ledger
+from allocator.replication import Entry, LogFenced, LogMismatch, ReplicatedLog
+
+STREAM = "swarm-gpu.ledger-log"
+
+
+def batch(lease_id: str) -> Changes:
+    changes = Changes()
+    changes.leases[lease_id] = {"lease_id": lease_id, "request_key": f"k/{lease_id}/",
+                                "user": "u", "state": "queued", "created_at": 1.0,
+                                "groups": [], "request": {}, "gpu_uuids": [], "env": {}}
+    changes.event(1.0, "test", lease_id=lease_id)
+    return changes
+
+
+@contextlib.asynccontextmanager
+async def replica(url: str, path: Path) -> AsyncIterator[ReplicatedLog]:
+    ledger = Ledger(path)
+    ledger.open()
+    connection = await aio_pika.connect_robust(url, timeout=10)
+    replicated = ReplicatedLog(ledger, STREAM, max_bytes=64 << 20, timeout_s=5)
+    try:
+        await replicated.start(connection)
+        yield replicated
+    finally:
+        await replicated.stop()
+        await connection.close()
+        ledger.close()
+
+
+def lease_ids(path: Path) -> list[str]:
+    conn = sqlite3.connect(path)
+    try:
+        return [row[0] for row in conn.execute("SELECT lease_id FROM leases ORDER BY lease_id")]
+    finally:
+        conn.close()
+
+
+async def test_a_deposed_writer_is_fenced_and_every_replica_has_one_history(
+        amqp_vhost, tmp_path: Path) -> None:
+    url = amqp_vhost.url
+    async with (replica(url, tmp_path / "a.sqlite") as a,
+                replica(url, tmp_path / "b.sqlite") as b,
+                replica(url, tmp_path / "c.sqlite") as c):
+        assert await a.claim() is True  # the log's first entry
+        await a.append(batch("from-a-1"))
+
+        async def b_read_both() -> bool:
+            return b.position is not None and b.position.offset == 1
+        await wait_until(b_read_both, within=10)
+        assert await b.claim() is False  # b takes over (a is still running: two "actives")
+        await b.append(batch("from-b-1"))
+        # a has read b's claim: it knows it is deposed and writes nothing.
+        with pytest.raises(LogFenced):
+            await a.append(batch("from-a-refused"))
+        assert not a.is_writer and b.is_writer
+        # A write a made before it saw b's claim, arriving after it: what a deposed writer's
+        # in-flight append looks like on the stream. Every replica skips it.
+        assert a.position is not None
+        late = Entry("batch", a.position.log_id, "late-entry", 1, a.writer_id,
+                     changes=batch("from-a-late").to_json())
+        connection = await aio_pika.connect(url, timeout=10)
+        async with connection:
+            channel = await connection.channel()
+            await channel.default_exchange.publish(aio_pika.Message(body=late.encode()),
+                                                   routing_key=STREAM)
+        await b.append(batch("from-b-2"))
+
+        async def caught_up() -> bool:
+            return all(r.position is not None and b.position is not None
+                       and r.position.offset == b.position.offset for r in (a, c))
+        await wait_until(caught_up, within=10)
+    histories = {name: lease_ids(tmp_path / f"{name}.sqlite") for name in "abc"}
+    assert histories == {name: ["from-a-1", "from-b-1", "from-b-2"] for name in "abc"}
+    assert (a.entries_fenced, b.entries_fenced, c.entries_fenced) == (1, 1, 1)
+
+
+async def test_a_ledger_that_is_not_the_logs_history_is_refused(amqp_vhost,
+                                                                tmp_path: Path) -> None:
+    url = amqp_vhost.url
+    async with replica(url, tmp_path / "a.sqlite") as a:
+        await a.claim()
+        await a.append(batch("one"))
+    # A ledger with data that never was part of this log (another cluster's, or one from
+    # before the log was turned on).
+    other = Ledger(tmp_path / "other.sqlite")
+    other.open()
+    other.call(lambda: other.commit(batch("someone-else")))
+    other.close()
+    async with replica(url, tmp_path / "other.sqlite") as stranger:
+        assert await asyncio.wait_for(stranger.mismatch_event.wait(), 10) is True
+        assert "not the history" in str(stranger.mismatch)
+        with pytest.raises(LogMismatch):
+            await stranger.claim()
+    assert lease_ids(tmp_path / "other.sqlite") == ["someone-else"], "nothing applied to it"
+    # An empty ledger replays the whole log; an old copy of a replica catches up.
+    async with replica(url, tmp_path / "a.sqlite") as again:
+        await again.claim()
+        await again.append(batch("two"))
+    async with replica(url, tmp_path / "fresh.sqlite") as fresh:
+        async def replayed() -> bool:
+            return fresh.position is not None and fresh.position.offset >= 3
+        await wait_until(replayed, within=10)
+        assert fresh.mismatch is None
+    assert lease_ids(tmp_path / "fresh.sqlite") == ["one", "two"]
