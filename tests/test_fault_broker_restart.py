@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -108,8 +109,11 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
         assert first.state is LeaseState.GRANTED
 
         # Calls in flight when the broker goes: hold the allocator's ledger thread (a slow
-        # disk) so that they are delivered but not yet answered.
-        stall = asyncio.create_task(allocator.ledger.run(lambda: time.sleep(2.0)))
+        # disk) until the broker is down, so that they are delivered but cannot be answered.
+        # Held by an event, not a fixed sleep: stopping the broker takes seconds on a loaded
+        # machine, and a stall that ends first lets the calls be answered.
+        broker_down = threading.Event()
+        stall = asyncio.create_task(allocator.ledger.run(lambda: broker_down.wait(60.0)))
         await asyncio.sleep(0.05)
         pending = [asyncio.create_task(outcome(c)) for c in (
             client.allocate(ask("bob")), client.status(lease_id=first.lease_id),
@@ -117,7 +121,10 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
         await asyncio.sleep(0.5)
         assert not any(task.done() for task in pending), "the calls are pending"
         stopped_at = time.monotonic()
-        figures["broker_stop_s"] = round(await asyncio.to_thread(broker.stop), 2)
+        try:
+            figures["broker_stop_s"] = round(await asyncio.to_thread(broker.stop), 2)
+        finally:
+            broker_down.set()
         results = await asyncio.gather(*pending)
         await stall
         for name, seconds in results:
