@@ -131,7 +131,7 @@ async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractR
             last = exc
             with contextlib.suppress(Exception):
                 await connection.close()
-            log.warning("broker %s not reachable: %s", redact(ordered[0]),
+            log.warning("broker node %s not reachable: %s", broker_address(ordered[0]),
                         str(exc) or type(exc).__name__)
             continue
         connection.arm()
@@ -143,13 +143,16 @@ async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractR
 async def connect(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractConnection:
     """A plain connection to the first node of ``amqp_url`` that answers."""
     last: BaseException | None = None
-    for url in broker_urls(amqp_url):
+    urls = broker_urls(amqp_url)
+    for url in urls:
         try:
             plain: aio_pika.abc.AbstractConnection = await aio_pika.connect(url, **kwargs)
             return plain
         except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError) as exc:
             last = exc
-            log.info("broker %s not reachable: %s", redact(url), str(exc) or type(exc).__name__)
+            if len(urls) > 1:  # the caller says why when no node answers
+                log.info("broker node %s not reachable: %s", broker_address(url),
+                         str(exc) or type(exc).__name__)
     assert last is not None
     raise last
 
