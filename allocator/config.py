@@ -267,6 +267,7 @@ def guarantee_problem(settings: PolicySettings, cluster_gpus: float) -> str | No
                     f"the cluster's {cluster_gpus:g} (strict_guarantees is set)")
     return None
 
+
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> AllocatorSettings:
     """The settings: ``overrides`` over the environment over the TOML file over defaults.
 
