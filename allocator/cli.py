@@ -91,11 +91,7 @@ def _one_line(exc: Exception) -> str:
     if isinstance(exc, AllocatorError):
         return f"{exc.code.value}: {exc.message}"
     if isinstance(exc, ValidationError):
-        # One line per setting would be several; the first says what to fix.
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"])
-        message = str(first["msg"]).removeprefix("Value error, ")
-        return f"invalid settings: {where + ': ' if where else ''}{message}"
+        return f"invalid settings: {settings_error_line(exc)}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
@@ -106,7 +102,7 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, **overrides)
     except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
-        print(f"gpu-allocator: bad settings: {settings_error_line(exc)}", file=sys.stderr)
+        print(f"gpu-allocator: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
         return 1
     service = AllocatorService(settings)
     stop = asyncio.Event()

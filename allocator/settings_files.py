@@ -90,10 +90,13 @@ def settings_error_line(exc: Exception) -> str:
     """One line saying what is wrong with the settings (a bad value, a bad or missing file)."""
     if isinstance(exc, ValidationError):
         errors = exc.errors(include_url=False)
-        parts = [f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
-                 + (f" (got {err['input']!r})" if isinstance(err.get("input"), str | int | float)
-                    else "")
-                 for err in errors[:5]]
+        parts = []
+        for err in errors[:5]:
+            where = ".".join(str(part) for part in err["loc"])
+            message = str(err["msg"]).removeprefix("Value error, ")
+            value = err.get("input")
+            got = f" (got {value!r})" if where and isinstance(value, str | int | float) else ""
+            parts.append(f"{where + ': ' if where else ''}{message}{got}")
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         return "; ".join(parts) + more
     if isinstance(exc, tomllib.TOMLDecodeError):

@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(**given)
     except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
-        print(f"gpu-nodeagent: bad settings: {settings_error_line(exc)}", file=sys.stderr)
+        print(f"gpu-nodeagent: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
         return 2
     return asyncio.run(run(settings))
 

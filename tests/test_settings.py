@@ -116,12 +116,12 @@ def one_line_error(args: list[str], env: dict[str, str]) -> tuple[int, list[str]
 def test_a_bad_value_is_one_line_naming_the_setting(tmp_path: Path) -> None:
     code, lines = one_line_error(["nodeagent.cli", "--interval", "-1", "--no-docker"], {})
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("gpu-nodeagent: bad settings: interval_s: ")
+    assert lines[0].startswith("gpu-nodeagent: invalid settings: interval_s: ")
     assert "greater than 0" in lines[0] and "'-1'" in lines[0]
 
     code, lines = one_line_error(["allocator.cli", "serve"], {"SWARM_GPU_BATCH_MAX": "0"})
     assert code == 1 and len(lines) == 1, lines
-    assert lines[0].startswith("gpu-allocator: bad settings: batch_max: ")
+    assert lines[0].startswith("gpu-allocator: invalid settings: batch_max: ")
 
     broken = tmp_path / "broken.toml"
     broken.write_text("tick_s = [\n")
@@ -130,5 +130,5 @@ def test_a_bad_value_is_one_line_naming_the_setting(tmp_path: Path) -> None:
 
     missing = tmp_path / "missing.toml"
     code, lines = one_line_error(["nodeagent.cli"], {"SWARM_GPU_AGENT_CONFIG": str(missing)})
-    assert code == 2 and lines == [f"gpu-nodeagent: bad settings: settings file not found: "
+    assert code == 2 and lines == [f"gpu-nodeagent: invalid settings: settings file not found: "
                                    f"{missing}"], lines
