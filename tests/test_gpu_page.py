@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import time
@@ -32,6 +33,8 @@ from allocator.protocol import (
     LeaseState,
     ProcessUse,
 )
+from hubplugin.page.history import UsageHistory
+from hubplugin.page.usage import UsagePoint
 
 pytestmark = [pytest.mark.hub, pytest.mark.browser, pytest.mark.slow]
 
@@ -79,6 +82,25 @@ class Cluster:
 
 
 @pytest.fixture
+async def allocator(amqp_vhost: Any, ledger_path: Path) -> AsyncIterator[Any]:
+    """The real allocator, with guarantees: each user is guaranteed one GPU and may borrow
+    one more; a reclaim warning stays pending for ten minutes."""
+    from allocator.config import AllocatorSettings
+    from allocator.service import AllocatorService
+
+    service = AllocatorService(AllocatorSettings(
+        amqp_url=amqp_vhost.url, ledger_path=ledger_path, allow_any_node_user=True,
+        admin_users=["guest"], tick_s=0.1, start_fence_s=0,
+        aliases={"1070": GTX1070, "3090": RTX3090},
+        default_user_quota=1, default_user_borrow_limit=2, reclaim_grace_s=600))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+@pytest.fixture
 async def cluster(nodes: NodeSimulator, allocator: Any) -> AsyncIterator[Cluster]:
     cluster = Cluster(nodes)
     task = asyncio.create_task(cluster.beat_forever())
@@ -108,9 +130,10 @@ async def page_hub(tmp_path: Path, chp_path: Path, amqp_vhost: Any) -> AsyncIter
         await hub.stop()
 
 
-async def lease_for(client: AllocatorClient, hub: Hub, user: str, model: str) -> Lease:
+async def lease_for(client: AllocatorClient, hub: Hub, user: str, model: str,
+                    server: str = "") -> Lease:
     lease = await client.allocate(AllocateRequest(
-        request_key=hub.request_key(user), user=user, groups=USERS[user], model=model))
+        request_key=hub.request_key(user, server), user=user, groups=USERS[user], model=model))
     assert lease.state is LeaseState.GRANTED, lease
     return lease
 
@@ -150,9 +173,33 @@ def open_page(browser: Browser, hub: Hub, user: str, *, until: str) -> str:
         time.sleep(1.0)
 
 
+async def seed_history(hub: Hub, leases: list[tuple[Lease, int]]) -> None:
+    """Three hours of plausible samples per lease, written into the page's own history file
+    (for the README's picture only: the assertions never see them)."""
+    history = UsageHistory(Path(hub.env["SWARM_GPU_PAGE_HISTORY_PATH"]), keep_s=4 * 3600)
+    await history.open()
+    try:
+        now = time.time()
+        rows = []
+        for n, (lease, memory_mib) in enumerate(leases):
+            total = 8192 if lease.model == GTX1070 else 24576
+            for i in range(360):
+                at = now - 3 * 3600 + i * 30
+                busy = 0.0 if n == 2 and i > 150 else \
+                    max(0.0, 60 + 30 * math.sin(i / (9 + 4 * n)) + 8 * math.sin(i / 2.3))
+                memory = memory_mib if i > 40 else memory_mib * i // 40
+                rows.append((lease.lease_id, lease.user,
+                             UsagePoint(at, min(busy, 100.0), memory, total)))
+        await history.record(rows)
+    finally:
+        await history.close()
+
+
 SEEN = """({
     url: location.href,
     leases: [...document.querySelectorAll('.sg-lease')].map(e => e.dataset.lease),
+    cards: Object.fromEntries([...document.querySelectorAll('.sg-lease')].map(
+        e => [e.dataset.lease, e.innerText])),
     text: document.getElementById('sg-page').innerText,
     lines: [...document.querySelectorAll('.sg-lease svg polyline.sg-util')].length,
     cluster: [...document.querySelectorAll('#sg-cluster tr.sg-gpu')].map(
@@ -165,18 +212,26 @@ async def test_users_see_their_own_gpus_and_admins_every_gpu(
     tmp_path: Path,
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
+        # alice: one GTX 1070 within her guarantee, busy; a second one borrowed, busy too.
+        # bob: an RTX 3090 whose processes do nothing.
         alice = await lease_for(client, page_hub, "alice", "1070")
+        borrowed = await lease_for(client, page_hub, "alice", "1070", server="extra")
         bob = await lease_for(client, page_hub, "bob", "3090")
+        own = await lease_for(client, page_hub, "admin", "3090")
+        assert (alice.borrowed, borrowed.borrowed, bob.borrowed) == (False, True, False)
         cluster.busy("gpu-a", alice.gpu_indices[0], 73.0, 3072)
-        cluster.busy("gpu-b", bob.gpu_indices[0], 12.0, 1024)
-        cluster.run(alice)
-        cluster.run(bob)
+        cluster.busy("gpu-a", borrowed.gpu_indices[0], 41.0, 1024)
+        cluster.busy("gpu-b", bob.gpu_indices[0], 0.0, 512)
+        cluster.busy("gpu-b", own.gpu_indices[0], 88.0, 18432)
+        for lease in (alice, borrowed, bob, own):
+            cluster.run(lease)
 
         # Nobody logged in: the hub's login, not the page.
         landed = await page_answers(page_hub)
         assert "/hub/login" in landed, landed
 
         shot = tmp_path / "gpu-page.png"
+        docs = os.environ.get("SWARM_GPU_UPDATE_DOCS") == "1"
 
         def drive() -> tuple[dict[str, Any], dict[str, Any]]:
             # one browser (its own cookies) per user, as two people would have
@@ -189,28 +244,39 @@ async def test_users_see_their_own_gpus_and_admins_every_gpu(
                 tab = open_page(browser, page_hub, "admin",
                                 until="!!document.getElementById('sg-cluster')")
                 as_admin = browser.evaluate(tab, SEEN)
+                if docs:  # the README's picture: hours of made-up history behind the charts
+                    asyncio.run(seed_history(page_hub, [(alice, 3072), (borrowed, 1024),
+                                                         (bob, 512), (own, 18432)]))
+                    browser.navigate(tab, page_hub.page_url)
                 browser.screenshot(tab, shot, full_page=True)
             return as_alice, as_admin
 
         as_alice, as_admin = await asyncio.to_thread(drive)
 
-        # alice: her own lease, its host, model and utilization now, a chart of samples.
+        # alice: her own two leases (never bob's), each with its host, model, utilization
+        # and memory now, guaranteed or borrowed, and a chart of samples.
         assert as_alice["url"] == page_hub.page_url
-        assert as_alice["leases"] == [alice.lease_id]
-        assert "gpu-a" in as_alice["text"] and GTX1070 in as_alice["text"]
-        assert "73 %" in as_alice["text"] and "3 GiB of 8 GiB" in as_alice["text"]
-        assert as_alice["lines"] == 1
+        assert sorted(as_alice["leases"]) == sorted([alice.lease_id, borrowed.lease_id])
+        mine, extra = as_alice["cards"][alice.lease_id], as_alice["cards"][borrowed.lease_id]
+        assert "default server" in mine and "gpu-a" in mine and GTX1070 in mine
+        assert "73 %" in mine and "3 GiB of 8 GiB" in mine and "within your guarantee" in mine
+        assert "server “extra”" in extra and "41 %" in extra and "borrowed" in extra
+        assert as_alice["lines"] == 2
         assert bob.lease_id not in as_alice["text"] and "bob" not in as_alice["text"]
         assert as_alice["cluster"] == [], "only admins see every GPU"
 
-        # admin: holds nothing, sees all four GPUs and who holds them.
-        assert as_admin["leases"] == []
+        # admin: their own lease, and all four GPUs, who holds them, idle and borrowing.
+        assert as_admin["leases"] == [own.lease_id]
         rows = {(row[0], row[1]): row for row in as_admin["cluster"]}
         assert set(rows) == {("gpu-a", "0"), ("gpu-a", "1"), ("gpu-b", "0"), ("gpu-b", "1")}
-        holders = sorted(row[6].split(" ")[0] for row in rows.values() if row[3] == "held")
-        assert holders == ["alice", "bob"]
-        assert sum(row[3] == "free" for row in rows.values()) == 2
+        held = {row[6].split(" ")[0] + ":" + row[8]: row for row in rows.values()
+                if row[3] == "held"}
+        assert sorted(held) == ["admin:guaranteed", "alice:borrowed", "alice:guaranteed",
+                                "bob:guaranteed"]
+        assert held["bob:guaranteed"][7] != "—", "bob's processes do nothing: idle"
+        assert held["alice:guaranteed"][7] == "—"
 
         assert shot.stat().st_size > 10_000
-        if os.environ.get("SWARM_GPU_UPDATE_DOCS") == "1":
+        if docs:
             shutil.copyfile(shot, REPO_ROOT / "docs" / "gpu-page.png")
+

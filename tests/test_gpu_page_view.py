@@ -143,3 +143,21 @@ async def test_history_keeps_samples_for_its_window_only(tmp_path: Path) -> None
         assert len((await reopened.points(["L1"], since=0))["L1"]) == 2
     finally:
         await reopened.close()
+
+
+def test_a_pending_reclaim_shows_its_deadline_and_why() -> None:
+    warned = lease(lease_id="L-warned", request_key="hub/alice/extra", user="alice",
+                   host="gpu-a", gpu_uuids=["GPU-gpu-a-1"], gpu_indices=[1], borrowed=True,
+                   idle_since=NOW - 900, reclaim_at=NOW + 240, reclaim_reason="reclaimed")
+    context = page_context(cluster_with([ALICE, warned]), Viewer("alice", is_admin=False), {},
+                           now=NOW, window=WINDOW, hub_id="hub")
+    cards = {card["lease_id"]: card for card in context["held"]}
+    assert cards["L-alice"]["reclaim"] is None and cards["L-alice"]["share"] == "guaranteed"
+    assert cards["L-warned"]["share"] == "borrowed" and cards["L-warned"]["idle"] == "15 min"
+    html = template(TEMPLATE).render({**context, "refresh_s": 0})
+    warnings = re.findall(r'<div class="sg-note sg-danger sg-reclaim"[^>]*>(.*?)</div>', html)
+    assert len(warnings) == 1
+    assert f'data-deadline="{NOW + 240:.0f}"' in html
+    deadline = time.strftime("%H:%M UTC", time.gmtime(NOW + 240))
+    assert f"server “extra” will be stopped at {deadline}</strong> (in 4 min)" in warnings[0]
+    assert "borrowed beyond your guarantee" in warnings[0]

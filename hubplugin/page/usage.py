@@ -1,10 +1,12 @@
 """What a lease uses of its GPUs at one moment: pure, from the allocator's inventory reply.
 
-The allocator reports each GPU's utilization and memory in use (from its node agent's
-heartbeat). A lease's use is taken over the GPUs it holds: utilization is their mean, memory
-their sum, against the memory it may use (its GPUs' memory, or a shared slice's budget). For a
-shared slice the GPU-level numbers include the other slices' processes, so the page marks them
-as the whole GPU's.
+The allocator measures a bound lease's own processes on its GPUs (from the node agent's
+per-container accounting): ``Lease.utilization_pct`` (mean over its GPUs) and
+``Lease.gpu_memory_used_mib`` (their sum). Where it has no such numbers (a lease not bound yet,
+a node that cannot tell processes apart) the GPUs' own numbers stand in: their mean
+utilization and summed memory — exact for exclusive GPUs; for a shared slice they include the
+other slices' processes, so the page marks them as the whole GPU's. Memory is measured against
+what the lease may use: its GPUs' memory, or a shared slice's budget.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ def lease_usage(lease: Lease, gpus: Mapping[str, GPUView], at: float) -> UsagePo
     held = [gpus[uuid] for uuid in lease.gpu_uuids if uuid in gpus]
     if not held:
         return None
-    utilizations = [g.utilization_pct for g in held if g.utilization_pct is not None]
     memory_total = lease.memory_mib if lease.shared and lease.memory_mib else \
         sum(g.memory_total_mib for g in held)
+    if lease.utilization_pct is not None or lease.gpu_memory_used_mib is not None:
+        return UsagePoint(at, lease.utilization_pct, lease.gpu_memory_used_mib, memory_total)
+    utilizations = [g.utilization_pct for g in held if g.utilization_pct is not None]
     return UsagePoint(
         at=at,
         utilization_pct=sum(utilizations) / len(utilizations) if utilizations else None,

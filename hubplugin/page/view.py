@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from allocator.model_names import display_name
-from allocator.protocol import GPUView, InventoryReply, Lease, LeaseState
+from allocator.protocol import GPUView, InventoryReply, Lease, LeaseState, ReclaimReason
 
 from ..options import request_key
 from ..templating import format_mib
@@ -90,19 +90,16 @@ def _memory(point: UsagePoint | None) -> str:
 
 def _fair_share(lease: Lease, now: float) -> dict[str, Any]:
     """Guaranteed or borrowed, idle time and a pending reclaim, as the allocator says."""
-    borrowed: bool | None = getattr(lease, "borrowed", None)
-    idle_since: float | None = getattr(lease, "idle_since", None)
-    reclaim_at: float | None = getattr(lease, "reclaim_at", None)
-    reclaim_reason: str | None = getattr(lease, "reclaim_reason", None)
     reclaim = None
-    if reclaim_at is not None:
-        why = ("it has been idle and someone is waiting for a GPU" if reclaim_reason == "idle"
-               else "it is borrowed beyond your guarantee and someone within theirs is waiting")
-        reclaim = {"at": clock(reclaim_at), "in": duration(reclaim_at - now), "why": why,
-                   "epoch": f"{reclaim_at:.0f}"}
+    if lease.reclaim_at is not None:
+        why = ("it has been idle while others wait for a GPU"
+               if lease.reclaim_reason is ReclaimReason.IDLE
+               else "it is borrowed beyond your guarantee, and someone within theirs waits")
+        reclaim = {"at": clock(lease.reclaim_at), "in": duration(lease.reclaim_at - now),
+                   "why": why, "epoch": f"{lease.reclaim_at:.0f}"}
     return {
-        "share": None if borrowed is None else ("borrowed" if borrowed else "guaranteed"),
-        "idle": None if idle_since is None else duration(now - idle_since),
+        "share": "borrowed" if lease.borrowed else "guaranteed",
+        "idle": None if lease.idle_since is None else duration(now - lease.idle_since),
         "reclaim": reclaim,
     }
 
@@ -128,7 +125,7 @@ def lease_card(lease: Lease, gpus: Mapping[str, GPUView], history: Sequence[Usag
         "host": lease.host or "—",
         "model": model,
         "what": what,
-        "shared": lease.shared,
+        "whole_gpu": lease.shared and lease.utilization_pct is None,
         "since": f"{clock(since)} ({duration(now - since)} ago)",
         "utilization": _percent(point.utilization_pct if point else None),
         "memory": _memory(point),
