@@ -4,8 +4,9 @@ Public surface for other parts (:data:`PUBLIC_SURFACE`): :mod:`allocator.protoco
 (messages), :mod:`allocator.topology` (broker names), :mod:`allocator.client` (the RPC
 client), :mod:`allocator.model_names` (which spellings mean which GPU model) and
 :mod:`allocator.lease_container` (the label and environment of a lease's container),
-:mod:`allocator.heartbeat_delta` (what a heartbeat delta carries and how it applies) and
-:mod:`allocator.tasks` (bounded shutdown of background tasks).
+:mod:`allocator.heartbeat_delta` (what a heartbeat delta carries and how it applies),
+:mod:`allocator.tasks` (bounded shutdown of background tasks) and
+:mod:`allocator.settings_files` (how a process reads its settings: sources, the TOML file).
 The node agent and the hub plugin import nothing else of the allocator.
 """
 
@@ -19,5 +20,6 @@ PUBLIC_SURFACE = frozenset({
     "allocator.lease_container",
     "allocator.heartbeat_delta",
     "allocator.tasks",
+    "allocator.settings_files",
 })
 """The modules other parts may import."""
