@@ -11,14 +11,18 @@ the allocator's public surface, like :mod:`allocator.protocol`).
   heartbeat it stands for with :func:`apply_delta`, or learns that the delta does not fit (a
   gap in ``seq``): then it applies nothing but liveness and waits for the next full report.
 
-Telemetry (memory used, utilization, temperature, power) counts as changed only beyond
-:class:`Thresholds`, compared with the value last *reported*, so that slow drift adds up to a
-change instead of hiding under the threshold forever. Anything else about a GPU (health and
+Telemetry (memory used, utilization, temperature, power) counts as changed only when it left
+the band of :class:`Thresholds` width (0-5 %, 5-10 %, ...) that holds the value last *reported*:
+slow drift adds up to a change instead of hiding under the threshold forever, the value held is
+never a threshold or more off, and every crossing of a multiple of the threshold is reported
+(keep the allocator's ``idle_utilization_pct`` a multiple of the agent's
+``delta_utilization_pct``, both 5 by default, and idle detection sees every crossing). Anything else about a GPU (health and
 its reasons, XIDs, ECC, MIG, identity) or a container (its grant, name, start) counts at once.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -28,7 +32,8 @@ from allocator.protocol import ContainerInfo, GPUInfo, Heartbeat, HeartbeatDelta
 
 @dataclass(frozen=True)
 class Thresholds:
-    """How far telemetry must move from the reported value to count as a change."""
+    """The band widths of telemetry: a reading counts as changed when it left the band that
+    holds the value last reported."""
 
     utilization_pct: float = 5.0
     memory_mib: int = 256
@@ -48,9 +53,14 @@ _IDENTITY = ("uuid", "index", "model", "memory_total_mib", "mig_mode", "mig_pare
 
 
 def _moved(old: float | None, new: float | None, threshold: float) -> bool:
+    """Whether a reading left the band of width ``threshold`` (0-5, 5-10, ...) that holds the
+    value last reported: never more than a threshold off, and every crossing of a multiple
+    of it is reported (the allocator's idle line at 5 % among them)."""
     if old is None or new is None:
         return old is not new
-    return abs(new - old) > threshold if threshold > 0 else new != old
+    if threshold <= 0:
+        return new != old
+    return math.floor(old / threshold) != math.floor(new / threshold)
 
 
 def gpu_changed(old: GPUInfo, new: GPUInfo, thresholds: Thresholds) -> bool:

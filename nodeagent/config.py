@@ -114,7 +114,9 @@ class AgentSettings(FileSettings):
     delta_utilization_pct: float = Field(
         default=5.0, ge=0, le=100,
         description="A GPU's (or a container's) utilization counts as changed for a delta "
-        "when it moved more than this from the value last reported.")
+        "when it left the band of this width (0-5, 5-10, ...) that holds the value last "
+        "reported: never this much off, and every crossing of a multiple of it is sent. Keep "
+        "the allocator's idle_utilization_pct a multiple of it.")
     delta_memory_mib: int = Field(
         default=256, ge=0, le=1 << 20,
         description="Same for memory used (a GPU's, or a container's on a GPU), in MiB.")

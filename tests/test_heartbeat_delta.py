@@ -149,11 +149,13 @@ def test_with_thresholds_only_telemetry_lags_and_never_beyond_its_threshold(
             assert old.model_dump(exclude={"memory_used_mib", "utilization_pct",
                                            "temperature_c"}) == new.model_dump(
                 exclude={"memory_used_mib", "utilization_pct", "temperature_c"})
-            assert abs(old.memory_used_mib - new.memory_used_mib) <= thresholds.memory_mib
+            assert abs(old.memory_used_mib - new.memory_used_mib) < thresholds.memory_mib
             if old.utilization_pct is None or new.utilization_pct is None:
                 assert old.utilization_pct is new.utilization_pct
             else:
-                assert abs(old.utilization_pct - new.utilization_pct) <= thresholds.utilization_pct
+                assert abs(old.utilization_pct - new.utilization_pct) < thresholds.utilization_pct
+                # On the same side of every multiple of the threshold (the idle line at 5 %).
+                assert (old.utilization_pct < 5) == (new.utilization_pct < 5)
 
 
 def test_a_steady_host_sends_empty_deltas_and_a_changed_gpu_alone() -> None:
