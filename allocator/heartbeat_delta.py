@@ -16,8 +16,9 @@ the band of :class:`Thresholds` width (0-5 %, 5-10 %, ...) that holds the value 
 slow drift adds up to a change instead of hiding under the threshold forever, the value held is
 never a threshold or more off, and every crossing of a multiple of the threshold is reported
 (keep the allocator's ``idle_utilization_pct`` a multiple of the agent's
-``delta_utilization_pct``, both 5 by default, and idle detection sees every crossing). Anything else about a GPU (health and
-its reasons, XIDs, ECC, MIG, identity) or a container (its grant, name, start) counts at once.
+``delta_utilization_pct``, both 5 by default, and idle detection sees every crossing).
+Anything else about a GPU (health and its reasons, XIDs, ECC, MIG, identity) or a container
+(its grant, name, start) counts at once.
 """
 
 from __future__ import annotations
