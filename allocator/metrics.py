@@ -265,6 +265,10 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          service, Count.COMMAND_FAILURES),
         ("swarm_gpu_reply_failures", "Replies that could not be sent", service,
          Count.REPLY_FAILURES),
+        ("swarm_gpu_pushes", "Outcomes of queued requests (grant, expiry, withdrawal) "
+         "published to the waiting client", service, Count.PUSHES),
+        ("swarm_gpu_push_failures", "Outcomes of queued requests that could not be "
+         "published", service, Count.PUSH_FAILURES),
         ("swarm_gpu_dead_lettered", "Messages sent to the dead-letter queue",
          service, Count.DEAD_LETTERED),
         ("swarm_gpu_reply_to_refused", "Messages refused unanswered because their reply_to "

@@ -281,18 +281,13 @@ class GPUSwarmSpawner(SwarmSpawner):
         ``start_timeout`` defaults to ``wait_s + 120`` so the hub does not give up first.""",
     )
 
-    wait_poll_s = Float(
-        0.5, config=True, help="How often a queued request polls its position (seconds)."
-    )
-
-    wait_poll_head_s = Float(
-        0.05,
+    wait_recheck_s = Float(
+        15.0,
         config=True,
-        help="""How often the request first in the queue polls (seconds). It gets the next
-        GPU that fits, and the poll is most of what a hand-over waits once the old server's
-        container is stopped (docs/benchmarks.md: with 0.5 s the hand-over takes 2.3x a start
-        on a free GPU, with 0.05 s 1.4x). Only one request of the cluster is first, so this
-        adds at most 1/wait_poll_head_s status calls a second to the allocator.""",
+        help="""While a request waits in the queue, the allocator pushes its grant the moment
+        it is decided; the spawner asks ``status`` only after this many seconds without
+        news (an allocator that restarted forgets where to push). It also refreshes the
+        queue position shown on the spawn page.""",
     )
 
     gpu_form_template_paths = List(
@@ -572,38 +567,31 @@ class GPUSwarmSpawner(SwarmSpawner):
         client = self.allocator_client()
         self.gpu_request_key = request.request_key
         self._emit("Asking the GPU allocator for " + _describe_request(options), 10)
+        shown: list[int | None] = []
+
+        def on_queued(queued: Lease) -> None:
+            self.gpu_lease_id = queued.lease_id
+            if not shown or queued.queue_position != shown[-1]:
+                shown.append(queued.queue_position)
+                self._emit(_queue_message(queued.queue_position, wait), 15)
+
         try:
-            lease = await client.allocate(request)
+            try:
+                # A queued request's grant is pushed by the allocator the moment it is decided.
+                lease = await client.allocate_and_wait(
+                    request, recheck_s=self.wait_recheck_s, on_queued=on_queued)
+            except StillQueued:
+                raise AllocatorError(
+                    ErrorCode.NO_CAPACITY, f"none became free within {wait:g} s"
+                ) from None
+            except AllocatorError as exc:
+                if exc.code is not ErrorCode.NO_CAPACITY or not shown:
+                    raise
+                raise AllocatorError(
+                    ErrorCode.NO_CAPACITY,
+                    f"none became free while you waited {wait:g} s in the queue",
+                ) from None
             self.gpu_lease_id = lease.lease_id
-            if lease.state is LeaseState.QUEUED:
-                self._emit(_queue_message(lease.queue_position, wait), 15)
-                shown = [lease.queue_position]
-
-                def on_position(position: int) -> None:
-                    if position != shown[-1]:
-                        shown.append(position)
-                        self._emit(_queue_message(position, wait), 15)
-
-                try:
-                    lease = await client.wait_for_grant(
-                        request.request_key,
-                        wait_s=wait,
-                        poll_s=self.wait_poll_s,
-                        head_poll_s=self.wait_poll_head_s,
-                        on_position=on_position,
-                    )
-                except StillQueued:
-                    raise AllocatorError(
-                        ErrorCode.NO_CAPACITY, f"none became free within {wait:g} s"
-                    ) from None
-                except AllocatorError as exc:
-                    if exc.code is not ErrorCode.NO_CAPACITY:
-                        raise
-                    raise AllocatorError(
-                        ErrorCode.NO_CAPACITY,
-                        f"none became free while you waited {wait:g} s in the queue",
-                    ) from None
-                self.gpu_lease_id = lease.lease_id
         except AllocatorError as exc:
             if exc.code in _REFUSALS and exc.code is not ErrorCode.NO_CAPACITY:
                 # the allocator refused: it holds no lease for this request
