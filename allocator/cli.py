@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from allocator.client import AllocatorClient, AllocatorError
-from allocator.config import load_settings
+from allocator.config import ConfigurationError, load_settings
 from allocator.ledger import LedgerError
 from allocator.protocol import AllocateRequest, Lease, ShareRequest
 
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return asyncio.run(_serve(args))
         return asyncio.run(_client_command(args))
-    except (AllocatorError, LedgerError, ValidationError, OSError) as exc:
+    except (AllocatorError, LedgerError, ValidationError, ConfigurationError, OSError) as exc:
         print(f"gpu-allocator: {_one_line(exc)}", file=sys.stderr)
         return 1
 
@@ -88,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _one_line(exc: Exception) -> str:
     if isinstance(exc, AllocatorError):
         return f"{exc.code.value}: {exc.message}"
+    if isinstance(exc, ValidationError):
+        # One line per setting would be several; the first says what to fix.
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        return f"invalid settings: {where + ': ' if where else ''}{message}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 

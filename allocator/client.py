@@ -39,6 +39,8 @@ from allocator.protocol import (
     InventoryRequest,
     Lease,
     LeaseReply,
+    LeasesReply,
+    LeasesRequest,
     LeaseState,
     QueueReply,
     QueueRequest,
@@ -330,11 +332,21 @@ class AllocatorClient:
             InventoryRequest(include_leases=include_leases), InventoryReply, timeout_s
         )
 
-    async def quota(self, user: str, groups: Sequence[str] = (), *,
+    async def quota(self, user: str, groups: Sequence[str] = (), *, count: float | None = None,
                     timeout_s: float | None = None) -> QuotaReply:
-        """The user's quotas (theirs, then their groups') and what each holds now."""
-        return await self._expect(QuotaRequest(user=user, groups=list(groups)), QuotaReply,
-                                  timeout_s)
+        """The user's quotas (theirs, then their groups') and what each holds now; with
+        ``count``, also whether a grant of that many GPUs now would be borrowed."""
+        return await self._expect(QuotaRequest(user=user, groups=list(groups), count=count),
+                                  QuotaReply, timeout_s)
+
+    async def leases(self, user: str | None = None, *, include_finished_s: float = 0.0,
+                     include_usage: bool = False,
+                     timeout_s: float | None = None) -> LeasesReply:
+        """One user's leases (None: everyone's), with those ended within
+        ``include_finished_s`` and, with ``include_usage``, their per-minute GPU use."""
+        request = LeasesRequest(user=user, include_finished_s=include_finished_s,
+                                include_usage=include_usage)
+        return await self._expect(request, LeasesReply, timeout_s)
 
     async def queue(self, *, timeout_s: float | None = None) -> list[Lease]:
         """Queued requests in the order they will be served."""

@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from allocator import metrics
 from allocator.client import broker_user
-from allocator.config import AllocatorSettings
+from allocator.config import AllocatorSettings, ConfigurationError, guarantee_problem
 from allocator.counters import Count, Family, ServiceStats
 from allocator.engine import Engine, Sender
 from allocator.ledger import Changes, Ledger, LedgerChanged, LedgerError
@@ -228,6 +228,7 @@ class AllocatorService:
         # Fenced: this ledger may be behind what the nodes run (deleted, restored, another
         # node's volume); each node's first complete report comes before any grant there.
         await self._reload(fenced=True)
+        self._check_guarantees()
         self._connection = await self._connect()
         if self.settings.ledger_log == "stream":
             # Follow the log before consuming requests: a ledger that is not the log's
@@ -320,6 +321,20 @@ class AllocatorService:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+    def _check_guarantees(self) -> None:
+        """With ``strict_guarantees``: refuse to start when the guarantees cannot all be
+        honoured at once by the cluster (``cluster_gpus``, or the GPUs the ledger knows)."""
+        if not self.settings.strict_guarantees:
+            return
+        gpus = self.settings.cluster_gpus
+        if gpus is None:
+            gpus = sum(1 for gpu in self.engine.cluster.gpus.values()
+                       if gpu.present and gpu.allocatable)
+        problem = guarantee_problem(self.settings, gpus)
+        if problem is not None:
+            self.ledger.close()
+            raise ConfigurationError(problem)
 
     async def _reload(self, *, fenced: bool = False) -> None:
         """Rebuild the engine from the ledger (start, failed commit, takeover).

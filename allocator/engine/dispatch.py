@@ -18,6 +18,7 @@ from allocator.protocol import (
     ErrorCode,
     Heartbeat,
     InventoryRequest,
+    LeasesRequest,
     LeaseState,
     QueueReply,
     QueueRequest,
@@ -73,6 +74,8 @@ class Engine(NodeReconciliation):
             return self._drain(message, sender, now, changes)
         if isinstance(message, QuotaRequest):
             return self.quota(message)
+        if isinstance(message, LeasesRequest):
+            return self.leases_reply(message, now)
         raise TypeError(f"unhandled message kind {type(message).__name__}")
 
     def _never_ran_and_nobody_will_say(self, record: LeaseRecord, now: float) -> bool:

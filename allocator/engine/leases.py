@@ -211,6 +211,8 @@ class LeaseBook(Views, CommandOutbox):
         record.env = policy.lease_env(placement, self.cluster, record.lease_id)
         record.granted_at = now
         record.bind_deadline = now + self.settings.bind_timeout_s
+        record.borrowed = policy.would_borrow(placement.units, policy.quota_standings(
+            record.user, record.groups, self.cluster, self.settings, limited_only=True))
         policy.apply_placement(self.cluster, placement, record.lease_id, demand)
         self.index.refresh(self.cluster, placement.host)
         self.by_key[record.request_key] = record.lease_id
@@ -291,6 +293,13 @@ class LeaseBook(Views, CommandOutbox):
                 changes: Changes, *, by: str, note: str | None = None) -> None:
         """End a lease for good and free what it held."""
         old = record.state
+        if record.reclaim_stopped_at is not None and record.reclaim_reason is not None \
+                and reason is not ReleaseReason.ADMIN:
+            # Its container was stopped to reclaim it: however the end is noticed (die event,
+            # missing from a listing, silent node), that is why it ended.
+            reason = ReleaseReason(record.reclaim_reason.value)
+        self._close_idle_spell(record, now)
+        self.use.forget(record.lease_id)
         if old.holds_gpus:
             self.cluster.drop_claims(record.lease_id, list(record.gpu_uuids))
             if record.host is not None:

@@ -264,6 +264,7 @@ class NodeReconciliation(NodeTruth):
                                StopReason.RELEASED, now, changes, observed=True)
             self._node_clock_bound.setdefault(record.lease_id, beat.sent_at)
             self._check_budget(record, info, now, changes)
+            self._observe_use(record, info, now, changes)
         freed = self._record_conflicts(beat.host, found, complete=beat.containers_complete)
         if not beat.containers_complete:
             return freed

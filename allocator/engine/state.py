@@ -21,6 +21,7 @@ from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
 from allocator.counters import Counters
 from allocator.lease import LeaseRecord
+from allocator.lease_use import UseBook
 from allocator.ledger import LoadedState
 from allocator.placement_index import PlacementIndex
 from allocator.protocol import (
@@ -85,6 +86,9 @@ class EngineState:
         self._skewed: set[str] = set()
         self.index = PlacementIndex()
         self._catalog: Cluster | None = None
+        self.use = UseBook(settings.usage_history_s)
+        """Per lease: its processes' GPU use from heartbeats (memory only: it is not in the
+        ledger, and a reload keeps it)."""
         self.commands: list[StopContainer] = []
         """Outbox: commands to node agents decided since the last :meth:`take_commands`. The
         service sends them after the batch is committed; a reload empties it."""
