@@ -7,7 +7,8 @@
     gpu-allocator inventory
 
 Settings come from ``SWARM_GPU_*`` environment variables over the TOML file
-(see :mod:`allocator.config`); the client commands take ``--amqp`` or ``SWARM_GPU_AMQP_URL``.
+(see :mod:`allocator.config`; bad settings: exit status 1 and one line that says why); the
+client commands take ``--amqp`` or ``SWARM_GPU_AMQP_URL``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from allocator.client import AllocatorClient, AllocatorError
 from allocator.config import ConfigurationError, load_settings
 from allocator.ledger import LedgerError
 from allocator.protocol import AllocateRequest, Lease, ShareRequest
+from allocator.settings_files import settings_error_line
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -89,11 +91,7 @@ def _one_line(exc: Exception) -> str:
     if isinstance(exc, AllocatorError):
         return f"{exc.code.value}: {exc.message}"
     if isinstance(exc, ValidationError):
-        # One line per setting would be several; the first says what to fix.
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"])
-        message = str(first["msg"]).removeprefix("Value error, ")
-        return f"invalid settings: {where + ': ' if where else ''}{message}"
+        return f"invalid settings: {settings_error_line(exc)}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
@@ -101,7 +99,11 @@ async def _serve(args: argparse.Namespace) -> int:
     from allocator.service import AllocatorService
 
     overrides = {"ledger_path": args.ledger} if args.ledger else {}
-    settings = load_settings(args.config, **overrides)
+    try:
+        settings = load_settings(args.config, **overrides)
+    except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
+        print(f"gpu-allocator: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
+        return 1
     service = AllocatorService(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

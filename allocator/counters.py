@@ -88,6 +88,8 @@ class Family(Enum):
     """Stop commands decided, by reason."""
     INVALID_MESSAGE = "invalid_{}"
     """Messages that did not decode, by error code."""
+    RECLAIM_WARNED = "reclaim_warned_{}"
+    """Reclaim warnings given, by reason (``reclaimed``, ``idle``)."""
 
     def key(self, label: str) -> str:
         """The plain name of this family's counter for ``label``."""

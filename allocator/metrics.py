@@ -239,6 +239,9 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                             "error code", "code", service.of(Family.INVALID_MESSAGE))
     yield _labelled_counter("swarm_gpu_container_stops_asked", "Stop commands to node agents "
                             "decided, by reason", "reason", engine.of(Family.STOP_ASKED))
+    yield _labelled_counter("swarm_gpu_reclaim_warnings", "Warnings that a borrowed or idle "
+                            "lease will be stopped, by reason", "reason",
+                            engine.of(Family.RECLAIM_WARNED))
     anomalies = CounterMetricFamily("swarm_gpu_anomalies", "Things a node or client did that "
                                     "should not happen", labels=["kind"])
     for kind in ANOMALIES:

@@ -19,13 +19,8 @@ when the admin offers images).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
-from html import escape
 from typing import Any
-
-import jinja2
-from markupsafe import Markup
 
 from allocator.model_names import display_name
 from allocator.protocol import InventoryReply, ModelSummary
@@ -39,42 +34,10 @@ from .options import (
     ModelCatalog,
     Profile,
 )
+from .templating import format_mib, template
 
 TEMPLATE = "spawn_form.html.j2"
 """The form's template name: an admin's file of this name replaces the packaged one."""
-
-
-@functools.lru_cache(maxsize=16)
-def _environment(template_paths: tuple[str, ...]) -> jinja2.Environment:
-    packaged = jinja2.PackageLoader("hubplugin", "templates")
-    return jinja2.Environment(
-        loader=jinja2.ChoiceLoader([
-            jinja2.FileSystemLoader(list(template_paths)),
-            packaged,
-            # the packaged template under a name of its own, for an admin's {% extends %}
-            jinja2.PrefixLoader({"swarm_gpu": packaged}),
-        ]),
-        autoescape=True,
-        finalize=_escape,
-        undefined=jinja2.StrictUndefined,
-    )
-
-
-def _escape(value: object) -> Markup:
-    """Every ``{{ value }}`` escaped as :func:`html.escape` does (``&quot;`` for ``"``)."""
-    if isinstance(value, Markup):
-        return value
-    return Markup(escape(str(value), quote=True))
-
-
-def format_mib(mib: int | None) -> str:
-    """8192 -> '8 GiB', 1536 -> '1.5 GiB', 900 -> '900 MiB'."""
-    if mib is None:
-        return "?"
-    if mib >= 1024:
-        gib = mib / 1024
-        return f"{gib:.0f} GiB" if gib == int(gib) or gib >= 100 else f"{gib:.1f} GiB"
-    return f"{mib} MiB"
 
 
 def user_models(inventory: InventoryReply | None, policy: GPUPolicy) -> list[ModelSummary]:
@@ -325,4 +288,4 @@ def render_form(
         "availability": _availability(inventory, models, hidden) if inventory is not None
         else None,
     }
-    return _environment(tuple(template_paths)).get_template(TEMPLATE).render(context)
+    return template(TEMPLATE, template_paths).render(context)

@@ -41,7 +41,7 @@ from nodeagent.cgroups import CgroupReader
 from nodeagent.commands import CommandConsumer
 from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
-from nodeagent.health import HealthPolicy, HealthTracker, Verdict
+from nodeagent.health import HealthRules, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
 from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
@@ -62,9 +62,9 @@ def open_source(settings: AgentSettings, host: str) -> InventorySource:
     return NvmlSource()
 
 
-def policy_of(settings: AgentSettings) -> HealthPolicy:
-    """The health policy part of the settings."""
-    return HealthPolicy(
+def health_rules_of(settings: AgentSettings) -> HealthRules:
+    """The health rules part of the settings."""
+    return HealthRules(
         fatal_xids=frozenset(settings.fatal_xids),
         xid_quiet_s=settings.xid_quiet_s,
         xid_repeat_count=settings.xid_repeat_count,
@@ -153,7 +153,7 @@ class NodeAgent:
         """Changes with every start of the process, so the allocator sees restarts."""
         self.host: str = settings.host or ""
         self.seq = 0
-        self.tracker = HealthTracker(policy_of(settings))
+        self.tracker = HealthTracker(health_rules_of(settings))
         self.cgroups = CgroupReader(settings.proc_root)
         self.source: InventorySource | None = source
         self.publisher: Publisher | None = None

@@ -65,8 +65,12 @@ c.ConfigurableHTTPProxy.pid_file = SETTINGS["dir"] + "/proxy.pid"
 c.JupyterHub.authenticator_class = "dummy"
 c.Authenticator.allowed_users = set(SETTINGS["users"])
 c.JupyterHub.load_groups = {g: {"users": u} for g, u in SETTINGS["groups"].items()}
-c.JupyterHub.services = [{"name": "e2e", "api_token": SETTINGS["admin_token"]}]
-c.JupyterHub.load_roles = [{
+# The example's GPU page service (and the user role that may open it) only where a test
+# asks for it: every other hub test runs without that process.
+page_services = [s for s in c.JupyterHub.services if SETTINGS["page"] and s["name"] == "gpu"]
+page_roles = [r for r in c.JupyterHub.load_roles if SETTINGS["page"] and r["name"] == "user"]
+c.JupyterHub.services = [*page_services, {"name": "e2e", "api_token": SETTINGS["admin_token"]}]
+c.JupyterHub.load_roles = [*page_roles, {
     "name": "e2e-admin",
     "scopes": ["admin:users", "admin:servers", "tokens", "list:users", "read:users"],
     "services": ["e2e"],
@@ -121,7 +125,10 @@ class Hub:
         allocator_timeout: float = 5.0,
         extra: dict[str, Any] | None = None,
         cleanup_servers: bool = True,
+        page: dict[str, str] | None = None,
     ) -> None:
+        """``page``: run the example's GPU page service too, with these ``SWARM_GPU_PAGE_*``
+        settings over the test defaults (its own port, history file in ``directory``)."""
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -141,9 +148,19 @@ class Hub:
             "groups": groups, "admin_token": self.admin_token, "image": image,
             "prefix": self.prefix, "amqp_url": amqp_url, "hub_id": hub_id,
             "allocator_timeout": allocator_timeout, "wait_s": wait_s, "ports": self.ports,
-            "extra": extra or {}, "cleanup_servers": cleanup_servers,
+            "extra": extra or {}, "cleanup_servers": cleanup_servers, "page": page is not None,
         }
         self.env = {**os.environ, "DOCKER_HOST": docker_host, "PYTHONUNBUFFERED": "1"}
+        self.page_url = f"{self.url}/services/gpu/"
+        if page is not None:
+            self.env.update({
+                "SWARM_GPU_PAGE_URL": f"http://127.0.0.1:{free_port()}",
+                "SWARM_GPU_PAGE_HISTORY_PATH": str(self.dir / "gpu-page-history.sqlite"),
+                "SWARM_GPU_PAGE_REFRESH_S": "0",
+                "SWARM_GPU_PAGE_AMQP_URL": amqp_url,
+                "SWARM_GPU_PAGE_HUB_ID": hub_id,
+                **page,
+            })
         self.config_path = self.dir / "jupyterhub_config.py"
         self.log_path = self.dir / "hub.log"
         self.proc: subprocess.Popen[bytes] | None = None

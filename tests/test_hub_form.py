@@ -7,8 +7,9 @@ from html.parser import HTMLParser
 
 from hub_inventory import A100, GTX1070, RTX3090, inventory
 
-from hubplugin.form import format_mib, render_form, user_models
+from hubplugin.form import render_form, user_models
 from hubplugin.options import GPUMode, GPUOptions, GPUPolicy, load_profiles, options_from_form
+from hubplugin.templating import format_mib
 
 STAFF = GPUPolicy(max_gpus=4, groups=["staff"])
 STUDENTS = GPUPolicy(allowed_models=["1070"], max_gpus=2, groups=["students"])
