@@ -173,7 +173,7 @@ class AgentSettings(FileSettings):
         "/proc read-only, e.g. at /host/proc.",
     )
 
-    # Health policy: see nodeagent.health for what each knob does.
+    # Health rules: see nodeagent.health for what each knob does.
     fatal_xids: Annotated[list[int], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_FATAL_XIDS),
         description="XID codes that make a GPU unhealthy (see DEFAULT_FATAL_XIDS for why).",
