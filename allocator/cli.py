@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.config import ConfigurationError, load_settings
 from allocator.ledger import LedgerError
-from allocator.protocol import AllocateRequest, LeaseState, ShareRequest
+from allocator.protocol import AllocateRequest, Lease, ShareRequest
 from allocator.settings_files import settings_error_line
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -154,13 +154,15 @@ async def _client_command(args: argparse.Namespace) -> int:
             min_memory_mib=args.min_memory, wait_s=args.wait,
             share=ShareRequest(memory_mib=args.share) if args.share else None,
         )
-        lease = await client.allocate(request)
-        if lease.state is LeaseState.QUEUED:
-            print(f"queued at position {lease.queue_position}; waiting up to {args.wait:g} s",
-                  file=sys.stderr)
-            lease = await client.wait_for_grant(
-                request.request_key, wait_s=args.wait,
-                on_position=lambda p: print(f"position {p}", file=sys.stderr))
+        shown: list[int | None] = []
+
+        def on_queued(queued: Lease) -> None:
+            if queued.queue_position not in shown[-1:]:
+                shown.append(queued.queue_position)
+                print(f"queued at position {queued.queue_position}; waiting up to "
+                      f"{args.wait:g} s", file=sys.stderr)
+
+        lease = await client.allocate_and_wait(request, on_queued=on_queued)
         if args.json:
             print(lease.model_dump_json(indent=2))
         else:

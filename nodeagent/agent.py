@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -45,6 +46,7 @@ from nodeagent.health import HealthRules, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
 from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
+from nodeagent.simulated import SimulatedLeaseUse, SimulatedSource
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,22 @@ def gpu_use_by_container(
         result.setdefault(container_id, []).append(
             ProcessUse(gpu_uuid=gpu_uuid, memory_used_mib=int(memory or 0), utilization_pct=util)
         )
+    return result
+
+
+def simulated_use(running: Sequence[LeaseContainer], lease_use: Mapping[str, SimulatedLeaseUse],
+                  host_gpu_uuids: Sequence[str]) -> dict[str, list[ProcessUse]]:
+    """Per container id: the use a simulated inventory sets for its lease (see
+    :mod:`nodeagent.simulated`), on each GPU of its grant (without one: of the host)."""
+    result: dict[str, list[ProcessUse]] = {}
+    for container in running:
+        use = lease_use.get(container.lease_id)
+        if use is None:
+            continue
+        gpu_uuids = container.grant.gpu_uuids if container.grant else host_gpu_uuids
+        result[container.container_id] = [
+            ProcessUse(gpu_uuid=uuid, memory_used_mib=use.memory_used_mib,
+                       utilization_pct=use.utilization_pct) for uuid in gpu_uuids]
     return result
 
 
@@ -397,6 +415,9 @@ class NodeAgent:
             self._log_health_change(sample, verdicts[sample.uuid])
             gpus.append(gpu_info(sample, verdicts[sample.uuid]))
         use = gpu_use_by_container(samples, pid_containers)
+        if isinstance(self.source, SimulatedSource):
+            use.update(simulated_use(running, await asyncio.to_thread(self.source.lease_use),
+                                     [sample.uuid for sample in samples]))
         containers = [
             ContainerInfo(
                 container_id=c.container_id,
