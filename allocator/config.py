@@ -1,8 +1,8 @@
 """Allocator settings: environment variables (``SWARM_GPU_*``) over an optional TOML file.
 
-Precedence, highest first: keyword arguments, environment, the TOML file named by
-``SWARM_GPU_CONFIG`` (or passed as ``config_file``), defaults. Nested tables in TOML map to
-dict settings, e.g.::
+Precedence, highest first (pydantic-settings' sources, :mod:`allocator.settings_files`):
+keyword arguments, environment, the TOML file named by ``SWARM_GPU_CONFIG`` (or passed as
+``config_file``), defaults. Nested tables in TOML map to dict settings, e.g.::
 
     ledger_path = "/var/lib/swarm-gpu/ledger.sqlite"
     [share_slots]
@@ -15,13 +15,15 @@ dict settings, e.g.::
 
 from __future__ import annotations
 
-import os
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from allocator.settings_files import FileSettings
+
+ENV_PREFIX = "SWARM_GPU_"
 
 
 class ConfigurationError(ValueError):
@@ -31,7 +33,7 @@ class ConfigurationError(ValueError):
 class PolicySettings(BaseSettings):
     """The knobs of placement: sharing, aliases, quotas. Plain data for the pure policy."""
 
-    model_config = SettingsConfigDict(env_prefix="SWARM_GPU_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     share_slots: dict[str, int] = Field(
         default_factory=dict,
@@ -95,8 +97,10 @@ def borrow_limit_problems(settings: PolicySettings) -> list[str]:
     return problems
 
 
-class AllocatorSettings(PolicySettings):
-    """Everything the allocator process reads at start."""
+class AllocatorSettings(PolicySettings, FileSettings):
+    """Everything the allocator process reads at start (``config``: the TOML file)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     broker_wait_s: float = Field(
@@ -265,11 +269,10 @@ def guarantee_problem(settings: PolicySettings, cluster_gpus: float) -> str | No
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> AllocatorSettings:
-    """Read the TOML file (if any) under the environment and ``overrides``."""
-    path = config_file or os.environ.get("SWARM_GPU_CONFIG")
-    file_values: dict[str, Any] = {}
-    if path:
-        with open(path, "rb") as handle:
-            file_values = tomllib.load(handle)
-    env_values = AllocatorSettings().model_dump(exclude_unset=True)
-    return AllocatorSettings(**{**file_values, **env_values, **overrides})
+    """The settings: ``overrides`` over the environment over the TOML file over defaults.
+
+    ``config_file`` names the TOML file (else ``SWARM_GPU_CONFIG`` does).
+    """
+    if config_file is not None:
+        overrides["config"] = config_file
+    return AllocatorSettings(**overrides)

@@ -47,6 +47,10 @@ class Count(StrEnum):
     RECEIVED = "received"
     REPLIES = "replies"
     REPLY_FAILURES = "reply_failures"
+    PUSHES = "pushes"
+    """Outcomes of queued requests published to their waiting clients."""
+    PUSH_FAILURES = "push_failures"
+    """Outcomes that could not be published (the status call of the client finds them)."""
     COMMANDS_SENT = "commands_sent"
     COMMAND_FAILURES = "command_failures"
     DEAD_LETTERED = "dead_lettered"
@@ -84,6 +88,8 @@ class Family(Enum):
     """Stop commands decided, by reason."""
     INVALID_MESSAGE = "invalid_{}"
     """Messages that did not decode, by error code."""
+    RECLAIM_WARNED = "reclaim_warned_{}"
+    """Reclaim warnings given, by reason (``reclaimed``, ``idle``)."""
 
     def key(self, label: str) -> str:
         """The plain name of this family's counter for ``label``."""

@@ -239,6 +239,9 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                             "error code", "code", service.of(Family.INVALID_MESSAGE))
     yield _labelled_counter("swarm_gpu_container_stops_asked", "Stop commands to node agents "
                             "decided, by reason", "reason", engine.of(Family.STOP_ASKED))
+    yield _labelled_counter("swarm_gpu_reclaim_warnings", "Warnings that a borrowed or idle "
+                            "lease will be stopped, by reason", "reason",
+                            engine.of(Family.RECLAIM_WARNED))
     anomalies = CounterMetricFamily("swarm_gpu_anomalies", "Things a node or client did that "
                                     "should not happen", labels=["kind"])
     for kind in ANOMALIES:
@@ -265,6 +268,10 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          service, Count.COMMAND_FAILURES),
         ("swarm_gpu_reply_failures", "Replies that could not be sent", service,
          Count.REPLY_FAILURES),
+        ("swarm_gpu_pushes", "Outcomes of queued requests (grant, expiry, withdrawal) "
+         "published to the waiting client", service, Count.PUSHES),
+        ("swarm_gpu_push_failures", "Outcomes of queued requests that could not be "
+         "published", service, Count.PUSH_FAILURES),
         ("swarm_gpu_dead_lettered", "Messages sent to the dead-letter queue",
          service, Count.DEAD_LETTERED),
         ("swarm_gpu_reply_to_refused", "Messages refused unanswered because their reply_to "

@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from allocator.client import AllocatorClient, AllocatorError, StillQueued
-from allocator.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
+from allocator.protocol import AllocateRequest, ErrorCode, Lease
 
 from .progress import queue_message
 
@@ -40,50 +40,41 @@ async def lease_gpus(
     client: AllocatorClient,
     request: AllocateRequest,
     *,
-    poll_s: float,
-    head_poll_s: float,
+    recheck_s: float,
     on_lease: Callable[[Lease], None],
     report: Callable[[str], None],
 ) -> Lease:
     """Ask for ``request`` and wait for the grant; the granted (or bound) lease.
 
-    ``on_lease`` sees every lease the allocator answers (the queued one first), so the caller
-    knows the lease id before the wait ends. ``report`` gets a message for each new queue
-    position. A wait that ends without a GPU is ``no_capacity`` saying how long it waited;
-    any other allocator error is raised as it came.
+    A queued request's grant is pushed by the allocator the moment it is decided (no
+    polling; ``recheck_s``: see :meth:`AllocatorClient.allocate_and_wait`). ``on_lease`` sees
+    every lease the allocator answers (the queued one first), so the caller knows the lease id
+    before the wait ends. ``report`` gets a message for each new queue position. A wait that
+    ends without a GPU is ``no_capacity`` saying how long it waited; any other allocator error
+    is raised as it came.
     """
     wait = request.wait_s
-    lease = await client.allocate(request)
-    on_lease(lease)
-    if lease.state is LeaseState.QUEUED:
-        report(queue_message(lease.queue_position, wait))
-        shown = [lease.queue_position]
+    shown: list[int | None] = []
 
-        def on_position(position: int) -> None:
-            if position != shown[-1]:
-                shown.append(position)
-                report(queue_message(position, wait))
-
-        try:
-            lease = await client.wait_for_grant(
-                request.request_key,
-                wait_s=wait,
-                poll_s=poll_s,
-                head_poll_s=head_poll_s,
-                on_position=on_position,
-            )
-        except StillQueued:
-            raise AllocatorError(
-                ErrorCode.NO_CAPACITY, f"none became free within {wait:g} s"
-            ) from None
-        except AllocatorError as exc:
-            if exc.code is not ErrorCode.NO_CAPACITY:
-                raise
-            raise AllocatorError(
-                ErrorCode.NO_CAPACITY,
-                f"none became free while you waited {wait:g} s in the queue",
-            ) from None
+    def on_queued(lease: Lease) -> None:
         on_lease(lease)
+        if not shown or lease.queue_position != shown[-1]:
+            shown.append(lease.queue_position)
+            report(queue_message(lease.queue_position, wait))
+
+    try:
+        lease = await client.allocate_and_wait(request, recheck_s=recheck_s,
+                                               on_queued=on_queued)
+    except StillQueued:
+        raise AllocatorError(ErrorCode.NO_CAPACITY, f"none became free within {wait:g} s") from None
+    except AllocatorError as exc:
+        if exc.code is not ErrorCode.NO_CAPACITY or not shown:
+            raise
+        raise AllocatorError(
+            ErrorCode.NO_CAPACITY,
+            f"none became free while you waited {wait:g} s in the queue",
+        ) from None
+    on_lease(lease)
     return lease
 
 

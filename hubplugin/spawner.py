@@ -244,18 +244,13 @@ class GPUSwarmSpawner(SwarmSpawner):
         ``start_timeout`` defaults to ``wait_s + 120`` so the hub does not give up first.""",
     )
 
-    wait_poll_s = Float(
-        0.5, config=True, help="How often a queued request polls its position (seconds)."
-    )
-
-    wait_poll_head_s = Float(
-        0.05,
+    wait_recheck_s = Float(
+        15.0,
         config=True,
-        help="""How often the request first in the queue polls (seconds). It gets the next
-        GPU that fits, and the poll is most of what a hand-over waits once the old server's
-        container is stopped (docs/benchmarks.md: with 0.5 s the hand-over takes 2.3x a start
-        on a free GPU, with 0.05 s 1.4x). Only one request of the cluster is first, so this
-        adds at most 1/wait_poll_head_s status calls a second to the allocator.""",
+        help="""While a request waits in the queue, the allocator pushes its grant the moment
+        it is decided; the spawner asks ``status`` only after this many seconds without
+        news (an allocator that restarted forgets where to push). It also refreshes the
+        queue position shown on the spawn page.""",
     )
 
     gpu_form_template_paths = List(
@@ -523,8 +518,7 @@ class GPUSwarmSpawner(SwarmSpawner):
             lease = await lease_gpus(
                 self.allocator_client(),
                 request,
-                poll_s=self.wait_poll_s,
-                head_poll_s=self.wait_poll_head_s,
+                recheck_s=self.wait_recheck_s,
                 on_lease=self._on_lease,
                 report=lambda message: self._emit(message, 15),
             )

@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -41,10 +42,11 @@ from nodeagent.cgroups import CgroupReader
 from nodeagent.commands import CommandConsumer
 from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
-from nodeagent.health import HealthPolicy, HealthTracker, Verdict
+from nodeagent.health import HealthRules, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
 from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
+from nodeagent.simulated import SimulatedLeaseUse, SimulatedSource
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,9 @@ def open_source(settings: AgentSettings, host: str) -> InventorySource:
     return NvmlSource()
 
 
-def policy_of(settings: AgentSettings) -> HealthPolicy:
-    """The health policy part of the settings."""
-    return HealthPolicy(
+def health_rules_of(settings: AgentSettings) -> HealthRules:
+    """The health rules part of the settings."""
+    return HealthRules(
         fatal_xids=frozenset(settings.fatal_xids),
         xid_quiet_s=settings.xid_quiet_s,
         xid_repeat_count=settings.xid_repeat_count,
@@ -131,6 +133,22 @@ def gpu_use_by_container(
     return result
 
 
+def simulated_use(running: Sequence[LeaseContainer], lease_use: Mapping[str, SimulatedLeaseUse],
+                  host_gpu_uuids: Sequence[str]) -> dict[str, list[ProcessUse]]:
+    """Per container id: the use a simulated inventory sets for its lease (see
+    :mod:`nodeagent.simulated`), on each GPU of its grant (without one: of the host)."""
+    result: dict[str, list[ProcessUse]] = {}
+    for container in running:
+        use = lease_use.get(container.lease_id)
+        if use is None:
+            continue
+        gpu_uuids = container.grant.gpu_uuids if container.grant else host_gpu_uuids
+        result[container.container_id] = [
+            ProcessUse(gpu_uuid=uuid, memory_used_mib=use.memory_used_mib,
+                       utilization_pct=use.utilization_pct) for uuid in gpu_uuids]
+    return result
+
+
 def held_gpu_uuids(running: list[LeaseContainer]) -> set[str]:
     """GPU (and MIG instance) uuids the running lease containers hold, from their grants."""
     return {uuid for c in running if c.grant is not None for uuid in c.grant.gpu_uuids}
@@ -153,7 +171,7 @@ class NodeAgent:
         """Changes with every start of the process, so the allocator sees restarts."""
         self.host: str = settings.host or ""
         self.seq = 0
-        self.tracker = HealthTracker(policy_of(settings))
+        self.tracker = HealthTracker(health_rules_of(settings))
         self.cgroups = CgroupReader(settings.proc_root)
         self.source: InventorySource | None = source
         self.publisher: Publisher | None = None
@@ -397,6 +415,9 @@ class NodeAgent:
             self._log_health_change(sample, verdicts[sample.uuid])
             gpus.append(gpu_info(sample, verdicts[sample.uuid]))
         use = gpu_use_by_container(samples, pid_containers)
+        if isinstance(self.source, SimulatedSource):
+            use.update(simulated_use(running, await asyncio.to_thread(self.source.lease_use),
+                                     [sample.uuid for sample in samples]))
         containers = [
             ContainerInfo(
                 container_id=c.container_id,

@@ -89,7 +89,6 @@ c.GPUSwarmSpawner.allocator_timeout = SETTINGS["allocator_timeout"]
 c.GPUSwarmSpawner.allocator_connect_timeout = 3.0
 c.GPUSwarmSpawner.release_timeout = 3.0
 c.GPUSwarmSpawner.wait_s = SETTINGS["wait_s"]
-c.GPUSwarmSpawner.wait_poll_s = 0.2
 # the single test node is a manager, and busybox httpd as PID 1 ignores SIGTERM
 c.GPUSwarmSpawner.extra_placement_spec = {"constraints": ["node.role == manager"]}
 c.GPUSwarmSpawner.extra_container_spec = {"stop_grace_period": 1_000_000_000,

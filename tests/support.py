@@ -138,6 +138,8 @@ class RawRPC:
     def __init__(self, amqp_url: str):
         self.amqp_url = amqp_url
         self._replies: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+        self.last_correlation_id: str | None = None
+        """The correlation id of the last message sent."""
 
     async def __aenter__(self) -> RawRPC:
         self._connection = await aio_pika.connect(self.amqp_url, timeout=10)
@@ -154,16 +156,20 @@ class RawRPC:
                    user_id: str | None = None, expiration: float | None = None) -> None:
         """Publish ``body``; with ``reply`` it asks for an answer through direct reply-to."""
         target = await self.channel.get_exchange(exchange, ensure=False)
+        self.last_correlation_id = uuid.uuid4().hex if reply else None
         await target.publish(
-            aio_pika.Message(body, correlation_id=uuid.uuid4().hex if reply else None,
+            aio_pika.Message(body, correlation_id=self.last_correlation_id,
                              reply_to="amq.rabbitmq.reply-to" if reply else None,
                              user_id=user_id, expiration=expiration),
             routing_key=routing_key, timeout=10)
 
     async def reply(self, within: float = 10.0) -> dict[str, object]:
         """The next reply, decoded."""
-        message = await asyncio.wait_for(self._replies.get(), within)
-        return json.loads(message.body)
+        return json.loads((await self.reply_message(within)).body)
+
+    async def reply_message(self, within: float = 10.0) -> aio_pika.abc.AbstractIncomingMessage:
+        """The next message on the reply address, as it came."""
+        return await asyncio.wait_for(self._replies.get(), within)
 
     async def no_reply(self, within: float = 1.0) -> bool:
         """True when nothing arrives for ``within`` seconds."""

@@ -18,7 +18,7 @@ from support import HUB, NODE
 
 from allocator.config import AllocatorSettings, guarantee_problem
 from allocator.engine import Engine
-from allocator.ledger import Changes
+from allocator.ledger import Changes, Ledger
 from allocator.protocol import (
     AllocateRequest,
     ContainerAction,
@@ -33,6 +33,7 @@ from allocator.protocol import (
     ProcessUse,
     QuotaReply,
     QuotaRequest,
+    ReleaseRequest,
 )
 
 HOST = "gpu-a"
@@ -52,7 +53,11 @@ class FairCluster:
         self.seq = 0
         self.changes = Changes()
         self.running: dict[str, ContainerInfo] = {}
+        self.pct: dict[str, float] = {}
         self.beat()
+
+    def tick(self) -> None:
+        self.engine.tick(self.now, self.changes)
 
     def send(self, message: Any, sender: Any = HUB) -> Any:
         return self.engine.handle(message, sender, self.now, self.changes)
@@ -253,3 +258,201 @@ def test_the_allocator_stops_at_start_with_one_clear_line(tmp_path: Path, toml: 
                           env={**os.environ, "SWARM_GPU_AMQP_URL": "amqp://127.0.0.1:1/"})
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [line]
+
+
+# --------------------------------------------------------------------------- reclaim
+
+RECLAIMING = {"user_quota": {"alice": 1, "bob": 1, "carol": 1},
+              "user_borrow_limit": {"alice": 2, "bob": 2, "carol": 2},
+              "reclaim_grace_s": 60.0, "idle_window_s": 30.0}
+
+
+def reclaim_cluster(tmp_path: Path, **settings: Any) -> FairCluster:
+    return FairCluster(tmp_path, gpus=2, **{**RECLAIMING, **settings})
+
+
+def hold(cluster: FairCluster, user: str, server: str, pct: float) -> str:
+    """A bound lease of ``user`` whose processes run at ``pct`` % from now on."""
+    lease = cluster.grant(user, server)
+    cluster.run(lease.lease.lease_id)
+    cluster.pct[lease.lease.lease_id] = pct
+    return lease.lease.lease_id
+
+
+def heartbeats(cluster: FairCluster, seconds: float, step: float = 5.0) -> None:
+    """Heartbeats (with each lease's set utilization) and ticks over ``seconds``."""
+    end = cluster.now + seconds
+    while cluster.now < end:
+        cluster.now = min(cluster.now + step, end)
+        cluster.beat({lease_id: [ProcessUse(gpu_uuid=u, memory_used_mib=700,
+                                            utilization_pct=cluster.pct[lease_id])
+                                 for u in cluster.engine.leases[lease_id].gpu_uuids]
+                      for lease_id in cluster.running if lease_id in cluster.engine.leases})
+        cluster.tick()
+
+
+def died(cluster: FairCluster, lease_id: str) -> None:
+    info = cluster.running.pop(lease_id)
+    cluster.send(ContainerEvent(host=HOST, container_id=info.container_id, lease_id=lease_id,
+                                action=ContainerAction.DIE, at=cluster.now), NODE)
+
+
+def test_a_guaranteed_waiter_gets_an_idle_borrowed_gpu_after_a_warning(tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path)
+    hold(cluster, "alice", "own", 90.0)
+    borrowed = hold(cluster, "alice", "extra", 0.0)
+    assert cluster.engine.leases[borrowed].borrowed
+    heartbeats(cluster, 40)  # the borrowed lease is idle for the window
+    waiter = cluster.grant("bob", wait_s=3600).lease.lease_id
+    cluster.tick()
+    warned = cluster.engine.leases[borrowed]
+    assert (warned.reclaim_reason, warned.reclaim_at) == ("reclaimed", cluster.now + 60.0)
+    assert warned.reclaim_for == waiter
+    assert cluster.engine.take_commands() == []
+    heartbeats(cluster, 55)
+    assert cluster.engine.take_commands() == []  # still within the grace
+    heartbeats(cluster, 10)
+    stops = cluster.engine.take_commands()
+    assert [(s.lease_id, s.reason) for s in stops] == [(borrowed, "reclaimed")]
+    died(cluster, borrowed)
+    ended = cluster.engine.recent[borrowed]
+    assert (ended.state, ended.release_reason) == (LeaseState.RELEASED, "reclaimed")
+    assert cluster.engine.leases[waiter].state is LeaseState.GRANTED
+    assert not cluster.engine.leases[waiter].borrowed
+
+
+def test_an_idle_borrower_goes_before_a_busy_one(tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path, user_quota={"alice": 0, "bob": 0, "carol": 1},
+                              user_borrow_limit={"alice": 1, "bob": 1, "carol": 1})
+    idle_lease = hold(cluster, "bob", "", 0.0)
+    cluster.now += 1
+    busy_lease = hold(cluster, "alice", "", 70.0)  # the newest grant, yet the idle one goes
+    heartbeats(cluster, 40)
+    cluster.grant("carol", wait_s=3600)
+    cluster.tick()
+    assert cluster.engine.leases[idle_lease].reclaim_at is not None
+    assert cluster.engine.leases[busy_lease].reclaim_at is None
+
+
+def test_without_an_idle_borrower_the_newest_borrowed_grant_goes(tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path, user_quota={"alice": 0, "bob": 0, "carol": 1},
+                              user_borrow_limit={"alice": 1, "bob": 1, "carol": 1})
+    older = hold(cluster, "alice", "", 70.0)
+    cluster.now += 1
+    newer = hold(cluster, "bob", "", 70.0)
+    heartbeats(cluster, 40)
+    cluster.grant("carol", wait_s=3600)
+    cluster.tick()
+    assert cluster.engine.leases[newer].reclaim_at is not None
+    assert cluster.engine.leases[older].reclaim_at is None
+
+
+def test_nobody_is_reclaimed_when_nobody_waits(tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path)
+    hold(cluster, "alice", "own", 0.0)
+    borrowed = hold(cluster, "alice", "extra", 0.0)
+    heartbeats(cluster, 600)
+    assert cluster.engine.leases[borrowed].reclaim_at is None
+    assert cluster.engine.take_commands() == []
+    assert not [e for e in cluster.changes.events if e["kind"] == "reclaim_warning"]
+
+
+def test_a_borrowing_waiter_reclaims_nothing(tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path)
+    hold(cluster, "alice", "own", 0.0)
+    borrowed = hold(cluster, "alice", "extra", 0.0)
+    hold_bob = cluster.grant("bob", "own", wait_s=3600).lease.lease_id  # bob: within
+    cluster.tick()
+    assert cluster.engine.leases[borrowed].reclaim_at is not None
+    cluster.send(AllocateRequest(request_key="hub/carol/", user="carol", wait_s=3600))
+    # carol is within her guarantee too, but the only borrowed GPU is already promised to bob
+    heartbeats(cluster, 30)
+    assert [r.lease_id for r in cluster.engine.leases.values() if r.reclaim_at] == [borrowed]
+    assert cluster.engine.leases[borrowed].reclaim_for == hold_bob
+
+
+def test_a_warning_is_withdrawn_when_the_waiter_leaves_and_kept_when_busy_again(
+        tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path)
+    hold(cluster, "alice", "own", 0.0)
+    borrowed = hold(cluster, "alice", "extra", 0.0)
+    heartbeats(cluster, 40)
+    waiter = cluster.grant("bob", wait_s=3600).lease.lease_id
+    cluster.tick()
+    deadline = cluster.engine.leases[borrowed].reclaim_at
+    assert deadline is not None
+    cluster.pct[borrowed] = 95.0  # the warned notebook works again: still needed, still goes
+    heartbeats(cluster, 30)
+    assert cluster.engine.leases[borrowed].reclaim_at == deadline
+    cluster.send(ReleaseRequest(lease_id=waiter))  # bob gives up waiting
+    cluster.tick()
+    record = cluster.engine.leases[borrowed]
+    assert (record.reclaim_at, record.reclaim_reason) == (None, None)
+    assert [e["kind"] for e in cluster.changes.events if e["kind"].startswith("reclaim")] == [
+        "reclaim_warning", "reclaim_withdrawn"]
+    heartbeats(cluster, 120)
+    assert cluster.engine.take_commands() == []
+
+
+def test_a_lease_moves_within_the_guarantee_when_an_older_one_ends(tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path)
+    own = hold(cluster, "alice", "own", 50.0)
+    extra = hold(cluster, "alice", "extra", 0.0)
+    assert cluster.engine.leases[extra].borrowed
+    died(cluster, own)
+    cluster.tick()
+    assert not cluster.engine.leases[extra].borrowed
+    cluster.grant("bob", wait_s=3600)
+    heartbeats(cluster, 120)
+    assert cluster.engine.leases[extra].reclaim_at is None
+
+
+def test_idle_release_is_off_by_default_and_releases_an_idle_guaranteed_lease_when_on(
+        tmp_path: Path):
+    off = reclaim_cluster(tmp_path / "off", user_borrow_limit={})
+    idle = hold(off, "alice", "", 0.0)
+    hold(off, "carol", "", 0.0)
+    heartbeats(off, 400)
+    off.grant("bob", wait_s=3600)
+    heartbeats(off, 60)
+    assert off.engine.leases[idle].reclaim_at is None
+    on = reclaim_cluster(tmp_path / "on", user_borrow_limit={}, idle_release_after_s=300.0)
+    busy_lease = hold(on, "carol", "", 80.0)
+    idle = hold(on, "alice", "", 0.0)
+    on.grant("bob", wait_s=3600)
+    heartbeats(on, 250)
+    assert on.engine.leases[idle].reclaim_at is None  # idle, but not yet for 300 s
+    heartbeats(on, 60)
+    record = on.engine.leases[idle]
+    assert record.reclaim_reason == "idle" and on.engine.leases[busy_lease].reclaim_at is None
+    heartbeats(on, 60)
+    assert [(s.lease_id, s.reason) for s in on.engine.take_commands()] == [(idle, "idle")]
+    died(on, idle)
+    assert on.engine.recent[idle].release_reason == "idle"
+
+
+def test_a_restart_during_the_grace_keeps_the_deadline(tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path)
+    hold(cluster, "alice", "own", 0.0)
+    borrowed = hold(cluster, "alice", "extra", 0.0)
+    heartbeats(cluster, 40)
+    cluster.grant("bob", wait_s=3600)
+    cluster.tick()
+    deadline = cluster.engine.leases[borrowed].reclaim_at
+    assert deadline is not None
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.open()
+    try:
+        ledger.call(lambda: ledger.commit(cluster.changes))
+        cluster.now += 20
+        restarted = Engine(cluster.settings, started_at=cluster.now)
+        restarted.load(ledger.call(ledger.load), cluster.now, fenced=False)
+    finally:
+        ledger.close()
+    cluster.engine = restarted
+    cluster.changes = Changes()
+    heartbeats(cluster, 30)
+    assert cluster.engine.leases[borrowed].reclaim_at == deadline
+    assert cluster.engine.take_commands() == []
+    heartbeats(cluster, deadline - cluster.now + 1)
+    assert [s.lease_id for s in cluster.engine.take_commands()] == [borrowed]

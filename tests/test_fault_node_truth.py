@@ -167,7 +167,7 @@ async def test_a_lost_ledger_gets_its_running_leases_back_and_doubles_nothing(
                     request_key="hub/early/", user="early", host=host, count=3))
                 early_queued = early.state is LeaseState.QUEUED
                 if early_queued:
-                    early = await probe.wait_for_grant("hub/early/", wait_s=30, poll_s=0.05)
+                    early = await probe.wait_for_grant("hub/early/", wait_s=30)
                 assert not taken & set(early.gpu_uuids), early
                 await probe.release(lease_id=early.lease_id, force=True, by="test",
                                     reason="next allocation")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from allocator.counters import Count
-from allocator.engine.nodes import NodeReconciliation
+from allocator.engine.reclaim import Reclaimer
 from allocator.engine.state import Sender
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
@@ -31,7 +31,7 @@ from allocator.protocol import (
 from allocator.topology import RPC_EXCHANGE
 
 
-class Engine(NodeReconciliation):
+class Engine(Reclaimer):
     """Nodes, GPUs and leases in memory, and the rules that change them.
 
     Each room it is built from (see :mod:`allocator.engine`) holds one concept; this class
@@ -88,7 +88,8 @@ class Engine(NodeReconciliation):
                 and now - record.releasing_at > self.settings.stop_grace_s)
 
     def tick(self, now: float, changes: Changes) -> None:
-        """Run the timers: the start fence, queue waits, bind deadlines, node silence."""
+        """Run the timers: the start fence, queue waits, bind deadlines, node silence, and
+        fair share's reclaim warnings and their deadlines."""
         if (self._fenced or self._fence_awaits_first_report) and now >= self._fence_until:
             # start_fence_s ran out with nodes that never reported in full (an agent that
             # cannot list its containers): they are placed as usual from now on, before the
@@ -126,3 +127,4 @@ class Engine(NodeReconciliation):
                 self.counters.add(Count.NODE_DOWN)
         if freed:
             self._serve_queue(now, changes)
+        self._reclaim(now, changes)
