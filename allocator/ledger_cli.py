@@ -44,9 +44,10 @@ from rich.table import Table
 
 from allocator import exports, reports
 from allocator.client import AllocatorClient, AllocatorError
+from allocator.heartbeat_delta import apply_delta
 from allocator.invariants import NodeReport, Violation, check_ledger
 from allocator.ledger import LedgerError
-from allocator.protocol import NODE_MESSAGE_ADAPTER, Heartbeat
+from allocator.protocol import NODE_MESSAGE_ADAPTER, Heartbeat, HeartbeatDelta
 from allocator.topology import NODES_EXCHANGE
 
 PROG = "gpu-ledger"
@@ -152,8 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--live", action="store_true",
                        help="also compare bound leases with the containers the nodes report "
                             "(listens to their heartbeats on the broker)")
-    check.add_argument("--listen", type=float, default=12.0, metavar="S",
-                       help="with --live: how long to collect heartbeats (default 12)")
+    check.add_argument("--listen", type=float, default=25.0, metavar="S",
+                       help="with --live: how long to collect heartbeats (default 25: longer "
+                       "than the agents' full_report_s, so every live node is heard in full)")
     check.add_argument("--grace", type=float, default=5.0, metavar="S",
                        help="with --live: ignore leases bound or released this recently")
     check.add_argument("--json", action="store_true", help="print violations as JSON")
@@ -468,12 +470,23 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
         exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=False)
         await queue.bind(exchange, routing_key="heartbeat.#")
 
+        full: dict[str, Heartbeat] = {}
+
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             try:
                 beat = NODE_MESSAGE_ADAPTER.validate_json(message.body)
             except ValidationError:
                 return
+            if isinstance(beat, HeartbeatDelta):
+                # A delta that follows a full report heard here says its containers still
+                # run now; any other is not a report (the host counts once heard in full).
+                base = full.pop(beat.host, None)
+                rebuilt = apply_delta(base, beat) if base is not None else None
+                if rebuilt is None:
+                    return
+                beat = rebuilt
             if isinstance(beat, Heartbeat):
+                full[beat.host] = beat
                 latest[beat.host] = NodeReport.from_heartbeat(beat, time.time())
 
         await queue.consume(on_message, no_ack=True)

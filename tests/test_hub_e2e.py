@@ -467,12 +467,7 @@ async def test_spawn_form_in_chromium(
         def drive() -> dict[str, Any]:
             with Browser(chromium_path, tmp_path / "chromium") as browser:
                 page = browser.page()
-                browser.navigate(page, f"{hub.url}/hub/login")
-                browser.submit(page, """
-                    document.querySelector('#username_input').value = 'carol';
-                    document.querySelector('#password_input').value = 'x';
-                    document.querySelector('form').submit();
-                """)
+                browser.log_in(page, hub.url, "carol")
                 browser.navigate(page, f"{hub.url}/hub/spawn")
                 seen = browser.evaluate(page, """({
                     profiles: [...document.querySelectorAll('input[name=profile]')]
