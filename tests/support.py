@@ -41,6 +41,11 @@ RTX3090 = "NVIDIA GeForce RTX 3090"
 A100 = "NVIDIA A100-SXM4-80GB"
 MEMORY = {GTX1070: 8192, RTX3090: 24576, A100: 81920}
 
+# The MIG tests' GPU, as NVML names it and its instances.
+A100_40GB = "NVIDIA A100-SXM4-40GB"
+MIG_1G = f"{A100_40GB} MIG 1g.5gb"
+MIG_3G = f"{A100_40GB} MIG 3g.20gb"
+
 # Senders as the engine sees them, for tests that drive the engine without a broker.
 NODE = Sender(user_id="agent", via_nodes_exchange=True)
 """A node agent (broker user ``agent``), through the nodes exchange."""

@@ -161,3 +161,11 @@ def test_a_pending_reclaim_shows_its_deadline_and_why() -> None:
     deadline = time.strftime("%H:%M UTC", time.gmtime(NOW + 240))
     assert f"server “extra” will be stopped at {deadline}</strong> (in 4 min)" in warnings[0]
     assert "borrowed beyond your guarantee" in warnings[0]
+
+
+def test_a_chart_starts_at_its_lease_within_bounds() -> None:
+    window = Window(span_s=3 * 3600, gap_s=75, min_span_s=600)
+    assert window.start_for(NOW - 3600, NOW) == NOW - 3600  # granted an hour ago
+    assert window.start_for(NOW - 5, NOW) == NOW - 600  # a new lease: ten minutes
+    assert window.start_for(NOW - 86400, NOW) == NOW - 3 * 3600  # never more than the span
+    assert Window(span_s=180, gap_s=3).start_for(NOW - 5, NOW) == NOW - 180
