@@ -7,7 +7,8 @@
     gpu-allocator inventory
 
 Settings come from ``SWARM_GPU_*`` environment variables over the TOML file
-(see :mod:`allocator.config`); the client commands take ``--amqp`` or ``SWARM_GPU_AMQP_URL``.
+(see :mod:`allocator.config`; bad settings: exit status 1 and one line that says why); the
+client commands take ``--amqp`` or ``SWARM_GPU_AMQP_URL``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from allocator.client import AllocatorClient, AllocatorError
-from allocator.config import load_settings
+from allocator.config import ConfigurationError, load_settings
 from allocator.ledger import LedgerError
-from allocator.protocol import AllocateRequest, LeaseState, ShareRequest
+from allocator.protocol import AllocateRequest, Lease, ShareRequest
+from allocator.settings_files import settings_error_line
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -80,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return asyncio.run(_serve(args))
         return asyncio.run(_client_command(args))
-    except (AllocatorError, LedgerError, ValidationError, OSError) as exc:
+    except (AllocatorError, LedgerError, ValidationError, ConfigurationError, OSError) as exc:
         print(f"gpu-allocator: {_one_line(exc)}", file=sys.stderr)
         return 1
 
@@ -88,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _one_line(exc: Exception) -> str:
     if isinstance(exc, AllocatorError):
         return f"{exc.code.value}: {exc.message}"
+    if isinstance(exc, ValidationError):
+        return f"invalid settings: {settings_error_line(exc)}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
@@ -95,7 +99,11 @@ async def _serve(args: argparse.Namespace) -> int:
     from allocator.service import AllocatorService
 
     overrides = {"ledger_path": args.ledger} if args.ledger else {}
-    settings = load_settings(args.config, **overrides)
+    try:
+        settings = load_settings(args.config, **overrides)
+    except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
+        print(f"gpu-allocator: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
+        return 1
     service = AllocatorService(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -146,13 +154,15 @@ async def _client_command(args: argparse.Namespace) -> int:
             min_memory_mib=args.min_memory, wait_s=args.wait,
             share=ShareRequest(memory_mib=args.share) if args.share else None,
         )
-        lease = await client.allocate(request)
-        if lease.state is LeaseState.QUEUED:
-            print(f"queued at position {lease.queue_position}; waiting up to {args.wait:g} s",
-                  file=sys.stderr)
-            lease = await client.wait_for_grant(
-                request.request_key, wait_s=args.wait,
-                on_position=lambda p: print(f"position {p}", file=sys.stderr))
+        shown: list[int | None] = []
+
+        def on_queued(queued: Lease) -> None:
+            if queued.queue_position not in shown[-1:]:
+                shown.append(queued.queue_position)
+                print(f"queued at position {queued.queue_position}; waiting up to "
+                      f"{args.wait:g} s", file=sys.stderr)
+
+        lease = await client.allocate_and_wait(request, on_queued=on_queued)
         if args.json:
             print(lease.model_dump_json(indent=2))
         else:

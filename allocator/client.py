@@ -41,6 +41,8 @@ from allocator.protocol import (
     InventoryRequest,
     Lease,
     LeaseReply,
+    LeasesReply,
+    LeasesRequest,
     LeaseState,
     QueueReply,
     QueueRequest,
@@ -91,7 +93,19 @@ class AllocatorUnavailable(AllocatorError):
         super().__init__(ErrorCode.UNAVAILABLE, message)
 
 
-PositionCallback = Callable[[int], Awaitable[None] | None]
+class ClientClosed(AllocatorUnavailable):
+    """The client was closed while a call or a wait was under way."""
+
+    def __init__(self) -> None:
+        super().__init__("the client was closed")
+
+
+QueuedCallback = Callable[[Lease], Awaitable[None] | None]
+"""Told of each ``queued`` lease a wait in the queue learns of (its position may change)."""
+
+DEFAULT_RECHECK_S = 15.0
+"""How long a wait in the queue goes without news before it asks ``status`` once: the grant
+is pushed, so this only bounds how late an answer comes after an allocator restart."""
 
 
 def broker_user(amqp_url: str) -> str:
@@ -121,6 +135,8 @@ class AllocatorClient:
         self._channel: aio_pika.abc.AbstractChannel | None = None
         self._exchange: aio_pika.abc.AbstractExchange | None = None
         self._pending: dict[str, asyncio.Future[bytes]] = {}
+        self._streams: dict[str, asyncio.Queue[bytes | AllocatorError]] = {}
+        """Correlation id -> the answers of a wait in the queue (its calls and the pushes)."""
         self._connect_lock = asyncio.Lock()
 
     async def __aenter__(self) -> Self:
@@ -163,14 +179,15 @@ class AllocatorClient:
                 ) from exc
 
     async def close(self) -> None:
-        """Close the connection; pending calls fail with :class:`AllocatorUnavailable`."""
+        """Close the connection; pending calls and waits fail with :class:`ClientClosed`."""
         async with self._connect_lock:
             await self._close_quietly()
+            self._tell_streams(ClientClosed())
 
     async def _close_quietly(self) -> None:
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(AllocatorUnavailable("the client was closed"))
+                future.set_exception(ClientClosed())
         self._pending.clear()
         connection, self._connection, self._channel, self._exchange = (
             self._connection, None, None, None,
@@ -182,9 +199,19 @@ class AllocatorClient:
                 log.debug("error while closing the allocator connection", exc_info=True)
 
     async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        future = self._pending.pop(message.correlation_id or "", None)
+        correlation_id = message.correlation_id or ""
+        stream = self._streams.get(correlation_id)
+        if stream is not None:
+            stream.put_nowait(message.body)
+            return
+        future = self._pending.pop(correlation_id, None)
         if future is not None and not future.done():
             future.set_result(message.body)
+
+    def _tell_streams(self, error: AllocatorError) -> None:
+        """Wake every wait in the queue: its reply address is gone with the channel."""
+        for stream in {id(q): q for q in self._streams.values()}.values():
+            stream.put_nowait(error)
 
     def _on_channel_close(self, _channel: Any, exc: BaseException | None = None) -> None:
         # A channel error (e.g. the RPC exchange does not exist yet) closes the channel; the
@@ -194,65 +221,66 @@ class AllocatorClient:
             if not future.done():
                 future.set_exception(AllocatorUnavailable(f"the broker closed the channel{reason}"))
         self._pending.clear()
+        self._tell_streams(AllocatorUnavailable(f"the broker closed the channel{reason}"))
         self._channel = None
 
     def _on_return(self, _channel: Any, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        unrouted = AllocatorUnavailable("no allocator queue is bound to receive requests")
+        stream = self._streams.get(message.correlation_id or "")
+        if stream is not None:
+            stream.put_nowait(unrouted)
+            return
         future = self._pending.pop(message.correlation_id or "", None)
         if future is not None and not future.done():
-            future.set_exception(
-                AllocatorUnavailable("no allocator queue is bound to receive requests")
-            )
+            future.set_exception(unrouted)
 
     async def call(self, request: BaseModel, *, timeout_s: float | None = None) -> Reply:
         """Send one request and return the allocator's reply (errors included, not raised)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         started = time.monotonic()
         if not self.connected:
-            await self.connect()
-        assert self._exchange is not None
-        if "deadline" in type(request).model_fields:
-            request = request.model_copy(update={"deadline": time.time() + timeout})
+            await self.connect()  # before the call is pending: connecting fails pending calls
         correlation_id = uuid.uuid4().hex
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[correlation_id] = future
+        try:
+            await self._publish(request, correlation_id, timeout)
+            remaining = timeout - (time.monotonic() - started)
+            try:
+                body = await asyncio.wait_for(future, max(remaining, 0.001))
+            except TimeoutError as exc:
+                raise _no_answer(timeout) from exc
+        finally:
+            self._pending.pop(correlation_id, None)
+        return _read_reply(body)
+
+    async def _publish(self, request: BaseModel, correlation_id: str, bound_s: float) -> None:
+        """Publish ``request`` with its deadline, answers to come on ``correlation_id``."""
+        if not self.connected:
+            await self.connect()
+        assert self._exchange is not None
+        if "deadline" in type(request).model_fields:
+            request = request.model_copy(update={"deadline": time.time() + bound_s})
         message = aio_pika.Message(
             body=encode(request),
             content_type="application/json",
             correlation_id=correlation_id,
             reply_to=DIRECT_REPLY_TO,
-            expiration=max(timeout, 0.001),
+            expiration=max(bound_s, 0.001),
             user_id=self.user_id,
             delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
         )
         try:
-            try:
-                await self._exchange.publish(
-                    message, routing_key=self.routing_key, mandatory=True, timeout=timeout
-                )
-            except TimeoutError as exc:
-                raise AllocatorTimeout(
-                    f"publishing the request took longer than {timeout:g} s (is the broker down?)"
-                ) from exc
-            except aio_pika.exceptions.AMQPError as exc:
-                await self._close_quietly()
-                raise AllocatorUnavailable(f"the broker refused the request: {exc}") from exc
-            remaining = timeout - (time.monotonic() - started)
-            try:
-                body = await asyncio.wait_for(future, max(remaining, 0.001))
-            except TimeoutError as exc:
-                raise AllocatorTimeout(
-                    f"the allocator did not answer within {timeout:g} s "
-                    "(it may be down, restarting or overloaded)"
-                ) from exc
-        finally:
-            self._pending.pop(correlation_id, None)
-        try:
-            return REPLY_ADAPTER.validate_json(body)
-        except ValidationError as exc:
-            raise AllocatorError(
-                ErrorCode.INTERNAL_ERROR,
-                f"the allocator sent a reply this client cannot read: {exc}",
+            await self._exchange.publish(
+                message, routing_key=self.routing_key, mandatory=True, timeout=bound_s
+            )
+        except TimeoutError as exc:
+            raise AllocatorTimeout(
+                f"publishing the request took longer than {bound_s:g} s (is the broker down?)"
             ) from exc
+        except aio_pika.exceptions.AMQPError as exc:
+            await self._close_quietly()
+            raise AllocatorUnavailable(f"the broker refused the request: {exc}") from exc
 
     async def _expect(
         self, request: BaseModel, expected: type[ReplyT], timeout_s: float | None
@@ -306,11 +334,21 @@ class AllocatorClient:
             InventoryRequest(include_leases=include_leases), InventoryReply, timeout_s
         )
 
-    async def quota(self, user: str, groups: Sequence[str] = (), *,
+    async def quota(self, user: str, groups: Sequence[str] = (), *, count: float | None = None,
                     timeout_s: float | None = None) -> QuotaReply:
-        """The user's quotas (theirs, then their groups') and what each holds now."""
-        return await self._expect(QuotaRequest(user=user, groups=list(groups)), QuotaReply,
-                                  timeout_s)
+        """The user's quotas (theirs, then their groups') and what each holds now; with
+        ``count``, also whether a grant of that many GPUs now would be borrowed."""
+        return await self._expect(QuotaRequest(user=user, groups=list(groups), count=count),
+                                  QuotaReply, timeout_s)
+
+    async def leases(self, user: str | None = None, *, include_finished_s: float = 0.0,
+                     include_usage: bool = False,
+                     timeout_s: float | None = None) -> LeasesReply:
+        """One user's leases (None: everyone's), with those ended within
+        ``include_finished_s`` and, with ``include_usage``, their per-minute GPU use."""
+        request = LeasesRequest(user=user, include_finished_s=include_finished_s,
+                                include_usage=include_usage)
+        return await self._expect(request, LeasesReply, timeout_s)
 
     async def queue(self, *, timeout_s: float | None = None) -> list[Lease]:
         """Queued requests in the order they will be served."""
@@ -330,47 +368,142 @@ class AllocatorClient:
         request = DrainRequest(host=host, gpu_uuid=gpu_uuid, drained=drained, by=by, reason=reason)
         return await self._expect(request, DrainReply, timeout_s)
 
+    async def allocate_and_wait(
+        self,
+        request: AllocateRequest,
+        *,
+        recheck_s: float = DEFAULT_RECHECK_S,
+        on_queued: QueuedCallback | None = None,
+    ) -> Lease:
+        """Ask for GPUs and, when the request is queued, wait for the grant to be pushed.
+
+        Returns the ``granted`` lease (at once, or the moment the allocator grants it: it
+        publishes the outcome to this call's reply address, see docs/protocol.md). No polling:
+        a ``status`` call goes out only after ``recheck_s`` without news (an allocator that
+        restarted forgets where to push) or after the connection was lost. ``on_queued`` gets
+        each ``queued`` lease this wait learns of (its ``queue_position``).
+
+        Raises :class:`AllocatorError` for a refusal, ``no_capacity`` when the request's wait
+        ran out (or it was withdrawn), and :class:`StillQueued` if ``request.wait_s`` (plus
+        one call timeout) passes first.
+        """
+        return await self._wait_in_queue(request, request.request_key, wait_s=request.wait_s,
+                                         recheck_s=recheck_s, on_queued=on_queued)
+
     async def wait_for_grant(
         self,
         request_key: str,
         *,
         wait_s: float,
-        poll_s: float = 0.5,
-        head_poll_s: float | None = None,
-        on_position: PositionCallback | None = None,
+        recheck_s: float = DEFAULT_RECHECK_S,
+        on_queued: QueuedCallback | None = None,
     ) -> Lease:
-        """Poll a queued request until it is granted.
+        """Wait for the grant of a request queued earlier (by this client or one before a
+        reconnect): one ``status`` call, then as :meth:`allocate_and_wait`."""
+        return await self._wait_in_queue(StatusRequest(request_key=request_key), request_key,
+                                         wait_s=wait_s, recheck_s=recheck_s,
+                                         on_queued=on_queued)
 
-        ``poll_s`` between polls; ``head_poll_s`` (if given) instead while the request is
-        first in the queue: it gets the next GPU that fits, so it may poll faster, and since
-        only one request of the cluster is first, the load this adds stays bounded.
+    async def _wait_in_queue(self, first: AllocateRequest | StatusRequest, request_key: str, *,
+                             wait_s: float, recheck_s: float,
+                             on_queued: QueuedCallback | None) -> Lease:
+        """Send ``first``, then read every answer about the request (replies to this wait's
+        calls and the allocator's pushes, on correlation ids of one stream) until it is
+        granted or ended; ``status`` again after ``recheck_s`` without news."""
+        started = time.monotonic()
+        give_up = started + wait_s + self.timeout_s
+        stream: asyncio.Queue[bytes | AllocatorError] = asyncio.Queue()
+        mine: list[str] = []
 
-        Raises :class:`AllocatorError` with ``no_capacity`` when its wait ran out, and
-        :class:`StillQueued` (an :class:`AllocatorTimeout`) if ``wait_s`` (plus one call
-        timeout) passes first.
-        """
-        give_up = time.monotonic() + wait_s + self.timeout_s
-        last_position: int | None = None
-        while True:
-            lease = await self.status(request_key=request_key)
-            if lease.state in (LeaseState.GRANTED, LeaseState.BOUND):
-                return lease
-            if lease.state is not LeaseState.QUEUED:
-                raise AllocatorError(
-                    ErrorCode.NO_CAPACITY,
-                    f"the request ended without GPUs ({lease.state.value}"
-                    f"{', ' + lease.release_reason.value if lease.release_reason else ''})",
-                    {"lease": lease.model_dump(mode="json")},
-                )
-            if lease.queue_position != last_position and lease.queue_position is not None:
-                last_position = lease.queue_position
-                if on_position is not None:
-                    result = on_position(lease.queue_position)
+        async def ask(request: BaseModel) -> None:
+            correlation_id = uuid.uuid4().hex
+            self._streams[correlation_id] = stream
+            mine.append(correlation_id)
+            await self._publish(request, correlation_id, self.timeout_s)
+
+        try:
+            await ask(first)
+            answered = False
+            # The first call is answered within the call timeout, or raises like any call.
+            wake_at = started + self.timeout_s
+            while True:
+                now = time.monotonic()
+                if now >= give_up:
+                    raise StillQueued(wait_s)
+                try:
+                    item = await asyncio.wait_for(stream.get(), min(wake_at, give_up) - now)
+                except TimeoutError:
+                    if not answered and time.monotonic() < give_up:
+                        raise _no_answer(self.timeout_s) from None
+                    # No news for recheck_s: the allocator may have restarted and forgotten
+                    # where to push; ask (which also tells it where to push from now on).
+                    await self._ask_again(ask, request_key, give_up)
+                    wake_at = time.monotonic() + recheck_s
+                    continue
+                if isinstance(item, AllocatorError):
+                    if not answered or isinstance(item, ClientClosed):
+                        raise item
+                    # The channel (and its reply address) is gone: reconnect and ask.
+                    await self._ask_again(ask, request_key, give_up)
+                    wake_at = time.monotonic() + recheck_s
+                    continue
+                reply = _read_reply(item)
+                if isinstance(reply, ErrorReply):
+                    raise AllocatorError(reply.error.code, reply.error.message,
+                                         reply.error.details)
+                if not isinstance(reply, LeaseReply):
+                    raise AllocatorError(ErrorCode.INTERNAL_ERROR,
+                                         f"expected a lease reply, got {type(reply).__name__}")
+                answered = True
+                lease = reply.lease
+                if lease.state in (LeaseState.GRANTED, LeaseState.BOUND):
+                    return lease
+                if lease.state is not LeaseState.QUEUED:
+                    raise AllocatorError(
+                        ErrorCode.NO_CAPACITY,
+                        f"the request ended without GPUs ({lease.state.value}"
+                        f"{', ' + lease.release_reason.value if lease.release_reason else ''})",
+                        {"lease": lease.model_dump(mode="json")},
+                    )
+                if on_queued is not None:
+                    result = on_queued(lease)
                     if inspect.isawaitable(result):
                         await result
-            if time.monotonic() > give_up:
-                raise StillQueued(wait_s)
-            at_head = head_poll_s is not None and lease.queue_position == 1
-            await asyncio.sleep(head_poll_s if head_poll_s is not None and at_head else poll_s)
+                wake_at = time.monotonic() + recheck_s
+        finally:
+            for correlation_id in mine:
+                self._streams.pop(correlation_id, None)
+
+    async def _ask_again(self, ask: Callable[[BaseModel], Awaitable[None]], request_key: str,
+                         give_up: float) -> None:
+        """One ``status`` call of a waiting request; a broker that cannot be reached now is
+        tried again, every ``connect_timeout_s`` at most, until ``give_up``."""
+        while True:
+            try:
+                await ask(StatusRequest(request_key=request_key))
+                return
+            except AllocatorError as exc:
+                if time.monotonic() + self.connect_timeout_s >= give_up:
+                    raise
+                log.info("status of queued request %s not sent (%s); trying again",
+                         request_key, exc)
+                await asyncio.sleep(min(self.connect_timeout_s, 1.0))
+
+
+def _no_answer(timeout: float) -> AllocatorTimeout:
+    return AllocatorTimeout(
+        f"the allocator did not answer within {timeout:g} s "
+        "(it may be down, restarting or overloaded)"
+    )
+
+
+def _read_reply(body: bytes) -> Reply:
+    try:
+        return REPLY_ADAPTER.validate_json(body)
+    except ValidationError as exc:
+        raise AllocatorError(
+            ErrorCode.INTERNAL_ERROR,
+            f"the allocator sent a reply this client cannot read: {exc}",
+        ) from exc
 
 

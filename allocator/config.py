@@ -1,8 +1,8 @@
 """Allocator settings: environment variables (``SWARM_GPU_*``) over an optional TOML file.
 
-Precedence, highest first: keyword arguments, environment, the TOML file named by
-``SWARM_GPU_CONFIG`` (or passed as ``config_file``), defaults. Nested tables in TOML map to
-dict settings, e.g.::
+Precedence, highest first (pydantic-settings' sources, :mod:`allocator.settings_files`):
+keyword arguments, environment, the TOML file named by ``SWARM_GPU_CONFIG`` (or passed as
+``config_file``), defaults. Nested tables in TOML map to dict settings, e.g.::
 
     ledger_path = "/var/lib/swarm-gpu/ledger.sqlite"
     [share_slots]
@@ -15,19 +15,25 @@ dict settings, e.g.::
 
 from __future__ import annotations
 
-import os
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from allocator.settings_files import FileSettings
+
+ENV_PREFIX = "SWARM_GPU_"
+
+
+class ConfigurationError(ValueError):
+    """Settings that cannot work together; the message says which, in one line."""
 
 
 class PolicySettings(BaseSettings):
     """The knobs of placement: sharing, aliases, quotas. Plain data for the pure policy."""
 
-    model_config = SettingsConfigDict(env_prefix="SWARM_GPU_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     share_slots: dict[str, int] = Field(
         default_factory=dict,
@@ -44,10 +50,57 @@ class PolicySettings(BaseSettings):
         default_factory=dict, description="Max GPUs held at once by all members of a group."
     )
     default_user_quota: float | None = Field(default=None, description="None = unlimited.")
+    user_borrow_limit: dict[str, float] = Field(
+        default_factory=dict,
+        description="The most a user may hold at once, borrowed GPUs included: the user's quota "
+        "(user_quota) is the guarantee, anything held above it is borrowed and reclaimable. "
+        "Absent: the guarantee (no borrowing).")
+    group_borrow_limit: dict[str, float] = Field(
+        default_factory=dict,
+        description="The most all members of a group may hold at once, borrowed included "
+        "(group_quota is the group's guarantee). Absent: the guarantee.")
+    default_user_borrow_limit: float | None = Field(
+        default=None, description="Borrow limit of users not in user_borrow_limit whose quota "
+        "is default_user_quota; None = that quota (no borrowing).")
+
+    @model_validator(mode="after")
+    def _borrow_limits_above_guarantees(self) -> PolicySettings:
+        for problem in borrow_limit_problems(self):
+            raise ValueError(problem)
+        return self
 
 
-class AllocatorSettings(PolicySettings):
-    """Everything the allocator process reads at start."""
+def borrow_limit_problems(settings: PolicySettings) -> list[str]:
+    """Every borrow limit that is below its guarantee, or given where no guarantee is, in words."""
+    problems = []
+    scopes = (("user", settings.user_quota, settings.user_borrow_limit),
+              ("group", settings.group_quota, settings.group_borrow_limit))
+    for scope, guarantees, limits in scopes:
+        for name, limit in sorted(limits.items()):
+            guarantee = guarantees.get(name)
+            if guarantee is None and scope == "user":
+                guarantee = settings.default_user_quota
+            if guarantee is None:
+                problems.append(f"{scope}_borrow_limit[{name!r}] = {limit:g} has no guarantee to "
+                                f"borrow above: set {scope}_quota[{name!r}]")
+            elif limit < guarantee:
+                problems.append(f"{scope}_borrow_limit[{name!r}] = {limit:g} is below its "
+                                f"guarantee {scope}_quota[{name!r}] = {guarantee:g}")
+    default_limit = settings.default_user_borrow_limit
+    if default_limit is not None:
+        if settings.default_user_quota is None:
+            problems.append(f"default_user_borrow_limit = {default_limit:g} has no guarantee to "
+                            "borrow above: set default_user_quota")
+        elif default_limit < settings.default_user_quota:
+            problems.append(f"default_user_borrow_limit = {default_limit:g} is below "
+                            f"default_user_quota = {settings.default_user_quota:g}")
+    return problems
+
+
+class AllocatorSettings(PolicySettings, FileSettings):
+    """Everything the allocator process reads at start (``config``: the TOML file)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     amqp_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/",
@@ -176,14 +229,55 @@ class AllocatorSettings(PolicySettings):
         "oldest entry kept cannot catch up and refuses to serve (seed it from a backup).",
     )
 
+    reclaim_grace_s: float = Field(
+        default=300.0, ge=0, le=24 * 3600,
+        description="Between the warning that a borrowed (or idle) lease will be stopped and "
+        "the stop: the user sees the deadline on the lease and can save their work.")
+    idle_window_s: float = Field(
+        default=600.0, gt=0,
+        description="A lease whose own processes stay under the idle thresholds this long is "
+        "idle: reclaimed before busy borrowed leases, and counted in idle GPU-hours.")
+    idle_utilization_pct: float = Field(
+        default=5.0, ge=0, le=100,
+        description="Utilization (of the lease's processes, mean over its GPUs) below which a "
+        "heartbeat's sample counts as idle. A sample without utilization is not idle.")
+    idle_memory_mib: int | None = Field(
+        default=None, ge=0,
+        description="When set, a sample also needs less GPU memory than this to be idle; None: "
+        "memory held is no sign of work (a notebook keeps its tensors while idle).")
+    idle_release_after_s: float | None = Field(
+        default=None, gt=0,
+        description="When set, a lease idle longer than this (guaranteed or not) is released, "
+        "after a warning of reclaim_grace_s, while a request that its GPUs would let fit waits. "
+        "None: off.")
+    usage_history_s: float = Field(
+        default=3 * 3600.0, ge=0, le=7 * 24 * 3600,
+        description="Per-minute GPU use kept in memory per lease for the leases reply.")
+    strict_guarantees: bool = Field(
+        default=False,
+        description="Refuse to start when the user guarantees, or the group guarantees, add up "
+        "to more GPUs than the cluster has (cluster_gpus, or the ledger's GPUs).")
+    cluster_gpus: int | None = Field(
+        default=None, ge=0,
+        description="GPUs the guarantees are checked against with strict_guarantees; None: the "
+        "present GPUs the ledger knows at start.")
+
+
+def guarantee_problem(settings: PolicySettings, cluster_gpus: float) -> str | None:
+    """With strict guarantees: why the guarantees cannot all be honoured at once, or None."""
+    for scope, guarantees in (("user", settings.user_quota), ("group", settings.group_quota)):
+        total = sum(guarantees.values())
+        if total > cluster_gpus:
+            return (f"the {scope} guarantees ({scope}_quota) add up to {total:g} GPUs, more than "
+                    f"the cluster's {cluster_gpus:g} (strict_guarantees is set)")
+    return None
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> AllocatorSettings:
-    """Read the TOML file (if any) under the environment and ``overrides``."""
-    path = config_file or os.environ.get("SWARM_GPU_CONFIG")
-    file_values: dict[str, Any] = {}
-    if path:
-        with open(path, "rb") as handle:
-            file_values = tomllib.load(handle)
-    env_values = AllocatorSettings().model_dump(exclude_unset=True)
-    return AllocatorSettings(**{**file_values, **env_values, **overrides})
+    """The settings: ``overrides`` over the environment over the TOML file over defaults.
+
+    ``config_file`` names the TOML file (else ``SWARM_GPU_CONFIG`` does).
+    """
+    if config_file is not None:
+        overrides["config"] = config_file
+    return AllocatorSettings(**overrides)

@@ -27,6 +27,13 @@ class Count(StrEnum):
     HEARTBEATS = "heartbeats"
     HEARTBEAT_STALE = "heartbeat_stale"
     HEARTBEAT_CLOCK_SKEW = "heartbeat_clock_skew"
+    HEARTBEAT_DELTAS = "heartbeat_deltas"
+    """Heartbeat deltas applied (each also counts in ``heartbeats``)."""
+    HEARTBEAT_DELTA_GAPS = "heartbeat_delta_gaps"
+    """Deltas that did not fit the report held for their host (a lost message, an allocator
+    start): the report is dropped until the next full one."""
+    HEARTBEAT_DELTAS_UNAPPLIED = "heartbeat_deltas_unapplied"
+    """Deltas taken as liveness only, their host awaiting its next full report."""
     NODE_DOWN = "node_down"
     DUPLICATE_GPU = "duplicate_gpu"
     OVER_BUDGET = "over_budget"
@@ -47,6 +54,10 @@ class Count(StrEnum):
     RECEIVED = "received"
     REPLIES = "replies"
     REPLY_FAILURES = "reply_failures"
+    PUSHES = "pushes"
+    """Outcomes of queued requests published to their waiting clients."""
+    PUSH_FAILURES = "push_failures"
+    """Outcomes that could not be published (the status call of the client finds them)."""
     COMMANDS_SENT = "commands_sent"
     COMMAND_FAILURES = "command_failures"
     DEAD_LETTERED = "dead_lettered"
@@ -87,6 +98,8 @@ class Family(Enum):
     """Stop commands decided, by reason."""
     INVALID_MESSAGE = "invalid_{}"
     """Messages that did not decode, by error code."""
+    RECLAIM_WARNED = "reclaim_warned_{}"
+    """Reclaim warnings given, by reason (``reclaimed``, ``idle``)."""
 
     def key(self, label: str) -> str:
         """The plain name of this family's counter for ``label``."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any
 
-from allocator.protocol import Lease, LeaseState, ReleaseReason
+from allocator.protocol import Lease, LeaseState, ReclaimReason, ReleaseReason
 
 
 @dataclass
@@ -44,6 +44,19 @@ class LeaseRecord:
     release_reason: ReleaseReason | None = None
     released_by: str | None = None
     release_note: str | None = None
+    borrowed: bool = False
+    """Granted beyond its owner's guarantee (see :mod:`allocator.engine.reclaim`)."""
+    reclaim_at: float | None = None
+    """A pending warning's deadline: the container is stopped then, if still needed."""
+    reclaim_reason: ReclaimReason | None = None
+    reclaim_for: str | None = None
+    """The queued lease the warning is for (the first waiter that needed it)."""
+    reclaim_stopped_at: float | None = None
+    """When the reclaim's stop was decided: the lease then ends with ``reclaim_reason``."""
+    idle_since: float | None = None
+    """Since when its processes have stayed under the idle thresholds; None: busy or unmeasured."""
+    idle_gpu_s: float = 0.0
+    """GPU-seconds spent idle in finished idle spells (units x seconds), for accounting."""
 
     def to_row(self) -> dict[str, Any]:
         """The ledger row (JSON-able scalars only)."""
@@ -54,7 +67,7 @@ class LeaseRecord:
                 value = list(value)
             elif isinstance(value, Fraction):
                 value = float(value)
-            elif isinstance(value, LeaseState | ReleaseReason):
+            elif isinstance(value, LeaseState | ReleaseReason | ReclaimReason):
                 value = value.value
             row[f.name] = value
         row["units_num"] = self.units.numerator
@@ -75,6 +88,10 @@ class LeaseRecord:
         values["units"] = Fraction(int(row.get("units_num") or 0), int(row.get("units_den") or 1))
         reason = row.get("release_reason")
         values["release_reason"] = ReleaseReason(reason) if reason else None
+        warned = row.get("reclaim_reason")
+        values["reclaim_reason"] = ReclaimReason(warned) if warned else None
+        values["borrowed"] = bool(row.get("borrowed"))
+        values["idle_gpu_s"] = float(row.get("idle_gpu_s") or 0.0)
         return cls(**values)
 
     def to_protocol(self, queue_position: int | None = None) -> Lease:
@@ -99,4 +116,8 @@ class LeaseRecord:
             container_id=self.container_id,
             queue_position=queue_position,
             wait_until=self.wait_until,
+            borrowed=self.borrowed,
+            reclaim_at=self.reclaim_at,
+            reclaim_reason=self.reclaim_reason,
+            idle_since=self.idle_since,
         )

@@ -31,7 +31,7 @@ from allocator.protocol import Health, LeaseState
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
 
 LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
@@ -131,8 +131,18 @@ def _migrate_v3(db: sqlite_utils.Database) -> None:
     )
 
 
+def _migrate_v4(db: sqlite_utils.Database) -> None:
+    """Fair share: borrowed leases, reclaim warnings (their deadlines survive a restart) and
+    idle accounting."""
+    leases = db.table("leases")
+    for column, kind in (("borrowed", int), ("reclaim_at", float), ("reclaim_reason", str),
+                         ("reclaim_for", str), ("reclaim_stopped_at", float),
+                         ("idle_since", float), ("idle_gpu_s", float)):
+        leases.add_column(column, kind)
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
-                                                             _migrate_v3]
+                                                             _migrate_v3, _migrate_v4]
 """``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
 
 

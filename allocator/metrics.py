@@ -239,6 +239,9 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                             "error code", "code", service.of(Family.INVALID_MESSAGE))
     yield _labelled_counter("swarm_gpu_container_stops_asked", "Stop commands to node agents "
                             "decided, by reason", "reason", engine.of(Family.STOP_ASKED))
+    yield _labelled_counter("swarm_gpu_reclaim_warnings", "Warnings that a borrowed or idle "
+                            "lease will be stopped, by reason", "reason",
+                            engine.of(Family.RECLAIM_WARNED))
     anomalies = CounterMetricFamily("swarm_gpu_anomalies", "Things a node or client did that "
                                     "should not happen", labels=["kind"])
     for kind in ANOMALIES:
@@ -252,7 +255,14 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          "container's grant labels", engine, Count.ADOPTED),
         ("swarm_gpu_allocate_retries", "Allocate retries answered with the existing lease",
          engine, Count.ALLOCATE_RETRY),
-        ("swarm_gpu_heartbeats", "Heartbeats applied", engine, Count.HEARTBEATS),
+        ("swarm_gpu_heartbeats", "Heartbeats applied, full or delta", engine, Count.HEARTBEATS),
+        ("swarm_gpu_heartbeat_deltas", "Heartbeat deltas applied", engine,
+         Count.HEARTBEAT_DELTAS),
+        ("swarm_gpu_heartbeat_delta_gaps", "Heartbeat deltas that did not fit the report "
+         "held (a lost message): the host awaits its next full report", engine,
+         Count.HEARTBEAT_DELTA_GAPS),
+        ("swarm_gpu_heartbeat_deltas_unapplied", "Heartbeat deltas taken as liveness only "
+         "while their host awaited a full report", engine, Count.HEARTBEAT_DELTAS_UNAPPLIED),
         ("swarm_gpu_heartbeats_stale", "Heartbeats ignored as replayed or reordered",
          engine, Count.HEARTBEAT_STALE),
         ("swarm_gpu_node_down_events", "Times a node was marked down", engine, Count.NODE_DOWN),
@@ -265,6 +275,10 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          service, Count.COMMAND_FAILURES),
         ("swarm_gpu_reply_failures", "Replies that could not be sent", service,
          Count.REPLY_FAILURES),
+        ("swarm_gpu_pushes", "Outcomes of queued requests (grant, expiry, withdrawal) "
+         "published to the waiting client", service, Count.PUSHES),
+        ("swarm_gpu_push_failures", "Outcomes of queued requests that could not be "
+         "published", service, Count.PUSH_FAILURES),
         ("swarm_gpu_dead_lettered", "Messages sent to the dead-letter queue",
          service, Count.DEAD_LETTERED),
         ("swarm_gpu_reply_to_refused", "Messages refused unanswered because their reply_to "

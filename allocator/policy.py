@@ -662,9 +662,45 @@ class QuotaStanding:
     """``user`` or ``group``."""
     name: str
     limit: Fraction | None
-    """GPUs that may be held at once (a slice counts 1/slots); None = no limit."""
+    """GPUs that may be held at once, borrowed ones included (a slice counts 1/slots); None =
+    no limit. This is the borrow limit; without one configured, the guarantee."""
     held: Fraction
     """Held now by the user, or by all members of the group together."""
+    guarantee: Fraction | None = None
+    """GPUs held within it are never reclaimed; beyond it (up to ``limit``) they are
+    borrowed. None = no limit (nothing counted here is borrowed)."""
+
+
+def _user_limits(user: str, settings: PolicySettings) -> tuple[Fraction | None, Fraction | None]:
+    """(guarantee, borrow limit) of a user: ``user_quota`` or ``default_user_quota``, and the
+    borrow limit configured for them, else the guarantee."""
+    guarantee: float | None
+    borrow: float | None
+    if user in settings.user_quota:
+        guarantee = settings.user_quota[user]
+        borrow = settings.user_borrow_limit.get(user, guarantee)
+    else:
+        guarantee = settings.default_user_quota
+        borrow = settings.user_borrow_limit.get(user, settings.default_user_borrow_limit)
+        if borrow is None:
+            borrow = guarantee
+    return _limit(guarantee), _limit(borrow)
+
+
+QuotaScope = tuple[str, str, Fraction | None, Fraction | None]
+"""(scope, name, guarantee, borrow limit) of one quota."""
+
+
+def quota_scopes(user: str, groups: Sequence[str], settings: PolicySettings) -> list[QuotaScope]:
+    """(scope, name, guarantee, borrow limit) of the user, then of each of their groups with a
+    quota (each once, in the order given)."""
+    scopes = [("user", user, *_user_limits(user, settings))]
+    for group in dict.fromkeys(groups):
+        if group in settings.group_quota:
+            guarantee = settings.group_quota[group]
+            scopes.append(("group", group, _limit(guarantee),
+                           _limit(settings.group_borrow_limit.get(group, guarantee))))
+    return scopes
 
 
 def quota_standings(user: str, groups: Sequence[str], cluster: Cluster,
@@ -674,25 +710,31 @@ def quota_standings(user: str, groups: Sequence[str], cluster: Cluster,
     the order given), with what each holds now.
 
     Holdings are the claims in the cluster: one per GPU a lease holds (1 unit each for
-    exclusive leases, 1/slots for a slice). The user's limit is ``user_quota[user]``, else
+    exclusive leases, 1/slots for a slice). The user's guarantee is ``user_quota[user]``, else
     ``default_user_quota`` (None = unlimited); each of the user's groups in ``group_quota``
-    limits what all claims carrying that group hold together. ``limited_only`` leaves out
-    the unlimited ones, and counts nothing when none is limited.
+    guarantees what all claims carrying that group hold together. The limit of each is its
+    borrow limit (``user_borrow_limit``, ``group_borrow_limit``, ``default_user_borrow_limit``),
+    the guarantee where none is set. ``limited_only`` leaves out the unlimited ones, and
+    counts nothing when none is limited.
     """
-    scopes = [("user", user, _limit(settings.user_quota.get(user, settings.default_user_quota)))]
-    scopes += [("group", group, _limit(settings.group_quota[group]))
-               for group in dict.fromkeys(groups) if group in settings.group_quota]
+    scopes = quota_scopes(user, groups, settings)
     if limited_only:
-        scopes = [scope for scope in scopes if scope[2] is not None]
+        scopes = [scope for scope in scopes if scope[3] is not None]
         if not scopes:
             return []  # no quota applies: no need to count what everybody holds
     claims = [claim for held in cluster.claims.values() for claim in held]
     return [
         QuotaStanding(scope, name, limit, sum(
             (c.units for c in claims if (c.user == name if scope == "user" else name in c.groups)),
-            Fraction(0)))
-        for scope, name, limit in scopes
+            Fraction(0)), guarantee)
+        for scope, name, guarantee, limit in scopes
     ]
+
+
+def would_borrow(demand_units: Fraction, standings: Sequence[QuotaStanding]) -> bool:
+    """Whether granting ``demand_units`` more would go beyond one of the guarantees."""
+    return any(s.guarantee is not None and s.held + demand_units > s.guarantee
+               for s in standings)
 
 
 def check_quota(

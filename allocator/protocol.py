@@ -164,6 +164,21 @@ class ReleaseReason(StrEnum):
     """A queued request was withdrawn before it was granted."""
     WAIT_EXPIRED = "wait_expired"
     """A queued request waited ``wait_s`` without anything fitting."""
+    RECLAIMED = "reclaimed"
+    """A borrowed lease (beyond its owner's guarantee) was reclaimed, after a warning, for a
+    request within its owner's guarantee."""
+    IDLE = "idle"
+    """The lease's GPUs stayed idle longer than ``idle_release_after_s`` while a request
+    waited; it was released after a warning."""
+
+
+class ReclaimReason(StrEnum):
+    """Why a lease is warned that its container will be stopped (``Lease.reclaim_reason``)."""
+
+    RECLAIMED = "reclaimed"
+    """It is borrowed and a request within its owner's guarantee needs its GPUs."""
+    IDLE = "idle"
+    """It has been idle longer than ``idle_release_after_s`` and a request waits."""
 
 
 class Health(StrEnum):
@@ -303,6 +318,12 @@ WHAT_IS_ASKED: Final = ("model", "models", "min_memory_mib", "min_compute_capabi
 """The fields of :class:`AllocateRequest` that :meth:`AllocateRequest.what_is_asked` compares."""
 
 
+def _exactly_one_key(lease_id: str | None, request_key: str | None) -> None:
+    """A lease is named by its id or by its request key: one of them, not both."""
+    if (lease_id is None) == (request_key is None):
+        raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+
+
 class ReleaseRequest(_Message):
     """End a lease (or withdraw a queued request). Releasing twice is a no-op.
 
@@ -321,8 +342,7 @@ class ReleaseRequest(_Message):
 
     @model_validator(mode="after")
     def _one_key(self) -> ReleaseRequest:
-        if (self.lease_id is None) == (self.request_key is None):
-            raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+        _exactly_one_key(self.lease_id, self.request_key)
         return self
 
 
@@ -336,8 +356,7 @@ class StatusRequest(_Message):
 
     @model_validator(mode="after")
     def _one_key(self) -> StatusRequest:
-        if (self.lease_id is None) == (self.request_key is None):
-            raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+        _exactly_one_key(self.lease_id, self.request_key)
         return self
 
 
@@ -373,12 +392,33 @@ class QueueRequest(_Message):
 
 class QuotaRequest(_Message):
     """A user's quotas and what they hold now, so a spawn form can say "you hold 2 of 4"
-    before a request is refused ``quota_exceeded``."""
+    before a request is refused ``quota_exceeded``, and whether a choice would be borrowed."""
 
     kind: Literal["quota"] = "quota"
     user: Name
     groups: list[Name] = Field(default_factory=list, max_length=64,
                                description="The user's groups, as an allocate would give them.")
+    count: float | None = Field(
+        default=None, gt=0, le=MAX_COUNT, allow_inf_nan=False,
+        description="GPUs a request would ask for (a slice: 1/slots of its GPU); when given, "
+        "the reply says whether granting that many now would be borrowed.")
+    deadline: float | None = None
+
+
+class LeasesRequest(_Message):
+    """List leases: one user's (their service page) or everyone's (admins' page).
+
+    The allocator does not know who is logged in to the hub: the hub service that asks passes
+    the user's name, and shows everyone's leases to admins only.
+    """
+
+    kind: Literal["leases"] = "leases"
+    user: Name | None = Field(default=None, description="Only this user's leases; None = all.")
+    include_finished_s: float = Field(
+        default=0.0, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False,
+        description="Also the leases that ended within this many seconds.")
+    include_usage: bool = Field(
+        default=False, description="Fill each lease's ``usage`` (per-minute samples).")
     deadline: float | None = None
 
 
@@ -389,7 +429,8 @@ Request = Annotated[
     | InventoryRequest
     | DrainRequest
     | QueueRequest
-    | QuotaRequest,
+    | QuotaRequest
+    | LeasesRequest,
     Field(discriminator="kind"),
 ]
 """Any request to the allocator's RPC exchange."""
@@ -552,6 +593,42 @@ class Heartbeat(_Message):
         return self
 
 
+class HeartbeatDelta(_Message):
+    """A heartbeat that carries only what changed since its agent's previous heartbeat.
+
+    It applies onto the report the allocator holds for the host after the agent's previous
+    message (``seq - 1`` of the same ``agent_id``, a full :class:`Heartbeat` or a delta already
+    applied onto one): each entry of ``gpus`` and ``containers`` replaces the entry with the
+    same ``uuid`` or ``container_id`` there, everything else stays as it was. The sets of GPUs
+    and containers, ``containers_complete`` and ``source`` never change in a delta (the agent
+    sends a full report when one does), so a delta cannot make a container look gone. A delta
+    that does not fit the report held (a gap in ``seq``, another agent, an entry the report
+    does not have) is not applied: it still says the node is alive, and the next full report
+    repairs the rest (see :mod:`allocator.heartbeat_delta`).
+    """
+
+    kind: Literal["heartbeat_delta"] = "heartbeat_delta"
+    host: Name
+    agent_id: Name = Field(description="The agent's id, as in its full heartbeats.")
+    seq: Count64 = Field(description="The agent's next number: full reports and deltas "
+                         "share one sequence, so a missed message shows as a gap.")
+    sent_at: float = Field(allow_inf_nan=False, description="Epoch seconds on the node.")
+    interval_s: float = Field(gt=0, le=3600)
+    gpus: list[GPUInfo] = Field(default_factory=list, max_length=64,
+                                description="The GPUs whose report changed, each whole.")
+    containers: list[ContainerInfo] = Field(
+        default_factory=list, max_length=1024,
+        description="The containers whose report (``gpu_use`` above all) changed, each whole.")
+
+    @model_validator(mode="after")
+    def _unique_entries(self) -> HeartbeatDelta:
+        if len({gpu.uuid for gpu in self.gpus}) != len(self.gpus):
+            raise ValueError("duplicate GPU uuid in one heartbeat delta")
+        if len({c.container_id for c in self.containers}) != len(self.containers):
+            raise ValueError("duplicate container id in one heartbeat delta")
+        return self
+
+
 class ContainerAction(StrEnum):
     """Docker container events the agent forwards."""
 
@@ -575,7 +652,8 @@ class ContainerEvent(_Message):
         default=None, description="The grant from the container's labels (on start events).")
 
 
-NodeMessage = Annotated[Heartbeat | ContainerEvent, Field(discriminator="kind")]
+NodeMessage = Annotated[Heartbeat | HeartbeatDelta | ContainerEvent,
+                      Field(discriminator="kind")]
 """Any message from a node agent."""
 
 NODE_MESSAGE_ADAPTER: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
@@ -588,7 +666,9 @@ AnyInbound = Annotated[
     | DrainRequest
     | QueueRequest
     | QuotaRequest
+    | LeasesRequest
     | Heartbeat
+    | HeartbeatDelta
     | ContainerEvent,
     Field(discriminator="kind"),
 ]
@@ -615,6 +695,10 @@ class StopReason(StrEnum):
     LEASE_FINISHED = "lease_finished"
     """The container runs for a lease that is already released or expired (a zombie, e.g. a
     late start after a bind timeout): it would use GPUs the ledger gave away."""
+    RECLAIMED = "reclaimed"
+    """The lease was borrowed and its grace after the reclaim warning ran out."""
+    IDLE = "idle"
+    """The lease stayed idle while a request waited and its grace ran out."""
 
 
 class StopContainer(_Message):
@@ -661,6 +745,17 @@ def decode_agent_command(body: bytes) -> AgentCommand | str:
 # --------------------------------------------------------------------------- replies
 
 
+class UsageSample(BaseModel):
+    """A lease's own GPU use over one minute (see ``LeasesRequest.include_usage``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    at: float = Field(description="Start of the minute, epoch seconds.")
+    utilization_pct: float | None = Field(
+        description="Mean utilization of the lease's processes; None: not reported.")
+    memory_used_mib: int = Field(description="Most GPU memory its processes used.")
+
+
 class Lease(BaseModel):
     """A lease as the allocator reports it."""
 
@@ -689,6 +784,24 @@ class Lease(BaseModel):
     container_id: str | None = None
     queue_position: int | None = Field(default=None, description="1 = next; queued leases only.")
     wait_until: float | None = None
+    borrowed: bool = Field(
+        default=False, description="Holds GPUs beyond its owner's guarantee (the user's or a "
+        "group's): reclaimable when a request within its owner's guarantee waits.")
+    reclaim_at: float | None = Field(
+        default=None, description="A warning is pending: the container is stopped then.")
+    reclaim_reason: ReclaimReason | None = Field(
+        default=None, description="Why it is warned (kept on a lease that ended that way).")
+    idle_since: float | None = Field(
+        default=None, description="Since when its own processes have stayed under the idle "
+        "thresholds; None: busy, or not measured (no container yet).")
+    utilization_pct: float | None = Field(
+        default=None, description="Its own processes' utilization (mean over its GPUs), newest "
+        "heartbeat; None: not measured.")
+    gpu_memory_used_mib: int | None = Field(
+        default=None, description="GPU memory its own processes use, newest heartbeat.")
+    usage: list[UsageSample] | None = Field(
+        default=None, description="Per-minute use, oldest first: leases reply with "
+        "include_usage only.")
 
 
 class LeaseReply(_Message):
@@ -805,9 +918,16 @@ class QuotaView(BaseModel):
     scope: Literal["user", "group"]
     name: str = Field(description="The user, or the group.")
     limit: float | None = Field(
-        description="GPUs that may be held at once (a slice counts 1/slots); null = no limit.")
+        description="GPUs that may be held at once, borrowed ones included (a slice counts "
+        "1/slots); null = no limit. The same as borrow_limit.")
     held: float = Field(description="Held now: by the user, or by all members of the group.")
     free: float | None = Field(description="limit - held (never below 0); null = no limit.")
+    guaranteed: float | None = Field(
+        default=None, description="GPUs guaranteed: held within it, nothing is reclaimed; "
+        "null = no limit (nothing counted here is borrowed).")
+    borrow_limit: float | None = Field(
+        default=None, description="The most that may be held, borrowed included; null = no "
+        "limit.")
 
 
 class QuotaReply(_Message):
@@ -817,6 +937,21 @@ class QuotaReply(_Message):
     ok: Literal[True] = True
     user: str
     quotas: list[QuotaView]
+    would_borrow: bool | None = Field(
+        default=None, description="With the request's count: whether granting that many now "
+        "would go beyond a guarantee (and so be reclaimable); null without a count.")
+
+
+class LeasesReply(_Message):
+    """Leases: queued ones in queue order, then holding ones (newest grant first), then
+    finished ones (newest end first)."""
+
+    kind: Literal["leases"] = "leases"
+    ok: Literal[True] = True
+    at: float
+    leases: list[Lease]
+    idle_window_s: float = Field(description="How long under the thresholds counts as idle.")
+    reclaim_grace_s: float = Field(description="Time between a reclaim warning and the stop.")
 
 
 class ErrorBody(BaseModel):
@@ -838,7 +973,8 @@ class ErrorReply(_Message):
 
 
 Reply = Annotated[
-    LeaseReply | InventoryReply | QueueReply | DrainReply | QuotaReply | ErrorReply,
+    LeaseReply | InventoryReply | QueueReply | DrainReply | QuotaReply | LeasesReply
+    | ErrorReply,
     Field(discriminator="kind"),
 ]
 """Any reply from the allocator."""

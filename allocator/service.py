@@ -23,7 +23,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aio_pika
@@ -35,13 +35,16 @@ from pydantic import BaseModel
 from allocator import broker, metrics
 from allocator.broker import broker_address
 from allocator.client import broker_user
-from allocator.config import AllocatorSettings
+from allocator.config import AllocatorSettings, ConfigurationError, guarantee_problem
 from allocator.counters import Count, Family, ServiceStats
 from allocator.engine import Engine, Sender
 from allocator.ledger import Changes, Ledger, LedgerChanged, LedgerError
 from allocator.protocol import (
+    AllocateRequest,
     ErrorCode,
     ErrorReply,
+    LeaseReply,
+    LeaseState,
     ReleaseRequest,
     StatusRequest,
     StopContainer,
@@ -62,6 +65,7 @@ from allocator.topology import (
     dead_letter_queue_spec,
     is_direct_reply_to,
 )
+from allocator.waiters import ReplyAddress, Waiters
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,8 @@ class _Pending:
     """Reject it to the dead-letter queue instead of acknowledging it."""
     kind: str = "invalid"
     """The message kind, for the latency histogram."""
+    waits: str | None = None
+    """The queued lease this reply reports: its outcome is pushed to the same address."""
 
 
 class _Poisoned(Exception):
@@ -213,6 +219,8 @@ class AllocatorService:
         """Why this allocator stopped serving (its ledger is not the log's history)."""
         self.failed = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
+        self.waiters = Waiters()
+        """Reply addresses of queued requests, where their outcome is pushed."""
 
     # ------------------------------------------------------------------ life
 
@@ -222,6 +230,7 @@ class AllocatorService:
         # Fenced: this ledger may be behind what the nodes run (deleted, restored, another
         # node's volume); each node's first complete report comes before any grant there.
         await self._reload(fenced=True)
+        self._check_guarantees()
         self._connection = await self._connect()
         if self.settings.ledger_log == "stream":
             # Follow the log before consuming requests: a ledger that is not the log's
@@ -315,6 +324,20 @@ class AllocatorService:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
+    def _check_guarantees(self) -> None:
+        """With ``strict_guarantees``: refuse to start when the guarantees cannot all be
+        honoured at once by the cluster (``cluster_gpus``, or the GPUs the ledger knows)."""
+        if not self.settings.strict_guarantees:
+            return
+        gpus = self.settings.cluster_gpus
+        if gpus is None:
+            gpus = sum(1 for gpu in self.engine.cluster.gpus.values()
+                       if gpu.present and gpu.allocatable)
+        problem = guarantee_problem(self.settings, gpus)
+        if problem is not None:
+            self.ledger.close()
+            raise ConfigurationError(problem)
+
     async def _reload(self, *, fenced: bool = False) -> None:
         """Rebuild the engine from the ledger (start, failed commit, takeover).
 
@@ -324,6 +347,9 @@ class AllocatorService:
         state = await self.ledger.run(self.ledger.load)
         self.engine.load(state, self.clock(), fenced=fenced)
         self._data_version = await self.ledger.run(self.ledger.data_version)
+        # Another allocator may have decided queued requests whose clients wait here (a
+        # takeover): what the ledger says now is committed, so it may be pushed.
+        await self._push_outcomes(self.waiters.lease_ids())
 
     # ------------------------------------------------------------------ loops
 
@@ -474,7 +500,9 @@ class AllocatorService:
             break
         await self._send_commands(self.engine.take_commands())
         await self._resolve_lookups(pending)
+        self._remember_waiters(pending)
         await self._finish(pending)
+        await self._push_outcomes(changes.leases)
         elapsed = time.monotonic() - began
         for entry in pending:
             self.metrics.observe_request(entry.kind, elapsed)
@@ -554,6 +582,9 @@ class AllocatorService:
                         via_nodes_exchange=message.exchange == NODES_EXCHANGE)
         reply = self.engine.handle(decoded, sender, now, changes)
         entry = _Pending(message, reply if wants_reply else None, kind=decoded.kind)
+        if (wants_reply and isinstance(decoded, AllocateRequest | StatusRequest)
+                and isinstance(reply, LeaseReply) and reply.lease.state is LeaseState.QUEUED):
+            entry.waits = reply.lease.lease_id
         if (isinstance(decoded, StatusRequest | ReleaseRequest) and isinstance(reply, ErrorReply)
                 and reply.error.code is ErrorCode.NOT_FOUND):
             entry.lookup = (decoded.lease_id, decoded.request_key)
@@ -626,33 +657,75 @@ class AllocatorService:
             if record is not None and entry.reply is not None:
                 entry.reply = self.engine.lease_reply(record)
 
+    def _remember_waiters(self, pending: list[_Pending]) -> None:
+        """Each queued answer of the batch names where the lease's outcome is pushed."""
+        for entry in pending:
+            if entry.waits is not None and entry.message.reply_to and entry.message.correlation_id:
+                self.waiters.remember(entry.waits, ReplyAddress(
+                    entry.message.reply_to, entry.message.correlation_id))
+
+    async def _push_outcomes(self, lease_ids: Iterable[str]) -> None:
+        """Publish the lease to the waiting client of each of ``lease_ids`` that has left the
+        queue (after the commit that decided it, like every reply), then forget the address.
+
+        A push that is lost (the client went away, the broker is down) loses nothing: the
+        grant is in the ledger, and the client's retry or status call finds it.
+        """
+        waiters = self.waiters
+        if not len(waiters):
+            return
+        decided = [lease_id for lease_id in lease_ids
+                   if lease_id in waiters and not self._still_queued(lease_id)]
+        for lease_id, address in waiters.take(decided):
+            record = self.engine.find(lease_id, None)
+            if record is None:
+                record = await self.ledger.run(functools.partial(self.ledger.find_lease, lease_id))
+            if record is None:  # cannot happen: the ledger keeps every lease
+                continue
+            sent = await self._publish_reply(self.engine.lease_reply(record), address.reply_to,
+                                             address.correlation_id)
+            self.stats.counters.add(Count.PUSHES if sent else Count.PUSH_FAILURES)
+
+    def _still_queued(self, lease_id: str) -> bool:
+        record = self.engine.leases.get(lease_id)
+        return record is not None and record.state is LeaseState.QUEUED
+
+    async def _publish_reply(self, reply: BaseModel, reply_to: str, correlation_id: str | None
+                             ) -> bool:
+        """Publish one reply; False when it could not be sent (logged)."""
+        channel = self._channel
+        if channel is None:
+            return False
+        try:
+            await channel.default_exchange.publish(
+                aio_pika.Message(
+                    body=encode(reply),
+                    content_type="application/json",
+                    correlation_id=correlation_id,
+                ),
+                routing_key=reply_to,
+                # Not mandatory: RabbitMQ 3.10 returns mandatory publishes to a
+                # direct reply-to address even when it delivered them.
+                mandatory=False,
+                timeout=self.settings.request_timeout_s,
+            )
+        except (AMQPError, aio_pika.exceptions.AMQPError, TimeoutError, OSError,
+                ChannelInvalidStateError) as exc:
+            # The client is gone (its direct reply-to consumer closed) or the broker
+            # is down (the channel is closed until the robust connection restores it:
+            # ChannelInvalidStateError, a RuntimeError); the decision stands in the
+            # ledger and a retry will find it.
+            log.info("could not send a reply: %s", exc)
+            return False
+        return True
+
     async def _finish(self, pending: list[_Pending]) -> None:
         """Send replies, then acknowledge (after the commit, never before)."""
-        channel = self._channel
         for entry in pending:
-            if entry.reply is not None and channel is not None:
-                try:
-                    await channel.default_exchange.publish(
-                        aio_pika.Message(
-                            body=encode(entry.reply),
-                            content_type="application/json",
-                            correlation_id=entry.message.correlation_id,
-                        ),
-                        routing_key=entry.message.reply_to or "",
-                        # Not mandatory: RabbitMQ 3.10 returns mandatory publishes to a
-                        # direct reply-to address even when it delivered them.
-                        mandatory=False,
-                        timeout=self.settings.request_timeout_s,
-                    )
-                    self.stats.counters.add(Count.REPLIES)
-                except (AMQPError, aio_pika.exceptions.AMQPError, TimeoutError, OSError,
-                        ChannelInvalidStateError) as exc:
-                    # The client is gone (its direct reply-to consumer closed) or the broker
-                    # is down (the channel is closed until the robust connection restores it:
-                    # ChannelInvalidStateError, a RuntimeError); the decision stands in the
-                    # ledger and a retry will find it.
-                    self.stats.counters.add(Count.REPLY_FAILURES)
-                    log.info("could not send a reply: %s", exc)
+            if entry.reply is not None:
+                sent = await self._publish_reply(entry.reply, entry.message.reply_to or "",
+                                                 entry.message.correlation_id)
+                self.stats.counters.add(Count.REPLIES if sent else Count.REPLY_FAILURES)
         if pending and not any(entry.dead_letter for entry in pending):
             # One acknowledgement for the whole batch. The batch holds every delivery not yet
             # settled, in delivery order (the inbox is FIFO and batches are applied one after

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import platform
 import signal
@@ -19,6 +20,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from aiodocker.events import DockerEvents
 
 REPO = Path(__file__).resolve().parents[1]
 for entry in (str(REPO), str(REPO / "tests")):
@@ -262,3 +265,55 @@ async def wait_running(docker: Any, service: str, *, within: float = 60.0,
         if time.monotonic() > deadline:
             raise TimeoutError(f"task of {service} not running after {within} s ({state})")
         await asyncio.sleep(poll_s)
+
+
+class DieListener:
+    """Docker's own ``die`` events, as a bare aiodocker listener sees them: the baseline the
+    allocator's release by event is compared with (same engine, same run).
+
+    ``seen[container_id]`` is the wall-clock time (``time.time()``) the event arrived here.
+    """
+
+    def __init__(self, docker: Any):
+        self.docker = docker
+        self.seen: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._arrived = asyncio.Event()
+
+    async def __aenter__(self) -> DieListener:
+        events = DockerEvents(self.docker)  # type: ignore[no-untyped-call]
+        subscriber = events.subscribe(create_task=False)  # type: ignore[no-untyped-call]
+        stream = asyncio.create_task(events.run(
+            filters=json.dumps({"type": ["container"], "event": ["die"]})))
+
+        async def read() -> None:
+            try:
+                while (event := await subscriber.get()) is not None:
+                    self.seen.setdefault(event.get("id", ""), time.time())
+                    self._arrived.set()
+            finally:
+                stream.cancel()
+                with contextlib.suppress(BaseException):
+                    await stream
+
+        self._task = asyncio.create_task(read())
+        await asyncio.sleep(0.2)  # the subscription is open before anything is stopped
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+    async def wait(self, container_id: str, within: float = 30.0) -> float | None:
+        """When ``container_id``'s ``die`` arrived (None if not within ``within`` s)."""
+        deadline = time.monotonic() + within
+        while container_id not in self.seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), left)
+        return self.seen[container_id]

@@ -31,6 +31,7 @@ the spawner sets from the lease (``void`` = none for servers without a GPU).
 """
 
 import os
+import sys
 
 c = get_config()  # noqa: F821  (provided by JupyterHub when it loads this file)
 
@@ -70,15 +71,18 @@ c.JupyterHub.load_groups = {
     "staff": {"users": user_list("HUB_STAFF", "admin")},
 }
 
+# Hub services and roles; the GPU page below adds its own.
+services: list[dict] = []
+roles: list[dict] = []
 # An API token for the admin's automation (start and stop servers, list users).
 if (api_token := secret("swarm-gpu-hub-api-token")) is not None:
-    c.JupyterHub.services = [{"name": "admin-api", "api_token": api_token}]
-    c.JupyterHub.load_roles = [{
+    services.append({"name": "admin-api", "api_token": api_token})
+    roles.append({
         "name": "admin-api",
         "scopes": ["admin:users", "admin:servers", "admin:groups", "list:users",
                    "read:users", "tokens"],
         "services": ["admin-api"],
-    }]
+    })
 
 # -------------------------------------------------------------------------- the allocator
 # The broker user `hub` of compose/rabbitmq-definitions.json (vhost `swarm-gpu`): it may only
@@ -92,6 +96,31 @@ c.GPUSwarmSpawner.allocator_timeout = 10.0  # one RPC call
 c.GPUSwarmSpawner.allocator_form_timeout = 3.0  # the spawn form renders without GPUs after this
 c.GPUSwarmSpawner.wait_s = float(os.environ.get("SWARM_GPU_WAIT_S", "300"))
 # start_timeout defaults to wait_s + 120 s, so a queued request is not cut short by the hub.
+
+# ---------------------------------------------------------------------- the GPU page
+# /services/gpu/: each user's GPUs (utilization and memory over the last hours, idle time,
+# guaranteed or borrowed, a pending reclaim and its deadline, the queue position); admins and
+# the groups in SWARM_GPU_PAGE_ADMIN_GROUPS see every GPU. A managed service: the hub starts
+# it (python -m hubplugin.page), routes /services/gpu/ to it and logs users in with OAuth.
+# It asks the allocator with the hub's broker user and keeps its own small SQLite file of
+# usage samples (SWARM_GPU_PAGE_HISTORY_PATH; in the hub's data volume in the stack).
+# Every SWARM_GPU_PAGE_* variable of the hub is passed on (hubplugin/page/settings.py).
+services.append({
+    "name": "gpu",
+    "url": os.environ.get("SWARM_GPU_PAGE_URL", "http://127.0.0.1:10101"),
+    "command": [sys.executable, "-m", "hubplugin.page"],
+    "oauth_no_confirm": True,  # a page of the hub itself: no "authorize this service" step
+    "environment": {
+        "SWARM_GPU_PAGE_AMQP_URL": c.GPUSwarmSpawner.allocator_url,
+        "SWARM_GPU_PAGE_HUB_ID": c.GPUSwarmSpawner.hub_id,
+        "SWARM_GPU_PAGE_ADMIN_GROUPS": "staff",
+        **{k: v for k, v in os.environ.items() if k.startswith("SWARM_GPU_PAGE_")},
+    },
+})
+# Every user may open it (the default role "user" has only "self").
+roles.append({"name": "user", "scopes": ["self", "access:services!service=gpu"]})
+c.JupyterHub.services = services
+c.JupyterHub.load_roles = roles
 
 # ------------------------------------------------------------------------ who gets what
 c.GPUSwarmSpawner.group_models = {

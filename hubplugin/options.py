@@ -150,6 +150,24 @@ class GPUOptions(BaseModel):
             return self.model_copy(update={"count": 1, "all_gpus_of_host": False})
         return self.model_copy(update={"share_memory_mib": None})
 
+    def describe(self) -> str:
+        """The GPU part in words, lower case: "2 whole GPUs (1070) on gpu-a"."""
+        if self.mode is GPUMode.NONE:
+            return "no GPU"
+        model = "any model" if self.any_model else self.model
+        where = f" on {self.host}" if self.host else ""
+        if self.mode is GPUMode.SHARED:
+            budget = f", {self.share_memory_mib} MiB" if self.share_memory_mib else ""
+            return f"shared slice of one GPU ({model}{budget}){where}"
+        if self.all_gpus_of_host:
+            return f"all GPUs of one host ({model}){where}"
+        if self.min_compute_capability or self.architecture:
+            needs = [f"compute capability {self.min_compute_capability}+"
+                     if self.min_compute_capability else "", self.architecture or ""]
+            where += " (" + ", ".join(n for n in needs if n) + ")"
+        plural = "GPU" if self.count == 1 else "GPUs"
+        return f"{self.count} whole {plural} ({model}){where}"
+
     def to_user_options(self) -> dict[str, Any]:
         """The JSON ``user_options`` form of this choice (defaults left out)."""
         return self.model_dump(mode="json", exclude_defaults=True) or {"mode": "none"}
@@ -323,22 +341,8 @@ class Profile(BaseModel):
 
     def summary(self) -> str:
         """One line describing the GPU part, for the form."""
-        opts = self.options()
-        if opts.mode is GPUMode.NONE:
-            return "No GPU"
-        model = "any model" if opts.any_model else opts.model
-        where = f" on {opts.host}" if opts.host else ""
-        if opts.mode is GPUMode.SHARED:
-            budget = f", {opts.share_memory_mib} MiB" if opts.share_memory_mib else ""
-            return f"Shared slice of one GPU ({model}{budget}){where}"
-        if opts.all_gpus_of_host:
-            return f"All GPUs of one host ({model}){where}"
-        if opts.min_compute_capability or opts.architecture:
-            needs = [f"compute capability {opts.min_compute_capability}+"
-                     if opts.min_compute_capability else "", opts.architecture or ""]
-            where += " (" + ", ".join(n for n in needs if n) + ")"
-        plural = "GPU" if opts.count == 1 else "GPUs"
-        return f"{opts.count} whole {plural} ({model}){where}"
+        text = self.options().describe()
+        return text[0].upper() + text[1:]
 
 
 def load_profiles(raw: Iterable[Mapping[str, Any] | Profile]) -> list[Profile]:
@@ -390,6 +394,25 @@ def resolve_profile(
     return profile.options(), profile
 
 
+def choice_from_user_options(
+    user_options: Mapping[str, Any] | None,
+    profiles: Sequence[Profile],
+    groups: Iterable[str],
+    default_mode: GPUMode,
+) -> tuple[GPUOptions, Profile | None]:
+    """The user's choice with its profile resolved (raises :class:`OptionsError`).
+
+    ``profiles`` are those the user may use. A spawn without GPU options (a REST spawn, or one
+    that only picks an image) gets the default profile, or else ``default_mode``.
+    """
+    raw = dict(user_options or {})
+    options = parse_user_options(raw)
+    if not raw.keys() - PASSTHROUGH_KEYS:
+        default = next((p for p in profiles if p.default), None)
+        options = GPUOptions(profile=default.slug) if default else GPUOptions(mode=default_mode)
+    return resolve_profile(options, profiles, groups)
+
+
 # --------------------------------------------------------------------------- policy
 
 
@@ -434,6 +457,35 @@ def allowed_models_for(
             return None
         models.extend(group_models[group])
     return list(dict.fromkeys(models))
+
+
+def policy_for(
+    groups: Sequence[str],
+    *,
+    group_models: Mapping[str, Sequence[str]],
+    default_models: Sequence[str] | None,
+    user_max_gpus: int,
+    group_max_gpus: Mapping[str, int],
+    allowed_hosts: Sequence[str] | None,
+    max_share_memory_mib: int | None,
+    default_share_memory_mib: int | None,
+    allow_all_gpus_of_host: bool,
+) -> GPUPolicy:
+    """What a user in ``groups`` may ask for, from the spawner's admin settings.
+
+    The GPU limit is the largest of ``user_max_gpus`` and the user's groups' limits, bounded
+    by what one request may ask for.
+    """
+    limits = [limit for group, limit in group_max_gpus.items() if group in set(groups)]
+    return GPUPolicy(
+        allowed_models=allowed_models_for(groups, group_models, default_models),
+        max_gpus=min(max(0, int(max([user_max_gpus, *limits]))), MAX_COUNT),
+        allowed_hosts=list(allowed_hosts) if allowed_hosts is not None else None,
+        max_share_memory_mib=max_share_memory_mib,
+        default_share_memory_mib=default_share_memory_mib,
+        allow_all_gpus_of_host=allow_all_gpus_of_host,
+        groups=list(groups),
+    )
 
 
 class ModelCatalog:

@@ -1,16 +1,25 @@
 """``GPUSwarmSpawner``: a ``dockerspawner.SwarmSpawner`` that leases GPUs from the allocator.
 
+The spawner is the orchestration: it holds the admin's settings (traits) and the server's
+state, and does the I/O (the allocator's RPCs, dockerspawner's service). Every rule it
+applies is a pure helper elsewhere, as kubespawner keeps its objects in ``objects.py``:
+what a user may pick and is allowed (:mod:`hubplugin.options`), the form
+(:mod:`hubplugin.form`), a profile's setting overrides (:mod:`hubplugin.overrides`), the
+allocate-and-wait conversation (:mod:`hubplugin.leasing`), the progress messages
+(:mod:`hubplugin.progress`), the service's env, placement and labels
+(:mod:`hubplugin.builders`) and the error pages (:mod:`hubplugin.errors`).
+
 Life of one server (docs/design.md, flows 1 and 3):
 
-1. ``options_form`` asks the allocator for its inventory and renders the spawn form
-   (:mod:`hubplugin.form`); ``options_from_form`` turns the submitted fields into
-   ``user_options`` (:mod:`hubplugin.options`). REST clients send the same ``user_options``.
+1. ``options_form`` asks the allocator for its inventory and renders the spawn form;
+   ``options_from_form`` turns the submitted fields into ``user_options``. REST clients send
+   the same ``user_options``.
 2. ``apply_user_options`` (and again ``start``) checks the choice against the admin's policy:
    a forged choice fails with HTTP 400 before anything is asked of the allocator.
 3. ``start`` sends ``allocate`` with the idempotent key ``<hub_id>/<user>/<server>``; a queued
    request reports its position through ``progress()`` until granted or its wait runs out.
-   The granted lease becomes env, placement constraint and label (:mod:`hubplugin.builders`),
-   then ``SwarmSpawner.start`` creates the service.
+   The granted lease becomes env, placement constraint and labels, then
+   ``SwarmSpawner.start`` creates the service.
 4. Every stop path, failed spawns included, goes through ``run_post_stop_hook``, which
    releases the lease (by id, or by request key when the id never arrived): the allocator
    marks it ``releasing`` and frees the GPUs once the node reports the container gone.
@@ -22,14 +31,11 @@ started, and an allocate retried with the same key never books twice.
 from __future__ import annotations
 
 import asyncio
-import copy
-import weakref
 from collections.abc import AsyncIterator, Callable
 from inspect import isawaitable
 from typing import Any
 
 from dockerspawner import SwarmSpawner
-from tornado import web
 from traitlets import (
     Bool,
     Dict,
@@ -46,76 +52,33 @@ from traitlets import (
     Callable as CallableTrait,
 )
 
-from allocator.client import AllocatorClient, AllocatorError, StillQueued
+from allocator.client import AllocatorClient, AllocatorError
 from allocator.protocol import ErrorCode, InventoryReply, Lease, LeaseState
 
+from .borrowing import amounts_offered, borrow_outlook
 from .builders import BuildError, build_service_spec, describe_lease
+from .errors import allocator_http_error, holds_no_lease, user_error
 from .form import render_form
+from .leasing import effective_wait, lease_gpus, run_detached, shared_client
 from .options import (
     GPUMode,
     GPUOptions,
     GPUPolicy,
+    ModelCatalog,
     OptionsError,
     Profile,
-    allowed_models_for,
     build_allocate_request,
     check_options,
+    choice_from_user_options,
     load_profiles,
     options_from_form,
     parse_user_options,
+    policy_for,
     request_key,
-    resolve_profile,
     visible_profiles,
 )
-
-# Errors that mean "the allocator looked and said no": no lease exists for the request.
-_REFUSALS = {
-    ErrorCode.BAD_REQUEST: 400,
-    ErrorCode.UNSUPPORTED_VERSION: 500,
-    ErrorCode.TOO_LARGE: 400,
-    ErrorCode.UNKNOWN_MODEL: 400,
-    ErrorCode.UNKNOWN_HOST: 400,
-    ErrorCode.UNSATISFIABLE: 400,
-    ErrorCode.NOT_SHAREABLE: 400,
-    ErrorCode.CONFLICT: 409,
-    ErrorCode.QUOTA_EXCEEDED: 403,
-    ErrorCode.FORBIDDEN: 403,
-    ErrorCode.NO_CAPACITY: 409,
-}
-_FAILURES = {
-    ErrorCode.TIMEOUT: 503,
-    ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.STORAGE_ERROR: 503,
-    ErrorCode.INTERNAL_ERROR: 503,
-    ErrorCode.NOT_FOUND: 503,
-}
-
-
-def user_error(status: int, message: str) -> web.HTTPError:
-    """An HTTPError whose message JupyterHub shows to the user as is."""
-    error = web.HTTPError(status, "%s", message)
-    error.jupyterhub_message = message  # type: ignore[attr-defined]
-    return error
-
-
-def allocator_http_error(exc: AllocatorError, *, what: str = "GPU request") -> web.HTTPError:
-    """Map an allocator error to an HTTP error with a message for people."""
-    if exc.code in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE):
-        return user_error(
-            503,
-            f"The GPU allocator cannot be reached right now ({exc.message}). Try again in a "
-            "minute, or start a server without a GPU.",
-        )
-    if exc.code is ErrorCode.NO_CAPACITY:
-        return user_error(
-            409,
-            f"No GPU is free for your request right now ({exc.message}). Try again later, "
-            "ask for fewer GPUs or another model, or start without a GPU.",
-        )
-    status = _REFUSALS.get(exc.code) or _FAILURES.get(exc.code, 500)
-    if status >= 500:
-        return user_error(status, f"The GPU allocator failed ({exc.code.value}): {exc.message}")
-    return user_error(status, f"The {what} was refused ({exc.code.value}): {exc.message}")
+from .overrides import OverrideError, SavedSettings, profile_settings, settings_swapped
+from .progress import SpawnProgress
 
 
 class GPUSwarmSpawner(SwarmSpawner):
@@ -281,18 +244,13 @@ class GPUSwarmSpawner(SwarmSpawner):
         ``start_timeout`` defaults to ``wait_s + 120`` so the hub does not give up first.""",
     )
 
-    wait_poll_s = Float(
-        0.5, config=True, help="How often a queued request polls its position (seconds)."
-    )
-
-    wait_poll_head_s = Float(
-        0.05,
+    wait_recheck_s = Float(
+        15.0,
         config=True,
-        help="""How often the request first in the queue polls (seconds). It gets the next
-        GPU that fits, and the poll is most of what a hand-over waits once the old server's
-        container is stopped (docs/benchmarks.md: with 0.5 s the hand-over takes 2.3x a start
-        on a free GPU, with 0.05 s 1.4x). Only one request of the cluster is first, so this
-        adds at most 1/wait_poll_head_s status calls a second to the allocator.""",
+        help="""While a request waits in the queue, the allocator pushes its grant the moment
+        it is decided; the spawner asks ``status`` only after this many seconds without
+        news (an allocator that restarted forgets where to push). It also refreshes the
+        queue position shown on the spawn page.""",
     )
 
     gpu_form_template_paths = List(
@@ -371,9 +329,8 @@ class GPUSwarmSpawner(SwarmSpawner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._gpu_env: dict[str, str] = {}
-        self._gpu_events: list[dict[str, Any]] = []
-        self._gpu_events_done = True
-        self._override_saved: dict[str, Any] = {}
+        self._gpu_progress = SpawnProgress()
+        self._profile_settings = SavedSettings()
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
@@ -394,7 +351,7 @@ class GPUSwarmSpawner(SwarmSpawner):
         # by release_gpus() and at the start of the next spawn.
         super().clear_state()
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ the user's choice
 
     @property
     def request_key(self) -> str:
@@ -410,51 +367,25 @@ class GPUSwarmSpawner(SwarmSpawner):
         """The admin's profiles this user may use."""
         return visible_profiles(load_profiles(self.gpu_profiles), self.user_groups())
 
-    def _max_gpus(self) -> int:
-        value = self.user_max_gpus(self) if callable(self.user_max_gpus) else self.user_max_gpus
-        groups = set(self.user_groups())
-        for group, limit in self.group_max_gpus.items():
-            if group in groups:
-                value = max(value, limit)
-        return max(0, int(value))
-
     def gpu_policy(self) -> GPUPolicy:
         """What this user may ask for."""
-        groups = self.user_groups()
-        return GPUPolicy(
-            allowed_models=allowed_models_for(groups, self.group_models, self.default_models),
-            max_gpus=min(self._max_gpus(), 64),
-            allowed_hosts=list(self.allowed_hosts) if self.allowed_hosts is not None else None,
+        return policy_for(
+            self.user_groups(),
+            group_models=self.group_models,
+            default_models=self.default_models,
+            user_max_gpus=_per_user(self.user_max_gpus, self),
+            group_max_gpus=self.group_max_gpus,
+            allowed_hosts=self.allowed_hosts,
             max_share_memory_mib=self.max_share_memory_mib,
             default_share_memory_mib=self.share_default_memory_mib,
             allow_all_gpus_of_host=self.allow_all_gpus_of_host,
-            groups=groups,
         )
-
-    def allocator_client(self) -> AllocatorClient:
-        """The hub's shared RPC client (one per event loop and URL)."""
-        return _shared_client(
-            self.allocator_url, self.allocator_timeout, self.allocator_connect_timeout
-        )
-
-    def _emit(self, message: str, progress: int | None = None) -> None:
-        event: dict[str, Any] = {"message": message}
-        if progress is not None:
-            event["progress"] = progress
-        self._gpu_events.append(event)
-        self.log.info("%s: %s", self._log_name, message)
 
     def gpu_choice(self) -> tuple[GPUOptions, Profile | None]:
         """The user's choice with profiles resolved; HTTP 400 when it cannot be parsed."""
-        raw = dict(self.user_options or {})
-        profiles = self.profiles()
         try:
-            options = parse_user_options(raw)
-            if not {k for k in raw if k != "image"}:
-                default = next((p for p in profiles if p.default), None)
-                options = (GPUOptions(profile=default.slug) if default
-                           else GPUOptions(mode=GPUMode(self.default_gpu_mode)))
-            return resolve_profile(options, profiles, self.user_groups())
+            return choice_from_user_options(self.user_options, self.profiles(),
+                                            self.user_groups(), GPUMode(self.default_gpu_mode))
         except OptionsError as exc:
             raise user_error(400, str(exc)) from None
 
@@ -467,29 +398,33 @@ class GPUSwarmSpawner(SwarmSpawner):
             raise user_error(400, str(exc)) from None
 
     def _apply_profile_override(self, profile: Profile | None) -> None:
-        for name, value in self._override_saved.items():
-            setattr(self, name, value)
-        self._override_saved = {}
+        """Set the profile's ``spawner_override`` (after undoing the last start's)."""
+        self._profile_settings.restore(self)
         if profile is None:
             return
-        for name, value in profile.spawner_override.items():
-            if not self.has_trait(name):
-                raise user_error(
-                    500, f"profile {profile.slug!r} overrides unknown setting {name!r}"
-                )
-            current = getattr(self, name)
-            self._override_saved[name] = copy.deepcopy(current)
-            if callable(value):
-                value = value(self)
-            if isinstance(value, dict) and isinstance(current, dict):
-                value = {**current, **value}
-            setattr(self, name, value)
+        try:
+            values = profile_settings(profile.spawner_override, lambda name: getattr(self, name),
+                                      self.has_trait, self)
+        except OverrideError as exc:
+            raise user_error(500, f"profile {profile.slug!r} overrides {exc}") from None
+        self._profile_settings.apply(self, values)
+
+    # ------------------------------------------------------------------ the allocator
+
+    def allocator_client(self) -> AllocatorClient:
+        """The hub's shared RPC client (one per event loop and URL)."""
+        return shared_client(
+            self.allocator_url, self.allocator_timeout, self.allocator_connect_timeout
+        )
+
+    def _emit(self, message: str, progress: int | None = None) -> None:
+        self._gpu_progress.emit(message, progress)
+        self.log.info("%s: %s", self._log_name, message)
 
     # ------------------------------------------------------------------ spawn form
 
     async def gpu_options_form(self) -> str:
         """Render the spawn form from the allocator's current inventory."""
-        policy = self.gpu_policy()
         inventory: InventoryReply | None = None
         unavailable = None
         try:
@@ -507,10 +442,18 @@ class GPUSwarmSpawner(SwarmSpawner):
         except OptionsError:
             pass
         images = self._get_allowed_images()
+        policy, profiles = self.gpu_policy(), self.profiles()
+        borrow = None
+        if inventory is not None and policy.may_use_gpus:
+            catalog = ModelCatalog(inventory.models)
+            borrow = await borrow_outlook(
+                self.allocator_client(), self.user.name, self.user_groups(),
+                amounts_offered(policy, profiles, catalog), timeout_s=self.allocator_form_timeout)
         return render_form(
             inventory,
             policy=policy,
-            profiles=self.profiles(),
+            profiles=profiles,
+            borrow=borrow,
             current=current,
             default_mode=GPUMode(self.default_gpu_mode),
             unavailable=unavailable,
@@ -523,8 +466,7 @@ class GPUSwarmSpawner(SwarmSpawner):
     # ------------------------------------------------------------------ start / stop
 
     def _effective_wait(self) -> float:
-        # leave the hub's start_timeout room for creating the service
-        return max(0.0, min(self.wait_s, float(self.start_timeout) - 30.0))
+        return effective_wait(self.wait_s, float(self.start_timeout))
 
     async def _inventory_or_none(self) -> InventoryReply | None:
         try:
@@ -545,6 +487,9 @@ class GPUSwarmSpawner(SwarmSpawner):
         self.object_id = ""
         await self._release(self.request_key, None, reason="leftover service removed")
 
+    def _on_lease(self, lease: Lease) -> None:
+        self.gpu_lease_id = lease.lease_id
+
     async def acquire_gpus(self, options: GPUOptions, profile: Profile | None) -> Lease | None:
         """Lease GPUs for the choice (None for "no GPU"). Raises HTTPError with a message."""
         if not options.wants_gpu:
@@ -557,56 +502,28 @@ class GPUSwarmSpawner(SwarmSpawner):
         checked = self.check_choice(options, profile, inventory)
         if checked is None:
             return None
-        priority = self.gpu_priority(self) if callable(self.gpu_priority) else self.gpu_priority
-        wait = self._effective_wait()
         request = build_allocate_request(
             checked,
             hub_id=self.hub_id,
             user=self.user.name,
             server_name=self.name or "",
             groups=self.user_groups(),
-            wait_s=wait,
-            priority=int(priority),
+            wait_s=self._effective_wait(),
+            priority=_per_user(self.gpu_priority, self),
         )
         await self._remove_orphan_service()
-        client = self.allocator_client()
         self.gpu_request_key = request.request_key
-        self._emit("Asking the GPU allocator for " + _describe_request(options), 10)
+        self._emit("Asking the GPU allocator for " + options.describe(), 10)
         try:
-            lease = await client.allocate(request)
-            self.gpu_lease_id = lease.lease_id
-            if lease.state is LeaseState.QUEUED:
-                self._emit(_queue_message(lease.queue_position, wait), 15)
-                shown = [lease.queue_position]
-
-                def on_position(position: int) -> None:
-                    if position != shown[-1]:
-                        shown.append(position)
-                        self._emit(_queue_message(position, wait), 15)
-
-                try:
-                    lease = await client.wait_for_grant(
-                        request.request_key,
-                        wait_s=wait,
-                        poll_s=self.wait_poll_s,
-                        head_poll_s=self.wait_poll_head_s,
-                        on_position=on_position,
-                    )
-                except StillQueued:
-                    raise AllocatorError(
-                        ErrorCode.NO_CAPACITY, f"none became free within {wait:g} s"
-                    ) from None
-                except AllocatorError as exc:
-                    if exc.code is not ErrorCode.NO_CAPACITY:
-                        raise
-                    raise AllocatorError(
-                        ErrorCode.NO_CAPACITY,
-                        f"none became free while you waited {wait:g} s in the queue",
-                    ) from None
-                self.gpu_lease_id = lease.lease_id
+            lease = await lease_gpus(
+                self.allocator_client(),
+                request,
+                recheck_s=self.wait_recheck_s,
+                on_lease=self._on_lease,
+                report=lambda message: self._emit(message, 15),
+            )
         except AllocatorError as exc:
-            if exc.code in _REFUSALS and exc.code is not ErrorCode.NO_CAPACITY:
-                # the allocator refused: it holds no lease for this request
+            if holds_no_lease(exc):
                 self.gpu_request_key = None
                 self.gpu_lease_id = None
             self.log.warning("GPU request %s failed: %s", request.request_key, exc)
@@ -617,8 +534,7 @@ class GPUSwarmSpawner(SwarmSpawner):
         return lease
 
     async def start(self) -> Any:
-        self._gpu_events = []
-        self._gpu_events_done = False
+        self._gpu_progress.begin()
         if self.gpu_lease_id or self.gpu_request_key:
             # a stop path that skipped the post-stop hook: do not carry its lease over
             await self.release_gpus(reason="stale lease before a new spawn")
@@ -637,33 +553,25 @@ class GPUSwarmSpawner(SwarmSpawner):
                 )
             except BuildError as exc:
                 raise user_error(500, f"Cannot place the server: {exc}") from None
-            saved = (self.extra_container_spec, self.extra_placement_spec,
-                     self.extra_create_kwargs, self.extra_task_spec)
             self._gpu_env = spec.env
-            self.extra_container_spec = spec.extra_container_spec
-            self.extra_placement_spec = spec.extra_placement_spec
-            self.extra_create_kwargs = spec.extra_create_kwargs
-            self.extra_task_spec = spec.extra_task_spec
             self._emit(f"Starting the server with {spec.summary}", 50)
-            try:
+            with settings_swapped(self, {
+                "extra_container_spec": spec.extra_container_spec,
+                "extra_placement_spec": spec.extra_placement_spec,
+                "extra_create_kwargs": spec.extra_create_kwargs,
+                "extra_task_spec": spec.extra_task_spec,
+            }):
                 return await super().start()
-            finally:
-                (self.extra_container_spec, self.extra_placement_spec,
-                 self.extra_create_kwargs, self.extra_task_spec) = saved
         except asyncio.CancelledError:
             # The hub gave up (start_timeout) or the user cancelled a pending spawn. JupyterHub
             # does not always reach the post-stop hook after a cancellation, so withdraw the
             # request now, in a task of its own that the cancellation cannot interrupt.
             if self.gpu_lease_id or self.gpu_request_key:
-                task = asyncio.ensure_future(
-                    self._release(self.gpu_request_key, self.gpu_lease_id,
-                                  reason="spawn cancelled")
-                )
-                _BACKGROUND.add(task)
-                task.add_done_callback(_BACKGROUND.discard)
+                run_detached(self._release(self.gpu_request_key, self.gpu_lease_id,
+                                           reason="spawn cancelled"))
             raise
         finally:
-            self._gpu_events_done = True
+            self._gpu_progress.end()
 
     def get_env(self) -> dict[str, str]:
         env: dict[str, str] = super().get_env()
@@ -672,14 +580,8 @@ class GPUSwarmSpawner(SwarmSpawner):
 
     async def progress(self) -> AsyncIterator[dict[str, Any]]:
         """Spawn progress: the GPU request (and queue position), then the service start."""
-        seen = 0
-        while True:
-            while seen < len(self._gpu_events):
-                yield self._gpu_events[seen]
-                seen += 1
-            if self._gpu_events_done:
-                break
-            await asyncio.sleep(0.2)
+        async for event in self._gpu_progress.events():
+            yield event
         yield {"progress": 80, "message": "Waiting for the server to answer"}
 
     async def _release(self, key: str | None, lease_id: str | None, *, reason: str) -> None:
@@ -740,41 +642,9 @@ def _apply_gpu_user_options(spawner: GPUSwarmSpawner, user_options: dict[str, An
     spawner.check_choice(options, profile, None)
 
 
-def _describe_request(options: GPUOptions) -> str:
-    model = "any model" if options.any_model else options.model
-    where = f" on {options.host}" if options.host else ""
-    if options.mode is GPUMode.SHARED:
-        budget = f" with {options.share_memory_mib} MiB" if options.share_memory_mib else ""
-        return f"a shared slice of one GPU ({model}){budget}{where}"
-    if options.all_gpus_of_host:
-        return f"all GPUs of one host ({model}){where}"
-    n = options.count
-    return f"{n} GPU{'' if n == 1 else 's'} ({model}){where}"
-
-
-def _queue_message(position: int | None, wait: float) -> str:
-    where = f"position {position}" if position else "waiting"
-    return f"No GPU free yet: queued ({where}); waiting up to {wait:g} s for one to free up"
-
-
-_BACKGROUND: set[asyncio.Future[None]] = set()
-"""Release tasks started from a cancelled spawn (kept referenced until they finish)."""
-
-_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[Any, ...], Any]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _shared_client(url: str, timeout_s: float, connect_timeout_s: float) -> AllocatorClient:
-    loop = asyncio.get_running_loop()
-    clients = _CLIENTS.setdefault(loop, {})
-    key = (url, timeout_s, connect_timeout_s)
-    client = clients.get(key)
-    if client is None:
-        client = clients[key] = AllocatorClient(
-            url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s
-        )
-    return client
+def _per_user(setting: int | Callable[[Any], int], spawner: GPUSwarmSpawner) -> int:
+    """A setting that is a number or ``f(spawner) -> number`` (``user_max_gpus``...)."""
+    return int(setting(spawner) if callable(setting) else setting)
 
 
 __all__ = ["GPUSwarmSpawner", "allocator_http_error", "user_error"]

@@ -4,7 +4,8 @@ One :class:`NodeAgent` runs per GPU host. Its parts run side by side:
 
 - the **heartbeat loop** (every ``interval_s``, or at once after a fatal XID or a Docker
   resync): reads the inventory in a thread (bounded by ``inventory_timeout_s``), evaluates
-  health, maps GPU processes to lease containers, and publishes a heartbeat;
+  health, maps GPU processes to lease containers, and publishes a heartbeat: in full at least
+  every ``full_report_s``, else as a delta of what changed (:mod:`allocator.heartbeat_delta`);
 - the **Docker watcher** (:mod:`nodeagent.containers`): every start/die/oom/destroy of a lease
   container becomes a :class:`~allocator.protocol.ContainerEvent` at once;
 - the **XID thread**: blocks in the inventory source's ``wait_xids`` (NVML's event wait is a
@@ -23,10 +24,12 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from allocator.heartbeat_delta import Thresholds, apply_delta, delta_between
 from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
@@ -34,6 +37,7 @@ from allocator.protocol import (
     GPUInfo,
     Health,
     Heartbeat,
+    HeartbeatDelta,
     ProcessUse,
 )
 from allocator.tasks import cancel_and_wait
@@ -41,10 +45,11 @@ from nodeagent.cgroups import CgroupReader
 from nodeagent.commands import CommandConsumer
 from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
-from nodeagent.health import HealthPolicy, HealthTracker, Verdict
+from nodeagent.health import HealthRules, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
 from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
+from nodeagent.simulated import SimulatedLeaseUse, SimulatedSource
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +67,9 @@ def open_source(settings: AgentSettings, host: str) -> InventorySource:
     return NvmlSource()
 
 
-def policy_of(settings: AgentSettings) -> HealthPolicy:
-    """The health policy part of the settings."""
-    return HealthPolicy(
+def health_rules_of(settings: AgentSettings) -> HealthRules:
+    """The health rules part of the settings."""
+    return HealthRules(
         fatal_xids=frozenset(settings.fatal_xids),
         xid_quiet_s=settings.xid_quiet_s,
         xid_repeat_count=settings.xid_repeat_count,
@@ -131,6 +136,22 @@ def gpu_use_by_container(
     return result
 
 
+def simulated_use(running: Sequence[LeaseContainer], lease_use: Mapping[str, SimulatedLeaseUse],
+                  host_gpu_uuids: Sequence[str]) -> dict[str, list[ProcessUse]]:
+    """Per container id: the use a simulated inventory sets for its lease (see
+    :mod:`nodeagent.simulated`), on each GPU of its grant (without one: of the host)."""
+    result: dict[str, list[ProcessUse]] = {}
+    for container in running:
+        use = lease_use.get(container.lease_id)
+        if use is None:
+            continue
+        gpu_uuids = container.grant.gpu_uuids if container.grant else host_gpu_uuids
+        result[container.container_id] = [
+            ProcessUse(gpu_uuid=uuid, memory_used_mib=use.memory_used_mib,
+                       utilization_pct=use.utilization_pct) for uuid in gpu_uuids]
+    return result
+
+
 def held_gpu_uuids(running: list[LeaseContainer]) -> set[str]:
     """GPU (and MIG instance) uuids the running lease containers hold, from their grants."""
     return {uuid for c in running if c.grant is not None for uuid in c.grant.gpu_uuids}
@@ -153,13 +174,26 @@ class NodeAgent:
         """Changes with every start of the process, so the allocator sees restarts."""
         self.host: str = settings.host or ""
         self.seq = 0
-        self.tracker = HealthTracker(policy_of(settings))
+        self.tracker = HealthTracker(health_rules_of(settings))
         self.cgroups = CgroupReader(settings.proc_root)
         self.source: InventorySource | None = source
         self.publisher: Publisher | None = None
         self.watcher: ContainerWatcher | None = None
         self.commands: CommandConsumer | None = None
         self.last_heartbeat: Heartbeat | None = None
+        """The newest heartbeat built, whole (what was sent may be a delta of it)."""
+        self.last_message: Heartbeat | HeartbeatDelta | None = None
+        """The newest heartbeat or delta published."""
+        self.deltas_sent = 0
+        self.thresholds = Thresholds(
+            utilization_pct=settings.delta_utilization_pct, memory_mib=settings.delta_memory_mib,
+            temperature_c=settings.delta_temperature_c, power_w=settings.delta_power_w)
+        self._reported: Heartbeat | None = None
+        """The report the allocator holds if it got everything published: the last full
+        heartbeat with every delta since applied. None after a failed publish (then the next
+        heartbeat is full)."""
+        self._full_sent_at: float | None = None
+        """Monotonic time of the last full heartbeat published."""
         self.xids_received = 0
         self._last_samples: list[GPUSample] | None = None
         self._pending_read: asyncio.Future[_Snapshot] | None = None
@@ -397,6 +431,9 @@ class NodeAgent:
             self._log_health_change(sample, verdicts[sample.uuid])
             gpus.append(gpu_info(sample, verdicts[sample.uuid]))
         use = gpu_use_by_container(samples, pid_containers)
+        if isinstance(self.source, SimulatedSource):
+            use.update(simulated_use(running, await asyncio.to_thread(self.source.lease_use),
+                                     [sample.uuid for sample in samples]))
         containers = [
             ContainerInfo(
                 container_id=c.container_id,
@@ -433,11 +470,31 @@ class NodeAgent:
             return False
         self.last_heartbeat = heartbeat
         assert self.publisher is not None
-        ok = await self.publisher.publish_heartbeat(heartbeat)
+        message = self._message_for(heartbeat)
+        ok = await self.publisher.publish_heartbeat(message)
+        self.last_message = message
+        if not ok:
+            self._reported = None  # the allocator may not have it: the next one is full
+        elif isinstance(message, HeartbeatDelta):
+            self.deltas_sent += 1
+            assert self._reported is not None
+            self._reported = apply_delta(self._reported, message)
+        else:
+            self._reported = heartbeat
+            self._full_sent_at = time.monotonic()
         if ok and self.heartbeats_sent == 1:
             log.info("first heartbeat sent: %d GPU(s), %d lease container(s)",
                      len(heartbeat.gpus), len(heartbeat.containers))
         return ok
+
+    def _message_for(self, heartbeat: Heartbeat) -> Heartbeat | HeartbeatDelta:
+        """What to publish for ``heartbeat``: a delta of the report the allocator holds, or
+        the full heartbeat when one is due (``full_report_s``) or no delta can say it."""
+        full_every = self.settings.full_report_s
+        if (self._reported is None or self._full_sent_at is None or full_every <= 0
+                or time.monotonic() - self._full_sent_at >= full_every):
+            return heartbeat
+        return delta_between(self._reported, heartbeat, self.thresholds) or heartbeat
 
     def _log_health_change(self, sample: GPUSample, verdict: Verdict) -> None:
         before = self._health.get(sample.uuid)

@@ -1,7 +1,8 @@
 """Node agent settings: environment variables (``SWARM_GPU_AGENT_*``) over an optional TOML file.
 
-Precedence, highest first: keyword arguments (the command line), environment, the TOML file
-named by ``--config`` or ``SWARM_GPU_AGENT_CONFIG``, defaults. Example file::
+Precedence, highest first (pydantic-settings' sources, :mod:`allocator.settings_files`):
+keyword arguments (the command line, whose flags are made from these fields), environment,
+the TOML file named by ``--config`` or ``SWARM_GPU_AGENT_CONFIG``, defaults. Example file::
 
     amqp_url = "amqp://agent-gpu-a:secret@rabbitmq:5672/"
     interval_s = 5
@@ -19,16 +20,15 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from allocator.settings_files import FileSettings
 
 ENV_PREFIX = "SWARM_GPU_AGENT_"
-CONFIG_ENV = "SWARM_GPU_AGENT_CONFIG"
-"""Environment variable naming the TOML file when ``--config`` is not given."""
 
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 
@@ -74,10 +74,24 @@ def _str_list(value: Any) -> Any:
     return value
 
 
-class AgentSettings(BaseSettings):
-    """Everything the node agent reads at start."""
+def docker_host_or_standard_socket() -> str:
+    """``DOCKER_HOST`` if set, else Docker's standard socket."""
+    return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_URL
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+class AgentSettings(FileSettings):
+    """Everything the node agent reads at start (``config``: the TOML file)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="ignore",
+        # the command line (nodeagent.cli): --amqp-url, --docker / --no-docker, lists as a,b
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+        cli_hide_none_type=True,
+        cli_shortcuts={"interval-s": "interval"},
+    )
 
     host: str | None = Field(
         default=None,
@@ -91,6 +105,26 @@ class AgentSettings(BaseSettings):
         "allocator/broker.py). Its user is sent as the AMQP user_id of every message.",
     )
     interval_s: float = Field(default=5.0, gt=0, le=3600, description="Heartbeat period.")
+    full_report_s: float = Field(
+        default=20.0, ge=0, le=3600,
+        description="A full heartbeat at least this often; the beats in between are deltas "
+        "(what changed since the previous beat) whenever a delta can say it. 0: every "
+        "heartbeat is full. Keep it below the allocator's start_fence_s (30 s), so that a "
+        "restarted allocator has every node's full report before its start fence ends.",
+    )
+    delta_utilization_pct: float = Field(
+        default=5.0, ge=0, le=100,
+        description="A GPU's (or a container's) utilization counts as changed for a delta "
+        "when it left the band of this width (0-5, 5-10, ...) that holds the value last "
+        "reported: never this much off, and every crossing of a multiple of it is sent. Keep "
+        "the allocator's idle_utilization_pct a multiple of it.")
+    delta_memory_mib: int = Field(
+        default=256, ge=0, le=1 << 20,
+        description="Same for memory used (a GPU's, or a container's on a GPU), in MiB.")
+    delta_temperature_c: float = Field(
+        default=5.0, ge=0, le=300, description="Same for a GPU's temperature.")
+    delta_power_w: float = Field(
+        default=25.0, ge=0, le=10_000, description="Same for a GPU's power draw.")
     inventory: Literal["nvml", "simulated"] = Field(
         default="nvml", description="Where GPUs come from: NVML, or a simulated inventory file."
     )
@@ -98,7 +132,7 @@ class AgentSettings(BaseSettings):
         default=None, description="The simulated inventory JSON (inventory = 'simulated')."
     )
     docker_url: str = Field(
-        default_factory=lambda: os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_URL,
+        default_factory=docker_host_or_standard_socket,
         description="Docker engine endpoint; default DOCKER_HOST or the standard socket.",
     )
     docker: bool = Field(
@@ -140,7 +174,7 @@ class AgentSettings(BaseSettings):
         "/proc read-only, e.g. at /host/proc.",
     )
 
-    # Health policy: see nodeagent.health for what each knob does.
+    # Health rules: see nodeagent.health for what each knob does.
     fatal_xids: Annotated[list[int], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_FATAL_XIDS),
         description="XID codes that make a GPU unhealthy (see DEFAULT_FATAL_XIDS for why).",
@@ -233,30 +267,15 @@ class AgentSettings(BaseSettings):
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> AgentSettings:
-    """Read the TOML file (if any) under the environment and ``overrides``.
+    """The settings: ``overrides`` over the environment over the TOML file over defaults.
 
-    ``overrides`` whose value is None are ignored, so a command line can pass every option
-    and only those the user gave count.
+    ``config_file`` names the TOML file (else ``SWARM_GPU_AGENT_CONFIG`` does).
+    ``overrides`` whose value is None are left out, as if not given.
     """
-    path = config_file or os.environ.get(CONFIG_ENV)
-    file_values: dict[str, Any] = {}
-    if path:
-        with open(path, "rb") as handle:
-            file_values = tomllib.load(handle)
-    # Fields set in the environment are "set" on a settings object built without arguments;
-    # they must win over the file, which is passed as keyword arguments below.
-    env_values = _EnvReader().model_dump(exclude_unset=True)
     given = {key: value for key, value in overrides.items() if value is not None}
-    return AgentSettings(**{**file_values, **env_values, **given})
-
-
-class _EnvReader(AgentSettings):
-    """AgentSettings without the cross-field check, to read the environment on its own
-    (``SWARM_GPU_AGENT_INVENTORY=simulated`` alone is fine when the file names the path)."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> _EnvReader:
-        return self
+    if config_file is not None:
+        given["config"] = config_file
+    return AgentSettings(**given)
 
 
 def resolve_host(settings: AgentSettings, engine_node_name: str | None) -> str:

@@ -5,7 +5,7 @@ tested directly. A GPU is unhealthy while any of these holds, and each gives a r
 
 - **lost**: the driver lost the GPU. Unhealthy at once; healthy again only when the GPU
   reads normally (in practice after a reset or reboot).
-- **fatal XID**: one of :attr:`HealthPolicy.fatal_xids` arrived. Many are transient (a
+- **fatal XID**: one of :attr:`HealthRules.fatal_xids` arrived. Many are transient (a
   contained ECC error, an NVLink hiccup), so the GPU recovers after ``xid_quiet_s`` without
   another one. If ``xid_repeat_count`` of them arrive within ``xid_repeat_window_s`` the
   fault is not transient: the GPU stays unhealthy for the life of this tracker (the agent
@@ -37,8 +37,9 @@ MAX_RECENT_XIDS = 64
 
 
 @dataclass(frozen=True)
-class HealthPolicy:
-    """The knobs of health evaluation (from :class:`nodeagent.config.AgentSettings`)."""
+class HealthRules:
+    """The rules a GPU's health is judged by: which XIDs are fatal, for how long, the
+    temperature and ECC limits (from :class:`nodeagent.config.AgentSettings`)."""
 
     fatal_xids: frozenset[int] = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
     xid_quiet_s: float = 600.0
@@ -91,8 +92,8 @@ class HealthTracker:
     Not thread-safe: the agent calls it from its event loop only.
     """
 
-    def __init__(self, policy: HealthPolicy) -> None:
-        self.policy = policy
+    def __init__(self, rules: HealthRules) -> None:
+        self.rules = rules
         self._gpus: dict[str, _GPUState] = {}
 
     def _state(self, uuid: str) -> _GPUState:
@@ -102,25 +103,25 @@ class HealthTracker:
         return state
 
     def record_xid(self, uuid: str, xid: int, now: float) -> bool:
-        """Note an XID of one GPU at ``now``; returns whether it is fatal by the policy."""
+        """Note an XID of one GPU at ``now``; returns whether it is fatal by the rules."""
         state = self._state(uuid)
         state.xids.append((now, xid))
         self._trim(state, now)
-        if xid not in self.policy.fatal_xids:
+        if xid not in self.rules.fatal_xids:
             return False
         state.last_fatal_at = now
         state.last_fatal_xid = xid
-        window_start = now - self.policy.xid_repeat_window_s
+        window_start = now - self.rules.xid_repeat_window_s
         fatal_in_window = sum(
-            1 for at, code in state.xids if at >= window_start and code in self.policy.fatal_xids
+            1 for at, code in state.xids if at >= window_start and code in self.rules.fatal_xids
         )
-        if fatal_in_window >= self.policy.xid_repeat_count:
+        if fatal_in_window >= self.rules.xid_repeat_count:
             state.repeated_xid = xid
         return True
 
     def _trim(self, state: _GPUState, now: float) -> None:
         # Keep only what a window still needs, so memory stays bounded on a chatty GPU.
-        keep_s = max(self.policy.recent_xid_s, self.policy.xid_repeat_window_s)
+        keep_s = max(self.rules.recent_xid_s, self.rules.xid_repeat_window_s)
         while state.xids and (
             state.xids[0][0] < now - keep_s or len(state.xids) > 4 * MAX_RECENT_XIDS
         ):
@@ -128,7 +129,7 @@ class HealthTracker:
 
     def evaluate(self, sample: GPUSample, now: float) -> Verdict:
         """Judge one GPU from its latest sample; updates the hysteresis and ECC memory."""
-        policy = self.policy
+        rules = self.rules
         state = self._state(sample.uuid)
         self._trim(state, now)
         reasons: list[str] = []
@@ -138,31 +139,31 @@ class HealthTracker:
 
         if state.repeated_xid is not None:
             reasons.append(
-                f"xid {state.repeated_xid}: fatal XIDs repeated ({policy.xid_repeat_count} "
-                f"within {policy.xid_repeat_window_s:g}s); unhealthy until the GPU is reset"
+                f"xid {state.repeated_xid}: fatal XIDs repeated ({rules.xid_repeat_count} "
+                f"within {rules.xid_repeat_window_s:g}s); unhealthy until the GPU is reset"
             )
         elif state.last_fatal_at is not None:
-            quiet_until = state.last_fatal_at + policy.xid_quiet_s
+            quiet_until = state.last_fatal_at + rules.xid_quiet_s
             if now < quiet_until:
                 reasons.append(
                     f"xid {state.last_fatal_xid}: fatal XID {now - state.last_fatal_at:.0f}s "
-                    f"ago; healthy again after {policy.xid_quiet_s:g}s without one"
+                    f"ago; healthy again after {rules.xid_quiet_s:g}s without one"
                 )
             else:
                 state.last_fatal_at = None
                 state.last_fatal_xid = None
 
         if sample.temperature_c is not None:
-            if sample.temperature_c >= policy.overheat_c:
+            if sample.temperature_c >= rules.overheat_c:
                 state.overheated = True
-            elif sample.temperature_c < policy.cool_c:
+            elif sample.temperature_c < rules.cool_c:
                 state.overheated = False
         if state.overheated:
             reasons.append(
-                f"overheat: {sample.temperature_c:g} C (limit {policy.overheat_c:g} C, "
-                f"healthy again below {policy.cool_c:g} C)"
+                f"overheat: {sample.temperature_c:g} C (limit {rules.overheat_c:g} C, "
+                f"healthy again below {rules.cool_c:g} C)"
                 if sample.temperature_c is not None
-                else f"overheat: last reading was at or above {policy.overheat_c:g} C"
+                else f"overheat: last reading was at or above {rules.overheat_c:g} C"
             )
 
         ecc = sample.ecc_uncorrected
@@ -175,10 +176,10 @@ class HealthTracker:
                 state.ecc_rose_at = now
                 state.ecc_baseline = ecc
         if state.ecc_rose_at is not None:
-            if now - state.ecc_rose_at < policy.ecc_stable_s:
+            if now - state.ecc_rose_at < rules.ecc_stable_s:
                 reasons.append(
                     f"ecc: uncorrected errors rose from {state.ecc_rose_from} to "
-                    f"{state.ecc_baseline}; healthy again after {policy.ecc_stable_s:g}s "
+                    f"{state.ecc_baseline}; healthy again after {rules.ecc_stable_s:g}s "
                     "without a new one"
                 )
             else:
@@ -201,7 +202,7 @@ class HealthTracker:
         state = self._gpus.get(uuid)
         if state is None:
             return ()
-        since = now - self.policy.recent_xid_s
+        since = now - self.rules.recent_xid_s
         codes = [code for at, code in state.xids if at >= since]
         return tuple(codes[-MAX_RECENT_XIDS:])
 

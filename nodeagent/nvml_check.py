@@ -3,7 +3,7 @@
 For checking the real NVML path on a machine with NVIDIA GPUs. Prints one JSON object:
 the driver version, every GPU sample (with its processes, compute capability and
 architecture, and for a GPU in MIG mode each MIG instance as a sample of its own), the health
-verdict of each under the default policy (or the agent's settings from the environment /
+verdict of each under the default health rules (or the agent's settings from the environment /
 ``--config``), the raw MIG reads per GPU (current and pending mode, MIG device slots, the GPU
 instance profiles with their free capacity), whether XID events could be registered, and the
 XIDs seen while waiting ``--xid-wait`` seconds. Everything is read only: no MIG setting is
@@ -21,20 +21,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from nodeagent.health import HealthPolicy, HealthTracker
+from nodeagent.health import HealthRules, HealthTracker
 from nodeagent.inventory import InventoryUnavailable
 from nodeagent.mig import inherit_parent_health
 
 
-def policy_from_settings(config: str | None) -> HealthPolicy:
-    """The health policy of the agent's settings (defaults where nothing is set)."""
-    from nodeagent.agent import policy_of
+def rules_from_settings(config: str | None) -> HealthRules:
+    """The health rules of the agent's settings (defaults where nothing is set)."""
+    from nodeagent.agent import health_rules_of
     from nodeagent.config import load_settings
 
-    return policy_of(load_settings(config, inventory="nvml"))
+    return health_rules_of(load_settings(config, inventory="nvml"))
 
 
-def check(xid_wait_s: float, policy: HealthPolicy) -> dict[str, Any]:
+def check(xid_wait_s: float, rules: HealthRules) -> dict[str, Any]:
     """Read everything once (and wait for XIDs); the report as a JSON-ready dict."""
     from nodeagent.nvml import NvmlSource
 
@@ -46,7 +46,7 @@ def check(xid_wait_s: float, policy: HealthPolicy) -> dict[str, Any]:
         read_s = time.perf_counter() - read_started
         mig = source.mig_report()
         xids = source.wait_xids(xid_wait_s) if xid_wait_s > 0 else []
-        tracker = HealthTracker(policy)
+        tracker = HealthTracker(rules)
         now = time.time()
         for event in xids:
             tracker.record_xid(event.gpu_uuid, event.xid, now)
@@ -74,7 +74,7 @@ def check(xid_wait_s: float, policy: HealthPolicy) -> dict[str, Any]:
             "xids_seen": [dataclasses.asdict(event) for event in xids],
             "read_s": round(read_s, 4),
             "total_s": round(time.perf_counter() - started, 4),
-            "policy": {**dataclasses.asdict(policy), "fatal_xids": sorted(policy.fatal_xids)},
+            "health_rules": {**dataclasses.asdict(rules), "fatal_xids": sorted(rules.fatal_xids)},
         }
     finally:
         source.close()
@@ -86,10 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--xid-wait", type=float, default=1.0,
                         help="seconds to wait for XID events (default 1)")
-    parser.add_argument("--config", default=None, help="agent TOML file for the health policy")
+    parser.add_argument("--config", default=None, help="agent TOML file for the health rules")
     args = parser.parse_args(argv)
     try:
-        report = check(args.xid_wait, policy_from_settings(args.config))
+        report = check(args.xid_wait, rules_from_settings(args.config))
     except InventoryUnavailable as exc:
         print(json.dumps({"ok": False, "error": str(exc)}))
         return 2

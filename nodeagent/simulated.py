@@ -28,6 +28,15 @@ compute capability, architecture and health::
 
 Rewriting ``mig_instances`` while the agent runs is how a test re-partitions a GPU.
 
+A top-level ``leases`` object sets what a lease's container uses, by lease id, as if NVML's
+per-process accounting attributed it to that container: on each GPU of its grant (from its
+labels; a container without grant labels: on every GPU of the host, of which the allocator
+keeps the lease's own)::
+
+    {"hosts": {...}, "leases": {"5d80169b...": {"utilization_pct": 0, "memory_used_mib": 800}}}
+
+This is how tests and the demo make one notebook idle and another busy.
+
 The file is re-read whenever it changes (inode, mtime or size), so a test or a demo changes
 load and health while the agent runs. Every entry appended to a GPU's ``xids`` list is
 delivered once as an XID event (entries present at the first read too); shortening the list
@@ -176,12 +185,22 @@ def _processes(processes: list[SimulatedProcess]) -> tuple[ProcessSample, ...]:
     return tuple(ProcessSample(p.pid, p.used_memory_mib, p.utilization_pct) for p in processes)
 
 
+class SimulatedLeaseUse(BaseModel):
+    """What a lease's container uses on each of its GPUs, as if NVML attributed it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    utilization_pct: float = Field(ge=0, le=100)
+    memory_used_mib: int = Field(default=0, ge=0)
+
+
 class SimulatedInventory(BaseModel):
-    """The whole file: host name → its GPUs."""
+    """The whole file: host name → its GPUs, and per-lease use (lease id → use)."""
 
     model_config = ConfigDict(extra="forbid")
 
     hosts: dict[str, list[SimulatedGPU]] = Field(default_factory=dict)
+    leases: dict[str, SimulatedLeaseUse] = Field(default_factory=dict)
 
 
 def parse_inventory(text: str) -> SimulatedInventory:
@@ -207,6 +226,7 @@ class SimulatedSource:
         self._changed = threading.Condition(self._lock)
         self._signature: tuple[int, int, int] | None = None
         self._gpus: list[SimulatedGPU] = []
+        self._lease_use: dict[str, SimulatedLeaseUse] = {}
         self._xids_seen: dict[str, int] = {}
         self._pending: list[XidEvent] = []
         self._closed = False
@@ -227,6 +247,12 @@ class SimulatedSource:
         with self._lock:
             self._refresh_locked(strict=False)
             return [sample for gpu in self._gpus for sample in gpu.samples()]
+
+    def lease_use(self) -> dict[str, SimulatedLeaseUse]:
+        """Per lease id: the use the file sets for that lease's container (``leases``)."""
+        with self._lock:
+            self._refresh_locked(strict=False)
+            return dict(self._lease_use)
 
     def wait_xids(self, timeout_s: float) -> list[XidEvent]:
         """XIDs appended to the file since the last call, waiting at most ``timeout_s``."""
@@ -271,6 +297,7 @@ class SimulatedSource:
             return
         self._signature = signature
         self._gpus = sorted(inventory.hosts.get(self.host, []), key=lambda gpu: gpu.index)
+        self._lease_use = dict(inventory.leases)
         self.reloads += 1
         now = self._clock()
         for gpu in self._gpus:
@@ -389,18 +416,23 @@ def make_hosts(
     return hosts
 
 
-def write_inventory(path: Path | str, hosts: dict[str, list[dict[str, Any]]]) -> None:
-    """Write (atomically: temp file + rename) a simulated inventory file.
+def write_inventory(path: Path | str, hosts: dict[str, list[dict[str, Any]]],
+                    leases: dict[str, dict[str, Any]] | None = None) -> None:
+    """Write (atomically: temp file + rename) a simulated inventory file, with per-lease use
+    (``leases``: lease id -> ``{"utilization_pct": ..., "memory_used_mib": ...}``) if given.
 
     Atomic so a running agent never reads half a file, and so every write changes the
     inode and is noticed even when it lands in the same mtime tick as the last one.
     """
     target = Path(path)
-    parse_inventory(json.dumps({"hosts": hosts}))  # refuse to write what the agent would refuse
+    content: dict[str, Any] = {"hosts": hosts}
+    if leases:
+        content["leases"] = leases
+    parse_inventory(json.dumps(content))  # refuse to write what the agent would refuse
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump({"hosts": hosts}, handle, indent=1)
+            json.dump(content, handle, indent=1)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -65,8 +65,12 @@ c.ConfigurableHTTPProxy.pid_file = SETTINGS["dir"] + "/proxy.pid"
 c.JupyterHub.authenticator_class = "dummy"
 c.Authenticator.allowed_users = set(SETTINGS["users"])
 c.JupyterHub.load_groups = {g: {"users": u} for g, u in SETTINGS["groups"].items()}
-c.JupyterHub.services = [{"name": "e2e", "api_token": SETTINGS["admin_token"]}]
-c.JupyterHub.load_roles = [{
+# The example's GPU page service (and the user role that may open it) only where a test
+# asks for it: every other hub test runs without that process.
+page_services = [s for s in c.JupyterHub.services if SETTINGS["page"] and s["name"] == "gpu"]
+page_roles = [r for r in c.JupyterHub.load_roles if SETTINGS["page"] and r["name"] == "user"]
+c.JupyterHub.services = [*page_services, {"name": "e2e", "api_token": SETTINGS["admin_token"]}]
+c.JupyterHub.load_roles = [*page_roles, {
     "name": "e2e-admin",
     "scopes": ["admin:users", "admin:servers", "tokens", "list:users", "read:users"],
     "services": ["e2e"],
@@ -85,7 +89,6 @@ c.GPUSwarmSpawner.allocator_timeout = SETTINGS["allocator_timeout"]
 c.GPUSwarmSpawner.allocator_connect_timeout = 3.0
 c.GPUSwarmSpawner.release_timeout = 3.0
 c.GPUSwarmSpawner.wait_s = SETTINGS["wait_s"]
-c.GPUSwarmSpawner.wait_poll_s = 0.2
 # the single test node is a manager, and busybox httpd as PID 1 ignores SIGTERM
 c.GPUSwarmSpawner.extra_placement_spec = {"constraints": ["node.role == manager"]}
 c.GPUSwarmSpawner.extra_container_spec = {"stop_grace_period": 1_000_000_000,
@@ -122,7 +125,10 @@ class Hub:
         allocator_timeout: float = 5.0,
         extra: dict[str, Any] | None = None,
         cleanup_servers: bool = True,
+        page: dict[str, str] | None = None,
     ) -> None:
+        """``page``: run the example's GPU page service too, with these ``SWARM_GPU_PAGE_*``
+        settings over the test defaults (its own port, history file in ``directory``)."""
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -142,9 +148,19 @@ class Hub:
             "groups": groups, "admin_token": self.admin_token, "image": image,
             "prefix": self.prefix, "amqp_url": amqp_url, "hub_id": hub_id,
             "allocator_timeout": allocator_timeout, "wait_s": wait_s, "ports": self.ports,
-            "extra": extra or {}, "cleanup_servers": cleanup_servers,
+            "extra": extra or {}, "cleanup_servers": cleanup_servers, "page": page is not None,
         }
         self.env = {**os.environ, "DOCKER_HOST": docker_host, "PYTHONUNBUFFERED": "1"}
+        self.page_url = f"{self.url}/services/gpu/"
+        if page is not None:
+            self.env.update({
+                "SWARM_GPU_PAGE_URL": f"http://127.0.0.1:{free_port()}",
+                "SWARM_GPU_PAGE_HISTORY_PATH": str(self.dir / "gpu-page-history.sqlite"),
+                "SWARM_GPU_PAGE_REFRESH_S": "0",
+                "SWARM_GPU_PAGE_AMQP_URL": amqp_url,
+                "SWARM_GPU_PAGE_HUB_ID": hub_id,
+                **page,
+            })
         self.config_path = self.dir / "jupyterhub_config.py"
         self.log_path = self.dir / "hub.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -246,6 +262,14 @@ class Hub:
         path = f"/users/{user}/servers/{server}" if server else f"/users/{user}/server"
         body = {"user_options": options} if options is not None else None
         return await self.api("POST", path, body, user=user)
+
+    async def start_server(self, user: str, options: dict[str, Any] | None, server: str = "",
+                           within: float = 60.0) -> dict:
+        """Spawn and wait until the server is ready; fails when the hub refuses the spawn."""
+        status, body = await self.spawn(user, options, server)
+        if status not in (201, 202):
+            raise HubError(f"spawn of {user}'s server: {status} {body}\n{self.log_tail()}")
+        return await self.wait_ready(user, server, within)
 
     async def server_model(self, user: str, server: str = "") -> dict[str, Any] | None:
         status, body = await self.api("GET", f"/users/{user}", user=user)

@@ -41,6 +41,11 @@ RTX3090 = "NVIDIA GeForce RTX 3090"
 A100 = "NVIDIA A100-SXM4-80GB"
 MEMORY = {GTX1070: 8192, RTX3090: 24576, A100: 81920}
 
+# The MIG tests' GPU, as NVML names it and its instances.
+A100_40GB = "NVIDIA A100-SXM4-40GB"
+MIG_1G = f"{A100_40GB} MIG 1g.5gb"
+MIG_3G = f"{A100_40GB} MIG 3g.20gb"
+
 # Senders as the engine sees them, for tests that drive the engine without a broker.
 NODE = Sender(user_id="agent", via_nodes_exchange=True)
 """A node agent (broker user ``agent``), through the nodes exchange."""
@@ -138,6 +143,8 @@ class RawRPC:
     def __init__(self, amqp_url: str):
         self.amqp_url = amqp_url
         self._replies: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+        self.last_correlation_id: str | None = None
+        """The correlation id of the last message sent."""
 
     async def __aenter__(self) -> RawRPC:
         self._connection = await aio_pika.connect(self.amqp_url, timeout=10)
@@ -154,16 +161,20 @@ class RawRPC:
                    user_id: str | None = None, expiration: float | None = None) -> None:
         """Publish ``body``; with ``reply`` it asks for an answer through direct reply-to."""
         target = await self.channel.get_exchange(exchange, ensure=False)
+        self.last_correlation_id = uuid.uuid4().hex if reply else None
         await target.publish(
-            aio_pika.Message(body, correlation_id=uuid.uuid4().hex if reply else None,
+            aio_pika.Message(body, correlation_id=self.last_correlation_id,
                              reply_to="amq.rabbitmq.reply-to" if reply else None,
                              user_id=user_id, expiration=expiration),
             routing_key=routing_key, timeout=10)
 
     async def reply(self, within: float = 10.0) -> dict[str, object]:
         """The next reply, decoded."""
-        message = await asyncio.wait_for(self._replies.get(), within)
-        return json.loads(message.body)
+        return json.loads((await self.reply_message(within)).body)
+
+    async def reply_message(self, within: float = 10.0) -> aio_pika.abc.AbstractIncomingMessage:
+        """The next message on the reply address, as it came."""
+        return await asyncio.wait_for(self._replies.get(), within)
 
     async def no_reply(self, within: float = 1.0) -> bool:
         """True when nothing arrives for ``within`` seconds."""

@@ -56,7 +56,10 @@ def agent_settings(host: str, url: str, inventory: Path, docker_url: str) -> Age
         host=host, amqp_url=url, inventory="simulated", simulated_file=inventory,
         interval_s=0.25, publish_timeout_s=1.0, amqp_reconnect_s=0.2, docker=True,
         docker_url=docker_url, docker_backoff_s=0.1, docker_backoff_max_s=0.5,
-        docker_replay_grace_s=0.5, docker_timeout_s=3.0, xid_poll_s=0.2)
+        docker_replay_grace_s=0.5, docker_timeout_s=3.0, xid_poll_s=0.2,
+        # Deltas in between, but a full report well within the 1.5 s that `gpu-ledger check
+        # --live` listens (it counts a host once heard in full).
+        full_report_s=0.5)
 
 
 @contextlib.asynccontextmanager
@@ -167,7 +170,7 @@ async def test_a_lost_ledger_gets_its_running_leases_back_and_doubles_nothing(
                     request_key="hub/early/", user="early", host=host, count=3))
                 early_queued = early.state is LeaseState.QUEUED
                 if early_queued:
-                    early = await probe.wait_for_grant("hub/early/", wait_s=30, poll_s=0.05)
+                    early = await probe.wait_for_grant("hub/early/", wait_s=30)
                 assert not taken & set(early.gpu_uuids), early
                 await probe.release(lease_id=early.lease_id, force=True, by="test",
                                     reason="next allocation")

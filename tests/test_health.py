@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocator.protocol import Health
-from nodeagent.health import HealthPolicy, HealthTracker
+from nodeagent.health import HealthRules, HealthTracker
 from nodeagent.inventory import GPUSample
 
 UUID = "GPU-00000000-0000-4000-8000-000000000001"
-POLICY = HealthPolicy(
+RULES = HealthRules(
     fatal_xids=frozenset({48, 79, 94}),
     xid_quiet_s=60.0,
     xid_repeat_count=3,
@@ -32,14 +32,14 @@ def gpu(**fields: object) -> GPUSample:
 
 
 def test_a_plain_gpu_is_healthy() -> None:
-    verdict = HealthTracker(POLICY).evaluate(gpu(), now=1000.0)
+    verdict = HealthTracker(RULES).evaluate(gpu(), now=1000.0)
     assert verdict.health is Health.HEALTHY
     assert verdict.reasons == ()
     assert verdict.recent_xids == ()
 
 
 def test_lost_is_unhealthy_at_once_and_recovers_when_it_reads_again() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     assert tracker.evaluate(gpu(), 0).healthy
     lost = tracker.evaluate(gpu(lost=True), 1)
     assert lost.health is Health.UNHEALTHY
@@ -48,7 +48,7 @@ def test_lost_is_unhealthy_at_once_and_recovers_when_it_reads_again() -> None:
 
 
 def test_fatal_xid_is_transient_after_the_quiet_period() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     assert tracker.record_xid(UUID, 79, now=100.0) is True
     during = tracker.evaluate(gpu(), 100.0 + 59)
     assert not during.healthy
@@ -61,7 +61,7 @@ def test_fatal_xid_is_transient_after_the_quiet_period() -> None:
 
 
 def test_a_new_fatal_xid_restarts_the_quiet_period() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     tracker.record_xid(UUID, 94, 0)
     tracker.record_xid(UUID, 94, 50)
     assert not tracker.evaluate(gpu(), 100).healthy
@@ -69,7 +69,7 @@ def test_a_new_fatal_xid_restarts_the_quiet_period() -> None:
 
 
 def test_repeated_fatal_xids_stay_unhealthy() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     for at in (0.0, 100.0, 200.0):
         tracker.record_xid(UUID, 48, at)
     verdict = tracker.evaluate(gpu(), 200.0 + 10_000)
@@ -78,7 +78,7 @@ def test_repeated_fatal_xids_stay_unhealthy() -> None:
 
 
 def test_fatal_xids_spread_beyond_the_window_are_each_transient() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     for at in (0.0, 400.0, 800.0):  # never 3 within 600 s
         tracker.record_xid(UUID, 48, at)
         assert not tracker.evaluate(gpu(), at + 1).healthy
@@ -86,7 +86,7 @@ def test_fatal_xids_spread_beyond_the_window_are_each_transient() -> None:
 
 
 def test_non_fatal_xids_are_listed_but_harmless() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     for at in range(10):
         assert tracker.record_xid(UUID, 13, float(at)) is False  # a user's bad kernel
     verdict = tracker.evaluate(gpu(), 10)
@@ -95,7 +95,7 @@ def test_non_fatal_xids_are_listed_but_harmless() -> None:
 
 
 def test_overheat_has_hysteresis() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     assert tracker.evaluate(gpu(temperature_c=89.9), 0).healthy
     hot = tracker.evaluate(gpu(temperature_c=90.0), 1)
     assert not hot.healthy and hot.reasons[0].startswith("overheat: 90 C")
@@ -107,7 +107,7 @@ def test_overheat_has_hysteresis() -> None:
 
 
 def test_ecc_rise_is_unhealthy_until_stable() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     assert tracker.evaluate(gpu(ecc_uncorrected=5), 0).healthy  # history: the baseline
     risen = tracker.evaluate(gpu(ecc_uncorrected=7), 10)
     assert not risen.healthy and "from 5 to 7" in risen.reasons[0]
@@ -119,21 +119,21 @@ def test_ecc_rise_is_unhealthy_until_stable() -> None:
 
 
 def test_ecc_counter_reset_is_a_new_baseline() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     tracker.evaluate(gpu(ecc_uncorrected=9), 0)
     assert tracker.evaluate(gpu(ecc_uncorrected=0), 1).healthy  # driver reloaded
     assert not tracker.evaluate(gpu(ecc_uncorrected=1), 2).healthy
 
 
 def test_memory_repair_flags() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     assert "row remapping failed" in tracker.evaluate(gpu(remap_failed=True), 0).reasons[0]
     assert "waits for a GPU reset" in tracker.evaluate(gpu(remap_pending=True), 0).reasons[0]
     assert tracker.evaluate(gpu(remap_pending=False, remap_failed=False), 0).healthy
 
 
 def test_every_reason_is_listed() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     tracker.evaluate(gpu(ecc_uncorrected=0), 0)
     tracker.record_xid(UUID, 79, 1)
     verdict = tracker.evaluate(gpu(lost=True, temperature_c=95, ecc_uncorrected=1,
@@ -143,7 +143,7 @@ def test_every_reason_is_listed() -> None:
 
 
 def test_forget_drops_gpus_that_left() -> None:
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     for at in (0.0, 1.0, 2.0):
         tracker.record_xid(UUID, 48, at)
     tracker.forget([])
@@ -168,7 +168,7 @@ events = st.lists(
 
 def run(steps: list[tuple[float, tuple[str, object]]]) -> tuple[HealthTracker, GPUSample, float]:
     """Apply time-ordered steps; returns the tracker, the last sample and the last time."""
-    tracker = HealthTracker(POLICY)
+    tracker = HealthTracker(RULES)
     sample = gpu()
     now = 0.0
     for at, (kind, value) in sorted(steps, key=lambda step: step[0]):
@@ -199,7 +199,7 @@ def test_healthy_exactly_when_no_reason(steps: list) -> None:
 def test_lost_and_hot_are_always_unhealthy(steps: list) -> None:
     tracker, sample, now = run(steps)
     assert not tracker.evaluate(replace(sample, lost=True), now).healthy
-    assert not tracker.evaluate(replace(sample, temperature_c=POLICY.overheat_c), now).healthy
+    assert not tracker.evaluate(replace(sample, temperature_c=RULES.overheat_c), now).healthy
 
 
 @settings(max_examples=300, deadline=None)
@@ -210,13 +210,13 @@ def test_everything_recovers_after_long_quiet_unless_xids_repeated(steps: list,
     unless fatal XIDs repeated within the window (then never)."""
     tracker, sample, now = run(steps)
     fatal_times = sorted(at for at, (kind, value) in steps
-                         if kind == "xid" and value in POLICY.fatal_xids)
+                         if kind == "xid" and value in RULES.fatal_xids)
     repeated = any(
-        fatal_times[i + POLICY.xid_repeat_count - 1] - fatal_times[i] <= POLICY.xid_repeat_window_s
-        for i in range(len(fatal_times) - POLICY.xid_repeat_count + 1)
+        fatal_times[i + RULES.xid_repeat_count - 1] - fatal_times[i] <= RULES.xid_repeat_window_s
+        for i in range(len(fatal_times) - RULES.xid_repeat_count + 1)
     )
-    calm = replace(sample, lost=False, temperature_c=POLICY.cool_c - 1)
-    later = now + max(POLICY.xid_quiet_s, POLICY.ecc_stable_s) + 1
+    calm = replace(sample, lost=False, temperature_c=RULES.cool_c - 1)
+    later = now + max(RULES.xid_quiet_s, RULES.ecc_stable_s) + 1
     for i in range(cool_reads):
         verdict = tracker.evaluate(calm, later + i)
     assert verdict.healthy == (not repeated), verdict.reasons
@@ -225,7 +225,7 @@ def test_everything_recovers_after_long_quiet_unless_xids_repeated(steps: list,
 @settings(max_examples=200, deadline=None)
 @given(events, st.lists(st.sampled_from([13, 31, 43, 45]), max_size=20))
 def test_non_fatal_xids_never_change_health(steps: list, benign: list[int]) -> None:
-    with_benign, without = HealthTracker(POLICY), HealthTracker(POLICY)
+    with_benign, without = HealthTracker(RULES), HealthTracker(RULES)
     ordered = sorted(steps, key=lambda step: step[0])
     sample = gpu()
     for n, (at, (kind, value)) in enumerate(ordered):

@@ -246,3 +246,27 @@ def test_the_agent_imports_only_the_allocators_public_surface() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=60, check=True)
     assert set(result.stdout.split()) <= PUBLIC_SURFACE, result.stdout
+
+
+def test_lease_use_is_set_per_lease_and_reported_on_its_grants_gpus(tmp_path):
+    from allocator.protocol import ContainerGrant
+    from nodeagent.agent import simulated_use
+    from nodeagent.containers import LeaseContainer
+    from nodeagent.simulated import SimulatedSource, make_gpu, write_inventory
+
+    path = tmp_path / "inventory.json"
+    gpus = [make_gpu("h", i, "NVIDIA GeForce GTX 1070") for i in range(2)]
+    write_inventory(path, {"h": gpus}, {"lease-1": {"utilization_pct": 42.0,
+                                                    "memory_used_mib": 300}})
+    source = SimulatedSource(path, "h")
+    use = source.lease_use()
+    assert (use["lease-1"].utilization_pct, use["lease-1"].memory_used_mib) == (42.0, 300)
+    grant = ContainerGrant(host="h", gpu_uuids=[gpus[1]["uuid"]], user="u", request_key="k")
+    running = [LeaseContainer("c1", "lease-1", grant=grant), LeaseContainer("c2", "lease-2"),
+               LeaseContainer("c3", "lease-1")]
+    by_container = simulated_use(running, use, [g["uuid"] for g in gpus])
+    assert [u.gpu_uuid for u in by_container["c1"]] == [gpus[1]["uuid"]]
+    assert "c2" not in by_container
+    assert [u.gpu_uuid for u in by_container["c3"]] == [g["uuid"] for g in gpus]
+    write_inventory(path, {"h": gpus})
+    assert source.lease_use() == {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from allocator.counters import Count
-from allocator.engine.nodes import NodeReconciliation
+from allocator.engine.reclaim import Reclaimer
 from allocator.engine.state import Sender
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
@@ -17,7 +17,9 @@ from allocator.protocol import (
     DrainRequest,
     ErrorCode,
     Heartbeat,
+    HeartbeatDelta,
     InventoryRequest,
+    LeasesRequest,
     LeaseState,
     QueueReply,
     QueueRequest,
@@ -30,7 +32,7 @@ from allocator.protocol import (
 from allocator.topology import RPC_EXCHANGE
 
 
-class Engine(NodeReconciliation):
+class Engine(Reclaimer):
     """Nodes, GPUs and leases in memory, and the rules that change them.
 
     Each room it is built from (see :mod:`allocator.engine`) holds one concept; this class
@@ -40,7 +42,7 @@ class Engine(NodeReconciliation):
     def handle(self, message: AnyInbound, sender: Sender, now: float,
                changes: Changes) -> BaseModel | None:
         """Apply one message; return its reply (None for node messages)."""
-        if isinstance(message, Heartbeat | ContainerEvent):
+        if isinstance(message, Heartbeat | HeartbeatDelta | ContainerEvent):
             if not sender.via_nodes_exchange:
                 self.counters.add(Count.NODE_MESSAGE_WRONG_EXCHANGE)
                 return error_reply(ErrorCode.FORBIDDEN,
@@ -49,6 +51,8 @@ class Engine(NodeReconciliation):
                 return None
             if isinstance(message, Heartbeat):
                 self._heartbeat(message, sender, now, changes)
+            elif isinstance(message, HeartbeatDelta):
+                self._heartbeat_delta(message, sender, now, changes)
             else:
                 self._container_event(message, now, changes)
             return None
@@ -73,6 +77,8 @@ class Engine(NodeReconciliation):
             return self._drain(message, sender, now, changes)
         if isinstance(message, QuotaRequest):
             return self.quota(message)
+        if isinstance(message, LeasesRequest):
+            return self.leases_reply(message, now)
         raise TypeError(f"unhandled message kind {type(message).__name__}")
 
     def _never_ran_and_nobody_will_say(self, record: LeaseRecord, now: float) -> bool:
@@ -85,7 +91,8 @@ class Engine(NodeReconciliation):
                 and now - record.releasing_at > self.settings.stop_grace_s)
 
     def tick(self, now: float, changes: Changes) -> None:
-        """Run the timers: the start fence, queue waits, bind deadlines, node silence."""
+        """Run the timers: the start fence, queue waits, bind deadlines, node silence, and
+        fair share's reclaim warnings and their deadlines."""
         if (self._fenced or self._fence_awaits_first_report) and now >= self._fence_until:
             # start_fence_s ran out with nodes that never reported in full (an agent that
             # cannot list its containers): they are placed as usual from now on, before the
@@ -123,3 +130,4 @@ class Engine(NodeReconciliation):
                 self.counters.add(Count.NODE_DOWN)
         if freed:
             self._serve_queue(now, changes)
+        self._reclaim(now, changes)

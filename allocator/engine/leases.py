@@ -211,6 +211,8 @@ class LeaseBook(Views, CommandOutbox):
         record.env = policy.lease_env(placement, self.cluster, record.lease_id)
         record.granted_at = now
         record.bind_deadline = now + self.settings.bind_timeout_s
+        record.borrowed = policy.would_borrow(placement.units, policy.quota_standings(
+            record.user, record.groups, self.cluster, self.settings, limited_only=True))
         policy.apply_placement(self.cluster, placement, record.lease_id, demand)
         self.index.refresh(self.cluster, placement.host)
         self.by_key[record.request_key] = record.lease_id
@@ -270,27 +272,44 @@ class LeaseBook(Views, CommandOutbox):
                            StopReason.FORCE_RELEASED, now, changes)
             self._serve_queue(now, changes)
         elif record.state in (LeaseState.GRANTED, LeaseState.BOUND):
-            # The GPU is free when the container is gone, not when someone asks
-            # (docs/design.md, flow 3): the node agent's event or heartbeat finishes this.
-            old = record.state
-            record.state = LeaseState.RELEASING
-            record.releasing_at = now
-            record.released_by = by
-            record.release_note = note
-            self.by_key.pop(record.request_key, None)
-            changes.transition(record, old, now, "stop requested", by=by)
-            # Swarm stops a removed service's task only seconds later (a 2 s gossip delay
-            # comes first); the node agent stops it at once, so the GPU is free in
-            # milliseconds. A lease never bound has no container to stop yet: if one starts,
-            # its start is answered with a stop (_container_event).
-            self._ask_stop(record.host, record.lease_id, record.container_id,
-                           StopReason.RELEASED, now, changes)
+            self._stop_and_release(record, StopReason.RELEASED, now, changes, by=by, note=note,
+                                   why="stop requested")
         return self.lease_reply(record)
+
+    def _stop_and_release(self, record: LeaseRecord, stop: StopReason, now: float,
+                          changes: Changes, *, by: str, note: str | None, why: str) -> None:
+        """Make a granted or bound lease ``releasing`` and ask its node to stop the container.
+
+        The GPU is free when the container is gone, not when someone asks (docs/design.md,
+        flow 3): the node agent's event or heartbeat finishes this.
+        """
+        old = record.state
+        record.state = LeaseState.RELEASING
+        record.releasing_at = now
+        record.released_by = by
+        record.release_note = note
+        self.by_key.pop(record.request_key, None)
+        changes.transition(record, old, now, why, by=by)
+        # Swarm stops a removed service's task only seconds later (a 2 s gossip delay
+        # comes first); the node agent stops it at once, so the GPU is free in
+        # milliseconds. A lease never bound has no container to stop yet: if one starts,
+        # its start is answered with a stop (_container_event).
+        self._ask_stop(record.host, record.lease_id, record.container_id, stop, now, changes)
 
     def _end_lease(self, record: LeaseRecord, state: LeaseState, reason: ReleaseReason, now: float,
                 changes: Changes, *, by: str, note: str | None = None) -> None:
         """End a lease for good and free what it held."""
         old = record.state
+        if record.reclaim_stopped_at is not None and record.reclaim_reason is not None \
+                and reason is not ReleaseReason.ADMIN:
+            # Its container was stopped to reclaim it: however the end is noticed (die event,
+            # missing from a listing, silent node), that is why it ended.
+            reason = ReleaseReason(record.reclaim_reason.value)
+        elif record.reclaim_at is not None:
+            # Ended otherwise during a warning's grace: the warning did not happen.
+            record.reclaim_at = record.reclaim_reason = record.reclaim_for = None
+        self._close_idle_spell(record, now)
+        self.use.forget(record.lease_id)
         if old.holds_gpus:
             self.cluster.drop_claims(record.lease_id, list(record.gpu_uuids))
             if record.host is not None:

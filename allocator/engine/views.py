@@ -3,11 +3,13 @@ inventory."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from pydantic import BaseModel
 
 from allocator import policy
 from allocator.cluster import Node
-from allocator.engine.state import EngineState
+from allocator.engine.idle import IdleWatch
 from allocator.lease import LeaseRecord
 from allocator.protocol import (
     ErrorCode,
@@ -15,6 +17,8 @@ from allocator.protocol import (
     InventoryReply,
     Lease,
     LeaseReply,
+    LeasesReply,
+    LeasesRequest,
     LeaseState,
     NodeView,
     QuotaReply,
@@ -25,20 +29,53 @@ from allocator.protocol import (
 )
 
 
-class Views(EngineState):
+class Views(IdleWatch):
     """Answers built from memory without changing it."""
 
     def quota(self, request: QuotaRequest) -> QuotaReply:
-        """The user's quotas and what they and their groups hold now."""
+        """The user's quotas and what they and their groups hold now; with a count, whether
+        granting that many now would be borrowed."""
         views = []
-        for standing in policy.quota_standings(request.user, request.groups, self.cluster,
-                                               self.settings):
+        standings = policy.quota_standings(request.user, request.groups, self.cluster,
+                                           self.settings)
+        for standing in standings:
             limit = None if standing.limit is None else float(standing.limit)
             views.append(QuotaView(
                 scope="user" if standing.scope == "user" else "group", name=standing.name,
                 limit=limit, held=float(standing.held),
-                free=None if limit is None else max(limit - float(standing.held), 0.0)))
-        return QuotaReply(user=request.user, quotas=views)
+                free=None if limit is None else max(limit - float(standing.held), 0.0),
+                guaranteed=None if standing.guarantee is None else float(standing.guarantee),
+                borrow_limit=limit))
+        would_borrow = None
+        if request.count is not None:
+            units = Fraction(request.count).limit_denominator(1_000_000)
+            would_borrow = policy.would_borrow(units, standings)
+        return QuotaReply(user=request.user, quotas=views, would_borrow=would_borrow)
+
+    def leases_reply(self, request: LeasesRequest, now: float) -> LeasesReply:
+        """Leases of one user (or everyone's): queued in queue order, then holding ones by
+        newest grant, then those ended within ``include_finished_s`` by newest end."""
+        def wanted(record: LeaseRecord) -> bool:
+            return request.user is None or record.user == request.user
+
+        queued = [self.leases[i] for _, i in self._queue if wanted(self.leases[i])]
+        holding = sorted((r for r in self.leases.values()
+                          if r.state is not LeaseState.QUEUED and wanted(r)),
+                         key=lambda r: (-(r.granted_at or r.created_at), r.lease_id))
+        finished: list[LeaseRecord] = []
+        if request.include_finished_s > 0:
+            since = now - request.include_finished_s
+            finished = sorted((r for r in self.recent.values()
+                               if wanted(r) and (r.released_at or 0.0) >= since),
+                              key=lambda r: (-(r.released_at or 0.0), r.lease_id))
+        views = []
+        for record in (*queued, *holding, *finished):
+            lease = self._view(record)
+            if request.include_usage:
+                lease.usage = self.usage_of(record.lease_id)
+            views.append(lease)
+        return LeasesReply(at=now, leases=views, idle_window_s=self.settings.idle_window_s,
+                           reclaim_grace_s=self.settings.reclaim_grace_s)
 
     def queue_position(self, lease_id: str) -> int | None:
         """1-based position of a queued lease, or None."""
@@ -54,6 +91,9 @@ class Views(EngineState):
         lease.gpu_indices = [
             self.cluster.gpus[u].index for u in record.gpu_uuids if u in self.cluster.gpus
         ]
+        latest = self.use_now(record.lease_id)
+        if latest is not None:
+            lease.utilization_pct, lease.gpu_memory_used_mib = latest
         return lease
 
     def lease_reply(self, record: LeaseRecord) -> LeaseReply:

@@ -1,0 +1,241 @@
+"""Fair share: which leases are borrowed, and which are reclaimed for whom. Pure functions over
+a :class:`~allocator.cluster.Cluster`: no I/O, no clock (``now`` is passed in).
+
+Rules, as in ``docs/design.md`` (fair share):
+
+* **Borrowed.** In each limited scope (the user; each of its groups with a quota), the leases
+  counted there, oldest grant first, are within the guarantee while their units add up to at
+  most the guarantee; the later ones are borrowed there (a tie in grant time keeps the
+  standing each had). A lease is borrowed when it is
+  borrowed in any of its scopes. When an older lease ends, a younger one may move within the
+  guarantee: borrowed is a standing, not a label given once.
+* **Who waits.** Queued requests are simulated in queue order on a copy of the cluster: one
+  that fits (on free GPUs, or on GPUs already to be freed) takes them, so that what is freed
+  for one waiter is never counted twice.
+* **Reclaim.** A waiter that does not fit, and whose grant would be within its owner's
+  guarantees, may have borrowed leases reclaimed for it: leases already warned first (so a
+  warning once given is the one carried out), then idle ones (longest idle first), then the
+  most recently granted. Victims are taken in that order until the waiter fits, then every
+  victim it fits without is given back (latest first). A lease within its owner's guarantee
+  is never a reclaim victim.
+* **Idle release** (when ``idle_release_after_s`` is set): any waiter that still does not fit
+  may have leases idle longer than that released, in the same order.
+* Nobody waits, nothing is reclaimed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from allocator import policy
+from allocator.cluster import Claim, Cluster
+from allocator.config import PolicySettings
+from allocator.protocol import ReclaimReason
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A lease that holds GPUs, as fair share sees it."""
+
+    lease_id: str
+    user: str
+    groups: tuple[str, ...]
+    units: Fraction
+    granted_at: float
+    borrowed: bool = False
+    """Borrowed as it stands now: of leases granted at the same instant, those already
+    borrowed stay behind the others, so a standing never flips on a tie."""
+
+
+def borrowed_leases(holdings: Sequence[Holding], settings: PolicySettings) -> set[str]:
+    """The leases held beyond a guarantee of their owner (see the module's rules)."""
+    in_scope: dict[tuple[str, str], list[Holding]] = {}
+    guarantees: dict[tuple[str, str], Fraction] = {}
+    for holding in holdings:
+        for scope, name, guarantee, _ in policy.quota_scopes(holding.user, holding.groups,
+                                                             settings):
+            if guarantee is None:
+                continue
+            guarantees[(scope, name)] = guarantee
+            in_scope.setdefault((scope, name), []).append(holding)
+    borrowed: set[str] = set()
+    for key, members in in_scope.items():
+        total = Fraction(0)
+        for holding in sorted(members, key=lambda h: (h.granted_at, h.borrowed, h.lease_id)):
+            total += holding.units
+            if total > guarantees[key]:
+                borrowed.add(holding.lease_id)
+    return borrowed
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A lease that may be reclaimed or released for a waiter."""
+
+    lease_id: str
+    gpu_uuids: tuple[str, ...]
+    granted_at: float
+    idle_s: float
+    """How long it has been idle without a break (0: busy, or not measured)."""
+    warned: bool
+    """A warning is pending for it already."""
+    borrowed: bool
+    idle_releasable: bool
+    """Idle longer than ``idle_release_after_s`` (always false when that is off)."""
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A queued request, in queue order."""
+
+    lease_id: str
+    demand: policy.Demand
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """One lease to warn (or, once its grace is over, to stop), and for whom."""
+
+    reason: ReclaimReason
+    for_lease: str
+
+
+def victim_order(candidates: Sequence[Candidate], idle_window_s: float) -> list[Candidate]:
+    """Warned first, then idle (for the window) longest idle first, then newest grant first."""
+    return sorted(candidates, key=lambda c: (
+        not c.warned,
+        c.idle_s < idle_window_s,
+        -c.idle_s if c.idle_s >= idle_window_s else 0.0,
+        -c.granted_at,
+        c.lease_id,
+    ))
+
+
+def _copy(cluster: Cluster) -> Cluster:
+    return Cluster(nodes=cluster.nodes, gpus=cluster.gpus,
+                   claims={uuid: list(claims) for uuid, claims in cluster.claims.items()})
+
+
+def _fits(waiter: Waiter, cluster: Cluster, settings: PolicySettings, now: float,
+          down_after_s: float) -> policy.Placement | None:
+    placement = policy.place(waiter.demand, cluster, now, down_after_s)
+    if not isinstance(placement, policy.Placement):
+        return None
+    if policy.check_quota(placement.units, waiter.demand.user, waiter.demand.groups, cluster,
+                          settings) is not None:
+        return None
+    return placement
+
+
+def _within_guarantee(waiter: Waiter, placement: policy.Placement, cluster: Cluster,
+                      settings: PolicySettings) -> bool:
+    standings = policy.quota_standings(waiter.demand.user, waiter.demand.groups, cluster,
+                                       settings, limited_only=True)
+    return not policy.would_borrow(placement.units, standings)
+
+
+def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cluster: Cluster,
+                  settings: PolicySettings, *, now: float, down_after_s: float,
+                  idle_window_s: float) -> dict[str, Reclaim]:
+    """Which leases must go, and why, so that the waiters that may reclaim fit.
+
+    ``cluster`` is the cluster as placement sees it (it is not changed); ``candidates`` are the
+    holding leases that may be reclaimed (borrowed) or released (idle-releasable).
+    """
+    plan: dict[str, Reclaim] = {}
+    if not waiters:
+        return plan
+    view = _copy(cluster)
+    ordered = victim_order(candidates, idle_window_s)
+    for waiter in waiters:
+        placement = _fits(waiter, view, settings, now, down_after_s)
+        if placement is None:
+            placement = _make_room(waiter, ordered, view, plan, settings, now, down_after_s)
+        if placement is not None:
+            policy.apply_placement(view, placement, waiter.lease_id, waiter.demand)
+    return plan
+
+
+def _make_room(waiter: Waiter, ordered: Sequence[Candidate], view: Cluster,
+               plan: dict[str, Reclaim], settings: PolicySettings, now: float,
+               down_after_s: float) -> policy.Placement | None:
+    """Choose victims for one waiter that does not fit (recorded in ``plan``, taken out of
+    ``view``) and return its placement; None, with ``view`` unchanged, when none lets it fit.
+
+    First as a waiter within its guarantees (borrowed and idle-releasable leases may go; the
+    placement found must be within the guarantees), else idle-releasable leases only.
+    """
+    def as_guaranteed(candidate: Candidate) -> ReclaimReason | None:
+        if candidate.borrowed:
+            return ReclaimReason.RECLAIMED
+        return ReclaimReason.IDLE if candidate.idle_releasable else None
+
+    def idle_only(candidate: Candidate) -> ReclaimReason | None:
+        return ReclaimReason.IDLE if candidate.idle_releasable else None
+
+    def within(placement: policy.Placement) -> bool:
+        return _within_guarantee(waiter, placement, view, settings)
+
+    for eligible, accept in ((as_guaranteed, within), (idle_only, None)):
+        pool = [(c, reason) for c in ordered if c.lease_id not in plan
+                for reason in [eligible(c)] if reason is not None]
+        found = _take_until_fits(waiter, pool, view, settings, now, down_after_s, accept)
+        if found is not None:
+            placement, picked = found
+            for candidate, reason in picked:
+                plan[candidate.lease_id] = Reclaim(reason, waiter.lease_id)
+            return placement
+    return None
+
+
+def _take_until_fits(
+    waiter: Waiter, pool: Sequence[tuple[Candidate, ReclaimReason]], view: Cluster,
+    settings: PolicySettings, now: float, down_after_s: float,
+    accept: Callable[[policy.Placement], bool] | None,
+) -> tuple[policy.Placement, list[tuple[Candidate, ReclaimReason]]] | None:
+    """Take candidates out of ``view`` in pool order until the waiter fits (and ``accept``
+    says yes), then give back those it fits without, the least preferred first. None, with
+    ``view`` as it was, when the whole pool is not enough."""
+    def fits() -> policy.Placement | None:
+        placement = _fits(waiter, view, settings, now, down_after_s)
+        if placement is None or (accept is not None and not accept(placement)):
+            return None
+        return placement
+
+    picked: list[tuple[Candidate, ReclaimReason, dict[str, list[Claim]]]] = []
+    placement: policy.Placement | None = None
+    for candidate, reason in pool:
+        picked.append((candidate, reason, _take(view, candidate)))
+        placement = fits()
+        if placement is not None:
+            break
+    if placement is None:
+        for _, _, taken in reversed(picked):
+            _give_back(view, taken)
+        return None
+    for index in range(len(picked) - 2, -1, -1):
+        candidate, reason, taken = picked[index]
+        _give_back(view, taken)
+        trial = fits()
+        if trial is not None:
+            placement = trial
+            del picked[index]
+        else:
+            _take(view, candidate)
+    return placement, [(candidate, reason) for candidate, reason, _ in picked]
+
+
+def _take(view: Cluster, candidate: Candidate) -> dict[str, list[Claim]]:
+    """Remove the candidate's claims from ``view``; return them to give back."""
+    taken = {uuid: [c for c in view.claims.get(uuid, []) if c.lease_id == candidate.lease_id]
+             for uuid in candidate.gpu_uuids}
+    view.drop_claims(candidate.lease_id, list(candidate.gpu_uuids))
+    return taken
+
+
+def _give_back(view: Cluster, taken: dict[str, list[Claim]]) -> None:
+    for uuid, claims in taken.items():
+        for claim in claims:
+            view.add_claim(uuid, claim)

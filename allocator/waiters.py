@@ -1,0 +1,62 @@
+"""Where to push the outcome of a queued request: the waiting client's reply address.
+
+A request that must wait is answered at once with a ``queued`` lease. The allocator remembers
+the reply address (``reply_to``) and correlation id of that answer, and of each later
+``allocate`` retry or ``status`` call that found the lease still queued (the newest one wins:
+a client that reconnected has a new address). When the lease leaves the queue (granted, its
+wait ran out, withdrawn), the service publishes the lease once more to that address, after
+the decision is committed, and forgets the address (docs/protocol.md, "Waiting").
+
+Kept in memory only: an allocator that restarts forgets the addresses, and its clients learn
+the outcome from the ``status`` call they repeat every ``recheck_s`` while they wait. Pure
+bookkeeping, no I/O: the service sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplyAddress:
+    """Where a waiting client reads its answers: a direct reply-to address (or a queue under
+    ``reply_to_prefix``) and the correlation id its answers carry."""
+
+    reply_to: str
+    correlation_id: str
+
+
+class Waiters:
+    """Queued lease id -> the reply address of its newest answer."""
+
+    def __init__(self) -> None:
+        self._by_lease: dict[str, ReplyAddress] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_lease)
+
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self._by_lease
+
+    def remember(self, lease_id: str, address: ReplyAddress) -> None:
+        """The newest answer about queued ``lease_id`` went to ``address``: push there."""
+        self._by_lease[lease_id] = address
+
+    def take(self, lease_ids: Iterable[str]) -> list[tuple[str, ReplyAddress]]:
+        """Forget and return the addresses of those of ``lease_ids`` that have one (the
+        leases just left the queue)."""
+        taken = []
+        for lease_id in lease_ids:
+            address = self._by_lease.pop(lease_id, None)
+            if address is not None:
+                taken.append((lease_id, address))
+        return taken
+
+    def lease_ids(self) -> list[str]:
+        """Every lease with an address (to check them all after a reload)."""
+        return list(self._by_lease)
+
+    def clear(self) -> None:
+        """Forget every address."""
+        self._by_lease.clear()

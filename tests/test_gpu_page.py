@@ -1,0 +1,331 @@
+"""End to end: the GPU page (``/services/gpu/``) as a real JupyterHub runs it, in Chromium.
+
+A real hub starts the page from ``compose/jupyterhub_config.py`` as its managed service; the
+page asks the real allocator over the real broker, where simulated nodes report GPUs and the
+lease containers running on them (with their processes' GPU use). Users log in through the
+hub's login form in headless Chromium and open the page as they would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from hub_browser import Browser
+from hub_harness import Hub
+from support import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
+
+from allocator.client import AllocatorClient
+from allocator.protocol import (
+    AllocateRequest,
+    ContainerInfo,
+    GPUInfo,
+    Lease,
+    LeaseState,
+    ProcessUse,
+)
+
+pytestmark = [pytest.mark.hub, pytest.mark.browser, pytest.mark.slow]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TEST_BUDGET_S = 240
+UPDATE_DOCS = os.environ.get("SWARM_GPU_UPDATE_DOCS") == "1"
+"""Refresh docs/gpu-page.png from a demo state: ``SWARM_GPU_UPDATE_DOCS=1 scripts/test ...``."""
+USERS = {"alice": ["students"], "bob": ["students"], "admin": ["staff"], "dave": ["staff"]}
+"""``admin`` is the example configuration's hub admin."""
+
+
+class Cluster:
+    """Simulated nodes that keep reporting: GPUs with their utilization, and a running
+    container (with its processes' GPU use) for each lease that has been started."""
+
+    def __init__(self, nodes: NodeSimulator) -> None:
+        self.nodes = nodes
+        self.gpus: dict[str, list[GPUInfo]] = {
+            "gpu-a": gpus("gpu-a", GTX1070, 2),
+            "gpu-b": gpus("gpu-b", RTX3090, 2),
+        }
+        self.running: dict[str, list[tuple[Lease, float]]] = {"gpu-a": [], "gpu-b": []}
+
+    def busy(self, host: str, index: int, utilization: float, memory_mib: int) -> None:
+        """Set what one GPU reports."""
+        gpu = self.gpus[host][index]
+        self.gpus[host][index] = gpu.model_copy(
+            update={"utilization_pct": utilization, "memory_used_mib": memory_mib})
+
+    def run(self, lease: Lease) -> None:
+        """A container of ``lease`` runs on its host from now on."""
+        assert lease.host is not None
+        self.running[lease.host].append((lease, time.time()))
+
+    def containers(self, host: str) -> list[ContainerInfo]:
+        """The host's lease containers, their processes using their GPUs as the GPUs report."""
+        by_uuid = {gpu.uuid: gpu for gpu in self.gpus[host]}
+        return [ContainerInfo(
+            container_id=f"c-{lease.lease_id[:12]}", lease_id=lease.lease_id, started_at=started,
+            gpu_use=[ProcessUse(gpu_uuid=uuid, memory_used_mib=by_uuid[uuid].memory_used_mib,
+                                utilization_pct=by_uuid[uuid].utilization_pct)
+                     for uuid in lease.gpu_uuids])
+            for lease, started in self.running[host]]
+
+    async def beat_forever(self) -> None:
+        while True:
+            for host, gpu_list in self.gpus.items():
+                await self.nodes.beat(host, gpu_list, self.containers(host))
+            await asyncio.sleep(0.5)
+
+
+@pytest.fixture
+async def allocator(amqp_vhost: Any, ledger_path: Path) -> AsyncIterator[Any]:
+    """The real allocator, with guarantees: each user is guaranteed one GPU and may borrow
+    one more; a reclaim warning stays pending for ten minutes."""
+    from allocator.config import AllocatorSettings
+    from allocator.service import AllocatorService
+
+    service = AllocatorService(AllocatorSettings(
+        amqp_url=amqp_vhost.url, ledger_path=ledger_path, allow_any_node_user=True,
+        admin_users=["guest"], tick_s=0.1, start_fence_s=0,
+        aliases={"1070": GTX1070, "3090": RTX3090},
+        default_user_quota=1, default_user_borrow_limit=2, reclaim_grace_s=600))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+@pytest.fixture
+async def cluster(nodes: NodeSimulator, allocator: Any) -> AsyncIterator[Cluster]:
+    cluster = Cluster(nodes)
+    task = asyncio.create_task(cluster.beat_forever())
+    async with AllocatorClient(allocator.settings.amqp_url) as rpc:
+        async def both_up() -> bool:
+            return sum(n.up for n in (await rpc.inventory()).nodes) == 2
+        await wait_until(both_up, within=30)
+    try:
+        yield cluster
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.fixture
+async def page_hub(tmp_path: Path, chp_path: Path, amqp_vhost: Any) -> AsyncIterator[Hub]:
+    """A real hub with the GPU page (sampling every second). It spawns no server: the leases
+    are asked of the allocator directly, under the keys the hub's spawner would use."""
+    page = {"SWARM_GPU_PAGE_SAMPLE_INTERVAL_S": "1"}
+    if UPDATE_DOCS:  # the README's picture: charts of three minutes, not three hours
+        page["SWARM_GPU_PAGE_HISTORY_HOURS"] = "0.05"
+    hub = Hub(tmp_path / "hub", chp=chp_path, amqp_url=amqp_vhost.url,
+              docker_host="unix:///nonexistent/docker.sock", image="unused:never-pulled",
+              users=USERS, page=page)
+    await hub.start()
+    try:
+        yield hub
+    finally:
+        await hub.stop()
+
+
+async def lease_for(client: AllocatorClient, hub: Hub, user: str, model: str,
+                    server: str = "") -> Lease:
+    lease = await client.allocate(AllocateRequest(
+        request_key=hub.request_key(user, server), user=user, groups=USERS[user], model=model))
+    assert lease.state is LeaseState.GRANTED, lease
+    return lease
+
+
+async def page_answers(hub: Hub) -> str:
+    """Wait until the hub routes the page to a running service; the URL an anonymous
+    visitor ends up at."""
+    async with aiohttp.ClientSession() as session:
+        async def routed() -> str | None:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(hub.page_url) as response:
+                    await response.read()
+                    if response.status == 200:
+                        return str(response.url)
+            return None
+        return await wait_until(routed, within=60, interval=0.5)
+
+
+def open_page(browser: Browser, hub: Hub, user: str, *, until: str) -> str:
+    """Log in as ``user`` in a fresh tab and open the page until ``until`` (a script) is true;
+    returns the tab's session."""
+    page = browser.page()
+    browser.log_in(page, hub.url, user)
+    deadline = time.monotonic() + 60
+    while True:
+        browser.navigate(page, hub.page_url)
+        if browser.evaluate(page, until):
+            return page
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the page never showed {until!r} to {user}:\n"
+                                 + str(browser.evaluate(page, "document.body.innerText")))
+        time.sleep(1.0)
+
+
+SEEN = """({
+    url: location.href,
+    leases: [...document.querySelectorAll('.sg-lease')].map(e => e.dataset.lease),
+    cards: Object.fromEntries([...document.querySelectorAll('.sg-lease')].map(
+        e => [e.dataset.lease, e.innerText])),
+    text: document.getElementById('sg-page').innerText,
+    lines: [...document.querySelectorAll('.sg-lease svg polyline.sg-util')].length,
+    cluster: [...document.querySelectorAll('#sg-cluster tr.sg-gpu')].map(
+        r => [...r.cells].map(c => c.innerText)),
+})"""
+
+
+@pytest.mark.timeout(600 if UPDATE_DOCS else 300)  # the demo behind the picture takes 3 min
+async def test_users_see_their_own_gpus_and_admins_every_gpu(
+    cluster: Cluster, client: AllocatorClient, page_hub: Hub, chromium_path: Path,
+    tmp_path: Path,
+) -> None:
+    async with asyncio.timeout(TEST_BUDGET_S):
+        # alice: one GTX 1070 within her guarantee, busy; a second one borrowed, busy too.
+        # bob: an RTX 3090 whose processes do nothing.
+        alice = await lease_for(client, page_hub, "alice", "1070")
+        borrowed = await lease_for(client, page_hub, "alice", "1070", server="extra")
+        bob = await lease_for(client, page_hub, "bob", "3090")
+        own = await lease_for(client, page_hub, "admin", "3090")
+        assert (alice.borrowed, borrowed.borrowed, bob.borrowed) == (False, True, False)
+        cluster.busy("gpu-a", alice.gpu_indices[0], 73.0, 3072)
+        cluster.busy("gpu-a", borrowed.gpu_indices[0], 41.0, 1024)
+        cluster.busy("gpu-b", bob.gpu_indices[0], 0.0, 512)
+        cluster.busy("gpu-b", own.gpu_indices[0], 88.0, 18432)
+        for lease in (alice, borrowed, bob, own):
+            cluster.run(lease)
+
+        # Nobody logged in: the hub's login, not the page.
+        landed = await page_answers(page_hub)
+        assert "/hub/login" in landed, landed
+
+
+        def drive() -> tuple[dict[str, Any], dict[str, Any]]:
+            # one browser (its own cookies) per user, as two people would have
+            with Browser(chromium_path, tmp_path / "chromium-alice") as browser:
+                tab = open_page(browser, page_hub, "alice",
+                                until="document.querySelectorAll("
+                                      "'.sg-lease svg polyline.sg-util').length > 0")
+                as_alice = browser.evaluate(tab, SEEN)
+            with Browser(chromium_path, tmp_path / "chromium-admin", width=1100) as browser:
+                tab = open_page(browser, page_hub, "admin",
+                                until="!!document.getElementById('sg-cluster')")
+                as_admin = browser.evaluate(tab, SEEN)
+            return as_alice, as_admin
+
+        as_alice, as_admin = await asyncio.to_thread(drive)
+
+        # alice: her own two leases (never bob's), each with its host, model, utilization
+        # and memory now, guaranteed or borrowed, and a chart of samples.
+        assert as_alice["url"] == page_hub.page_url
+        assert sorted(as_alice["leases"]) == sorted([alice.lease_id, borrowed.lease_id])
+        mine, extra = as_alice["cards"][alice.lease_id], as_alice["cards"][borrowed.lease_id]
+        assert "default server" in mine and "gpu-a" in mine and GTX1070 in mine
+        assert "73 %" in mine and "3 GiB of 8 GiB" in mine and "within your guarantee" in mine
+        assert "server “extra”" in extra and "41 %" in extra and "borrowed" in extra
+        assert as_alice["lines"] == 2
+        assert bob.lease_id not in as_alice["text"] and "bob" not in as_alice["text"]
+        assert as_alice["cluster"] == [], "only admins see every GPU"
+
+        # admin: their own lease, and all four GPUs, who holds them, idle and borrowing.
+        assert as_admin["leases"] == [own.lease_id]
+        rows = {(row[0], row[1]): row for row in as_admin["cluster"]}
+        assert set(rows) == {("gpu-a", "0"), ("gpu-a", "1"), ("gpu-b", "0"), ("gpu-b", "1")}
+        held = {row[6].split(" ")[0] + ":" + row[8]: row for row in rows.values()
+                if row[3] == "held"}
+        assert sorted(held) == ["admin:guaranteed", "alice:borrowed", "alice:guaranteed",
+                                "bob:guaranteed"]
+        assert held["bob:guaranteed"][7] != "—", "bob's processes do nothing: idle"
+        assert held["alice:guaranteed"][7] == "—"
+
+    if UPDATE_DOCS:
+        await demo_screenshot(cluster, page_hub, chromium_path, tmp_path,
+                              {alice.lease_id: 73.0, borrowed.lease_id: 41.0,
+                               bob.lease_id: 0.0, own.lease_id: 88.0})
+
+
+async def demo_screenshot(cluster: Cluster, hub: Hub, chromium_path: Path, tmp_path: Path,
+                          busy: dict[str, float]) -> None:
+    """The README's picture (SWARM_GPU_UPDATE_DOCS=1): the leases' GPUs keep working for
+    three minutes (bob's goes quiet half way), the page samples them every second into its
+    three-minute history, then the admin's view is taken."""
+    started = time.monotonic()
+    while (elapsed := time.monotonic() - started) < 170:
+        for host, running in cluster.running.items():
+            for n, (lease, _since) in enumerate(running):
+                level = busy[lease.lease_id]
+                if level:
+                    level += 14 * math.sin(elapsed / (7 + 3 * n)) + 5 * math.sin(elapsed / 1.7)
+                elif elapsed < 90:
+                    level = 35 + 10 * math.sin(elapsed / 5)
+                gpu = cluster.gpus[host][lease.gpu_indices[0]]
+                cluster.busy(host, lease.gpu_indices[0], max(0.0, min(level, 100.0)),
+                             gpu.memory_used_mib)
+        await asyncio.sleep(1.0)
+    shot = tmp_path / "gpu-page.png"
+
+    def take() -> None:
+        with Browser(chromium_path, tmp_path / "chromium-demo", width=1100) as browser:
+            tab = open_page(browser, hub, "admin", until="!!document.getElementById('sg-cluster')")
+            browser.screenshot(tab, shot, full_page=True)
+
+    await asyncio.to_thread(take)
+    assert shot.stat().st_size > 10_000
+    shutil.copyfile(shot, REPO_ROOT / "docs" / "gpu-page.png")
+
+
+
+async def test_the_spawn_form_says_which_choices_would_be_borrowed(
+    cluster: Cluster, client: AllocatorClient, page_hub: Hub, chromium_path: Path,
+    tmp_path: Path,
+) -> None:
+    """dave (staff: up to 8 GPUs by the hub's policy) is guaranteed one GPU and holds none:
+    one GPU is within his guarantee, two would be borrowed."""
+    async with asyncio.timeout(TEST_BUDGET_S):
+        def drive(profile: str) -> dict[str, Any]:
+            with Browser(chromium_path, tmp_path / profile) as browser:
+                tab = browser.page()
+                browser.log_in(tab, page_hub.url, "dave")
+                browser.navigate(tab, f"{page_hub.url}/hub/spawn")
+                note = "!document.getElementById('sg-borrowed-note').hidden"
+                seen: dict[str, Any] = {"cards": browser.evaluate(tab, """
+                    Object.fromEntries([...document.querySelectorAll('label.sg-card')].map(
+                        c => [c.querySelector('input').value, c.innerText]))""")}
+                for count in ("1", "2"):
+                    browser.evaluate(tab, f"""
+                        document.querySelector('input[name=profile][value=custom]').click();
+                        document.querySelector('input[name=mode][value=exclusive]').click();
+                        document.getElementById('sg-count').value = '{count}';
+                        document.getElementById('sg-form').dispatchEvent(
+                            new Event('change', {{bubbles: true}}));""")
+                    seen[count] = browser.evaluate(tab, note)
+                browser.evaluate(tab, """
+                    document.querySelector('input[name=profile][value="two-3090"]').click();""")
+                seen["two-3090"] = browser.evaluate(tab, note)
+                seen["limits"] = browser.evaluate(
+                    tab, "document.getElementById('sg-custom').innerText")
+                return seen
+
+        seen = await asyncio.to_thread(drive, "chromium-before")
+        assert "Borrowed beyond your guarantee" in seen["cards"]["two-3090"]
+        assert "Borrowed" not in seen["cards"]["gtx1070"]
+        assert (seen["1"], seen["2"], seen["two-3090"]) == (False, True, True)
+        assert "1 GPU guaranteed to you (you hold 0); beyond it, up to 2 GPUs in all" \
+            in seen["limits"], seen["limits"]
+
+        # once he holds his guaranteed GPU, even one more would be borrowed
+        await lease_for(client, page_hub, "dave", "1070", server="first")
+        seen = await asyncio.to_thread(drive, "chromium-after")
+        assert (seen["1"], seen["2"]) == (True, True)
+        assert "Borrowed beyond your guarantee" in seen["cards"]["gtx1070"]
