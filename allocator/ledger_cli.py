@@ -42,7 +42,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from allocator import exports, reports
+from allocator import broker, exports, reports
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.heartbeat_delta import apply_delta
 from allocator.invariants import NodeReport, Violation, check_ledger
@@ -467,7 +467,7 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
     """
     latest: dict[str, NodeReport] = {}
     try:
-        connection = await asyncio.wait_for(aio_pika.connect(amqp_url, timeout=timeout_s),
+        connection = await asyncio.wait_for(broker.connect(amqp_url, timeout=timeout_s),
                                             timeout_s)
     except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
         raise CommandError(f"cannot reach the broker to listen to heartbeats: "

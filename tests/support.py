@@ -217,3 +217,13 @@ async def settled_dead_letters(channel: aio_pika.abc.AbstractChannel, within: fl
         return len(counts) > 1 and counts[-1] == counts[-2] > 0
     await wait_until(settled, within=within)
     return counts[-1]
+
+
+async def beat_until(url: str, inventory: dict[str, list[GPUInfo]], stop: asyncio.Event,
+                     interval_s: float = 0.5) -> None:
+    """Heartbeats for every host of ``inventory`` every ``interval_s`` until ``stop`` is set."""
+    async with NodeSimulator(url) as nodes:
+        while not stop.is_set():
+            for host, gpu_list in inventory.items():
+                await nodes.beat(host, gpu_list)
+            await asyncio.sleep(interval_s)
