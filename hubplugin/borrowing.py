@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.protocol import QuotaView
 
-from .options import GPUMode, GPUOptions, GPUPolicy, ModelCatalog, Profile
+from .options import GPUMode, GPUOptions, GPUPermissions, ModelCatalog, Profile
 
 
 def _gpus(n: float) -> str:
@@ -64,10 +64,10 @@ def choice_units(options: GPUOptions, catalog: ModelCatalog | None) -> float | N
     return None
 
 
-def amounts_offered(policy: GPUPolicy, profiles: Iterable[Profile],
+def amounts_offered(permissions: GPUPermissions, profiles: Iterable[Profile],
                     catalog: ModelCatalog | None) -> set[float]:
     """Every amount the form offers: counts 1..max, the profiles', a slice of each model."""
-    amounts = {float(n) for n in range(1, max(policy.max_gpus, 0) + 1)}
+    amounts = {float(n) for n in range(1, max(permissions.max_gpus, 0) + 1)}
     amounts |= {u for p in profiles if (u := choice_units(p.options(), catalog)) is not None}
     if catalog is not None:
         amounts |= {1.0 / m.share_slots for m in catalog.models.values() if m.share_slots > 1}
