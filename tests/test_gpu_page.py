@@ -186,6 +186,15 @@ SEEN = """({
 })"""
 
 
+RECLAIMS = """({
+    reclaims: [...document.querySelectorAll('.sg-reclaim')].map(
+        e => [e.dataset.lease, e.dataset.deadline]),
+    notes: [...document.querySelectorAll('.sg-reclaim')].map(e => e.innerText),
+    queued: [...document.querySelectorAll('.sg-queued')].map(
+        e => [e.dataset.lease, e.querySelector('.sg-position').innerText]),
+})"""
+
+
 @pytest.mark.timeout(600 if UPDATE_DOCS else 300)  # the demo behind the picture takes 3 min
 async def test_users_see_their_own_gpus_and_admins_every_gpu(
     cluster: Cluster, client: AllocatorClient, page_hub: Hub, chromium_path: Path,
@@ -249,6 +258,37 @@ async def test_users_see_their_own_gpus_and_admins_every_gpu(
         assert held["bob:guaranteed"][7] != "—", "bob's processes do nothing: idle"
         assert held["alice:guaranteed"][7] == "—"
 
+        # dave, within his guarantee, waits for a GTX 1070: alice's borrowed one is to be
+        # reclaimed. She sees the deadline; he sees his place in the queue.
+        waiting = await client.allocate(AllocateRequest(
+            request_key=page_hub.request_key("dave"), user="dave", groups=USERS["dave"],
+            model="1070", wait_s=900))
+        assert waiting.state is LeaseState.QUEUED
+
+        async def warned() -> Lease | None:
+            lease = await client.status(lease_id=borrowed.lease_id)
+            return lease if lease.reclaim_at is not None else None
+        warning = await wait_until(warned, within=60, interval=0.2)
+        assert warning.reclaim_at is not None
+
+        def look_again() -> tuple[dict[str, Any], dict[str, Any]]:
+            with Browser(chromium_path, tmp_path / "chromium-alice-again") as browser:
+                tab = open_page(browser, page_hub, "alice",
+                                until="!!document.querySelector('.sg-reclaim')")
+                as_alice = browser.evaluate(tab, RECLAIMS)
+            with Browser(chromium_path, tmp_path / "chromium-dave") as browser:
+                tab = open_page(browser, page_hub, "dave",
+                                until="!!document.querySelector('.sg-queued')")
+                as_dave = browser.evaluate(tab, RECLAIMS)
+            return as_alice, as_dave
+
+        as_alice, as_dave = await asyncio.to_thread(look_again)
+        deadline = time.strftime("%H:%M UTC", time.gmtime(warning.reclaim_at))
+        assert as_alice["reclaims"] == [[borrowed.lease_id, f"{warning.reclaim_at:.0f}"]]
+        assert f"server “extra” will be stopped at {deadline}" in as_alice["notes"][0]
+        assert as_dave["queued"] == [[waiting.lease_id, "1"]]
+        assert as_dave["reclaims"] == []
+
     if UPDATE_DOCS:
         await demo_screenshot(cluster, page_hub, chromium_path, tmp_path,
                               {alice.lease_id: 73.0, borrowed.lease_id: 41.0,
@@ -257,9 +297,10 @@ async def test_users_see_their_own_gpus_and_admins_every_gpu(
 
 async def demo_screenshot(cluster: Cluster, hub: Hub, chromium_path: Path, tmp_path: Path,
                           busy: dict[str, float]) -> None:
-    """The README's picture (SWARM_GPU_UPDATE_DOCS=1): the leases' GPUs keep working for
+    """The docs' pictures (SWARM_GPU_UPDATE_DOCS=1): the leases' GPUs keep working for
     three minutes (bob's goes quiet half way), the page samples them every second into its
-    three-minute history, then the admin's view is taken."""
+    three-minute history, then alice's view (her borrowed GPU warned, as dave waits) and the
+    admin's are taken."""
     started = time.monotonic()
     while (elapsed := time.monotonic() - started) < 170:
         for host, running in cluster.running.items():
@@ -273,16 +314,19 @@ async def demo_screenshot(cluster: Cluster, hub: Hub, chromium_path: Path, tmp_p
                 cluster.busy(host, lease.gpu_indices[0], max(0.0, min(level, 100.0)),
                              gpu.memory_used_mib)
         await asyncio.sleep(1.0)
-    shot = tmp_path / "gpu-page.png"
+    shots = {"alice": tmp_path / "gpu-page.png", "admin": tmp_path / "gpu-page-admin.png"}
 
     def take() -> None:
-        with Browser(chromium_path, tmp_path / "chromium-demo", width=1100) as browser:
-            tab = open_page(browser, hub, "admin", until="!!document.getElementById('sg-cluster')")
-            browser.screenshot(tab, shot, full_page=True)
+        for user, shot in shots.items():
+            with Browser(chromium_path, tmp_path / f"chromium-demo-{user}",
+                         width=1100) as browser:
+                tab = open_page(browser, hub, user, until="!!document.querySelector('svg')")
+                browser.screenshot(tab, shot, full_page=True)
 
     await asyncio.to_thread(take)
-    assert shot.stat().st_size > 10_000
-    shutil.copyfile(shot, REPO_ROOT / "docs" / "gpu-page.png")
+    for shot in shots.values():
+        assert shot.stat().st_size > 10_000
+        shutil.copyfile(shot, REPO_ROOT / "docs" / shot.name)
 
 
 
@@ -290,8 +334,9 @@ async def test_the_spawn_form_says_which_choices_would_be_borrowed(
     cluster: Cluster, client: AllocatorClient, page_hub: Hub, chromium_path: Path,
     tmp_path: Path,
 ) -> None:
-    """dave (staff: up to 8 GPUs by the hub's policy) is guaranteed one GPU and holds none:
-    one GPU is within his guarantee, two would be borrowed."""
+    """dave (staff: up to 8 GPUs by the hub's policy) is guaranteed one GPU, may borrow one
+    more, and holds none: one GPU is within his guarantee, two would be borrowed, three would
+    be refused."""
     async with asyncio.timeout(TEST_BUDGET_S):
         def drive(profile: str) -> dict[str, Any]:
             with Browser(chromium_path, tmp_path / profile) as browser:
@@ -302,7 +347,7 @@ async def test_the_spawn_form_says_which_choices_would_be_borrowed(
                 seen: dict[str, Any] = {"cards": browser.evaluate(tab, """
                     Object.fromEntries([...document.querySelectorAll('label.sg-card')].map(
                         c => [c.querySelector('input').value, c.innerText]))""")}
-                for count in ("1", "2"):
+                for count in ("1", "2", "3"):
                     browser.evaluate(tab, f"""
                         document.querySelector('input[name=profile][value=custom]').click();
                         document.querySelector('input[name=mode][value=exclusive]').click();
@@ -320,12 +365,13 @@ async def test_the_spawn_form_says_which_choices_would_be_borrowed(
         seen = await asyncio.to_thread(drive, "chromium-before")
         assert "Borrowed beyond your guarantee" in seen["cards"]["two-3090"]
         assert "Borrowed" not in seen["cards"]["gtx1070"]
-        assert (seen["1"], seen["2"], seen["two-3090"]) == (False, True, True)
+        # three is beyond his borrow limit: refused, not borrowed
+        assert (seen["1"], seen["2"], seen["3"], seen["two-3090"]) == (False, True, False, True)
         assert "1 GPU guaranteed to you (you hold 0); beyond it, up to 2 GPUs in all" \
             in seen["limits"], seen["limits"]
 
-        # once he holds his guaranteed GPU, even one more would be borrowed
+        # once he holds his guaranteed GPU, one more would be borrowed, two are too many
         await lease_for(client, page_hub, "dave", "1070", server="first")
         seen = await asyncio.to_thread(drive, "chromium-after")
-        assert (seen["1"], seen["2"]) == (True, True)
+        assert (seen["1"], seen["2"]) == (True, False)
         assert "Borrowed beyond your guarantee" in seen["cards"]["gtx1070"]

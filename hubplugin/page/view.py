@@ -152,7 +152,8 @@ def queued_card(lease: Lease, *, now: float) -> dict[str, Any]:
         "position": lease.queue_position,
         "waiting": duration(now - lease.created_at),
         "until": clock(lease.wait_until) if lease.wait_until else None,
-        "model": display_name(lease.model) if lease.model else "any model",
+        # a queued request names no model yet: the lease says what it got, not what it asked
+        "model": display_name(lease.model) if lease.model else None,
     }
 
 
