@@ -269,8 +269,9 @@ class ReplicatedLog:
             except Exception as exc:  # a broken entry must not pass silently: stop serving
                 log.exception("ledger log entry could not be applied")
                 self._mismatched(LogMismatch(f"ledger log entry could not be applied: {exc}"))
-            with contextlib.suppress(Exception):
-                await message.ack()
+            with contextlib.suppress(Exception):  # bounded: a half-closed channel may hang
+                async with asyncio.timeout(self.timeout_s):
+                    await message.ack()
             if self.mismatch is not None:
                 return
 

@@ -23,7 +23,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import aio_pika
@@ -731,26 +731,32 @@ class AllocatorService:
             # settled, in delivery order (the inbox is FIFO and batches are applied one after
             # the other), so acking the last with multiple=True settles exactly the batch.
             # A frame (and a socket write) per message was the costliest part of a heartbeat.
-            with contextlib.suppress(Exception):
-                await pending[-1].message.ack(multiple=True)
+            await self._settle(pending[-1].message.ack(multiple=True))
             return
         for entry in pending:
-            with contextlib.suppress(Exception):
-                if entry.dead_letter:
-                    # Rejected without requeue: the queue's dead-letter exchange keeps it
-                    # for a person to look at.
-                    self.stats.counters.add(Count.DEAD_LETTERED)
-                    await entry.message.reject(requeue=False)
-                else:
-                    await entry.message.ack()
+            if entry.dead_letter:
+                # Rejected without requeue: the queue's dead-letter exchange keeps it for a
+                # person to look at.
+                self.stats.counters.add(Count.DEAD_LETTERED)
+                await self._settle(entry.message.reject(requeue=False))
+            else:
+                await self._settle(entry.message.ack())
+
+    async def _settle(self, settlement: Awaitable[object]) -> None:
+        """An ack, nack or reject, bounded in time and never raising: on a channel that a
+        broker node's loss left half-closed it could wait for good and stop the applier (seen
+        with a three-node broker). An unsettled delivery goes back to the queue when its
+        channel closes, and requests are idempotent by request key."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                await settlement
 
     async def _requeue(self, batch: list[object]) -> None:
         """Give a batch's messages back to the broker unanswered (another allocator is the
         writer; a quorum queue hands them to the active consumer)."""
         for item in batch:
             if isinstance(item, aio_pika.abc.AbstractIncomingMessage):
-                with contextlib.suppress(Exception):
-                    await item.nack(requeue=True)
+                await self._settle(item.nack(requeue=True))
 
     async def _recover(self, batch: list[object]) -> None:
         """After an unexpected error: rebuild from disk and answer what was asked."""
