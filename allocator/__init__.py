@@ -3,7 +3,8 @@
 Public surface for other parts (:data:`PUBLIC_SURFACE`): :mod:`allocator.protocol`
 (messages), :mod:`allocator.topology` (broker names), :mod:`allocator.client` (the RPC
 client), :mod:`allocator.model_names` (which spellings mean which GPU model) and
-:mod:`allocator.lease_container` (the label and environment of a lease's container) and
+:mod:`allocator.lease_container` (the label and environment of a lease's container),
+:mod:`allocator.heartbeat_delta` (what a heartbeat delta carries and how it applies),
 :mod:`allocator.tasks` (bounded shutdown of background tasks) and
 :mod:`allocator.settings_files` (how a process reads its settings: sources, the TOML file).
 The node agent and the hub plugin import nothing else of the allocator.
@@ -17,6 +18,7 @@ PUBLIC_SURFACE = frozenset({
     "allocator.client",
     "allocator.model_names",
     "allocator.lease_container",
+    "allocator.heartbeat_delta",
     "allocator.tasks",
     "allocator.settings_files",
 })

@@ -27,6 +27,13 @@ class Count(StrEnum):
     HEARTBEATS = "heartbeats"
     HEARTBEAT_STALE = "heartbeat_stale"
     HEARTBEAT_CLOCK_SKEW = "heartbeat_clock_skew"
+    HEARTBEAT_DELTAS = "heartbeat_deltas"
+    """Heartbeat deltas applied (each also counts in ``heartbeats``)."""
+    HEARTBEAT_DELTA_GAPS = "heartbeat_delta_gaps"
+    """Deltas that did not fit the report held for their host (a lost message, an allocator
+    start): the report is dropped until the next full one."""
+    HEARTBEAT_DELTAS_UNAPPLIED = "heartbeat_deltas_unapplied"
+    """Deltas taken as liveness only, their host awaiting its next full report."""
     NODE_DOWN = "node_down"
     DUPLICATE_GPU = "duplicate_gpu"
     OVER_BUDGET = "over_budget"
@@ -62,6 +69,9 @@ class Count(StrEnum):
     POISONED = "poisoned"
     FENCED_BATCHES = "fenced_batches"
     """Batches a newer writer of the ledger log fenced: applied nowhere, given back."""
+    STALE_DELIVERIES = "stale_deliveries"
+    """Messages dropped unapplied because the channel they came on has closed since: the
+    broker has given them to the active allocator (this one was stopped or cut off)."""
 
 
 ANOMALIES = (

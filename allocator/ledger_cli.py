@@ -42,11 +42,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from allocator import exports, reports
+from allocator import broker, exports, reports
 from allocator.client import AllocatorClient, AllocatorError
+from allocator.heartbeat_delta import apply_delta
 from allocator.invariants import NodeReport, Violation, check_ledger
 from allocator.ledger import LedgerError
-from allocator.protocol import NODE_MESSAGE_ADAPTER, Heartbeat
+from allocator.protocol import NODE_MESSAGE_ADAPTER, Heartbeat, HeartbeatDelta
 from allocator.topology import NODES_EXCHANGE
 
 PROG = "gpu-ledger"
@@ -152,8 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--live", action="store_true",
                        help="also compare bound leases with the containers the nodes report "
                             "(listens to their heartbeats on the broker)")
-    check.add_argument("--listen", type=float, default=12.0, metavar="S",
-                       help="with --live: how long to collect heartbeats (default 12)")
+    check.add_argument("--listen", type=float, default=25.0, metavar="S",
+                       help="with --live: how long to collect heartbeats (default 25: longer "
+                       "than the agents' full_report_s, so every live node is heard in full)")
     check.add_argument("--grace", type=float, default=5.0, metavar="S",
                        help="with --live: ignore leases bound or released this recently")
     check.add_argument("--json", action="store_true", help="print violations as JSON")
@@ -344,7 +346,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.json:
         json.dump({"since": filters.since, "until": until, "by": args.by,
                    "rows": [{args.by: r.key, "model": r.model,
-                             "gpu_hours": round(r.gpu_hours, 6), "leases": r.leases}
+                             "gpu_hours": round(r.gpu_hours, 6), "leases": r.leases,
+                             "idle_gpu_hours": round(r.idle_gpu_hours, 6),
+                             "reclaimed": r.reclaimed, "idle_released": r.idle_released}
                             for r in rows]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
@@ -354,15 +358,21 @@ def cmd_usage(args: argparse.Namespace) -> int:
     table.add_column(args.by)
     table.add_column("model")
     table.add_column("GPU-hours", justify="right")
+    table.add_column("idle GPU-hours", justify="right")
     table.add_column("leases", justify="right")
+    table.add_column("reclaimed", justify="right")
+    table.add_column("idle released", justify="right")
     for row in rows:
         table.add_row(escape(row.key), escape(row.model), f"{row.gpu_hours:.2f}",
-                      str(row.leases))
+                      f"{row.idle_gpu_hours:.2f}", str(row.leases), str(row.reclaimed),
+                      str(row.idle_released))
     if args.by != "group":
         # Group totals overlap (a user may be in several groups), so they get no total.
         table.add_section()
         table.add_row("total", "", f"{sum(r.gpu_hours for r in rows):.2f}",
-                      str(sum(r.leases for r in rows)))
+                      f"{sum(r.idle_gpu_hours for r in rows):.2f}",
+                      str(sum(r.leases for r in rows)), str(sum(r.reclaimed for r in rows)),
+                      str(sum(r.idle_released for r in rows)))
     _console().print(table)
     return EXIT_OK
 
@@ -457,7 +467,7 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
     """
     latest: dict[str, NodeReport] = {}
     try:
-        connection = await asyncio.wait_for(aio_pika.connect(amqp_url, timeout=timeout_s),
+        connection = await asyncio.wait_for(broker.connect(amqp_url, timeout=timeout_s),
                                             timeout_s)
     except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
         raise CommandError(f"cannot reach the broker to listen to heartbeats: "
@@ -468,12 +478,23 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
         exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=False)
         await queue.bind(exchange, routing_key="heartbeat.#")
 
+        full: dict[str, Heartbeat] = {}
+
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             try:
                 beat = NODE_MESSAGE_ADAPTER.validate_json(message.body)
             except ValidationError:
                 return
+            if isinstance(beat, HeartbeatDelta):
+                # A delta that follows a full report heard here says its containers still
+                # run now; any other is not a report (the host counts once heard in full).
+                base = full.pop(beat.host, None)
+                rebuilt = apply_delta(base, beat) if base is not None else None
+                if rebuilt is None:
+                    return
+                beat = rebuilt
             if isinstance(beat, Heartbeat):
+                full[beat.host] = beat
                 latest[beat.host] = NodeReport.from_heartbeat(beat, time.time())
 
         await queue.consume(on_message, no_ack=True)

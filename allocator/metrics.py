@@ -255,7 +255,14 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          "container's grant labels", engine, Count.ADOPTED),
         ("swarm_gpu_allocate_retries", "Allocate retries answered with the existing lease",
          engine, Count.ALLOCATE_RETRY),
-        ("swarm_gpu_heartbeats", "Heartbeats applied", engine, Count.HEARTBEATS),
+        ("swarm_gpu_heartbeats", "Heartbeats applied, full or delta", engine, Count.HEARTBEATS),
+        ("swarm_gpu_heartbeat_deltas", "Heartbeat deltas applied", engine,
+         Count.HEARTBEAT_DELTAS),
+        ("swarm_gpu_heartbeat_delta_gaps", "Heartbeat deltas that did not fit the report "
+         "held (a lost message): the host awaits its next full report", engine,
+         Count.HEARTBEAT_DELTA_GAPS),
+        ("swarm_gpu_heartbeat_deltas_unapplied", "Heartbeat deltas taken as liveness only "
+         "while their host awaited a full report", engine, Count.HEARTBEAT_DELTAS_UNAPPLIED),
         ("swarm_gpu_heartbeats_stale", "Heartbeats ignored as replayed or reordered",
          engine, Count.HEARTBEAT_STALE),
         ("swarm_gpu_node_down_events", "Times a node was marked down", engine, Count.NODE_DOWN),
@@ -284,6 +291,9 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          service, Count.BATCH_FAILURES),
         ("swarm_gpu_takeovers", "Times this allocator found the ledger written by another "
          "(a standby taking over)", service, Count.TAKEOVERS),
+        ("swarm_gpu_stale_deliveries", "Messages dropped unapplied because their channel "
+         "closed before (the broker gave them to the active allocator)", service,
+         Count.STALE_DELIVERIES),
     ):
         yield _counter(name, doc, counters[count])
 

@@ -318,6 +318,12 @@ WHAT_IS_ASKED: Final = ("model", "models", "min_memory_mib", "min_compute_capabi
 """The fields of :class:`AllocateRequest` that :meth:`AllocateRequest.what_is_asked` compares."""
 
 
+def _exactly_one_key(lease_id: str | None, request_key: str | None) -> None:
+    """A lease is named by its id or by its request key: one of them, not both."""
+    if (lease_id is None) == (request_key is None):
+        raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+
+
 class ReleaseRequest(_Message):
     """End a lease (or withdraw a queued request). Releasing twice is a no-op.
 
@@ -336,8 +342,7 @@ class ReleaseRequest(_Message):
 
     @model_validator(mode="after")
     def _one_key(self) -> ReleaseRequest:
-        if (self.lease_id is None) == (self.request_key is None):
-            raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+        _exactly_one_key(self.lease_id, self.request_key)
         return self
 
 
@@ -351,8 +356,7 @@ class StatusRequest(_Message):
 
     @model_validator(mode="after")
     def _one_key(self) -> StatusRequest:
-        if (self.lease_id is None) == (self.request_key is None):
-            raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+        _exactly_one_key(self.lease_id, self.request_key)
         return self
 
 
@@ -589,6 +593,42 @@ class Heartbeat(_Message):
         return self
 
 
+class HeartbeatDelta(_Message):
+    """A heartbeat that carries only what changed since its agent's previous heartbeat.
+
+    It applies onto the report the allocator holds for the host after the agent's previous
+    message (``seq - 1`` of the same ``agent_id``, a full :class:`Heartbeat` or a delta already
+    applied onto one): each entry of ``gpus`` and ``containers`` replaces the entry with the
+    same ``uuid`` or ``container_id`` there, everything else stays as it was. The sets of GPUs
+    and containers, ``containers_complete`` and ``source`` never change in a delta (the agent
+    sends a full report when one does), so a delta cannot make a container look gone. A delta
+    that does not fit the report held (a gap in ``seq``, another agent, an entry the report
+    does not have) is not applied: it still says the node is alive, and the next full report
+    repairs the rest (see :mod:`allocator.heartbeat_delta`).
+    """
+
+    kind: Literal["heartbeat_delta"] = "heartbeat_delta"
+    host: Name
+    agent_id: Name = Field(description="The agent's id, as in its full heartbeats.")
+    seq: Count64 = Field(description="The agent's next number: full reports and deltas "
+                         "share one sequence, so a missed message shows as a gap.")
+    sent_at: float = Field(allow_inf_nan=False, description="Epoch seconds on the node.")
+    interval_s: float = Field(gt=0, le=3600)
+    gpus: list[GPUInfo] = Field(default_factory=list, max_length=64,
+                                description="The GPUs whose report changed, each whole.")
+    containers: list[ContainerInfo] = Field(
+        default_factory=list, max_length=1024,
+        description="The containers whose report (``gpu_use`` above all) changed, each whole.")
+
+    @model_validator(mode="after")
+    def _unique_entries(self) -> HeartbeatDelta:
+        if len({gpu.uuid for gpu in self.gpus}) != len(self.gpus):
+            raise ValueError("duplicate GPU uuid in one heartbeat delta")
+        if len({c.container_id for c in self.containers}) != len(self.containers):
+            raise ValueError("duplicate container id in one heartbeat delta")
+        return self
+
+
 class ContainerAction(StrEnum):
     """Docker container events the agent forwards."""
 
@@ -612,7 +652,8 @@ class ContainerEvent(_Message):
         default=None, description="The grant from the container's labels (on start events).")
 
 
-NodeMessage = Annotated[Heartbeat | ContainerEvent, Field(discriminator="kind")]
+NodeMessage = Annotated[Heartbeat | HeartbeatDelta | ContainerEvent,
+                      Field(discriminator="kind")]
 """Any message from a node agent."""
 
 NODE_MESSAGE_ADAPTER: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
@@ -627,6 +668,7 @@ AnyInbound = Annotated[
     | QuotaRequest
     | LeasesRequest
     | Heartbeat
+    | HeartbeatDelta
     | ContainerEvent,
     Field(discriminator="kind"),
 ]

@@ -25,6 +25,7 @@ from typing import Any
 from allocator.model_names import display_name
 from allocator.protocol import InventoryReply, ModelSummary
 
+from .borrowing import BorrowOutlook, choice_units
 from .options import (
     ANY_MODEL,
     CUSTOM_PROFILE,
@@ -111,9 +112,11 @@ def _profile_cards(
     inventory: InventoryReply | None,
     wait: bool,
     gpus_reachable: bool,
+    borrow: BorrowOutlook | None = None,
 ) -> tuple[list[dict[str, Any]], bool]:
     """The profile cards, and whether "custom" is the checked choice."""
     usable = {p.slug for p in profiles if gpus_reachable or not p.options().wants_gpu}
+    catalog = ModelCatalog(inventory.models) if inventory is not None else None
     if selected not in usable:
         selected = CUSTOM_PROFILE
     cards = []
@@ -124,24 +127,30 @@ def _profile_cards(
             "description": profile.description, "summary": profile.summary(),
             "availability": _profile_availability(profile, inventory, wait),
             "off": off, "checked": selected == profile.slug and not off,
+            "borrowed": borrow is not None and borrow.would_borrow(
+                choice_units(profile.options(), catalog)),
         })
     return cards, selected == CUSTOM_PROFILE
 
 
-def _model_options(models: Sequence[ModelSummary], current: GPUOptions) -> list[dict[str, Any]]:
+def _model_options(models: Sequence[ModelSummary], current: GPUOptions,
+                   borrow: BorrowOutlook | None = None) -> list[dict[str, Any]]:
     free_any = sum(m.free for m in models)
     total_any = sum(m.total for m in models)
     chosen = current.model if not current.any_model else ANY_MODEL
     catalog = ModelCatalog(models)
     chosen_canonical = catalog.canonical(chosen) if chosen != ANY_MODEL else None
     options = [{"value": ANY_MODEL, "key": "any", "selected": chosen_canonical is None,
-                "label": f"Any model ({free_any} of {total_any} GPUs free)"}]
+                "label": f"Any model ({free_any} of {total_any} GPUs free)",
+                "slice_borrowed": False}]
     for i, m in enumerate(models):
         share = f", {m.free_slots} shared slots free" if m.share_slots > 1 else ""
         options.append({
             "value": m.model, "key": f"m{i}", "selected": m.model == chosen_canonical,
             "label": f"{display_name(m.model)} · {format_mib(m.memory_total_mib)} · "
                      f"{m.free}/{m.total} free{share}",
+            "slice_borrowed": borrow is not None and m.share_slots > 1
+            and borrow.would_borrow(1.0 / m.share_slots),
         })
     return options
 
@@ -176,15 +185,19 @@ def _host_options(
     return options
 
 
-def _count_options(policy: GPUPolicy, current: GPUOptions) -> list[dict[str, Any]]:
+def _count_options(policy: GPUPolicy, current: GPUOptions,
+                   borrow: BorrowOutlook | None = None) -> list[dict[str, Any]]:
     options = [
         {"value": str(n), "label": f"{n} GPU{'' if n == 1 else 's'}",
-         "selected": not current.all_gpus_of_host and current.count == n}
+         "selected": not current.all_gpus_of_host and current.count == n,
+         "borrowed": borrow is not None and borrow.would_borrow(float(n))}
         for n in range(1, max(policy.max_gpus, 1) + 1)
     ]
     if policy.allow_all_gpus_of_host:
         options.append({"value": "all", "label": "All GPUs of one host",
-                        "selected": current.all_gpus_of_host})
+                        "selected": current.all_gpus_of_host,
+                        # every GPU of a host is at least one: borrowed if one would be
+                        "borrowed": borrow is not None and borrow.would_borrow(1.0)})
     return options
 
 
@@ -228,6 +241,7 @@ def render_form(
     images: Mapping[str, str] | None = None,
     current_image: str | None = None,
     template_paths: Sequence[str] = (),
+    borrow: BorrowOutlook | None = None,
 ) -> str:
     """The HTML snippet the hub puts inside its spawn ``<form>`` (it adds the Start button).
 
@@ -235,6 +249,7 @@ def render_form(
     ``profiles`` are the ones this user may use; ``current`` preselects a previous choice.
     ``images`` (display name -> image) adds an image choice, as DockerSpawner's own form does.
     ``template_paths``: directories searched for an admin's own ``spawn_form.html.j2`` first.
+    ``borrow``: the allocator's answers on which choices would be borrowed (marked so).
     """
     # What the template shows: plain data (strings, numbers, lists, dicts), nothing to call.
     gpus_reachable = inventory is not None
@@ -251,7 +266,7 @@ def render_form(
         )
     mode = current.mode if may_use or current.mode is GPUMode.NONE else GPUMode.NONE
     cards, custom_checked = _profile_cards(profiles, current.profile or CUSTOM_PROFILE,
-                                           inventory, wait_s > 0, gpus_reachable)
+                                           inventory, wait_s > 0, gpus_reachable, borrow)
     any_shareable = any(m.share_slots > 1 for m in models)
     memory_max = max((m.memory_total_mib for m in models if m.share_slots > 1), default=None)
     if policy.max_share_memory_mib is not None:
@@ -261,6 +276,8 @@ def render_form(
         minutes = wait_s / 60
         wait_text = f"{minutes:g} min" if wait_s >= 60 else f"{wait_s:g} s"
         limits.append(f"if nothing fits now, your request waits up to {wait_text} in the queue")
+    if borrow is not None and (borrowing := borrow.summary()):
+        limits.append(borrowing)
     context = {
         "gpus_reachable": gpus_reachable,
         "may_use_gpus": policy.may_use_gpus,
@@ -278,8 +295,8 @@ def render_form(
                 (GPUMode.SHARED, "Shared slice of one GPU", may_use and any_shareable),
             )
         ],
-        "model_options": _model_options(models, current),
-        "count_options": _count_options(policy, current),
+        "model_options": _model_options(models, current, borrow),
+        "count_options": _count_options(policy, current, borrow),
         "host_options": _host_options(inventory, models, policy, current),
         "memory_max": memory_max,
         "memory_max_text": format_mib(memory_max) if memory_max else "",

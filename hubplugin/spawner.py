@@ -57,6 +57,7 @@ from traitlets import (
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.protocol import ErrorCode, InventoryReply, Lease, LeaseState
 
+from .borrowing import amounts_offered, borrow_outlook
 from .builders import BuildError, build_service_spec, describe_lease
 from .errors import allocator_http_error, holds_no_lease, user_error
 from .form import render_form
@@ -65,6 +66,7 @@ from .options import (
     GPUMode,
     GPUOptions,
     GPUPolicy,
+    ModelCatalog,
     OptionsError,
     Profile,
     build_allocate_request,
@@ -455,10 +457,18 @@ class GPUSwarmSpawner(SwarmSpawner):
         except OptionsError:
             pass
         images = self._get_allowed_images()
+        policy, profiles = self.gpu_policy(), self.profiles()
+        borrow = None
+        if inventory is not None and policy.may_use_gpus:
+            catalog = ModelCatalog(inventory.models)
+            borrow = await borrow_outlook(
+                self.allocator_client(), self.user.name, self.user_groups(),
+                amounts_offered(policy, profiles, catalog), timeout_s=self.allocator_form_timeout)
         return render_form(
             inventory,
-            policy=self.gpu_policy(),
-            profiles=self.profiles(),
+            policy=policy,
+            profiles=profiles,
+            borrow=borrow,
             current=current,
             default_mode=GPUMode(self.default_gpu_mode),
             unavailable=unavailable,

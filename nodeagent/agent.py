@@ -4,7 +4,8 @@ One :class:`NodeAgent` runs per GPU host. Its parts run side by side:
 
 - the **heartbeat loop** (every ``interval_s``, or at once after a fatal XID or a Docker
   resync): reads the inventory in a thread (bounded by ``inventory_timeout_s``), evaluates
-  health, maps GPU processes to lease containers, and publishes a heartbeat;
+  health, maps GPU processes to lease containers, and publishes a heartbeat: in full at least
+  every ``full_report_s``, else as a delta of what changed (:mod:`allocator.heartbeat_delta`);
 - the **Docker watcher** (:mod:`nodeagent.containers`): every start/die/oom/destroy of a lease
   container becomes a :class:`~allocator.protocol.ContainerEvent` at once;
 - the **XID thread**: blocks in the inventory source's ``wait_xids`` (NVML's event wait is a
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from allocator.heartbeat_delta import Thresholds, apply_delta, delta_between
 from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
@@ -35,6 +37,7 @@ from allocator.protocol import (
     GPUInfo,
     Health,
     Heartbeat,
+    HeartbeatDelta,
     ProcessUse,
 )
 from allocator.tasks import cancel_and_wait
@@ -178,6 +181,19 @@ class NodeAgent:
         self.watcher: ContainerWatcher | None = None
         self.commands: CommandConsumer | None = None
         self.last_heartbeat: Heartbeat | None = None
+        """The newest heartbeat built, whole (what was sent may be a delta of it)."""
+        self.last_message: Heartbeat | HeartbeatDelta | None = None
+        """The newest heartbeat or delta published."""
+        self.deltas_sent = 0
+        self.thresholds = Thresholds(
+            utilization_pct=settings.delta_utilization_pct, memory_mib=settings.delta_memory_mib,
+            temperature_c=settings.delta_temperature_c, power_w=settings.delta_power_w)
+        self._reported: Heartbeat | None = None
+        """The report the allocator holds if it got everything published: the last full
+        heartbeat with every delta since applied. None after a failed publish (then the next
+        heartbeat is full)."""
+        self._full_sent_at: float | None = None
+        """Monotonic time of the last full heartbeat published."""
         self.xids_received = 0
         self._last_samples: list[GPUSample] | None = None
         self._pending_read: asyncio.Future[_Snapshot] | None = None
@@ -454,11 +470,31 @@ class NodeAgent:
             return False
         self.last_heartbeat = heartbeat
         assert self.publisher is not None
-        ok = await self.publisher.publish_heartbeat(heartbeat)
+        message = self._message_for(heartbeat)
+        ok = await self.publisher.publish_heartbeat(message)
+        self.last_message = message
+        if not ok:
+            self._reported = None  # the allocator may not have it: the next one is full
+        elif isinstance(message, HeartbeatDelta):
+            self.deltas_sent += 1
+            assert self._reported is not None
+            self._reported = apply_delta(self._reported, message)
+        else:
+            self._reported = heartbeat
+            self._full_sent_at = time.monotonic()
         if ok and self.heartbeats_sent == 1:
             log.info("first heartbeat sent: %d GPU(s), %d lease container(s)",
                      len(heartbeat.gpus), len(heartbeat.containers))
         return ok
+
+    def _message_for(self, heartbeat: Heartbeat) -> Heartbeat | HeartbeatDelta:
+        """What to publish for ``heartbeat``: a delta of the report the allocator holds, or
+        the full heartbeat when one is due (``full_report_s``) or no delta can say it."""
+        full_every = self.settings.full_report_s
+        if (self._reported is None or self._full_sent_at is None or full_every <= 0
+                or time.monotonic() - self._full_sent_at >= full_every):
+            return heartbeat
+        return delta_between(self._reported, heartbeat, self.thresholds) or heartbeat
 
     def _log_health_change(self, sample: GPUSample, verdict: Verdict) -> None:
         before = self._health.get(sample.uuid)

@@ -101,9 +101,30 @@ class AgentSettings(FileSettings):
     )
     amqp_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/",
-        description="Broker URL. Its user is sent as the AMQP user_id of every message.",
+        description="Broker URL (several nodes of a broker cluster: host1:port1,host2:port2; "
+        "allocator/broker.py). Its user is sent as the AMQP user_id of every message.",
     )
     interval_s: float = Field(default=5.0, gt=0, le=3600, description="Heartbeat period.")
+    full_report_s: float = Field(
+        default=20.0, ge=0, le=3600,
+        description="A full heartbeat at least this often; the beats in between are deltas "
+        "(what changed since the previous beat) whenever a delta can say it. 0: every "
+        "heartbeat is full. Keep it below the allocator's start_fence_s (30 s), so that a "
+        "restarted allocator has every node's full report before its start fence ends.",
+    )
+    delta_utilization_pct: float = Field(
+        default=5.0, ge=0, le=100,
+        description="A GPU's (or a container's) utilization counts as changed for a delta "
+        "when it left the band of this width (0-5, 5-10, ...) that holds the value last "
+        "reported: never this much off, and every crossing of a multiple of it is sent. Keep "
+        "the allocator's idle_utilization_pct a multiple of it.")
+    delta_memory_mib: int = Field(
+        default=256, ge=0, le=1 << 20,
+        description="Same for memory used (a GPU's, or a container's on a GPU), in MiB.")
+    delta_temperature_c: float = Field(
+        default=5.0, ge=0, le=300, description="Same for a GPU's temperature.")
+    delta_power_w: float = Field(
+        default=25.0, ge=0, le=10_000, description="Same for a GPU's power draw.")
     inventory: Literal["nvml", "simulated"] = Field(
         default="nvml", description="Where GPUs come from: NVML, or a simulated inventory file."
     )

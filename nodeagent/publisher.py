@@ -5,9 +5,9 @@ Messages go to :data:`~allocator.topology.NODES_EXCHANGE` with the routing keys 
 URL (RabbitMQ refuses a ``user_id`` that is not the connection's user, so the allocator
 can trust it to tell which agent sent a heartbeat).
 
-- **Heartbeats** are transient and expire after two intervals: a heartbeat that waited longer
-  than that in a queue describes a past that the next one corrects. A failed heartbeat is
-  counted and dropped; the next one follows in one interval.
+- **Heartbeats** (full or deltas) are transient and expire after two intervals: a heartbeat
+  that waited longer than that in a queue describes a past that the next one corrects. A
+  failed heartbeat is counted and dropped; the next one follows in one interval.
 - **Container events** are persistent, never expire, and are published ``mandatory``: an
   event the broker could not route or confirm is kept in a bounded FIFO buffer and retried
   in order until it goes through (the order matters: a ``die`` must not overtake its
@@ -35,7 +35,8 @@ import aiormq
 from aio_pika.abc import AbstractExchange, AbstractRobustConnection
 from yarl import URL
 
-from allocator.protocol import ContainerEvent, Heartbeat, encode
+from allocator import broker
+from allocator.protocol import ContainerEvent, Heartbeat, HeartbeatDelta, encode
 from allocator.tasks import cancel_and_wait
 from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
 
@@ -132,7 +133,7 @@ class Publisher:
         # aio-pika's own timeout normally ends a failed attempt cleanly; the outer bound is
         # the backstop, a little later so it does not cut aio-pika's clean-up short.
         async with asyncio.timeout(self.timeout_s + 1.0):
-            connection = await aio_pika.connect_robust(
+            connection = await broker.connect_robust(
                 self.amqp_url,
                 timeout=self.timeout_s,
                 reconnect_interval=self.reconnect_s,
@@ -215,8 +216,8 @@ class Publisher:
         async with asyncio.timeout(self.timeout_s):
             await exchange.publish(message, routing_key, mandatory=mandatory)
 
-    async def publish_heartbeat(self, heartbeat: Heartbeat) -> bool:
-        """Publish one heartbeat (expires after two intervals); False if it failed."""
+    async def publish_heartbeat(self, heartbeat: Heartbeat | HeartbeatDelta) -> bool:
+        """Publish one heartbeat or delta (expires after two intervals); False if it failed."""
         try:
             await self._publish(
                 encode(heartbeat),

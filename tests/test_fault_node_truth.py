@@ -56,7 +56,10 @@ def agent_settings(host: str, url: str, inventory: Path, docker_url: str) -> Age
         host=host, amqp_url=url, inventory="simulated", simulated_file=inventory,
         interval_s=0.25, publish_timeout_s=1.0, amqp_reconnect_s=0.2, docker=True,
         docker_url=docker_url, docker_backoff_s=0.1, docker_backoff_max_s=0.5,
-        docker_replay_grace_s=0.5, docker_timeout_s=3.0, xid_poll_s=0.2)
+        docker_replay_grace_s=0.5, docker_timeout_s=3.0, xid_poll_s=0.2,
+        # Deltas in between, but a full report well within the 1.5 s that `gpu-ledger check
+        # --live` listens (it counts a host once heard in full).
+        full_report_s=0.5)
 
 
 @contextlib.asynccontextmanager

@@ -208,6 +208,9 @@ def agent_settings(host: str, amqp_url: str, inventory: Path, docker_url: str,
         "amqp_reconnect_s": 0.2, "docker": True, "docker_url": docker_url,
         "docker_backoff_s": 0.1, "docker_backoff_max_s": 0.5, "docker_replay_grace_s": 0.5,
         "docker_timeout_s": 3.0, "xid_poll_s": 0.2,
+        # Deltas in between, but a full report well within the 1.5 s that `gpu-ledger check
+        # --live` listens (it counts a host once heard in full).
+        "full_report_s": 0.5,
     }
     values.update(overrides)
     return AgentSettings(**values)
@@ -291,7 +294,9 @@ class AgentProcess:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_AGENT_")}
         self.env.update(SWARM_GPU_AGENT_DOCKER_BACKOFF_S="0.1",
                         SWARM_GPU_AGENT_DOCKER_BACKOFF_MAX_S="0.5",
-                        SWARM_GPU_AGENT_AMQP_RECONNECT_S="0.2", PYTHONUNBUFFERED="1")
+                        SWARM_GPU_AGENT_AMQP_RECONNECT_S="0.2", PYTHONUNBUFFERED="1",
+                        # see agent_settings: `gpu-ledger check --live` needs a full report
+                        SWARM_GPU_AGENT_FULL_REPORT_S="0.5")
         self.log_path = log_path
         self.process: asyncio.subprocess.Process | None = None
 

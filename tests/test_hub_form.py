@@ -279,3 +279,36 @@ def test_an_admin_template_replaces_the_whole_form(tmp_path) -> None:
     html = render_form(inventory(), policy=STAFF, template_paths=[str(tmp_path)])
     assert html.startswith('<select name="mode">') and "sg-form" not in html
     assert [o["value"] for o in parse(html).selects["mode"]] == ["none", "exclusive", "shared"]
+
+
+def test_choices_the_allocator_says_would_be_borrowed_are_marked() -> None:
+    from allocator.protocol import QuotaView
+    from hubplugin.borrowing import BorrowOutlook, amounts_offered, choice_units
+    from hubplugin.options import ModelCatalog
+
+    reply = inventory()
+    catalog = ModelCatalog(reply.models)
+    # the amounts the form asks about: counts 1..4, the profiles', a GTX 1070 slice (4 slots)
+    assert amounts_offered(STAFF, PROFILES, catalog) == {1.0, 2.0, 3.0, 4.0, 0.25}
+    assert choice_units(PROFILES[2].options(), catalog) == 0.25
+    assert choice_units(GPUOptions(mode=GPUMode.EXCLUSIVE, all_gpus_of_host=True), catalog) \
+        is None
+    quota = QuotaView(scope="user", name="alice", limit=2.0, held=1.0, free=1.0,
+                      guaranteed=1.0, borrow_limit=2.0)
+    borrow = BorrowOutlook(quotas=[quota],
+                           borrowed={1.0: True, 2.0: True, 3.0: True, 4.0: True, 0.25: False})
+    html = render_form(reply, policy=STAFF, profiles=PROFILES, borrow=borrow)
+    form = parse(html)
+    profiles = {i["value"]: i for i in form.inputs if i.get("name") == "profile"}
+    assert "data-borrowed" in profiles["one-1070"]
+    assert "data-borrowed" not in profiles["small-share"]
+    assert all("data-borrowed" in o for o in form.selects["count"])
+    slices = {o["value"]: "data-slice-borrowed" in o for o in form.selects["model"]}
+    assert slices == {"any": False, GTX1070: False, RTX3090: False, A100: False}
+    assert re.search(r'<div id="sg-borrowed-note"[^>]* hidden>', html)
+    assert "1 GPU guaranteed to you (you hold 1); beyond it, up to 2 GPUs in all" in html
+    # without the allocator's answers, nothing is marked
+    plain = parse(render_form(reply, policy=STAFF, profiles=PROFILES))
+    assert not any("data-borrowed" in i for i in plain.inputs)
+    assert not any("data-borrowed" in o for o in plain.selects["count"])
+    assert "guaranteed to you" not in "".join(plain.text)

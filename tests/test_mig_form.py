@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from support import A100_40GB as A100
+from support import HUB, MIG_1G, NODE
 from test_hub_form import parse
-from test_mig_engine import A100, HUB, NODE, mig_beat
+from test_mig_engine import mig_beat
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
@@ -17,7 +19,6 @@ from hubplugin.form import render_form
 from hubplugin.options import GPUPolicy
 
 STAFF = GPUPolicy(max_gpus=4, groups=["staff"])
-MIG_1G = f"{A100} MIG 1g.5gb"
 
 
 def test_profiles_are_listed_with_free_counts_and_the_mig_gpu_is_not(tmp_path: Path) -> None:

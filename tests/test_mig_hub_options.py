@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_mig_engine import A100, NODE, mig_beat
+from support import A100_40GB as A100
+from support import NODE
+from test_mig_engine import mig_beat
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine

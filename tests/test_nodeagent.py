@@ -27,6 +27,7 @@ import pytest
 from support import docker_cli
 from yarl import URL
 
+from allocator.heartbeat_delta import apply_delta
 from allocator.lease_container import HOST_LABEL, LEASE_LABEL, MEMORY_LABEL, grant_labels
 from allocator.protocol import (
     NODE_MESSAGE_ADAPTER,
@@ -35,6 +36,7 @@ from allocator.protocol import (
     ContainerGrant,
     Health,
     Heartbeat,
+    HeartbeatDelta,
     Lease,
     LeaseState,
     ProcessUse,
@@ -59,11 +61,14 @@ class Received:
     """A node message as the test queue received it, with the AMQP properties that matter."""
 
     message: Heartbeat | ContainerEvent
+    """A heartbeat delta is recorded as the full heartbeat it stands for (applied onto the
+    host's report as the allocator does); ``delta`` says it came as one."""
     routing_key: str
     user_id: str | None
     content_type: str | None
     expiration: Any
     persistent: bool
+    delta: bool = False
 
 
 class Inbox:
@@ -71,17 +76,33 @@ class Inbox:
 
     def __init__(self) -> None:
         self.messages: list[Received] = []
+        self.reports: dict[str, Heartbeat] = {}
+        """host -> its full report, deltas applied (what the allocator would hold)."""
+        self.gaps = 0
+        """Deltas that did not apply onto the report held (none, when nothing is lost)."""
         self._arrived = asyncio.Condition()
 
     async def on_message(self, incoming: aio_pika.abc.AbstractIncomingMessage) -> None:
         async with incoming.process():
+            message = NODE_MESSAGE_ADAPTER.validate_json(incoming.body)
+            delta = isinstance(message, HeartbeatDelta)
+            if isinstance(message, HeartbeatDelta):
+                base = self.reports.get(message.host)
+                rebuilt = apply_delta(base, message) if base is not None else None
+                if rebuilt is None:
+                    self.gaps += 1
+                    return
+                message = rebuilt
+            if isinstance(message, Heartbeat):
+                self.reports[message.host] = message
             received = Received(
-                message=NODE_MESSAGE_ADAPTER.validate_json(incoming.body),
+                message=message,
                 routing_key=incoming.routing_key or "",
                 user_id=incoming.user_id,
                 content_type=incoming.content_type,
                 expiration=incoming.expiration,
                 persistent=incoming.delivery_mode == aio_pika.DeliveryMode.PERSISTENT,
+                delta=delta,
             )
         async with self._arrived:
             self.messages.append(received)

@@ -14,7 +14,7 @@ import aiodocker
 import pytest
 
 from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import NODE_MESSAGE_ADAPTER, ContainerEvent, Heartbeat
+from allocator.protocol import NODE_MESSAGE_ADAPTER, ContainerEvent, Heartbeat, HeartbeatDelta
 from allocator.topology import NODES_EXCHANGE
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
@@ -28,7 +28,8 @@ async def test_listing_mode_reports_containers_by_heartbeat_only(
     lease_id = f"lease-{uuid.uuid4().hex[:10]}"
     inventory = tmp_path / "inventory.json"
     write_inventory(inventory, {host: [make_gpu(host, 0, "NVIDIA GeForce GTX 1070")]})
-    received: list[Heartbeat | ContainerEvent] = []
+    # Deltas come too; the container's coming and going makes full heartbeats.
+    received: list[Heartbeat | HeartbeatDelta | ContainerEvent] = []
 
     async def on_message(incoming: aio_pika.abc.AbstractIncomingMessage) -> None:
         async with incoming.process():

@@ -19,7 +19,8 @@ EXAMPLES = re.findall(r"```json\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
 def test_the_page_has_examples_of_every_message_kind():
     kinds = {json.loads(example)["kind"] for example in EXAMPLES}
     assert kinds >= {"allocate", "release", "status", "inventory", "queue", "drain", "lease",
-                     "error", "drained", "heartbeat", "container_event", "stop_container"}
+                     "error", "drained", "heartbeat", "heartbeat_delta", "container_event",
+                     "stop_container"}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: json.loads(e)["kind"])

@@ -17,6 +17,7 @@ from allocator.protocol import (
     DrainRequest,
     ErrorCode,
     Heartbeat,
+    HeartbeatDelta,
     InventoryRequest,
     LeasesRequest,
     LeaseState,
@@ -41,7 +42,7 @@ class Engine(Reclaimer):
     def handle(self, message: AnyInbound, sender: Sender, now: float,
                changes: Changes) -> BaseModel | None:
         """Apply one message; return its reply (None for node messages)."""
-        if isinstance(message, Heartbeat | ContainerEvent):
+        if isinstance(message, Heartbeat | HeartbeatDelta | ContainerEvent):
             if not sender.via_nodes_exchange:
                 self.counters.add(Count.NODE_MESSAGE_WRONG_EXCHANGE)
                 return error_reply(ErrorCode.FORBIDDEN,
@@ -50,6 +51,8 @@ class Engine(Reclaimer):
                 return None
             if isinstance(message, Heartbeat):
                 self._heartbeat(message, sender, now, changes)
+            elif isinstance(message, HeartbeatDelta):
+                self._heartbeat_delta(message, sender, now, changes)
             else:
                 self._container_event(message, now, changes)
             return None

@@ -91,7 +91,11 @@ class NodeTruth(LeaseBook):
         current.update(found)
         for container_id in gone or ():
             current.pop(container_id, None)
-        before = {u for u, g in self.cluster.gpus.items() if g.host == host and g.conflict}
+        # The host's own GPUs, not every GPU of the cluster: this runs for every heartbeat.
+        node = self.cluster.nodes.get(host)
+        before = {u for u in (node.gpu_uuids if node is not None else ())
+                  if (gpu := self.cluster.gpus.get(u)) is not None and gpu.host == host
+                  and gpu.conflict}
         if current:
             self._conflicts[host] = current
         else:

@@ -2,8 +2,11 @@
 the lease book.
 
 A heartbeat upserts its node's GPUs and lists the lease-labelled containers running there: a
-listed container binds its lease, a missing one ends it after a grace period. Container events
-bind or end a lease at once. Admin drains also live here: they change what nodes offer.
+listed container binds its lease, a missing one ends it after a grace period. A heartbeat
+delta is applied as the full heartbeat it stands for (the host's report held, with the delta's
+entries: :func:`~allocator.heartbeat_delta.apply_delta`), or, when it does not fit that report,
+as a sign of life only. Container events bind or end a lease at once. Admin drains also live
+here: they change what nodes offer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from allocator.cluster import GPU, Node
 from allocator.counters import Count, Family
 from allocator.engine.node_truth import NodeTruth
 from allocator.engine.state import CLOCK_SKEW_WARN_S, Sender, log
+from allocator.heartbeat_delta import apply_delta
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
 from allocator.protocol import (
@@ -27,6 +31,7 @@ from allocator.protocol import (
     DrainRequest,
     ErrorCode,
     Heartbeat,
+    HeartbeatDelta,
     LeaseState,
     ReleaseReason,
     StopReason,
@@ -52,7 +57,7 @@ class NodeReconciliation(NodeTruth):
                       expected_user=expected)
         return False
 
-    def _stale(self, beat: Heartbeat) -> bool:
+    def _stale(self, beat: Heartbeat | HeartbeatDelta) -> bool:
         """Whether ``beat`` is older news than the newest heartbeat accepted for its host.
 
         The same agent counts in ``seq`` (its clock may step back; its counter does not). A
@@ -85,6 +90,49 @@ class NodeReconciliation(NodeTruth):
         self.counters.add(kind)
         return self.counters[kind.value] % 1000 == 1
 
+    def _heartbeat_delta(self, delta: HeartbeatDelta, sender: Sender, now: float,
+                         changes: Changes) -> None:
+        """Apply the full report ``delta`` stands for; if it does not fit the report held
+        (a gap in ``seq``: a message was lost, or this allocator started since), take it as
+        a sign of life only and wait for the host's next full report."""
+        if self._stale(delta):
+            self.counters.add(Count.HEARTBEAT_STALE)
+            return
+        base = self._reported.get(delta.host)
+        beat = apply_delta(base, delta) if base is not None else None
+        if beat is not None:
+            self.counters.add(Count.HEARTBEAT_DELTAS)
+            self._heartbeat(beat, sender, now, changes)
+            return
+        node = self.cluster.nodes.get(delta.host)
+        if base is not None:
+            del self._reported[delta.host]
+            if self._count_anomaly(Count.HEARTBEAT_DELTA_GAPS):
+                log.info("heartbeat delta %d of %s does not follow the report held (seq %d "
+                         "of agent %s); awaiting its next full report", delta.seq, delta.host,
+                         base.seq, base.agent_id[:8])
+        else:
+            self.counters.add(Count.HEARTBEAT_DELTAS_UNAPPLIED)
+        if node is None:
+            return  # a delta cannot bring a host in: only a full report says what it has
+        self._newest_beat[delta.host] = (delta.agent_id, delta.seq, delta.sent_at)
+        self.counters.add(Count.HEARTBEATS)
+        self._alive(node, sender, now, changes)
+
+    def _alive(self, node: Node, sender: Sender, now: float, changes: Changes,
+               *, new_node: bool = False) -> None:
+        """The node was heard from now: it is up, and the ledger says so."""
+        # Receipt time, not the node's clock: a node whose clock runs ahead must not look alive
+        # longer than it is.
+        node.last_heartbeat = now
+        if node.host in self._down:
+            self._down.discard(node.host)
+            if not new_node:
+                changes.event(now, "node_up", host=node.host)
+        # The node row (last heartbeat) is written every time so that a standby taking over
+        # knows which nodes are alive.
+        changes.node(node, agent_user=sender.user_id, first_seen=now if new_node else None)
+
     def _heartbeat(self, beat: Heartbeat, sender: Sender, now: float, changes: Changes) -> None:
         if self._stale(beat):
             self.counters.add(Count.HEARTBEAT_STALE)  # replayed or reordered: older news
@@ -93,6 +141,7 @@ class NodeReconciliation(NodeTruth):
                                                                            now, changes):
             return
         self._newest_beat[beat.host] = (beat.agent_id, beat.seq, beat.sent_at)
+        self._reported[beat.host] = beat
         if beat.containers_complete:
             self._cannot_list.discard(beat.host)
         else:
@@ -122,13 +171,6 @@ class NodeReconciliation(NodeTruth):
             changes.event(now, "node_joined", host=beat.host, agent_id=beat.agent_id)
         agent_changed = node.agent_id != beat.agent_id
         node.agent_id = beat.agent_id
-        # Receipt time, not the node's clock: a node whose clock runs ahead must not look alive
-        # longer than it is.
-        node.last_heartbeat = now
-        if beat.host in self._down:
-            self._down.discard(beat.host)
-            if not new_node:
-                changes.event(now, "node_up", host=beat.host)
         inventory_changed = self._update_gpus(node, beat, now, changes)
         if inventory_changed:
             self.index.refresh(self.cluster, beat.host)
@@ -136,9 +178,8 @@ class NodeReconciliation(NodeTruth):
         persist = (new_node or agent_changed or inventory_changed or
                    now - self._telemetry_saved.get(beat.host, 0.0)
                    >= self.settings.telemetry_persist_s)
-        # The node row (last heartbeat) is written every time so that a standby taking over
-        # knows which nodes are alive; GPU telemetry only when it matters or now and then.
-        changes.node(node, agent_user=sender.user_id, first_seen=now if new_node else None)
+        self._alive(node, sender, now, changes, new_node=new_node)
+        # GPU telemetry is written only when it matters or now and then.
         if persist:
             self._telemetry_saved[beat.host] = now
             for gpu in self.cluster.gpus_of(beat.host):

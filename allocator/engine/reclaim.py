@@ -1,12 +1,15 @@
 """Reclaim and idle release: the engine acts on :func:`allocator.fairshare.plan_reclaims`.
 
-On every tick while requests wait: leases the plan names are warned (``reclaim_at``, an event
-``reclaim_warning``), warnings the plan no longer needs are withdrawn, and a warned lease whose
-grace is over has its container stopped with the command the agents already obey; the lease
-then ends with its reason (``reclaimed`` or ``idle``) however its end is noticed.
+On every tick while requests wait, and when a request queues: leases the plan names are warned
+(``reclaim_at``, an event ``reclaim_warning``), warnings the plan no longer needs are withdrawn,
+and a warned lease whose grace is over has its container stopped with the command the agents
+already obey; the lease then ends with its reason (``reclaimed`` or ``idle``) however its end
+is noticed.
 """
 
 from __future__ import annotations
+
+from pydantic import BaseModel
 
 from allocator import fairshare, policy
 from allocator.counters import Family
@@ -15,6 +18,7 @@ from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
 from allocator.protocol import (
     AllocateRequest,
+    LeaseReply,
     LeaseState,
     ReclaimReason,
     ReleaseReason,
@@ -74,6 +78,15 @@ class Reclaimer(NodeReconciliation):
                     warned=record.reclaim_at is not None, borrowed=record.borrowed,
                     idle_releasable=releasable))
         return candidates
+
+    def _allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
+        """Allocate as the lease book does; a request that queues is planned for at once,
+        not at the next tick, so a reclaim's warning (or, without a grace, its stop) goes
+        out with the reply."""
+        reply = super()._allocate(request, now, changes)
+        if isinstance(reply, LeaseReply) and reply.lease.state is LeaseState.QUEUED:
+            self._reclaim(now, changes)
+        return reply
 
     def _reclaim(self, now: float, changes: Changes) -> None:
         """Plan, warn, withdraw and stop (see the module)."""

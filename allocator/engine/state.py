@@ -25,6 +25,7 @@ from allocator.lease_use import UseBook
 from allocator.ledger import LoadedState
 from allocator.placement_index import PlacementIndex
 from allocator.protocol import (
+    Heartbeat,
     LeaseState,
     StopContainer,
 )
@@ -73,6 +74,10 @@ class EngineState:
         self._newest_beat: dict[str, tuple[str, int, float]] = {}
         """host -> (agent_id, seq, sent_at) of the newest heartbeat accepted for it (see
         :meth:`~allocator.engine.nodes.NodeReconciliation._stale`)."""
+        self._reported: dict[str, Heartbeat] = {}
+        """host -> the full report its newest applied heartbeat stands for (a delta applied
+        onto the one before): what the host's next delta applies onto. Missing: the next
+        delta is taken as liveness only, until a full report."""
         self._telemetry_saved: dict[str, float] = {}
         self._node_clock_bound: dict[str, float] = {}
         """lease id -> node-clock time its container was known to run (start event or listing)."""
@@ -150,6 +155,7 @@ class EngineState:
         self._down = {host for host, node in self.cluster.nodes.items()
                       if not node.is_up(now, self.settings.node_down_after_s)}
         self._newest_beat.clear()
+        self._reported.clear()
         self._cannot_list.clear()
         self.index.rebuild(self.cluster)
         self._catalog = None
