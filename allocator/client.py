@@ -11,6 +11,11 @@ Replies are JSON (never pickle). Usage::
     async with AllocatorClient("amqp://hub:secret@rabbit/") as client:
         lease = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice",
                                                       model="1070"))
+
+A request that may wait (``wait_s > 0``) is best sent with
+:meth:`AllocatorClient.allocate_and_wait`: the allocator pushes the grant to the call's reply
+address when it is decided, and the client keeps its channel open until then
+(docs/protocol.md, "Waiting in the queue").
 """
 
 from __future__ import annotations
