@@ -103,13 +103,15 @@ ADMIN = "guest"
 """The broker user of the benchmark (loopback guest), made an allocator admin to force-release."""
 
 
-def allocator_env(amqp_url: str, ledger: Path) -> dict[str, str]:
+def allocator_env(amqp_url: str, ledger: Path, max_hosts: int) -> dict[str, str]:
     return {
         "SWARM_GPU_AMQP_URL": amqp_url,
         "SWARM_GPU_LEDGER_PATH": str(ledger),
         "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
         "SWARM_GPU_ADMIN_USERS": json.dumps([ADMIN]),
         "SWARM_GPU_SHARE_SLOTS": json.dumps({SHARED_MODEL: SHARE_SLOTS}),
+        # One broker user reports for every simulated host.
+        "SWARM_GPU_MAX_HOSTS_PER_NODE_USER": str(max_hosts),
         # The idle phases send no heartbeats: nodes must not go down meanwhile.
         "SWARM_GPU_NODE_DOWN_AFTER_S": "86400",
         "SWARM_GPU_STOP_GRACE_S": "86400",
@@ -137,7 +139,8 @@ def build_ledger(path: Path, hosts: int, gpus_per_host: int, leases: int
     Returns host -> [[container_id, lease_id], ...] of the lease containers "running" there.
     """
     settings = AllocatorSettings(
-        ledger_path=path, allow_any_node_user=True, share_slots={SHARED_MODEL: SHARE_SLOTS})
+        ledger_path=path, allow_any_node_user=True, share_slots={SHARED_MODEL: SHARE_SLOTS},
+        max_hosts_per_node_user=max(hosts, 4096))
     engine = Engine(settings, started_at=time.time())
     ledger = Ledger(path)
     ledger.open()
@@ -492,7 +495,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                     "interval_s": args.interval, "amqp_url": vhost.url,
                                     "full_report_s": args.full_report_s,
                                     "containers": containers}))
-        env = allocator_env(vhost.url, ledger)
+        env = allocator_env(vhost.url, ledger, max(args.hosts, 4096))
         allocator = start_process(allocator_command(), env, tmp / "allocator.log")
         started.append(allocator)
         try:
@@ -664,7 +667,8 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
     quiet = median_of("idle-alone", "allocator_cpu_pct") if "idle-alone" in kinds else 0.0
     for kind in kinds:
         if kind == "idle-alone":
-            out[kind] = {"allocator_cpu_pct": quiet}
+            out[kind] = {"allocator_cpu_pct": quiet, "queue_depth_max": max(
+                p["queue_depth_max"] or 0 for p in phases if p["phase"] == kind)}
             continue
         if kind.endswith("-alone"):
             # CPU time per heartbeat, from /proc: robust where wall-clock ratios are not (a
@@ -677,6 +681,9 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
                 "allocator_cpu_us_per_heartbeat": round(statistics.median(per_beat), 1),
                 "heartbeat_delay_p99_ms": round(max(
                     p["heartbeats"]["delay"]["p99_ms"] for p in phases if p["phase"] == kind), 1),
+                # A backlog left by the phase before makes the CPU figure meaningless.
+                "queue_depth_max": max(p["queue_depth_max"] or 0 for p in phases
+                                       if p["phase"] == kind),
             }
             continue
         out[kind] = {
