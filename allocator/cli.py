@@ -5,6 +5,7 @@
                       [--share 4096] [--wait 60]
     gpu-allocator release LEASE_ID
     gpu-allocator inventory
+    gpu-allocator leases [--user alice] [--finished 3600]
 
 Settings come from ``SWARM_GPU_*`` environment variables over the TOML file
 (see :mod:`allocator.config`; bad settings: exit status 1 and one line that says why); the
@@ -70,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
 
     inventory = commands.add_parser("inventory", help="print free and total GPUs per model")
     client_options(inventory)
+
+    leases = commands.add_parser(
+        "leases", help="list leases: borrowed, idle, pending reclaim warnings")
+    client_options(leases)
+    leases.add_argument("--user", help="only this user's leases (default: everyone's)")
+    leases.add_argument("--finished", type=float, default=0.0, metavar="S",
+                        help="also the leases that ended within S seconds")
     return parser
 
 
@@ -139,6 +147,14 @@ async def _client_command(args: argparse.Namespace) -> int:
                       f"{' (' + hosts + ')' if hosts else ''}")
             print(f"{len(inventory.nodes)} nodes, {inventory.queued} queued requests")
             return 0
+        if args.command == "leases":
+            reply = await client.leases(args.user, include_finished_s=args.finished)
+            if args.json:
+                print(reply.model_dump_json(indent=2))
+                return 0
+            for lease in reply.leases:
+                print(_lease_line(lease, reply.at))
+            return 0
         if args.command == "release":
             lease = await client.release(lease_id=args.lease_id, force=args.force,
                                          reason=args.reason, by=f"cli:{os.environ.get('USER', '')}")
@@ -168,8 +184,28 @@ async def _client_command(args: argparse.Namespace) -> int:
         else:
             print(json.dumps({"lease_id": lease.lease_id, "host": lease.host,
                               "model": lease.model, "gpus": lease.gpu_uuids,
-                              "env": lease.env}, indent=2))
+                              "borrowed": lease.borrowed, "env": lease.env}, indent=2))
         return 0
+
+
+def _lease_line(lease: Lease, now: float) -> str:
+    """One lease in a line: who, what, and what fair share says about it."""
+    parts = [lease.lease_id[:12], lease.user, lease.state.value]
+    if lease.host:
+        parts.append(f"{lease.host}:{','.join(str(i) for i in lease.gpu_indices)}")
+    if lease.model:
+        parts.append(lease.model)
+    if lease.queue_position is not None:
+        parts.append(f"queue position {lease.queue_position}")
+    if lease.state.holds_gpus:
+        parts.append("borrowed" if lease.borrowed else "guaranteed")
+    if lease.idle_since is not None:
+        parts.append(f"idle {now - lease.idle_since:.0f} s")
+    if lease.reclaim_at is not None and lease.reclaim_reason is not None:
+        parts.append(f"{lease.reclaim_reason.value} in {max(lease.reclaim_at - now, 0):.0f} s")
+    if lease.release_reason is not None:
+        parts.append(f"ended: {lease.release_reason.value}")
+    return "  ".join(parts)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import aio_pika
 import aio_pika.abc
 from pydantic import BaseModel, ValidationError
 
+from allocator import broker
+from allocator.broker import redact
 from allocator.protocol import (
     REPLY_ADAPTER,
     AllocateRequest,
@@ -157,7 +159,7 @@ class AllocatorClient:
             await self._close_quietly()
             try:
                 self._connection = await asyncio.wait_for(
-                    aio_pika.connect_robust(self.amqp_url, timeout=self.connect_timeout_s),
+                    broker.connect_robust(self.amqp_url, timeout=self.connect_timeout_s),
                     self.connect_timeout_s,
                 )
                 # No publisher confirms: the reply is the confirmation, and a confirm on a
@@ -173,7 +175,7 @@ class AllocatorClient:
                 await self._close_quietly()
                 reason = str(exc) or type(exc).__name__
                 raise AllocatorUnavailable(
-                    f"cannot reach the broker at {_redact(self.amqp_url)}: {reason}"
+                    f"cannot reach the broker at {redact(self.amqp_url)}: {reason}"
                 ) from exc
 
     async def close(self) -> None:
@@ -505,12 +507,3 @@ def _read_reply(body: bytes) -> Reply:
         ) from exc
 
 
-def _redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    parsed = urlparse(url)
-    if parsed.password:
-        netloc = f"{parsed.username}:***@{parsed.hostname}"
-        if parsed.port:
-            netloc += f":{parsed.port}"
-        return parsed._replace(netloc=netloc).geturl()
-    return url

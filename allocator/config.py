@@ -102,7 +102,12 @@ class AllocatorSettings(PolicySettings, FileSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    amqp_url: str = Field(
+        default="amqp://guest:guest@127.0.0.1:5672/",
+        description="Broker URL; a broker cluster's nodes may all be named in it "
+        "(amqp://user:pw@node1:5672,node2:5672,node3:5672/vhost): the allocator connects to "
+        "the first that answers and, after a drop, to the next (allocator/broker.py).",
+    )
     broker_wait_s: float = Field(
         default=180.0, ge=0,
         description="At start, how long to keep trying to reach the broker before exiting: "

@@ -69,6 +69,9 @@ class Count(StrEnum):
     POISONED = "poisoned"
     FENCED_BATCHES = "fenced_batches"
     """Batches a newer writer of the ledger log fenced: applied nowhere, given back."""
+    STALE_DELIVERIES = "stale_deliveries"
+    """Messages dropped unapplied because the channel they came on has closed since: the
+    broker has given them to the active allocator (this one was stopped or cut off)."""
 
 
 ANOMALIES = (

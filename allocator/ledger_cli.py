@@ -42,7 +42,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from allocator import exports, reports
+from allocator import broker, exports, reports
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.heartbeat_delta import apply_delta
 from allocator.invariants import NodeReport, Violation, check_ledger
@@ -346,7 +346,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.json:
         json.dump({"since": filters.since, "until": until, "by": args.by,
                    "rows": [{args.by: r.key, "model": r.model,
-                             "gpu_hours": round(r.gpu_hours, 6), "leases": r.leases}
+                             "gpu_hours": round(r.gpu_hours, 6), "leases": r.leases,
+                             "idle_gpu_hours": round(r.idle_gpu_hours, 6),
+                             "reclaimed": r.reclaimed, "idle_released": r.idle_released}
                             for r in rows]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
@@ -356,15 +358,21 @@ def cmd_usage(args: argparse.Namespace) -> int:
     table.add_column(args.by)
     table.add_column("model")
     table.add_column("GPU-hours", justify="right")
+    table.add_column("idle GPU-hours", justify="right")
     table.add_column("leases", justify="right")
+    table.add_column("reclaimed", justify="right")
+    table.add_column("idle released", justify="right")
     for row in rows:
         table.add_row(escape(row.key), escape(row.model), f"{row.gpu_hours:.2f}",
-                      str(row.leases))
+                      f"{row.idle_gpu_hours:.2f}", str(row.leases), str(row.reclaimed),
+                      str(row.idle_released))
     if args.by != "group":
         # Group totals overlap (a user may be in several groups), so they get no total.
         table.add_section()
         table.add_row("total", "", f"{sum(r.gpu_hours for r in rows):.2f}",
-                      str(sum(r.leases for r in rows)))
+                      f"{sum(r.idle_gpu_hours for r in rows):.2f}",
+                      str(sum(r.leases for r in rows)), str(sum(r.reclaimed for r in rows)),
+                      str(sum(r.idle_released for r in rows)))
     _console().print(table)
     return EXIT_OK
 
@@ -459,7 +467,7 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
     """
     latest: dict[str, NodeReport] = {}
     try:
-        connection = await asyncio.wait_for(aio_pika.connect(amqp_url, timeout=timeout_s),
+        connection = await asyncio.wait_for(broker.connect(amqp_url, timeout=timeout_s),
                                             timeout_s)
     except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
         raise CommandError(f"cannot reach the broker to listen to heartbeats: "

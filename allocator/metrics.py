@@ -291,6 +291,9 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          service, Count.BATCH_FAILURES),
         ("swarm_gpu_takeovers", "Times this allocator found the ledger written by another "
          "(a standby taking over)", service, Count.TAKEOVERS),
+        ("swarm_gpu_stale_deliveries", "Messages dropped unapplied because their channel "
+         "closed before (the broker gave them to the active allocator)", service,
+         Count.STALE_DELIVERIES),
     ):
         yield _counter(name, doc, counters[count])
 

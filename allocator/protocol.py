@@ -327,6 +327,12 @@ WHAT_IS_ASKED: Final = ("model", "models", "min_memory_mib", "min_compute_capabi
 """The fields of :class:`AllocateRequest` that :meth:`AllocateRequest.what_is_asked` compares."""
 
 
+def _exactly_one_key(lease_id: str | None, request_key: str | None) -> None:
+    """A lease is named by its id or by its request key: one of them, not both."""
+    if (lease_id is None) == (request_key is None):
+        raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+
+
 class ReleaseRequest(_Message):
     """End a lease (or withdraw a queued request). Releasing twice is a no-op.
 
@@ -345,8 +351,7 @@ class ReleaseRequest(_Message):
 
     @model_validator(mode="after")
     def _one_key(self) -> ReleaseRequest:
-        if (self.lease_id is None) == (self.request_key is None):
-            raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+        _exactly_one_key(self.lease_id, self.request_key)
         return self
 
 
@@ -360,8 +365,7 @@ class StatusRequest(_Message):
 
     @model_validator(mode="after")
     def _one_key(self) -> StatusRequest:
-        if (self.lease_id is None) == (self.request_key is None):
-            raise ValueError("give exactly one of 'lease_id' or 'request_key'")
+        _exactly_one_key(self.lease_id, self.request_key)
         return self
 
 

@@ -124,6 +124,8 @@ class ReplicatedLog:
         self._channel: aio_pika.abc.AbstractChannel | None = None
         self._publish_channel: aio_pika.abc.AbstractChannel | None = None
         self._applier: asyncio.Task[None] | None = None
+        self._consume_arguments: dict[str, Any] = {}
+        """The stream consumer's arguments; its offset follows the entries applied."""
         self.entries_applied = 0
         self.entries_fenced = 0
 
@@ -144,9 +146,27 @@ class ReplicatedLog:
             start = self.position.offset
             self._verify = self.position.entry_id
         self._applier = asyncio.create_task(self._apply_loop(), name="ledger-log-apply")
-        await queue.consume(self._inbox.put, arguments={"x-stream-offset": start})
+        # aio-pika's robust queue keeps this very dict to consume again after a reconnect
+        # (to the same broker node or another): with the offset kept past the last entry
+        # applied, a reconnect resumes there instead of replaying the log from the start
+        # (which would be correct too, only slow: applied offsets are skipped).
+        self._consume_arguments = {"x-stream-offset": start}
+        await queue.consume(self._inbox.put, arguments=self._consume_arguments)
+        connection.close_callbacks.add(self._connection_lost)
         log.info("ledger log %s: following from %s (%s)", self.stream, start,
                  f"epoch {self.position.epoch}" if self.position else "a ledger new to it")
+
+    def _connection_lost(self, _connection: object, reason: BaseException | None) -> None:
+        """The broker connection dropped (a broker node stopped): an entry in flight cannot
+        come back on this connection, so its batch fails now rather than at its timeout. It
+        may still have been appended; the writer claims again first (a later claim fences
+        it, or everyone applies it before the claim)."""
+        self.is_writer = False
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(LogUnavailable(
+                    f"the broker connection dropped ({reason or 'closed'}) before the entry "
+                    "came back"))
 
     async def stop(self) -> None:
         """Stop applying (the connection is closed by its owner)."""
@@ -215,6 +235,9 @@ class ReplicatedLog:
                                      delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
                     routing_key=self.stream, timeout=self.timeout_s)
                 return await waiter
+        except LogUnavailable:
+            self.is_writer = False
+            raise
         except TimeoutError:
             # It may still land: a later claim of ours (the writer is re-elected after any
             # doubt) fences it, or everyone applies it before that claim; either way alike.
@@ -313,6 +336,7 @@ class ReplicatedLog:
 
         await self.ledger.run(commit)
         self.position = new_position
+        self._consume_arguments["x-stream-offset"] = offset + 1
         if accepted:
             self.entries_applied += 1
         else:

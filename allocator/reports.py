@@ -220,7 +220,9 @@ GPU_COLUMNS: tuple[Column, ...] = (
 def usage_columns(by: UsageBy) -> tuple[Column, ...]:
     """Columns of the usage export."""
     return (Column(by), Column("model"), Column("gpu_hours", "number"),
-            Column("leases", "number"), Column("since", "time"), Column("until", "time"))
+            Column("leases", "number"), Column("since", "time"), Column("until", "time"),
+            Column("idle_gpu_hours", "number"), Column("reclaimed", "number"),
+            Column("idle_released", "number"))
 
 
 def _lease_where(filters: Filters, *, holding_only: bool = False) -> _Where:
@@ -382,7 +384,8 @@ def export_rows(conn: sqlite3.Connection, kind: ExportKind, filters: Filters = F
         columns = usage_columns(usage_by)
         convert = _converter(columns, time_format, decode_json)
         return Export(columns, (convert((r.key, r.model, round(r.gpu_hours, 6), r.leases,
-                                         since, until)) for r in rows))
+                                         since, until, round(r.idle_gpu_hours, 6), r.reclaimed,
+                                         r.idle_released)) for r in rows))
     if kind not in _QUERIES:
         raise ValueError(f"unknown export {kind!r}; choose one of {', '.join(EXPORT_KINDS)}")
     sql, params = _QUERIES[kind](filters, time_format)
@@ -422,6 +425,35 @@ class UsageRow:
     model: str
     gpu_hours: float
     leases: int
+    idle_gpu_hours: float = 0.0
+    """Of ``gpu_hours``, those its processes left the GPUs idle (see :func:`idle_share`)."""
+    reclaimed: int = 0
+    """Leases that ended in the period because they were reclaimed (borrowed)."""
+    idle_released: int = 0
+    """Leases that ended in the period because they were released as idle."""
+
+
+def idle_share(idle_gpu_s: float | None, idle_since: float | None, units: Fraction,
+               held_s: float, end: float) -> float:
+    """The share (0-1) of a lease's whole holding its GPUs were idle: its finished idle spells
+    (``idle_gpu_s``, GPU-seconds) and a spell still open at ``end`` (``idle_since``), over its
+    GPU-seconds held. The ledger keeps idle time per lease, not per spell, so a period that
+    clips a lease counts this share of the part inside it."""
+    if held_s <= 0 or units <= 0:
+        return 0.0
+    idle = float(idle_gpu_s or 0.0)
+    if idle_since is not None:
+        idle += float(units) * max(end - idle_since, 0.0)
+    return min(idle / (float(units) * held_s), 1.0)
+
+
+FAIRSHARE_COLUMNS = ("idle_gpu_s", "idle_since", "release_reason")
+"""Lease columns usage reads that a ledger older than schema 4 lacks (read as NULL)."""
+
+
+def _lease_columns_or_null(conn: sqlite3.Connection, names: Sequence[str]) -> str:
+    present = {row[1] for row in conn.execute("PRAGMA table_info(leases)")}
+    return ", ".join(name if name in present else f"NULL AS {name}" for name in names)
 
 
 def lease_units(units_num: int | None, units_den: int | None, gpu_count: int,
@@ -468,18 +500,27 @@ def usage(conn: sqlite3.Connection, filters: Filters = Filters(), *, by: UsageBy
                                  host=filters.host), holding_only=True)
     where.add("granted_at < ?", until)
     sql = ("SELECT user, groups, host, model, gpu_uuids, shared, units_num, units_den, state, "
-           f"granted_at, released_at FROM leases{where.sql()}")
+           f"granted_at, released_at, {_lease_columns_or_null(conn, FAIRSHARE_COLUMNS)} "
+           f"FROM leases{where.sql()}")
     hours: dict[tuple[str, str], float] = {}
+    idle_hours: dict[tuple[str, str], float] = {}
     counted: dict[tuple[str, str], int] = {}
+    ended_by: dict[tuple[str, str, str], int] = {}
     cursor = conn.execute(sql, where.params)
     cursor.arraysize = 1000
     for (user, groups_json, host, lease_model, uuids_json, shared, num, den, state,
-         granted_at, released_at) in _fetch(cursor):
+         granted_at, released_at, idle_gpu_s, idle_since, reason) in _fetch(cursor):
         seconds = held_interval(granted_at, released_at, state, filters.since, until)
         if seconds <= 0:
             continue
         uuids = _json_list(uuids_json)
         units = lease_units(num, den, len(uuids), bool(shared))
+        # The share is of the lease's whole holding (up to now for one still running).
+        idle = idle_share(idle_gpu_s, idle_since, units,
+                          held_interval(granted_at, released_at, state, None, now),
+                          now if released_at is None else released_at)
+        ended_here = (released_at is not None and released_at < until
+                      and reason in ("reclaimed", "idle"))
         per_model: dict[str, Fraction] = {}
         if lease_model or not uuids:
             per_model[lease_model or "(unknown)"] = units
@@ -497,9 +538,16 @@ def usage(conn: sqlite3.Connection, filters: Filters = Filters(), *, by: UsageBy
             if not filters.model_matches(model):
                 continue
             for key in keys:
-                hours[key, model] = hours.get((key, model), 0.0) + float(share) * seconds / 3600
+                held_h = float(share) * seconds / 3600
+                hours[key, model] = hours.get((key, model), 0.0) + held_h
+                idle_hours[key, model] = idle_hours.get((key, model), 0.0) + held_h * idle
                 counted[key, model] = counted.get((key, model), 0) + 1
-    return [UsageRow(key, model, hours[key, model], counted[key, model])
+                if ended_here:
+                    ended_by[key, model, reason] = ended_by.get((key, model, reason), 0) + 1
+    return [UsageRow(key, model, hours[key, model], counted[key, model],
+                     idle_gpu_hours=idle_hours[key, model],
+                     reclaimed=ended_by.get((key, model, "reclaimed"), 0),
+                     idle_released=ended_by.get((key, model, "idle"), 0))
             for key, model in sorted(hours)]
 
 

@@ -23,7 +23,6 @@ import contextlib
 import functools
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -33,7 +32,8 @@ import aiormq.exceptions
 from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 from pydantic import BaseModel
 
-from allocator import metrics
+from allocator import broker, metrics
+from allocator.broker import broker_address
 from allocator.client import broker_user
 from allocator.config import AllocatorSettings, ConfigurationError, guarantee_problem
 from allocator.counters import Count, Family, ServiceStats
@@ -173,10 +173,12 @@ BROKER_RETRY_MAX_S = 10.0
 """...up to this, until ``broker_wait_s`` has passed."""
 
 
-def broker_address(amqp_url: str) -> str:
-    """``host:port/vhost`` of an AMQP URL, without the credentials, for log lines."""
-    url = urllib.parse.urlsplit(amqp_url)
-    return f"{url.hostname}:{url.port or 5672}{url.path or '/'}"
+def _channel_closed(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
+    """Whether the channel a delivery came on has closed (aio-pika raises on a closed one)."""
+    try:
+        return message.channel.is_closed
+    except ChannelInvalidStateError:
+        return True
 
 
 class AllocatorService:
@@ -270,7 +272,7 @@ class AllocatorService:
         while True:
             try:
                 async with asyncio.timeout(timeout):
-                    probe = await aio_pika.connect(self.settings.amqp_url, timeout=timeout)
+                    probe = await broker.connect(self.settings.amqp_url, timeout=timeout)
                 await probe.close()
                 break
             except (OSError, TimeoutError, AMQPError) as exc:
@@ -285,7 +287,7 @@ class AllocatorService:
                 pause = min(pause * 2, BROKER_RETRY_MAX_S)
                 attempt += 1
         async with asyncio.timeout(timeout):
-            return await aio_pika.connect_robust(self.settings.amqp_url, timeout=timeout)
+            return await broker.connect_robust(self.settings.amqp_url, timeout=timeout)
 
     async def stop(self) -> None:
         """Stop consuming, finish the batch in hand, close the broker and the ledger.
@@ -387,6 +389,9 @@ class AllocatorService:
             while len(batch) < self.settings.batch_max and not self._inbox.empty():
                 batch.append(self._inbox.get_nowait())
             try:
+                batch = self._without_stale(batch)
+                if not batch:
+                    continue
                 await self._apply_batch(batch)
             except asyncio.CancelledError:
                 raise
@@ -397,6 +402,23 @@ class AllocatorService:
                     await self._recover(batch)
                 except Exception:  # a dead applier would leave the queue unanswered for good
                     log.exception("could not answer a failed batch")
+
+    def _without_stale(self, batch: list[object]) -> list[object]:
+        """The batch without deliveries whose channel has closed since they arrived.
+
+        Such a delivery cannot be acknowledged any more, and the broker has given it back to
+        the queue, to the active allocator: this one was stopped or cut off long enough for
+        the broker to close its channel (a paused process, a lost connection). Deciding it
+        here would be a second decision on a request another allocator is answering.
+        """
+        fresh = [item for item in batch if not (
+            isinstance(item, aio_pika.abc.AbstractIncomingMessage) and _channel_closed(item))]
+        if len(fresh) < len(batch):
+            self.stats.counters.add(Count.STALE_DELIVERIES, len(batch) - len(fresh))
+            log.warning("dropped %d message(s) whose channel closed before they were applied "
+                        "(the broker gives them to the active allocator)",
+                        len(batch) - len(fresh))
+        return fresh
 
     async def _watch_log(self, replicated: ReplicatedLog) -> None:
         """Stop serving for good when the log turns out not to be this ledger's history."""
@@ -479,7 +501,7 @@ class AllocatorService:
         await self._send_commands(self.engine.take_commands())
         await self._resolve_lookups(pending)
         self._remember_waiters(pending)
-        await self._finish(pending)
+        await self._reply_and_ack(pending)
         await self._push_outcomes(changes.leases)
         elapsed = time.monotonic() - began
         for entry in pending:
@@ -530,7 +552,7 @@ class AllocatorService:
         for entry in pending:
             if entry.reply is not None:
                 entry.reply = failure
-        await self._finish(pending)
+        await self._reply_and_ack(pending)
 
     def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage, now: float,
                        changes: Changes) -> _Pending:
@@ -697,7 +719,7 @@ class AllocatorService:
             return False
         return True
 
-    async def _finish(self, pending: list[_Pending]) -> None:
+    async def _reply_and_ack(self, pending: list[_Pending]) -> None:
         """Send replies, then acknowledge (after the commit, never before)."""
         for entry in pending:
             if entry.reply is not None:
@@ -743,4 +765,4 @@ class AllocatorService:
             _Pending(item, failure if item.reply_to and item.correlation_id else None)
             for item in batch if isinstance(item, aio_pika.abc.AbstractIncomingMessage)
         ]
-        await self._finish(pending)
+        await self._reply_and_ack(pending)

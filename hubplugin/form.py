@@ -2,7 +2,7 @@
 
 Pure: the form's data from an :class:`~allocator.protocol.InventoryReply` (or None when the
 allocator cannot be reached), the admin's profiles and the user's
-:class:`~hubplugin.options.GPUPolicy`, rendered by the Jinja2 template
+:class:`~hubplugin.options.GPUPermissions`, rendered by the Jinja2 template
 ``hubplugin/templates/spawn_form.html.j2`` (JupyterHub ships Jinja2). An admin overrides the
 template, as kubespawner's form is overridden, with a file of the same name in a directory of
 ``template_paths`` (the spawner's ``gpu_form_template_paths``); the template may also extend
@@ -25,12 +25,13 @@ from typing import Any
 from allocator.model_names import display_name
 from allocator.protocol import InventoryReply, ModelSummary
 
+from .borrowing import BorrowOutlook, choice_units
 from .options import (
     ANY_MODEL,
     CUSTOM_PROFILE,
     GPUMode,
     GPUOptions,
-    GPUPolicy,
+    GPUPermissions,
     ModelCatalog,
     Profile,
 )
@@ -40,21 +41,23 @@ TEMPLATE = "spawn_form.html.j2"
 """The form's template name: an admin's file of this name replaces the packaged one."""
 
 
-def user_models(inventory: InventoryReply | None, policy: GPUPolicy) -> list[ModelSummary]:
+def user_models(
+    inventory: InventoryReply | None, permissions: GPUPermissions
+) -> list[ModelSummary]:
     """The models of the inventory this user may choose, hosts filtered to the allowed ones."""
     if inventory is None:
         return []
     catalog = ModelCatalog(inventory.models)
-    if policy.allowed_models is None:
+    if permissions.allowed_models is None:
         allowed = set(catalog.models)
     else:
-        allowed = {c for c in (catalog.canonical(m) for m in policy.allowed_models) if c}
+        allowed = {c for c in (catalog.canonical(m) for m in permissions.allowed_models) if c}
     out = []
     for summary in inventory.models:
         if summary.model not in allowed:
             continue
-        if policy.allowed_hosts is not None:
-            hosts = {h: n for h, n in summary.hosts.items() if h in policy.allowed_hosts}
+        if permissions.allowed_hosts is not None:
+            hosts = {h: n for h, n in summary.hosts.items() if h in permissions.allowed_hosts}
             summary = summary.model_copy(update={"hosts": hosts})
         out.append(summary)
     return sorted(out, key=lambda m: m.model)
@@ -111,9 +114,11 @@ def _profile_cards(
     inventory: InventoryReply | None,
     wait: bool,
     gpus_reachable: bool,
+    borrow: BorrowOutlook | None = None,
 ) -> tuple[list[dict[str, Any]], bool]:
     """The profile cards, and whether "custom" is the checked choice."""
     usable = {p.slug for p in profiles if gpus_reachable or not p.options().wants_gpu}
+    catalog = ModelCatalog(inventory.models) if inventory is not None else None
     if selected not in usable:
         selected = CUSTOM_PROFILE
     cards = []
@@ -124,24 +129,30 @@ def _profile_cards(
             "description": profile.description, "summary": profile.summary(),
             "availability": _profile_availability(profile, inventory, wait),
             "off": off, "checked": selected == profile.slug and not off,
+            "borrowed": borrow is not None and borrow.would_borrow(
+                choice_units(profile.options(), catalog)),
         })
     return cards, selected == CUSTOM_PROFILE
 
 
-def _model_options(models: Sequence[ModelSummary], current: GPUOptions) -> list[dict[str, Any]]:
+def _model_options(models: Sequence[ModelSummary], current: GPUOptions,
+                   borrow: BorrowOutlook | None = None) -> list[dict[str, Any]]:
     free_any = sum(m.free for m in models)
     total_any = sum(m.total for m in models)
     chosen = current.model if not current.any_model else ANY_MODEL
     catalog = ModelCatalog(models)
     chosen_canonical = catalog.canonical(chosen) if chosen != ANY_MODEL else None
     options = [{"value": ANY_MODEL, "key": "any", "selected": chosen_canonical is None,
-                "label": f"Any model ({free_any} of {total_any} GPUs free)"}]
+                "label": f"Any model ({free_any} of {total_any} GPUs free)",
+                "slice_borrowed": False}]
     for i, m in enumerate(models):
         share = f", {m.free_slots} shared slots free" if m.share_slots > 1 else ""
         options.append({
             "value": m.model, "key": f"m{i}", "selected": m.model == chosen_canonical,
             "label": f"{display_name(m.model)} · {format_mib(m.memory_total_mib)} · "
                      f"{m.free}/{m.total} free{share}",
+            "slice_borrowed": borrow is not None and m.share_slots > 1
+            and borrow.would_borrow(1.0 / m.share_slots),
         })
     return options
 
@@ -149,7 +160,7 @@ def _model_options(models: Sequence[ModelSummary], current: GPUOptions) -> list[
 def _host_options(
     inventory: InventoryReply | None,
     models: Sequence[ModelSummary],
-    policy: GPUPolicy,
+    permissions: GPUPermissions,
     current: GPUOptions,
 ) -> list[dict[str, Any]]:
     options: list[dict[str, Any]] = [{"value": "", "data": [], "selected": False,
@@ -159,7 +170,7 @@ def _host_options(
     hosts = sorted(
         n.host for n in inventory.nodes
         if n.up and not n.drained and n.gpus > 0
-        and (policy.allowed_hosts is None or n.host in policy.allowed_hosts)
+        and (permissions.allowed_hosts is None or n.host in permissions.allowed_hosts)
     )
     slices = [_free_slices(inventory, m.model) for m in models]
     for host in hosts:
@@ -176,15 +187,19 @@ def _host_options(
     return options
 
 
-def _count_options(policy: GPUPolicy, current: GPUOptions) -> list[dict[str, Any]]:
+def _count_options(permissions: GPUPermissions, current: GPUOptions,
+                   borrow: BorrowOutlook | None = None) -> list[dict[str, Any]]:
     options = [
         {"value": str(n), "label": f"{n} GPU{'' if n == 1 else 's'}",
-         "selected": not current.all_gpus_of_host and current.count == n}
-        for n in range(1, max(policy.max_gpus, 1) + 1)
+         "selected": not current.all_gpus_of_host and current.count == n,
+         "borrowed": borrow is not None and borrow.would_borrow(float(n))}
+        for n in range(1, max(permissions.max_gpus, 1) + 1)
     ]
-    if policy.allow_all_gpus_of_host:
+    if permissions.allow_all_gpus_of_host:
         options.append({"value": "all", "label": "All GPUs of one host",
-                        "selected": current.all_gpus_of_host})
+                        "selected": current.all_gpus_of_host,
+                        # every GPU of a host is at least one: borrowed if one would be
+                        "borrowed": borrow is not None and borrow.would_borrow(1.0)})
     return options
 
 
@@ -219,7 +234,7 @@ def _availability(
 def render_form(
     inventory: InventoryReply | None,
     *,
-    policy: GPUPolicy,
+    permissions: GPUPermissions,
     profiles: Sequence[Profile] = (),
     current: GPUOptions | None = None,
     default_mode: GPUMode = GPUMode.NONE,
@@ -228,6 +243,7 @@ def render_form(
     images: Mapping[str, str] | None = None,
     current_image: str | None = None,
     template_paths: Sequence[str] = (),
+    borrow: BorrowOutlook | None = None,
 ) -> str:
     """The HTML snippet the hub puts inside its spawn ``<form>`` (it adds the Start button).
 
@@ -235,11 +251,12 @@ def render_form(
     ``profiles`` are the ones this user may use; ``current`` preselects a previous choice.
     ``images`` (display name -> image) adds an image choice, as DockerSpawner's own form does.
     ``template_paths``: directories searched for an admin's own ``spawn_form.html.j2`` first.
+    ``borrow``: the allocator's answers on which choices would be borrowed (marked so).
     """
     # What the template shows: plain data (strings, numbers, lists, dicts), nothing to call.
     gpus_reachable = inventory is not None
-    models = user_models(inventory, policy)
-    may_use = policy.may_use_gpus and gpus_reachable
+    models = user_models(inventory, permissions)
+    may_use = permissions.may_use_gpus and gpus_reachable
     hidden = len(inventory.models) - len(models) if inventory is not None else 0
 
     if current is None:
@@ -247,23 +264,27 @@ def render_form(
         current = GPUOptions(
             mode=default_mode if may_use else GPUMode.NONE,
             profile=default.slug if default else None,
-            share_memory_mib=policy.default_share_memory_mib,
+            share_memory_mib=permissions.default_share_memory_mib,
         )
     mode = current.mode if may_use or current.mode is GPUMode.NONE else GPUMode.NONE
     cards, custom_checked = _profile_cards(profiles, current.profile or CUSTOM_PROFILE,
-                                           inventory, wait_s > 0, gpus_reachable)
+                                           inventory, wait_s > 0, gpus_reachable, borrow)
     any_shareable = any(m.share_slots > 1 for m in models)
     memory_max = max((m.memory_total_mib for m in models if m.share_slots > 1), default=None)
-    if policy.max_share_memory_mib is not None:
-        memory_max = min(memory_max or policy.max_share_memory_mib, policy.max_share_memory_mib)
-    limits = [f"at most {policy.max_gpus} GPU{'' if policy.max_gpus == 1 else 's'} per server"]
+    if permissions.max_share_memory_mib is not None:
+        largest = permissions.max_share_memory_mib
+        memory_max = min(memory_max or largest, largest)
+    most = permissions.max_gpus
+    limits = [f"at most {most} GPU{'' if most == 1 else 's'} per server"]
     if wait_s > 0:
         minutes = wait_s / 60
         wait_text = f"{minutes:g} min" if wait_s >= 60 else f"{wait_s:g} s"
         limits.append(f"if nothing fits now, your request waits up to {wait_text} in the queue")
+    if borrow is not None and (borrowing := borrow.summary()):
+        limits.append(borrowing)
     context = {
         "gpus_reachable": gpus_reachable,
-        "may_use_gpus": policy.may_use_gpus,
+        "may_use_gpus": permissions.may_use_gpus,
         "unavailable_reason": f" ({unavailable})" if unavailable else "",
         "images": [{"name": k, "selected": k == current_image} for k in images or {}],
         "profiles": cards,
@@ -278,12 +299,12 @@ def render_form(
                 (GPUMode.SHARED, "Shared slice of one GPU", may_use and any_shareable),
             )
         ],
-        "model_options": _model_options(models, current),
-        "count_options": _count_options(policy, current),
-        "host_options": _host_options(inventory, models, policy, current),
+        "model_options": _model_options(models, current, borrow),
+        "count_options": _count_options(permissions, current, borrow),
+        "host_options": _host_options(inventory, models, permissions, current),
         "memory_max": memory_max,
         "memory_max_text": format_mib(memory_max) if memory_max else "",
-        "memory_value": current.share_memory_mib or policy.default_share_memory_mib,
+        "memory_value": current.share_memory_mib or permissions.default_share_memory_mib,
         "limits": limits,
         "availability": _availability(inventory, models, hidden) if inventory is not None
         else None,

@@ -42,6 +42,7 @@ import aio_pika
 import aio_pika.abc
 import aiormq
 
+from allocator import broker
 from allocator.protocol import StopContainer, decode_agent_command
 from allocator.tasks import cancel_and_wait
 from allocator.topology import (
@@ -164,7 +165,7 @@ class CommandConsumer:
             broken.set()
 
         async with asyncio.timeout(self.timeout_s + 1.0):
-            connection = await aio_pika.connect(
+            connection = await broker.connect(
                 self.amqp_url, timeout=self.timeout_s,
                 client_properties={"connection_name": f"{APP_ID} commands {self.host}"})
         self._connection = connection

@@ -101,7 +101,8 @@ class AgentSettings(FileSettings):
     )
     amqp_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/",
-        description="Broker URL. Its user is sent as the AMQP user_id of every message.",
+        description="Broker URL (several nodes of a broker cluster: host1:port1,host2:port2; "
+        "allocator/broker.py). Its user is sent as the AMQP user_id of every message.",
     )
     interval_s: float = Field(default=5.0, gt=0, le=3600, description="Heartbeat period.")
     full_report_s: float = Field(

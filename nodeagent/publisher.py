@@ -35,6 +35,7 @@ import aiormq
 from aio_pika.abc import AbstractExchange, AbstractRobustConnection
 from yarl import URL
 
+from allocator import broker
 from allocator.protocol import ContainerEvent, Heartbeat, HeartbeatDelta, encode
 from allocator.tasks import cancel_and_wait
 from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
@@ -132,7 +133,7 @@ class Publisher:
         # aio-pika's own timeout normally ends a failed attempt cleanly; the outer bound is
         # the backstop, a little later so it does not cut aio-pika's clean-up short.
         async with asyncio.timeout(self.timeout_s + 1.0):
-            connection = await aio_pika.connect_robust(
+            connection = await broker.connect_robust(
                 self.amqp_url,
                 timeout=self.timeout_s,
                 reconnect_interval=self.reconnect_s,

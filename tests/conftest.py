@@ -92,6 +92,16 @@ def private_rabbitmq(
         yield broker
 
 
+@pytest.fixture(scope="module")
+def rabbitmq_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[services.PrivateRabbitMQCluster]:
+    """Three RabbitMQ nodes clustered (``.url`` names all three, ``.nodes[i].stop()``...), for
+    tests that stop one broker node of three. About 30-60 s to form on a loaded machine."""
+    with services.private_rabbitmq_cluster(tmp_path_factory.mktemp("rabbitmq-cluster")) as cluster:
+        yield cluster
+
+
 # ------------------------------------------------------------------------------- Docker
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -347,3 +348,100 @@ def small_disk(tmp_path: Path, size_mib: int = 8):
         yield disk
     finally:
         disk.unmount()
+
+
+# ------------------------------------------------------------ a stream of lease cycles
+
+
+@dataclass
+class CycleLoad:
+    """What :func:`cycle` workers sent and were told, around one fault at ``fault_at``."""
+
+    calls: int = 0
+    retried: Counter[str] = field(default_factory=Counter)
+    """Why calls were sent again: timeout, unavailable, storage_error."""
+    granted: dict[str, Any] = field(default_factory=dict)
+    """request key -> the lease its client was told about."""
+    answers_at: list[float] = field(default_factory=list)
+    """monotonic time of every answer."""
+    fault_at: float | None = None
+    """Set by the test when the fault happens (monotonic)."""
+    cycles_after_fault: Counter[int] = field(default_factory=Counter)
+
+    def answered_after_fault(self) -> list[float]:
+        """Seconds from the fault to each answer after it."""
+        assert self.fault_at is not None
+        return [t - self.fault_at for t in self.answers_at if t > self.fault_at]
+
+    def longest_gap_s(self) -> float:
+        """The longest time without any answer."""
+        times = sorted(self.answers_at)
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+async def until_answered(load: CycleLoad, call: Any) -> Any:
+    """Call until the allocator answers; a timeout, an outage or a ``storage_error`` (nothing
+    recorded for sure) is sent again as it is, with the same request key."""
+    from allocator.client import AllocatorError, AllocatorTimeout, AllocatorUnavailable
+    from allocator.protocol import ErrorCode
+
+    while True:
+        load.calls += 1
+        try:
+            result = await call()
+        except AllocatorTimeout:
+            load.retried["timeout"] += 1
+            continue
+        except AllocatorUnavailable:
+            load.retried["unavailable"] += 1
+            await asyncio.sleep(0.2)
+            continue
+        except AllocatorError as exc:
+            assert exc.code is ErrorCode.STORAGE_ERROR, exc
+            load.retried["storage_error"] += 1
+            await asyncio.sleep(0.2)
+            continue
+        load.answers_at.append(time.monotonic())
+        return result
+
+
+async def cycle(number: int, url: str, load: CycleLoad, *, cycles_after_fault: int,
+                call_timeout_s: float = 3.0) -> None:
+    """One worker: allocate (a new request key each time), then release at once, until it
+    has done ``cycles_after_fault`` cycles after the fault. Each call is retried until it is
+    answered (:func:`until_answered`)."""
+    from allocator.client import AllocatorClient
+    from allocator.protocol import AllocateRequest, LeaseState
+
+    async with AllocatorClient(url, timeout_s=call_timeout_s, connect_timeout_s=3) as client:
+        n = 0
+        while load.cycles_after_fault[number] < cycles_after_fault:
+            key = f"hub/user{number}/server{n}"
+            request = AllocateRequest(request_key=key, user=f"user{number}")
+            lease = await until_answered(load, lambda r=request: client.allocate(r))
+            assert lease.request_key == key and lease.state is LeaseState.GRANTED, lease
+            assert load.granted.setdefault(key, lease).lease_id == lease.lease_id
+            # Released by an admin at once (a hub's release waits for the container's end,
+            # and there is none here): the GPU is free for the next cycle.
+            released = await until_answered(load, lambda i=lease.lease_id: client.release(
+                lease_id=i, force=True, by="load", reason="cycle"))
+            assert released.lease_id == lease.lease_id
+            n += 1
+            if load.fault_at is not None:
+                load.cycles_after_fault[number] += 1
+
+
+def assert_one_lease_per_answer(audit: LedgerAudit, load: CycleLoad) -> None:
+    """Every request was answered, with exactly one lease, the one its client was told about;
+    every cycle's lease is released."""
+    assert set(audit.leases_per_key) == set(load.granted), "every request answered, no other"
+    assert set(audit.leases_per_key.values()) == {1}, "a request key with two leases"
+    assert {row["request_key"]: i for i, row in audit.leases.items()} == {
+        key: lease.lease_id for key, lease in load.granted.items()}
+    assert all(row["state"] == "released" for row in audit.leases.values())
+
+
+def lease_states(path: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """lease id -> (request key, state, GPUs) in a ledger file: what two replicas compare."""
+    return {i: (row["request_key"], row["state"], tuple(row["gpu_uuids"]))
+            for i, row in audit_ledger(path).leases.items()}

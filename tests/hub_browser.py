@@ -196,6 +196,15 @@ class Browser:
         self.evaluate(session, expression)
         self.wait_event("Page.loadEventFired", session=session)
 
+    def log_in(self, session: str, hub_url: str, user: str, password: str = "x") -> None:
+        """Log in to the hub at ``hub_url`` through its login form, as a person does."""
+        self.navigate(session, f"{hub_url}/hub/login")
+        self.submit(session, f"""
+            document.querySelector('#username_input').value = {json.dumps(user)};
+            document.querySelector('#password_input').value = {json.dumps(password)};
+            document.querySelector('form').submit();
+        """)
+
     def url(self, session: str) -> str:
         return str(self.evaluate(session, "location.href"))
 

@@ -263,6 +263,14 @@ class Hub:
         body = {"user_options": options} if options is not None else None
         return await self.api("POST", path, body, user=user)
 
+    async def start_server(self, user: str, options: dict[str, Any] | None, server: str = "",
+                           within: float = 60.0) -> dict:
+        """Spawn and wait until the server is ready; fails when the hub refuses the spawn."""
+        status, body = await self.spawn(user, options, server)
+        if status not in (201, 202):
+            raise HubError(f"spawn of {user}'s server: {status} {body}\n{self.log_tail()}")
+        return await self.wait_ready(user, server, within)
+
     async def server_model(self, user: str, server: str = "") -> dict[str, Any] | None:
         status, body = await self.api("GET", f"/users/{user}", user=user)
         if status != 200:

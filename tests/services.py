@@ -270,17 +270,24 @@ class PrivateRabbitMQ:
     Started with ``rabbitmq-server -detached`` and driven with ``rabbitmqctl -n NODE``.
     """
 
-    def __init__(self, base: Path, bin_dir: Path) -> None:
+    def __init__(self, base: Path, bin_dir: Path, *, home: Path | None = None,
+                 node: str | None = None, config: str = "", erl_args: str = "") -> None:
         self.base = base
         self.bin_dir = bin_dir
+        self.home = home or base
+        """HOME: where the Erlang cookie is (the nodes of one cluster share it)."""
         self.port = _free_port()
         self.dist_port = _free_port()
-        self.node = f"swarm-gpu-faults-{os.getpid()}-{uuid.uuid4().hex[:6]}@localhost"
+        self.node = node or f"swarm-gpu-faults-{os.getpid()}-{uuid.uuid4().hex[:6]}@localhost"
         self.pid_file = base / "rabbitmq.pid"
         for folder in ("mnesia", "log"):
             (base / folder).mkdir(parents=True, exist_ok=True)
         (base / "enabled_plugins").write_text("[].\n")
-        (base / "rabbitmq.conf").write_text("log.console = false\nlog.file.level = info\n")
+        (base / "rabbitmq.conf").write_text(
+            "log.console = false\nlog.file.level = info\n" + config)
+        self.erl_args = erl_args
+        """Extra arguments of the node's Erlang VM (``-rabbit KEY VALUE``: application
+        settings rabbitmq.conf has no key for)."""
 
     @property
     def url(self) -> str:
@@ -291,7 +298,7 @@ class PrivateRabbitMQ:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
-            HOME=str(self.base),  # the Erlang cookie of this node and its rabbitmqctl
+            HOME=str(self.home),  # the Erlang cookie of this node and its rabbitmqctl
             RABBITMQ_NODENAME=self.node,
             RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
             RABBITMQ_NODE_PORT=str(self.port),
@@ -302,6 +309,8 @@ class PrivateRabbitMQ:
             RABBITMQ_ENABLED_PLUGINS_FILE=str(self.base / "enabled_plugins"),
             RABBITMQ_PID_FILE=str(self.pid_file),
         )
+        if self.erl_args:
+            env["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"] = self.erl_args
         return env
 
     def ctl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -377,15 +386,17 @@ class PrivateRabbitMQ:
 
 
 @contextlib.contextmanager
-def private_rabbitmq(base: Path) -> Iterator[PrivateRabbitMQ]:
-    """A started :class:`PrivateRabbitMQ` under ``base``, stopped (or killed) afterwards.
+def private_rabbitmq(base: Path, *, config: str = "",
+                     erl_args: str = "") -> Iterator[PrivateRabbitMQ]:
+    """A started :class:`PrivateRabbitMQ` under ``base`` (``config``: more rabbitmq.conf
+    lines; ``erl_args``: more VM arguments), stopped (or killed) afterwards.
 
     Skips (fails in CI) when RabbitMQ's scripts are not installed or the node cannot start.
     """
     bin_dir = rabbitmq_bin_dir()
     if bin_dir is None:
         require_service("private RabbitMQ node", "rabbitmq-server/rabbitmqctl not found")
-    broker = PrivateRabbitMQ(base, bin_dir)
+    broker = PrivateRabbitMQ(base, bin_dir, config=config, erl_args=erl_args)
     try:
         broker.start()
     except (OSError, subprocess.SubprocessError, TimeoutError) as exc:
@@ -400,6 +411,98 @@ def private_rabbitmq(base: Path) -> Iterator[PrivateRabbitMQ]:
         except (OSError, subprocess.SubprocessError, RuntimeError):
             pass
         broker.kill()
+
+
+class PrivateRabbitMQCluster:
+    """Three RabbitMQ nodes of this machine's rabbitmq-server clustered together, for tests
+    that stop one broker node of three (docs/operations.md, a three-node broker).
+
+    Each node is a :class:`PrivateRabbitMQ`: its own node name, AMQP and distribution ports
+    on 127.0.0.1, database and logs under ``base/<n>``; all share one Erlang cookie (``HOME``
+    is ``base``). The shared broker on 5672 (and its 15672, 25672) is never touched. Node 1
+    starts alone; nodes 2 and 3 join it (``rabbitmqctl join_cluster``). Queues declared once
+    all three run get a member on each: quorum queues and streams then survive one node.
+    """
+
+    def __init__(self, base: Path, bin_dir: Path, size: int = 3) -> None:
+        self.base = base
+        base.mkdir(parents=True, exist_ok=True)
+        cookie = base / ".erlang.cookie"
+        cookie.write_text(uuid.uuid4().hex.upper())
+        cookie.chmod(0o400)
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.nodes = [
+            PrivateRabbitMQ(base / f"node{n}", bin_dir, home=base,
+                            node=f"swarm-gpu-cluster-{tag}-{n}@localhost")
+            for n in range(1, size + 1)
+        ]
+
+    @property
+    def url(self) -> str:
+        """One AMQP URL naming every node (``host:port,host:port,...``), vhost ``/``."""
+        return "amqp://guest:guest@" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes) \
+            + "/"
+
+    def start(self, timeout: float = 120.0) -> float:
+        """Start every node and cluster them; the seconds it took."""
+        started = time.monotonic()
+        first, *others = self.nodes
+        first.start(timeout)
+        for node in others:
+            node.start(timeout)
+            for step in (("stop_app",), ("join_cluster", first.node), ("start_app",)):
+                result = node.ctl(*step, timeout=timeout)
+                if result.returncode != 0:
+                    raise RuntimeError(f"rabbitmqctl {' '.join(step)} on {node.node}: "
+                                       f"{result.stderr or result.stdout}")
+            node._await(time.monotonic(), timeout)
+        running = self.running_nodes()
+        if sorted(running) != sorted(node.node for node in self.nodes):
+            raise RuntimeError(f"the cluster runs {running}, not all {len(self.nodes)} nodes")
+        return time.monotonic() - started
+
+    def running_nodes(self, via: PrivateRabbitMQ | None = None) -> list[str]:
+        """The node names the cluster reports running (asked of ``via``, or any live node)."""
+        for node in [via] if via is not None else [n for n in self.nodes if n.running()]:
+            result = node.ctl("cluster_status", "--formatter", "json")
+            if result.returncode == 0:
+                running: list[str] = json.loads(result.stdout).get("running_nodes", [])
+                return running
+        return []
+
+    def stop(self) -> None:
+        """Stop every node (the last resort, SIGKILL, for one that does not stop)."""
+        for node in reversed(self.nodes):
+            try:
+                if node.running():
+                    node.stop()
+            except (OSError, subprocess.SubprocessError, RuntimeError):
+                pass
+            node.kill()
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(f"--- {node.node}\n{node.log_tail(lines)}" for node in self.nodes)
+
+
+@contextlib.contextmanager
+def private_rabbitmq_cluster(base: Path) -> Iterator[PrivateRabbitMQCluster]:
+    """A started :class:`PrivateRabbitMQCluster` under ``base``, stopped afterwards.
+
+    Skips (fails in CI) when RabbitMQ's scripts are not installed or the cluster cannot form.
+    """
+    bin_dir = rabbitmq_bin_dir()
+    if bin_dir is None:
+        require_service("a three-node RabbitMQ cluster", "rabbitmq-server/rabbitmqctl not found")
+    cluster = PrivateRabbitMQCluster(base, bin_dir)
+    try:
+        cluster.start()
+    except (OSError, subprocess.SubprocessError, TimeoutError, RuntimeError) as exc:
+        cluster.stop()
+        require_service("a three-node RabbitMQ cluster", f"{exc}\n{cluster.log_tail()}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 # ----------------------------------------------------------------------------- Docker

@@ -41,6 +41,11 @@ RTX3090 = "NVIDIA GeForce RTX 3090"
 A100 = "NVIDIA A100-SXM4-80GB"
 MEMORY = {GTX1070: 8192, RTX3090: 24576, A100: 81920}
 
+# The MIG tests' GPU, as NVML names it and its instances.
+A100_40GB = "NVIDIA A100-SXM4-40GB"
+MIG_1G = f"{A100_40GB} MIG 1g.5gb"
+MIG_3G = f"{A100_40GB} MIG 3g.20gb"
+
 # Senders as the engine sees them, for tests that drive the engine without a broker.
 NODE = Sender(user_id="agent", via_nodes_exchange=True)
 """A node agent (broker user ``agent``), through the nodes exchange."""
@@ -212,3 +217,13 @@ async def settled_dead_letters(channel: aio_pika.abc.AbstractChannel, within: fl
         return len(counts) > 1 and counts[-1] == counts[-2] > 0
     await wait_until(settled, within=within)
     return counts[-1]
+
+
+async def beat_until(url: str, inventory: dict[str, list[GPUInfo]], stop: asyncio.Event,
+                     interval_s: float = 0.5) -> None:
+    """Heartbeats for every host of ``inventory`` every ``interval_s`` until ``stop`` is set."""
+    async with NodeSimulator(url) as nodes:
+        while not stop.is_set():
+            for host, gpu_list in inventory.items():
+                await nodes.beat(host, gpu_list)
+            await asyncio.sleep(interval_s)

@@ -255,6 +255,28 @@ async def test_hub_allocates_from_gpus_an_agent_reported(broker, running):
         assert (await admin.drain("gpu-a", reason="permission test")).drained
 
 
+async def test_the_allocator_user_may_keep_the_replicated_ledger_log(broker, ledger_path):
+    """``ledger_log = "stream"`` (the stack's setting): the allocator declares and reads the
+    stream swarm-gpu.ledger-log and appends to it through the default exchange."""
+    settings = broker.settings(ledger_path).model_copy(update={"ledger_log": "stream"})
+    service = AllocatorService(settings)
+    await service.start()
+    try:
+        # The agent's heartbeat is the first delivery: the allocator claims the log and
+        # appends the heartbeat's batch, each read back from the stream before it counts.
+        await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                      agent_beat("gpu-a"), user_id=broker.prefix + "agent-gpu-a")
+        replicated = service.log
+        assert replicated is not None
+
+        async def claimed_and_written() -> bool:
+            return replicated.entries_applied >= 2
+        await wait_until(claimed_and_written)
+        assert replicated.is_writer and service.failure is None
+    finally:
+        await asyncio.wait_for(service.stop(), 30)
+
+
 async def test_hub_cannot_publish_heartbeats(broker, running):
     with pytest.raises(aiormq.exceptions.ChannelAccessRefused, match="ACCESS_REFUSED"):
         await publish(broker.url("hub"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),

@@ -3,9 +3,9 @@
 ``docker stack config`` (or ``docker compose config`` where the CLI has no ``stack config``)
 parses the file, checks it against the compose schema and interpolates variables, as
 ``docker stack deploy`` does before it creates anything. The tests then check what the
-deployment depends on: the agent is global on GPU nodes, the allocator has a standby on the
-ledger's node, every broker URL names a user and vhost of the definitions file, and the
-config files the stack mounts parse.
+deployment depends on: the agent is global on GPU nodes, the allocator's replicas run one per
+node on the replicated ledger log, every broker URL names a user and vhost of the definitions
+file, and the config files the stack mounts parse.
 """
 
 from __future__ import annotations
@@ -85,11 +85,14 @@ def test_node_agent_runs_on_every_gpu_node(stack):
     assert mounts["/etc/swarm-gpu/agent-password"]["read_only"] is True
 
 
-def test_allocator_has_a_standby_on_the_ledgers_node(stack):
+def test_allocator_replicas_run_on_different_nodes_with_the_replicated_log(stack):
     allocator = stack["services"]["allocator"]
     assert allocator["deploy"]["replicas"] == 2
     assert allocator["deploy"]["placement"]["constraints"] == [
         "node.labels.swarm-gpu.allocator == true"]
+    # One per node, so never two on one node's ledger volume; the log keeps them in step.
+    assert allocator["deploy"]["placement"]["max_replicas_per_node"] == 1
+    assert allocator["environment"]["SWARM_GPU_LEDGER_LOG"] == "stream"
     ledger = Path(allocator["environment"]["SWARM_GPU_LEDGER_PATH"])
     volumes = {m["target"]: m for m in allocator["volumes"]}
     assert volumes[str(ledger.parent)]["type"] == "volume", "the ledger is on the volume"

@@ -7,7 +7,9 @@ Bounds, not speed: every wait is for a condition, with bounds a loaded machine m
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -60,6 +62,16 @@ class Site:
             yield agent
         finally:
             await agent.stop()
+
+
+async def cli_lines(amqp_url: str, *args: str) -> list[str]:
+    """Run ``gpu-allocator ARGS`` against the broker; its output lines."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "allocator.cli", *args, "--amqp", amqp_url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, err.decode()
+    return out.decode().splitlines()
 
 
 def fair_settings(amqp_url: str, ledger_path: Path, **extra: Any) -> AllocatorSettings:
@@ -117,7 +129,9 @@ async def warned(client: AllocatorClient, lease_id: str) -> Lease | None:
 async def test_an_idle_borrower_is_warned_stopped_and_its_gpu_granted_to_a_guaranteed_waiter(
         amqp_vhost, ledger_path, tmp_path, busybox_image, docker_engine):
     site = Site(tmp_path)
-    async with running_allocator(fair_settings(amqp_vhost.url, ledger_path)) as service, \
+    # A grace long enough for the command line's listing to see the warning.
+    settings = fair_settings(amqp_vhost.url, ledger_path, reclaim_grace_s=10.0)
+    async with running_allocator(settings) as service, \
             AllocatorClient(amqp_vhost.url, timeout_s=10) as client, \
             site.agent(amqp_vhost.url), \
             plain_containers(docker_engine, busybox_image) as docker:
@@ -139,13 +153,20 @@ async def test_an_idle_borrower_is_warned_stopped_and_its_gpu_granted_to_a_guara
         assert waiting.state is LeaseState.QUEUED
         warning = await wait_until(lambda: warned(client, extra.lease_id), within=30)
         assert warning.reclaim_reason is ReclaimReason.RECLAIMED
-        assert warning.reclaim_at is not None and warning.reclaim_at >= queued_at + 3.0
+        assert warning.reclaim_at is not None and warning.reclaim_at >= queued_at + 10.0
         assert (await client.status(lease_id=own.lease_id)).reclaim_at is None
+        listed = await cli_lines(amqp_vhost.url, "leases", "--user", "alice")
 
         async def granted() -> Lease | None:
             lease = await client.status(lease_id=waiting.lease_id)
             return lease if lease.state is LeaseState.GRANTED else None
         grant = await wait_until(granted, within=60)
+        # What an admin saw meanwhile: the borrowed lease with its warning, the other not.
+        lines = {line.split()[0]: line for line in listed}
+        assert "borrowed" in lines[extra.lease_id[:12]]
+        assert "reclaimed in " in lines[extra.lease_id[:12]]
+        assert "guaranteed" in lines[own.lease_id[:12]]
+        assert "reclaimed in" not in lines[own.lease_id[:12]]
         assert grant.gpu_uuids == extra.gpu_uuids
         assert not grant.borrowed
         ended = await client.status(lease_id=extra.lease_id)

@@ -456,3 +456,15 @@ def test_a_restart_during_the_grace_keeps_the_deadline(tmp_path: Path):
     assert cluster.engine.take_commands() == []
     heartbeats(cluster, deadline - cluster.now + 1)
     assert [s.lease_id for s in cluster.engine.take_commands()] == [borrowed]
+
+
+def test_a_queued_request_is_planned_for_at_once_and_without_grace_stopped_at_once(
+        tmp_path: Path):
+    cluster = reclaim_cluster(tmp_path, reclaim_grace_s=0.0)
+    hold(cluster, "alice", "own", 50.0)
+    borrowed = hold(cluster, "alice", "extra", 50.0)
+    cluster.engine.take_commands()
+    cluster.grant("bob", wait_s=3600)  # no tick in between
+    assert [(s.lease_id, s.reason) for s in cluster.engine.take_commands()] == [
+        (borrowed, "reclaimed")]
+    assert cluster.engine.leases[borrowed].state is LeaseState.RELEASING

@@ -7,6 +7,9 @@ by their heartbeats. Each replica has a ledger folder of its own, as on two mach
 - **active and its disk lost**: the active process is killed with SIGKILL and its ledger
   folder removed; the standby, on its own ledger, takes over with the whole ledger: granted
   but unbound leases, the queue in order, history. Bounded: first answer <= 5 s.
+- **two actives** (the active stopped with SIGSTOP until the broker closed its connection,
+  the standby took over, then SIGCONT): the resumed one decides nothing of what it held and
+  never writes again; both ledgers hold one history.
 - **standby on another, an empty or an older ledger** (the double booking measured before
   the log existed: a standby with its own ledger took over and granted GPUs the active one
   had granted): another cluster's ledger is refused (the process exits saying why and never
@@ -17,14 +20,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from faults import AllocatorProcess, assert_sound, audit_ledger, backup_ledger, report
-from support import RTX3090, NodeSimulator, gpus, wait_until
+from faults import (
+    AllocatorProcess,
+    CycleLoad,
+    assert_one_lease_per_answer,
+    assert_sound,
+    audit_ledger,
+    backup_ledger,
+    cycle,
+    lease_states,
+    report,
+)
+from support import RTX3090, beat_until, gpus, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
 from allocator.ledger import Changes, Ledger
@@ -38,12 +53,7 @@ LOG: dict[str, Any] = {"ledger_log": "stream", "node_down_after_s": 30,
 
 
 async def beat_forever(url: str, stop: asyncio.Event) -> None:
-    async with NodeSimulator(url) as nodes:
-        inventory = {h: gpus(h, RTX3090, GPUS_PER_HOST) for h in HOSTS}
-        while not stop.is_set():
-            for host, gpu_list in inventory.items():
-                await nodes.beat(host, gpu_list)
-            await asyncio.sleep(0.3)
+    await beat_until(url, {h: gpus(h, RTX3090, GPUS_PER_HOST) for h in HOSTS}, stop, 0.3)
 
 
 @contextlib.asynccontextmanager
@@ -214,3 +224,107 @@ async def test_a_standby_on_another_empty_or_older_ledger_never_double_books(
     report(f"standby_on_{ledger}_ledger", granted_before=len(granted), answered=len(answered),
            refused=refused, unanswered=unanswered, double_booked=double_booked,
            served=ledger != "another", after_kill_s=round(seconds, 2))
+
+
+HEARTBEAT_S = 2
+"""The AMQP heartbeat the stopped allocator asks for: the broker closes its connection after
+about two heartbeats missed (aio-pika's default is 60 s)."""
+WORKERS = 2
+CYCLES_AFTER_RESUME = 6
+WRITER_LINE = "this allocator is the writer (epoch {epoch})"
+
+
+async def logged(process: AllocatorProcess, text: str, within: float) -> float:
+    """Seconds until ``text`` is in the process's log."""
+    started = time.monotonic()
+    while text not in process.log():
+        assert time.monotonic() - started < within, \
+            f"{process.name} did not log {text!r} within {within}s:\n{process.log()[-3000:]}"
+        await asyncio.sleep(0.1)
+    return time.monotonic() - started
+
+
+@pytest.mark.slow
+async def test_two_actives_the_one_stopped_past_its_heartbeat_timeout_does_not_write_again(
+        amqp_vhost, tmp_path: Path) -> None:
+    """Two actives as real processes. The active allocator is stopped (SIGSTOP) under a
+    stream of requests, with the requests the broker had given it in hand, until the broker
+    closes its connection (heartbeat timeout): single-active-consumer hands the queue to the
+    standby, which claims the log (epoch 2) and serves. Then the stopped one resumes
+    (SIGCONT), still holding those requests and the belief that it writes (epoch 1). It must
+    not decide them (the broker gave them to the new active one), and nothing it might still
+    append is applied (epoch 1 is fenced by 2). Clients retry with their request keys."""
+    url = amqp_vhost.url
+    ledger_a, ledger_b = tmp_path / "a" / "ledger.sqlite", tmp_path / "b" / "ledger.sqlite"
+    first = AllocatorProcess("first", f"{url}?heartbeat={HEARTBEAT_S}", ledger_a, tmp_path,
+                             **LOG)
+    second = AllocatorProcess("second", url, ledger_b, tmp_path, **LOG)
+    load = CycleLoad()
+    try:
+        await first.start()
+        await first.wait_consuming()
+        async with heartbeats(url), AllocatorClient(url, timeout_s=5) as client:
+            await cluster_up(client)
+            await second.start()
+            await second.wait_consuming()
+
+            async def under_load() -> bool:
+                return len(load.granted) >= 10
+
+            async with asyncio.timeout(180):
+                workers = [asyncio.create_task(cycle(
+                    n, url, load, cycles_after_fault=CYCLES_AFTER_RESUME))
+                    for n in range(WORKERS)]
+                await wait_until(under_load, within=60)
+                assert first.process is not None
+                first.process.send_signal(signal.SIGSTOP)
+                stopped_at = time.monotonic()
+                takeover_s = await logged(second, WRITER_LINE.format(epoch=2), within=60)
+                before = len(load.answers_at)
+
+                async def served_meanwhile() -> bool:
+                    return len(load.answers_at) >= before + 20
+                await wait_until(served_meanwhile, within=60)
+                answered_while_stopped = len(load.answers_at) - before
+                first.process.send_signal(signal.SIGCONT)
+                stopped_s = time.monotonic() - stopped_at
+                load.fault_at = time.monotonic()
+                await asyncio.gather(*workers)
+            assert first.process.returncode is None, first.log()[-3000:]
+            # The resumed one never claimed the log again while the other was active, and
+            # the new active one was never deposed.
+            first_log, second_log = first.log(), second.log()
+            assert WRITER_LINE.format(epoch=3) not in first_log + second_log
+            assert "batch fenced" not in second_log
+            # It is a working standby: with the other stopped it takes over and serves.
+            stopping = time.monotonic()
+            assert await second.stop() == 0, second_log[-3000:]
+            await logged(first, WRITER_LINE.format(epoch=3), within=60)
+            handover_s = time.monotonic() - stopping
+            key = "hub/after/"
+            load.granted[key] = await client.allocate(AllocateRequest(request_key=key,
+                                                                      user="after"))
+            await client.release(lease_id=load.granted[key].lease_id, force=True, by="test")
+        assert await first.stop() == 0, first.log()[-3000:]
+    finally:
+        for process in (first, second):
+            if process.process is not None and process.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.process.send_signal(signal.SIGCONT)
+            await process.stop()
+    stale = sum(int(n) for n in re.findall(r"dropped (\d+) message\(s\) whose channel", first_log))
+    fenced = second_log.count("skipped a batch of writer")
+    audit = audit_ledger(ledger_a)
+    assert_sound(audit)
+    assert_one_lease_per_answer(audit, load)
+    # One history in both copies (the second stopped before the last lease).
+    after = load.granted[key].lease_id
+    assert {i: v for i, v in lease_states(ledger_a).items() if i != after} == \
+        lease_states(ledger_b)
+    assert_sound(audit_ledger(ledger_b))
+    report("two_actives_stopped_past_heartbeat_timeout", stopped_s=round(stopped_s, 2),
+           takeover_after_stop_s=round(takeover_s, 2), handover_back_s=round(handover_s, 2),
+           answered_by_the_new_active_while_stopped=answered_while_stopped,
+           stale_deliveries_dropped_on_resume=stale, batches_fenced_by_epoch=fenced,
+           requests=len(load.granted) * 2, calls=load.calls, retried=dict(load.retried),
+           longest_gap_s=round(load.longest_gap_s(), 2), double_booked=len(audit.double_booked))

@@ -6,6 +6,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from hub_inventory import GTX1070, RTX3090, inventory, lease
 
 from allocator.protocol import InventoryReply, Lease, LeaseState
@@ -161,3 +162,40 @@ def test_a_pending_reclaim_shows_its_deadline_and_why() -> None:
     deadline = time.strftime("%H:%M UTC", time.gmtime(NOW + 240))
     assert f"server “extra” will be stopped at {deadline}</strong> (in 4 min)" in warnings[0]
     assert "borrowed beyond your guarantee" in warnings[0]
+
+
+def test_a_chart_starts_at_its_lease_within_bounds() -> None:
+    window = Window(span_s=3 * 3600, gap_s=75, min_span_s=600)
+    assert window.start_for(NOW - 3600, NOW) == NOW - 3600  # granted an hour ago
+    assert window.start_for(NOW - 5, NOW) == NOW - 600  # a new lease: ten minutes
+    assert window.start_for(NOW - 86400, NOW) == NOW - 3 * 3600  # never more than the span
+    assert Window(span_s=180, gap_s=3).start_for(NOW - 5, NOW) == NOW - 180
+
+
+def test_hub_admins_and_admin_groups_see_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hubplugin.page.app import GPUPage
+    from hubplugin.page.settings import PageSettings
+
+    monkeypatch.setenv("SWARM_GPU_PAGE_ADMIN_GROUPS", "gpu-admins,staff")
+    page = GPUPage(PageSettings())
+    assert page.viewer({"name": "root", "admin": True, "groups": []}) == Viewer("root", True)
+    assert page.viewer({"name": "eve", "admin": False, "groups": ["staff"]}).is_admin
+    assert not page.viewer({"name": "bob", "admin": False, "groups": ["students"]}).is_admin
+
+
+def test_an_allocator_that_does_not_answer_is_said_and_the_last_answer_shown() -> None:
+    reply = cluster_with([ALICE])
+    context = page_context(reply, Viewer("alice", is_admin=False), {}, now=NOW + 120,
+                           window=WINDOW, hub_id="hub",
+                           unavailable="the allocator did not answer within 5 s")
+    html = template(TEMPLATE).render({**context, "refresh_s": 0})
+    note = re.search(r'<div class="sg-note sg-warn" role="alert">(.*?)</div>', html)
+    assert note is not None
+    assert "does not answer right now" in note.group(1) and "within 5 s" in note.group(1)
+    assert f"Showing what it said at {time.strftime('%H:%M UTC', time.gmtime(NOW))}" \
+        in note.group(1)
+    assert 'data-lease="L-alice"' in html  # the last answer's lease is still shown
+    nothing = page_context(None, Viewer("alice", is_admin=False), {}, now=NOW, window=WINDOW,
+                           hub_id="hub", unavailable="cannot reach the broker")
+    html = template(TEMPLATE).render({**nothing, "refresh_s": 0})
+    assert "cannot reach the broker" in html and "Showing what it said" not in html

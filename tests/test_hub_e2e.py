@@ -183,9 +183,7 @@ async def test_gpu_server_through_rest(
     async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory()
         key = hub.request_key("alice")
-        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
-        assert status in (201, 202), (body, hub.log_tail())
-        await hub.wait_ready("alice")
+        await hub.start_server("alice", {"mode": "exclusive", "model": "1070"})
 
         lease = await lease_of(client, key)
         assert lease is not None and lease.user == "alice"
@@ -224,9 +222,7 @@ async def test_gpu_server_through_rest(
         assert one070.free == 1
 
         # a named profile over REST: a shared slice of the other GTX 1070
-        status, body = await hub.spawn("bob", {"profile": "gtx1070-share"})
-        assert status in (201, 202), (body, hub.log_tail())
-        await hub.wait_ready("bob")
+        await hub.start_server("bob", {"profile": "gtx1070-share"})
         share = await lease_of(client, hub.request_key("bob"))
         assert share is not None and share.shared and share.memory_mib == 2048
         assert share.gpu_uuids != lease.gpu_uuids
@@ -317,9 +313,7 @@ async def test_allocator_unreachable_fails_clearly_and_cpu_servers_still_start(
         assert "GPU allocator is not reachable" in page
         assert 'name="mode" value="none" checked' in page
 
-        status, body = await hub.spawn("alice", {"mode": "none"})
-        assert status in (201, 202), (body, hub.log_tail())
-        await hub.wait_ready("alice")
+        await hub.start_server("alice", {"mode": "none"})
         spec = await service_spec(docker, hub.service_name("alice"))
         assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == "void"
         assert LEASE_LABEL not in spec["TaskTemplate"]["ContainerSpec"].get("Labels", {})
@@ -352,32 +346,39 @@ async def test_silent_allocator_times_out_with_a_clear_message(
         assert status == 200 and hub.alive()
 
 
+async def _queue_bob_behind_alice(
+    hub: Hub, client: AllocatorClient,
+) -> tuple[Lease, asyncio.Task[tuple[int, Any]], list[dict[str, Any]]]:
+    """alice holds the only GPU and bob's spawn waits for it: his queued lease, the spawn
+    (still running) and the spawn page's events up to his queue position."""
+    await hub.start_server("alice", {"mode": "exclusive", "model": "1070"})
+    spawn = asyncio.create_task(hub.spawn("bob", {"mode": "exclusive", "model": "1070"}))
+    events = await hub.progress_events("bob", until="queued (position 1)")
+    bob = await lease_of(client, hub.request_key("bob"))
+    assert bob is not None and bob.state is LeaseState.QUEUED
+    return bob, spawn, events
+
+
 async def test_queued_request_reports_its_position_and_gets_the_freed_gpu(
     single_gpu_agent: NodeAgent, client: AllocatorClient, hub_factory: HubFactory,
     docker: aiodocker.Docker, swarm_host: str,
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory(wait_s=60.0)
-        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
-        assert status in (201, 202), body
-        await hub.wait_ready("alice")
+        # bob asks for alice's GPU: queued, and the spawn page says where he stands
+        bob, spawn, events = await _queue_bob_behind_alice(hub, client)
+        assert any("Asking the GPU allocator" in e["message"] for e in events), events
+        assert bob.queue_position == 1
         alice = await lease_of(client, hub.request_key("alice"))
         assert alice is not None
-
-        # bob asks for the same GPU: queued, and the spawn page says where he stands
-        spawn = asyncio.create_task(hub.spawn("bob", {"mode": "exclusive", "model": "1070"}))
-        events = await hub.progress_events("bob", until="queued (position 1)")
-        assert any("Asking the GPU allocator" in e["message"] for e in events), events
-        bob = await lease_of(client, hub.request_key("bob"))
-        assert bob is not None and bob.state is LeaseState.QUEUED and bob.queue_position == 1
 
         await hub.stop_server("alice")
         status, body = await spawn
         assert status in (201, 202), body
         await hub.wait_ready("bob", within=60)
-        bob = await lease_of(client, hub.request_key("bob"))
-        assert bob is not None and bob.state in (LeaseState.GRANTED, LeaseState.BOUND)
-        assert bob.gpu_uuids == alice.gpu_uuids
+        granted = await lease_of(client, hub.request_key("bob"))
+        assert granted is not None and granted.state in (LeaseState.GRANTED, LeaseState.BOUND)
+        assert granted.gpu_uuids == alice.gpu_uuids
         spec = await service_spec(docker, hub.service_name("bob"))
         assert env_of(spec)["NVIDIA_VISIBLE_DEVICES"] == alice.gpu_uuids[0]
         await hub.stop_server("bob")
@@ -389,13 +390,7 @@ async def test_cancelling_a_queued_spawn_withdraws_the_request(
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory(wait_s=60.0)
-        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
-        assert status in (201, 202), body
-        await hub.wait_ready("alice")
-        spawn = asyncio.create_task(hub.spawn("bob", {"mode": "exclusive", "model": "1070"}))
-        await hub.progress_events("bob", until="queued (position 1)")
-        bob = await lease_of(client, hub.request_key("bob"))
-        assert bob is not None and bob.state is LeaseState.QUEUED
+        bob, spawn, _ = await _queue_bob_behind_alice(hub, client)
 
         status, body = await hub.api("DELETE", "/users/bob/server", user="bob")
         assert status in (202, 204), body
@@ -426,9 +421,7 @@ async def test_queue_wait_runs_out_with_a_clear_message(
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory(wait_s=2.0)
-        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
-        assert status in (201, 202), body
-        await hub.wait_ready("alice")
+        await hub.start_server("alice", {"mode": "exclusive", "model": "1070"})
         status, body = await hub.spawn("bob", {"mode": "exclusive", "model": "1070"})
         assert status == 409, body
         assert "No GPU is free" in body["message"]
@@ -443,10 +436,7 @@ async def test_hub_restart_keeps_the_lease_and_releases_it_later(
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory(cleanup_servers=False)
-        status, body = await hub.spawn("carol", {"mode": "exclusive", "model": "1070",
-                                                 "count": 2})
-        assert status in (201, 202), body
-        await hub.wait_ready("carol")
+        await hub.start_server("carol", {"mode": "exclusive", "model": "1070", "count": 2})
         lease = await lease_of(client, hub.request_key("carol"))
         assert lease is not None and len(lease.gpu_uuids) == 2
 
@@ -477,12 +467,7 @@ async def test_spawn_form_in_chromium(
         def drive() -> dict[str, Any]:
             with Browser(chromium_path, tmp_path / "chromium") as browser:
                 page = browser.page()
-                browser.navigate(page, f"{hub.url}/hub/login")
-                browser.submit(page, """
-                    document.querySelector('#username_input').value = 'carol';
-                    document.querySelector('#password_input').value = 'x';
-                    document.querySelector('form').submit();
-                """)
+                browser.log_in(page, hub.url, "carol")
                 browser.navigate(page, f"{hub.url}/hub/spawn")
                 seen = browser.evaluate(page, """({
                     profiles: [...document.querySelectorAll('input[name=profile]')]
@@ -543,9 +528,7 @@ async def test_killed_notebook_frees_its_gpu_and_is_not_restarted(
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory()
-        status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
-        assert status in (201, 202), (body, hub.log_tail())
-        await hub.wait_ready("alice")
+        await hub.start_server("alice", {"mode": "exclusive", "model": "1070"})
         lease = await lease_of(client, hub.request_key("alice"))
         assert lease is not None
         bound = await eventually(

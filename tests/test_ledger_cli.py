@@ -625,3 +625,49 @@ async def _keep_allocating(client: AllocatorClient) -> None:
             share=ShareRequest(memory_mib=1)))
         await client.release(lease_id=lease.lease_id, force=True, reason="busy")
         await asyncio.sleep(0.05)
+
+
+def test_usage_counts_idle_gpu_hours_and_reclaims(tmp_path):
+    """Idle GPU-hours beside used ones, and leases reclaimed or released as idle, per user."""
+    path = tmp_path / "usage.sqlite"
+    writer = Ledger(path)
+    writer.open()
+    writer.close()
+    t0 = 1_700_000_000.0
+    hour = 3600.0
+    rows = [
+        # (lease, user, gpus, granted, released, state, reason, idle_gpu_s, idle_since)
+        ("a", "ann", ["g0", "g1"], t0, t0 + 4 * hour, "released", "reclaimed", 2 * hour * 2,
+         None),
+        ("b", "ann", ["g2"], t0, t0 + 2 * hour, "released", "idle", 0.0, t0 + hour),
+        ("c", "ben", ["g3"], t0, None, "bound", None, 0.0, t0 + 3 * hour),
+        ("d", "ben", ["g2"], t0 + 2 * hour, t0 + 3 * hour, "released", "container_exited",
+         0.0, None),
+    ]
+    with sqlite3.connect(path) as conn:
+        for uuid in ("g0", "g1", "g2", "g3"):
+            conn.execute("INSERT INTO gpus (uuid, host, idx, model, memory_total_mib, present) "
+                         "VALUES (?, 'h', 0, 'M', 8192, 1)", (uuid,))
+        for lease, user, uuids, granted, released, state, reason, idle_s, since in rows:
+            conn.execute(
+                "INSERT INTO leases (lease_id, request_key, user, groups, state, created_at, "
+                "host, gpu_uuids, model, shared, units_num, units_den, granted_at, released_at,"
+                " release_reason, idle_gpu_s, idle_since) "
+                "VALUES (?, ?, ?, '[]', ?, ?, 'h', ?, 'M', 0, ?, 1, ?, ?, ?, ?, ?)",
+                (lease, lease, user, state, granted, json.dumps(uuids), len(uuids), granted,
+                 released, reason, idle_s, since))
+    conn = reports.open_readonly(path)
+    rows_out = {r.key: r for r in reports.usage(conn, reports.Filters(), now=t0 + 5 * hour)}
+    # a: 8 GPU-hours, half idle; b: 2 GPU-hours, idle since its 2nd hour (a spell still open
+    # at its release); c: 5 GPU-hours, idle for the last two; d: 1, busy.
+    assert rows_out["ann"].gpu_hours == pytest.approx(10.0)
+    assert rows_out["ann"].idle_gpu_hours == pytest.approx(4.0 + 1.0)
+    assert (rows_out["ann"].reclaimed, rows_out["ann"].idle_released) == (1, 1)
+    assert rows_out["ben"].gpu_hours == pytest.approx(6.0)
+    assert rows_out["ben"].idle_gpu_hours == pytest.approx(2.0)
+    assert (rows_out["ben"].reclaimed, rows_out["ben"].idle_released) == (0, 0)
+    # A window that ends before the reclaim counts no reclaim, and clips idle by its share.
+    early = {r.key: r for r in reports.usage(conn, reports.Filters(until=t0 + 2 * hour))}
+    assert early["ann"].reclaimed == 0
+    assert early["ann"].idle_gpu_hours == pytest.approx(4.0 * 0.5 + 1.0)
+    conn.close()

@@ -18,6 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from support import A100_40GB as A100
+from support import GTX1070 as GTX
 
 from allocator.model_names import display_name, mig_model_name, mig_parts
 from allocator.protocol import GPUInfo, Health, Heartbeat
@@ -37,8 +39,6 @@ from nodeagent.simulated import (
     write_inventory,
 )
 
-A100 = "NVIDIA A100-SXM4-40GB"
-GTX = "NVIDIA GeForce GTX 1070"
 HOST = "mig-host"
 
 

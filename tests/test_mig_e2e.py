@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import wait_until
+from support import A100_40GB as A100
+from support import GTX1070 as GTX
+from support import MIG_1G, MIG_3G, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.protocol import AllocateRequest, ErrorCode, Health, LeaseState
@@ -33,10 +35,6 @@ from nodeagent.simulated import (
     write_inventory,
 )
 
-A100 = "NVIDIA A100-SXM4-40GB"
-GTX = "NVIDIA GeForce GTX 1070"
-MIG_1G = f"{A100} MIG 1g.5gb"
-MIG_3G = f"{A100} MIG 3g.20gb"
 PROFILES = ["3g.20gb", "2g.10gb", "1g.5gb", "1g.5gb"]
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from support import A100_40GB as A100
+from support import HUB, NODE
+
 from allocator.config import AllocatorSettings
-from allocator.engine import Engine, Sender
+from allocator.engine import Engine
 from allocator.ledger import Changes, Ledger
 from allocator.protocol import AllocateRequest, ErrorReply, GPUInfo, Heartbeat, LeaseReply
 
-NODE = Sender(user_id="agent", via_nodes_exchange=True)
-HUB = Sender(user_id="hub", via_nodes_exchange=False)
-A100 = "NVIDIA A100-SXM4-40GB"
 PARENT = "GPU-parent"
 
 

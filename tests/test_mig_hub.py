@@ -15,7 +15,8 @@ from typing import Any
 import aiodocker
 import pytest
 import test_hub_e2e as hub_e2e
-from support import wait_until
+from support import A100_40GB as A100
+from support import MIG_1G, wait_until
 from test_hub_e2e import (
     HubFactory,
     _in_state,
@@ -46,8 +47,6 @@ docker = hub_e2e.docker
 swarm_host = hub_e2e.swarm_host
 hub_factory = hub_e2e.hub_factory
 
-A100 = "NVIDIA A100-SXM4-40GB"
-MIG_1G = f"{A100} MIG 1g.5gb"
 TEST_BUDGET_S = 150
 
 
@@ -74,10 +73,7 @@ async def test_notebook_gets_the_instance_uuids_and_keeps_them_through_a_reparti
     agent, inventory = mig_node
     async with asyncio.timeout(TEST_BUDGET_S):
         hub = await hub_factory()
-        status, body = await hub.spawn("carol", {"mode": "exclusive", "model": MIG_1G,
-                                                 "count": 2})
-        assert status in (201, 202), (body, hub.log_tail())
-        await hub.wait_ready("carol")
+        await hub.start_server("carol", {"mode": "exclusive", "model": MIG_1G, "count": 2})
         lease = await lease_of(client, hub.request_key("carol"))
         assert lease is not None and lease.model == MIG_1G and lease.host == swarm_host
         instances = read_inventory(inventory)[swarm_host][0]["mig_instances"]

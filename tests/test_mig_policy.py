@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import A100_40GB as A100
+from support import GTX1070 as GTX
+from support import MIG_1G, MIG_3G
 
 from allocator.cluster import GPU, Cluster, Node
 from allocator.config import PolicySettings
@@ -28,10 +31,6 @@ from allocator.protocol import AllocateRequest, ErrorCode, Health
 
 NOW = 10_000.0
 DOWN = 15.0
-A100 = "NVIDIA A100-SXM4-40GB"
-GTX = "NVIDIA GeForce GTX 1070"
-MIG_1G = f"{A100} MIG 1g.5gb"
-MIG_3G = f"{A100} MIG 3g.20gb"
 SETTINGS = PolicySettings()
 
 

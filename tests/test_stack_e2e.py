@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -39,6 +40,10 @@ CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "cluster"
 LEASE_LABEL = "swarm-gpu.lease"
 GTX1070 = "NVIDIA GeForce GTX 1070"
 RTX3090 = "NVIDIA GeForce RTX 3090"
+NODES = ("manager-1", "gpu-1", "gpu-2")
+ALLOCATOR_NODES = {"gpu-1", "gpu-2"}
+"""The nodes labelled swarm-gpu.allocator by scripts/cluster: a replica on each."""
+WRITER_LINE = re.compile(r"this allocator is the writer \(epoch (\d+)\)")
 UP_TIMEOUT_S = 1500
 """A cold ``scripts/cluster up`` (base image, four images, deploy) on a loaded 2-core machine."""
 WITHIN_S = 90.0
@@ -74,6 +79,8 @@ class Cluster:
 
     dir: Path
     env: dict[str, str]
+    _active: tuple[str, str] | None = None
+    """The active allocator replica last found: (node, container)."""
 
     @property
     def hub_url(self) -> str:
@@ -103,17 +110,52 @@ class Cluster:
     def manager(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return self.docker("manager-1", *args, **kwargs)
 
-    def allocator_container(self) -> str:
-        """An allocator container on the allocator's node, as docs/operations.md finds it."""
-        ids = self.manager("ps", "-q", "-f", f"name={self.stack}_allocator").stdout.split()
-        assert ids, "no allocator container on manager-1"
-        return ids[0]
+    def allocators(self) -> dict[str, str]:
+        """node -> the allocator container running there (a stopped node has none)."""
+        found = {}
+        for node in NODES:
+            result = self.docker(node, "ps", "-q", "-f", f"name={self.stack}_allocator",
+                                 check=False, timeout=30)
+            ids = result.stdout.split() if result.returncode == 0 else []
+            if ids:
+                found[node] = ids[0]
+        return found
 
-    def ledger_status(self) -> dict[str, Any]:
-        """``docker exec $ALLOC gpu-ledger status --json`` (docs/operations.md, step 9)."""
-        out = self.manager("exec", self.allocator_container(), "gpu-ledger", "status",
-                           "--json").stdout
-        status: dict[str, Any] = json.loads(out)
+    def writer_epoch(self, node: str, container: str) -> int | None:
+        """The newest ledger-log epoch this replica logged it writes in (None: never)."""
+        logs = self.docker(node, "logs", container, check=False, timeout=60)
+        epochs = WRITER_LINE.findall(logs.stdout + logs.stderr)
+        return int(epochs[-1]) if epochs else None
+
+    def active_allocator(self) -> tuple[str, str]:
+        """(node, container) of the active replica: the one that claimed the newest epoch of
+        the ledger log (every replica logs its claims)."""
+        claims = {(epoch, node, container) for node, container in self.allocators().items()
+                  if (epoch := self.writer_epoch(node, container)) is not None}
+        assert claims, "no allocator replica has claimed the ledger log"
+        _, node, container = max(claims)
+        return node, container
+
+    def gpu_ledger(self, *args: str, on: tuple[str, str] | None = None,
+                   check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``docker exec $ALLOC gpu-ledger ARGS`` in the active replica (or ``on``: a
+        (node, container) of the replica whose own copy of the ledger to read)."""
+        node, container = on or self._active or self.active_allocator()
+        result = self.docker(node, "exec", container, "gpu-ledger", *args, check=False)
+        if result.returncode != 0 and on is None and self._active is not None:
+            # The replica was replaced (a rolling update, its node stopped): find it again.
+            self._active = None
+            return self.gpu_ledger(*args, check=check)
+        if on is None:
+            self._active = (node, container)
+        if check and result.returncode != 0:
+            raise AssertionError(f"gpu-ledger {shlex.join(args)} on {node}: {result.stderr}")
+        return result
+
+    def ledger_status(self, on: tuple[str, str] | None = None) -> dict[str, Any]:
+        """``gpu-ledger status --json`` in an allocator container (docs/operations.md,
+        step 9)."""
+        status: dict[str, Any] = json.loads(self.gpu_ledger("status", "--json", on=on).stdout)
         return status
 
     def holders(self) -> dict[str, list[dict[str, Any]]]:
@@ -259,18 +301,25 @@ def test_every_service_runs_and_is_healthy(cluster: Cluster) -> None:
         f"{stack}_nodeagent": ("global", "2/2"),
         f"{stack}_jupyterhub": ("replicated", "1/1"),
     }
-    # The agents run on the GPU nodes, one each; broker, allocators and hub on the manager.
-    where: dict[str, set[str]] = {}
+    # The agents run on the GPU nodes, one each; broker and hub on the manager; the two
+    # allocator replicas on the two nodes labelled for them, one each.
+    where: dict[str, list[str]] = {}
     for line in cluster.manager("stack", "ps", stack, "--filter", "desired-state=running",
                                 "--format", "{{.Name}} {{.Node}}").stdout.splitlines():
         name, node = line.split()
-        where.setdefault(name.split(".")[0], set()).add(node)
-    assert where[f"{stack}_nodeagent"] == {"gpu-1", "gpu-2"}
-    assert where[f"{stack}_rabbitmq"] == where[f"{stack}_allocator"] == {"manager-1"}
-    # Every container with a health check is healthy (the broker, both allocators).
-    health = cluster.manager("ps", "--format", "{{.Names}} {{.Status}}").stdout
-    healthy = [line for line in health.splitlines() if "(healthy)" in line]
-    assert len(healthy) == 3, health
+        where.setdefault(name.split(".")[0], []).append(node)
+    assert sorted(where[f"{stack}_nodeagent"]) == ["gpu-1", "gpu-2"]
+    assert where[f"{stack}_rabbitmq"] == ["manager-1"]
+    assert sorted(where[f"{stack}_allocator"]) == sorted(ALLOCATOR_NODES)
+    # Every container with a health check is healthy: the broker, an allocator on each
+    # allocator node.
+    healthy = {}
+    for node in NODES:
+        health = cluster.docker(node, "ps", "--format", "{{.Names}} {{.Status}}").stdout
+        healthy[node] = sorted(line.split()[0].split(".")[0] for line in health.splitlines()
+                               if "(healthy)" in line)
+    assert healthy == {"manager-1": [f"{stack}_rabbitmq"], "gpu-1": [f"{stack}_allocator"],
+                       "gpu-2": [f"{stack}_allocator"]}, healthy
     status, body = cluster.api("GET", "/")
     assert status == 200 and "version" in body
 
@@ -286,7 +335,7 @@ def test_every_gpu_node_is_up_in_gpu_ledger_status(cluster: Cluster) -> None:
                       ("gpu-2", RTX3090)]
     assert all(g["state"] == "free" for g in status["gpus"])
     # The table form, as an admin reads it.
-    table = cluster.manager("exec", cluster.allocator_container(), "gpu-ledger", "status").stdout
+    table = cluster.gpu_ledger("status").stdout
     assert "gpu-1" in table and "gpu-2" in table and RTX3090 in table
 
 
@@ -383,13 +432,12 @@ def test_a_rolling_update_of_the_allocator_keeps_every_lease(cluster: Cluster) -
     lease_id, _, _ = cluster.lease_of("dave")
     eventually(lambda: (cluster.lease(lease_id) or ({}, {}))[1].get("state") == "bound",
                "dave's lease bound")
-    before = {c.split()[0] for c in cluster.manager(
-        "ps", "-q", "-f", f"name={cluster.stack}_allocator").stdout.splitlines()}
+    before = set(cluster.allocators().values())
     cluster.manager("service", "update", "--force", "--detach=false", "--quiet",
                     f"{cluster.stack}_allocator", timeout=300)
-    after = set(cluster.manager(
-        "ps", "-q", "-f", f"name={cluster.stack}_allocator").stdout.split())
-    assert len(after) == 2 and not before & after, "both replicas were replaced"
+    replaced = cluster.allocators()
+    assert set(replaced) == ALLOCATOR_NODES, replaced
+    assert not before & set(replaced.values()), "both replicas were replaced"
     gpu, holder = eventually(lambda: cluster.lease(lease_id), "dave's lease after the update")
     assert holder["user"] == "dave" and holder["state"] == "bound"
     # the next spawn is served by the new replicas
@@ -449,8 +497,10 @@ def test_stack_rm_and_deploy_again_keeps_the_leases_in_the_ledger_volume(
         names = cluster.manager("ps", "-a", "--format", "{{.Names}}").stdout.split()
         return not [n for n in names if n.startswith(f"{cluster.stack}_")]
     eventually(stack_gone, "the stack's containers gone")
-    volumes = cluster.manager("volume", "ls", "--format", "{{.Name}}").stdout.split()
-    assert f"{cluster.stack}_ledger" in volumes
+    for replica_node in ALLOCATOR_NODES:  # each replica's own copy of the ledger
+        volumes = cluster.docker(replica_node, "volume", "ls", "--format",
+                                 "{{.Name}}").stdout.split()
+        assert f"{cluster.stack}_ledger" in volumes, replica_node
     deploy = cluster.script("deploy")
     assert deploy.returncode == 0, deploy.stderr
     gpu, holder = eventually(lambda: cluster.lease(lease_id), "grace's lease after the deploy")
@@ -461,6 +511,99 @@ def test_stack_rm_and_deploy_again_keeps_the_leases_in_the_ledger_volume(
                "grace's lease bound again")
     cluster.stop("grace")
     eventually(lambda: cluster.lease(lease_id) is None, "grace's GPU free")
+
+
+def exclusive_holders(status: dict[str, Any]) -> dict[str, list[str]]:
+    """GPU uuid -> lease ids of its exclusive holders, from gpu-ledger status."""
+    return {gpu["uuid"]: [h["lease_id"] for h in gpu["holders"] if not h.get("shared")]
+            for gpu in status["gpus"]}
+
+
+def lease_ids(status: dict[str, Any]) -> set[str]:
+    return {h["lease_id"] for gpu in status["gpus"] for h in gpu["holders"]}
+
+
+def test_the_active_allocators_node_stopped_the_other_replica_serves_the_whole_ledger(
+        cluster: Cluster) -> None:
+    """The replicas on two nodes, each on its own ledger volume (the replicated ledger log):
+    the node of the active one stops (its engine, its containers, its ledger volume out of
+    reach); the replica on the other node takes over with every lease, grants a new spawn,
+    and no GPU is held twice. The stopped node comes back and its replica catches up."""
+    active_node, active = cluster.active_allocator()
+    (standby_node,) = ALLOCATOR_NODES - {active_node}
+    standby = cluster.allocators()[standby_node]
+    epoch = cluster.writer_epoch(active_node, active)
+    assert epoch is not None
+    # A notebook on each replica's node: kept (the survivor's) and lost with its node.
+    cluster.user("henry", "staff")
+    cluster.spawn("henry", {"mode": "exclusive", "model": "1070", "host": standby_node})
+    cluster.user("iris", "staff")
+    cluster.spawn("iris", {"mode": "exclusive", "model": "1070", "host": active_node})
+    cluster.ready("henry")
+    cluster.ready("iris")
+    kept, _, _ = cluster.lease_of("henry")
+    lost, _, _ = cluster.lease_of("iris")
+    def bound(lease_id: str) -> bool:
+        return (cluster.lease(lease_id) or ({}, {}))[1].get("state") == "bound"
+    eventually(lambda: bound(kept) and bound(lost), "henry's and iris's leases bound")
+    # The standby's own copy already holds both (applied from the log, not shared).
+    before = cluster.ledger_status()
+    eventually(lambda: lease_ids(cluster.ledger_status(on=(standby_node, standby)))
+               >= {kept, lost}, "the standby's ledger holding both leases")
+
+    stopping = time.monotonic()
+    stop = cluster.script("stop-node", active_node)
+    assert stop.returncode == 0, stop.stderr
+    stopped_s = time.monotonic() - stopping
+    try:
+        def took_over() -> bool:
+            claimed = cluster.writer_epoch(standby_node, standby)
+            return claimed is not None and claimed > epoch
+        eventually(took_over, f"the replica on {standby_node} the writer")
+        print(f"stop-node {active_node} took {stopped_s:.1f} s; from its start to the replica "
+              f"on {standby_node} writing: {time.monotonic() - stopping:.1f} s (measured "
+              "by polling logs, an upper bound)")
+        assert cluster.active_allocator() == (standby_node, standby)
+        # Every lease granted before is known, on the GPU it had (the lost node's lease
+        # stays until its node has been silent for stop_grace_s, then node_silent).
+        exported = json.loads(cluster.gpu_ledger("export", "leases", "--format", "json").stdout)
+        for lease_id in (kept, lost):
+            was = [g["uuid"] for g in before["gpus"]
+                   if lease_id in {h["lease_id"] for h in g["holders"]}]
+            (row,) = [r for r in exported if r["lease_id"] == lease_id]
+            assert sorted(row["gpu_uuids"]) == sorted(was), row
+        gpu, holder = eventually(lambda: cluster.lease(kept), "henry's lease after takeover")
+        assert holder["state"] == "bound" and gpu["host"] == standby_node
+        # A new spawn is served by the replica that took over.
+        cluster.user("jack", "staff")
+        model = "3090" if standby_node == "gpu-2" else "1070"
+        cluster.spawn("jack", {"mode": "exclusive", "model": model, "host": standby_node})
+        cluster.ready("jack")
+        new, node, _ = cluster.lease_of("jack")
+        assert node == standby_node
+        new_gpu, _ = eventually(lambda: cluster.lease(new), "jack's lease")
+        status = cluster.ledger_status()
+        double_booked = {u: ids for u, ids in exclusive_holders(status).items() if len(ids) > 1}
+        assert double_booked == {}
+        held_before = {g["uuid"] for g in before["gpus"]
+                       if {h["lease_id"] for h in g["holders"]} & {kept, lost}}
+        assert new_gpu["uuid"] not in held_before
+        check = cluster.gpu_ledger("check", check=False)
+        assert check.returncode == 0, check.stdout + check.stderr
+        cluster.stop("jack")
+        cluster.stop("henry")
+    finally:
+        start = cluster.script("start-node", active_node)
+        assert start.returncode == 0, start.stderr
+    # The node is back: its replica (its own volume) caught up from the log.
+    cluster.stop("iris")
+    back = cluster.allocators()
+    assert set(back) == ALLOCATOR_NODES, back
+    def holders(status: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+        return {gpu["uuid"]: gpu["holders"] for gpu in status["gpus"]}
+    eventually(lambda: holders(cluster.ledger_status(on=(active_node, back[active_node])))
+               == holders(cluster.ledger_status()), f"the replica on {active_node} caught up")
+    eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
 
 
 def test_a_missing_label_or_node_password_is_told_in_the_service_state(
@@ -487,9 +630,10 @@ def test_a_missing_label_or_node_password_is_told_in_the_service_state(
                     timeout=300)
 
     allocator = f"{cluster.stack}_allocator"
-    # Without its label the allocator's node no longer meets the constraint: Swarm stops the
-    # replicas and keeps the new tasks pending, saying why.
-    cluster.manager("node", "update", "--label-rm", "swarm-gpu.allocator", "manager-1")
+    # Without their label the allocator's nodes no longer meet the constraint: Swarm stops
+    # the replicas and keeps the new tasks pending, saying why.
+    for replica_node in sorted(ALLOCATOR_NODES):
+        cluster.manager("node", "update", "--label-rm", "swarm-gpu.allocator", replica_node)
     try:
         def pending() -> str | None:
             errors = cluster.manager("service", "ps", "--no-trunc", "--format",
@@ -500,7 +644,8 @@ def test_a_missing_label_or_node_password_is_told_in_the_service_state(
         state = eventually(pending, "the allocator's task pending, saying why")
         assert "no suitable node" in state, state
     finally:
-        cluster.manager("node", "update", "--label-add", "swarm-gpu.allocator=true",
-                        "manager-1")
+        for replica_node in sorted(ALLOCATOR_NODES):
+            cluster.manager("node", "update", "--label-add", "swarm-gpu.allocator=true",
+                            replica_node)
     deploy = cluster.script("deploy")
     assert deploy.returncode == 0, deploy.stderr

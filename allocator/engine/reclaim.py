@@ -1,12 +1,15 @@
 """Reclaim and idle release: the engine acts on :func:`allocator.fairshare.plan_reclaims`.
 
-On every tick while requests wait: leases the plan names are warned (``reclaim_at``, an event
-``reclaim_warning``), warnings the plan no longer needs are withdrawn, and a warned lease whose
-grace is over has its container stopped with the command the agents already obey; the lease
-then ends with its reason (``reclaimed`` or ``idle``) however its end is noticed.
+On every tick while requests wait, and when a request queues: leases the plan names are warned
+(``reclaim_at``, an event ``reclaim_warning``), warnings the plan no longer needs are withdrawn,
+and a warned lease whose grace is over has its container stopped with the command the agents
+already obey; the lease then ends with its reason (``reclaimed`` or ``idle``) however its end
+is noticed.
 """
 
 from __future__ import annotations
+
+from pydantic import BaseModel
 
 from allocator import fairshare, policy
 from allocator.counters import Family
@@ -15,6 +18,7 @@ from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
 from allocator.protocol import (
     AllocateRequest,
+    LeaseReply,
     LeaseState,
     ReclaimReason,
     ReleaseReason,
@@ -75,6 +79,15 @@ class Reclaimer(NodeReconciliation):
                     idle_releasable=releasable))
         return candidates
 
+    def _allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
+        """Allocate as the lease book does; a request that queues is planned for at once,
+        not at the next tick, so a reclaim's warning (or, without a grace, its stop) goes
+        out with the reply."""
+        reply = super()._allocate(request, now, changes)
+        if isinstance(reply, LeaseReply) and reply.lease.state is LeaseState.QUEUED:
+            self._reclaim(now, changes)
+        return reply
+
     def _reclaim(self, now: float, changes: Changes) -> None:
         """Plan, warn, withdraw and stop (see the module)."""
         if not self._fair_share_active() or self._fence_holds(now):
@@ -84,8 +97,11 @@ class Reclaimer(NodeReconciliation):
                   and r.reclaim_stopped_at is None]
         if not self._queue and not warned:
             return
+        candidates = self._candidates(now)
+        if not candidates and not warned:
+            return  # nothing could go: no need to simulate the queue
         plan = fairshare.plan_reclaims(
-            self._waiters() if self._queue else [], self._candidates(now),
+            self._waiters() if self._queue else [], candidates,
             self._placement_view(now), self.settings, now=now,
             down_after_s=self.settings.node_down_after_s,
             idle_window_s=self.settings.idle_window_s)

@@ -41,7 +41,16 @@ class Window:
     """The chart's time span and when a line breaks for missing samples."""
 
     span_s: float
+    """The longest a chart goes back."""
     gap_s: float
+    """Samples further apart than this are not joined by a line."""
+    min_span_s: float = 600.0
+    """The shortest chart: a lease younger than this gets a chart this long, not one of its
+    few seconds."""
+
+    def start_for(self, since: float, now: float) -> float:
+        """Where a lease's chart starts: its grant, within ``span_s`` and ``min_span_s``."""
+        return max(now - self.span_s, min(since, now - min(self.min_span_s, self.span_s)))
 
 
 def clock(at: float) -> str:
@@ -129,7 +138,8 @@ def lease_card(lease: Lease, gpus: Mapping[str, GPUView], history: Sequence[Usag
         "since": f"{clock(since)} ({duration(now - since)} ago)",
         "utilization": _percent(point.utilization_pct if point else None),
         "memory": _memory(point),
-        "chart": usage_chart(history, start=now - window.span_s, end=now, gap_s=window.gap_s),
+        "chart": usage_chart(history, start=window.start_for(since, now), end=now,
+                             gap_s=window.gap_s),
         **_fair_share(lease, now),
     }
 
@@ -142,7 +152,8 @@ def queued_card(lease: Lease, *, now: float) -> dict[str, Any]:
         "position": lease.queue_position,
         "waiting": duration(now - lease.created_at),
         "until": clock(lease.wait_until) if lease.wait_until else None,
-        "model": display_name(lease.model) if lease.model else "any model",
+        # a queued request names no model yet: the lease says what it got, not what it asked
+        "model": display_name(lease.model) if lease.model else None,
     }
 
 

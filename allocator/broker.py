@@ -1,0 +1,162 @@
+"""Broker addresses: one AMQP URL may name several broker nodes of one RabbitMQ cluster.
+
+``amqp://user:password@node1:5672,node2:5672,node3:5672/vhost`` is the same user, password,
+vhost and options on three nodes (the form libpq and MongoDB use for their clusters). Every
+part of swarm-gpu that connects (the allocator, the hub's client, ``gpu-ledger``, the node
+agents) takes such a URL: it connects to the first node that answers and, when that
+connection drops or an attempt fails, tries the next one, round the list. A one-node URL
+behaves exactly as before.
+
+Why in the client and not behind a load balancer: a site that wants the broker highly
+available has three broker nodes and no load balancer in front of them (that would be one
+more thing to fail), and aio-pika connects to one URL only. Quorum queues and streams are
+reachable from every node of the cluster, so any node that answers will do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+from aio_pika.abc import TimeoutType
+from aiormq.exceptions import AMQPError
+from yarl import URL
+
+log = logging.getLogger(__name__)
+
+
+def broker_urls(amqp_url: str) -> list[str]:
+    """One URL per broker node named in ``amqp_url`` (``host1:port1,host2:port2``), in order.
+
+    Raises ValueError for an empty host in the list (``node1,,node2``).
+    """
+    parts = urllib.parse.urlsplit(amqp_url)
+    credentials, at, hosts = parts.netloc.rpartition("@")
+    if "," not in hosts:
+        return [amqp_url]
+    urls = []
+    for host in hosts.split(","):
+        if not host.strip():
+            raise ValueError(f"an empty broker address in {redact(amqp_url)}")
+        netloc = f"{credentials}{at}{host.strip()}"
+        urls.append(urllib.parse.urlunsplit(parts._replace(netloc=netloc)))
+    return urls
+
+
+def redact(amqp_url: str) -> str:
+    """The URL without its password, for messages and log lines."""
+    parts = urllib.parse.urlsplit(amqp_url)
+    credentials, at, hosts = parts.netloc.rpartition("@")
+    user, colon, _ = credentials.partition(":")
+    if not (at and colon):
+        return amqp_url
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
+
+
+def broker_address(amqp_url: str) -> str:
+    """``host:port[,host:port...]/vhost`` of an AMQP URL, without credentials."""
+    urls = [urllib.parse.urlsplit(url) for url in broker_urls(amqp_url)]
+    hosts = ",".join(f"{url.hostname}:{url.port or 5672}" for url in urls)
+    return f"{hosts}{urls[0].path or '/'}"
+
+
+FAILOVER_RECONNECT_S = 1.0
+"""Pause before reconnecting over a list of nodes (aio-pika's default is 5 s): the next
+attempt goes to another node, which is most likely up."""
+
+
+class FailoverConnection(aio_pika.RobustConnection):
+    """A robust connection over several broker nodes: each new attempt after a drop or a
+    failed attempt goes to the next node of the list.
+
+    aio-pika's robust connection clears its transport at the start of every connection
+    attempt (and on close); that is where this class moves on to the next URL. The channels,
+    queues and consumers are then restored on the node that answers, as after any reconnect.
+    """
+
+    def __init__(self, urls: Sequence[str], **kwargs: Any) -> None:
+        self._urls = [URL(url) for url in urls]
+        self._current = 0
+        self._armed = False
+        """Whether the first attempt has begun (the constructor clears the transport too)."""
+        self._transport: Any = None
+        super().__init__(self._urls[0], **kwargs)
+
+    @property
+    def transport(self) -> Any:
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: Any) -> None:
+        if value is None and self._armed and len(self._urls) > 1:
+            self._current = (self._current + 1) % len(self._urls)
+            self.url = self._urls[self._current]
+            log.info("broker connection: next attempt to %s", self)
+        self._transport = value
+
+    async def connect(self, timeout: TimeoutType = None) -> None:  # noqa: ASYNC109 (aio-pika's)
+        # The first attempt goes to the first node; every later one to the next.
+        self._armed = False
+        self._transport = None
+        self.url = self._urls[self._current]
+        await super().connect(timeout)
+
+    def arm(self) -> None:
+        """From now on, each cleared transport moves to the next node."""
+        self._armed = True
+
+
+async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractRobustConnection:
+    """A robust connection to the first node of ``amqp_url`` that answers; on a drop it
+    reconnects to the next node, round the list (one-node URLs: aio-pika's own)."""
+    urls = broker_urls(amqp_url)
+    if len(urls) > 1:
+        kwargs.setdefault("reconnect_interval", FAILOVER_RECONNECT_S)
+    if len(urls) == 1:
+        robust: aio_pika.abc.AbstractRobustConnection = await aio_pika.connect_robust(
+            amqp_url, **kwargs)
+        return robust
+    last: BaseException | None = None
+    for index in range(len(urls)):
+        ordered = urls[index:] + urls[:index]
+        connection = FailoverConnection(ordered, **_connection_kwargs(kwargs))
+        try:
+            await connection.connect(timeout=kwargs.get("timeout"))
+        except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError) as exc:
+            last = exc
+            with contextlib.suppress(Exception):
+                await connection.close()
+            log.warning("broker node %s not reachable: %s", broker_address(ordered[0]),
+                        str(exc) or type(exc).__name__)
+            continue
+        connection.arm()
+        return connection
+    assert last is not None
+    raise last
+
+
+async def connect(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractConnection:
+    """A plain connection to the first node of ``amqp_url`` that answers."""
+    last: BaseException | None = None
+    urls = broker_urls(amqp_url)
+    for url in urls:
+        try:
+            plain: aio_pika.abc.AbstractConnection = await aio_pika.connect(url, **kwargs)
+            return plain
+        except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError) as exc:
+            last = exc
+            if len(urls) > 1:  # the caller says why when no node answers
+                log.info("broker node %s not reachable: %s", broker_address(url),
+                         str(exc) or type(exc).__name__)
+    assert last is not None
+    raise last
+
+
+def _connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """connect_robust's keyword arguments as the connection class takes them."""
+    return {key: value for key, value in kwargs.items() if key != "timeout"}

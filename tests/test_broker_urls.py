@@ -1,0 +1,82 @@
+"""One AMQP URL naming several broker nodes (``allocator/broker.py``).
+
+The parsing is pure; the connections are made to the real broker, with a dead address (a
+port nothing listens on) before it in the list. What happens when a node of a real
+three-node cluster dies under load is tests/test_fault_broker_cluster.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.parse
+
+import pytest
+
+from allocator import broker
+from allocator.client import AllocatorClient, AllocatorUnavailable
+
+
+def test_a_url_with_one_host_is_left_as_it_is() -> None:
+    url = "amqp://hub:s3cret@rabbitmq:5672/swarm-gpu?heartbeat=30"
+    assert broker.broker_urls(url) == [url]
+
+
+def test_a_url_with_several_hosts_becomes_one_url_per_node_in_order() -> None:
+    url = "amqp://hub:s3cret@node1:5672,node2,10.0.0.3:5673/swarm-gpu?heartbeat=30"
+    assert broker.broker_urls(url) == [
+        "amqp://hub:s3cret@node1:5672/swarm-gpu?heartbeat=30",
+        "amqp://hub:s3cret@node2/swarm-gpu?heartbeat=30",
+        "amqp://hub:s3cret@10.0.0.3:5673/swarm-gpu?heartbeat=30",
+    ]
+    assert broker.broker_address(url) == "node1:5672,node2:5672,10.0.0.3:5673/swarm-gpu"
+
+
+def test_an_empty_host_in_the_list_is_refused_without_the_password() -> None:
+    with pytest.raises(ValueError, match="empty broker address") as refused:
+        broker.broker_urls("amqp://hub:s3cret@node1,,node3/v")
+    assert "s3cret" not in str(refused.value)
+
+
+def test_redact_hides_the_password_only() -> None:
+    assert broker.redact("amqp://hub:s3cret@a:1,b:2/v") == "amqp://hub:***@a:1,b:2/v"
+    assert broker.redact("amqp://rabbitmq/v") == "amqp://rabbitmq/v"
+
+
+def dead_address() -> str:
+    """host:port on loopback where nothing listens (a port just freed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def with_dead_node_first(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    credentials, _, host = parts.netloc.rpartition("@")
+    return urllib.parse.urlunsplit(
+        parts._replace(netloc=f"{credentials}@{dead_address()},{host}"))
+
+
+async def test_connections_go_to_the_first_node_that_answers(amqp_vhost) -> None:
+    url = with_dead_node_first(amqp_vhost.url)
+    robust = await broker.connect_robust(url, timeout=5)
+    try:
+        channel = await robust.channel()
+        queue = await channel.declare_queue("", exclusive=True)
+        assert queue.name
+    finally:
+        await robust.close()
+    plain = await broker.connect(url, timeout=5)
+    await plain.close()
+    # The hub's client too: an RPC round trip needs an allocator; the broker answering the
+    # reply consumer is what the connection gives.
+    async with AllocatorClient(url, timeout_s=5) as client:
+        assert client.connected
+
+
+async def test_no_node_answering_is_an_unavailable_broker_naming_every_node() -> None:
+    url = f"amqp://guest:guest@{dead_address()},{dead_address()}/"
+    with pytest.raises(AllocatorUnavailable) as unavailable:
+        async with AllocatorClient(url, timeout_s=2, connect_timeout_s=2):
+            pass
+    assert "guest:***@" in str(unavailable.value)
+    assert url.split("@")[1].split("/")[0] in str(unavailable.value)
