@@ -501,7 +501,7 @@ class AllocatorService:
         await self._send_commands(self.engine.take_commands())
         await self._resolve_lookups(pending)
         self._remember_waiters(pending)
-        await self._finish(pending)
+        await self._reply_and_ack(pending)
         await self._push_outcomes(changes.leases)
         elapsed = time.monotonic() - began
         for entry in pending:
@@ -552,7 +552,7 @@ class AllocatorService:
         for entry in pending:
             if entry.reply is not None:
                 entry.reply = failure
-        await self._finish(pending)
+        await self._reply_and_ack(pending)
 
     def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage, now: float,
                        changes: Changes) -> _Pending:
@@ -724,7 +724,7 @@ class AllocatorService:
             return False
         return True
 
-    async def _finish(self, pending: list[_Pending]) -> None:
+    async def _reply_and_ack(self, pending: list[_Pending]) -> None:
         """Send replies, then acknowledge (after the commit, never before)."""
         for entry in pending:
             if entry.reply is not None:
@@ -770,4 +770,4 @@ class AllocatorService:
             _Pending(item, failure if item.reply_to and item.correlation_id else None)
             for item in batch if isinstance(item, aio_pika.abc.AbstractIncomingMessage)
         ]
-        await self._finish(pending)
+        await self._reply_and_ack(pending)

@@ -2,7 +2,7 @@
 
 Pure: the form's data from an :class:`~allocator.protocol.InventoryReply` (or None when the
 allocator cannot be reached), the admin's profiles and the user's
-:class:`~hubplugin.options.GPUPolicy`, rendered by the Jinja2 template
+:class:`~hubplugin.options.GPUPermissions`, rendered by the Jinja2 template
 ``hubplugin/templates/spawn_form.html.j2`` (JupyterHub ships Jinja2). An admin overrides the
 template, as kubespawner's form is overridden, with a file of the same name in a directory of
 ``template_paths`` (the spawner's ``gpu_form_template_paths``); the template may also extend
@@ -31,7 +31,7 @@ from .options import (
     CUSTOM_PROFILE,
     GPUMode,
     GPUOptions,
-    GPUPolicy,
+    GPUPermissions,
     ModelCatalog,
     Profile,
 )
@@ -41,21 +41,23 @@ TEMPLATE = "spawn_form.html.j2"
 """The form's template name: an admin's file of this name replaces the packaged one."""
 
 
-def user_models(inventory: InventoryReply | None, policy: GPUPolicy) -> list[ModelSummary]:
+def user_models(
+    inventory: InventoryReply | None, permissions: GPUPermissions
+) -> list[ModelSummary]:
     """The models of the inventory this user may choose, hosts filtered to the allowed ones."""
     if inventory is None:
         return []
     catalog = ModelCatalog(inventory.models)
-    if policy.allowed_models is None:
+    if permissions.allowed_models is None:
         allowed = set(catalog.models)
     else:
-        allowed = {c for c in (catalog.canonical(m) for m in policy.allowed_models) if c}
+        allowed = {c for c in (catalog.canonical(m) for m in permissions.allowed_models) if c}
     out = []
     for summary in inventory.models:
         if summary.model not in allowed:
             continue
-        if policy.allowed_hosts is not None:
-            hosts = {h: n for h, n in summary.hosts.items() if h in policy.allowed_hosts}
+        if permissions.allowed_hosts is not None:
+            hosts = {h: n for h, n in summary.hosts.items() if h in permissions.allowed_hosts}
             summary = summary.model_copy(update={"hosts": hosts})
         out.append(summary)
     return sorted(out, key=lambda m: m.model)
@@ -158,7 +160,7 @@ def _model_options(models: Sequence[ModelSummary], current: GPUOptions,
 def _host_options(
     inventory: InventoryReply | None,
     models: Sequence[ModelSummary],
-    policy: GPUPolicy,
+    permissions: GPUPermissions,
     current: GPUOptions,
 ) -> list[dict[str, Any]]:
     options: list[dict[str, Any]] = [{"value": "", "data": [], "selected": False,
@@ -168,7 +170,7 @@ def _host_options(
     hosts = sorted(
         n.host for n in inventory.nodes
         if n.up and not n.drained and n.gpus > 0
-        and (policy.allowed_hosts is None or n.host in policy.allowed_hosts)
+        and (permissions.allowed_hosts is None or n.host in permissions.allowed_hosts)
     )
     slices = [_free_slices(inventory, m.model) for m in models]
     for host in hosts:
@@ -185,15 +187,15 @@ def _host_options(
     return options
 
 
-def _count_options(policy: GPUPolicy, current: GPUOptions,
+def _count_options(permissions: GPUPermissions, current: GPUOptions,
                    borrow: BorrowOutlook | None = None) -> list[dict[str, Any]]:
     options = [
         {"value": str(n), "label": f"{n} GPU{'' if n == 1 else 's'}",
          "selected": not current.all_gpus_of_host and current.count == n,
          "borrowed": borrow is not None and borrow.would_borrow(float(n))}
-        for n in range(1, max(policy.max_gpus, 1) + 1)
+        for n in range(1, max(permissions.max_gpus, 1) + 1)
     ]
-    if policy.allow_all_gpus_of_host:
+    if permissions.allow_all_gpus_of_host:
         options.append({"value": "all", "label": "All GPUs of one host",
                         "selected": current.all_gpus_of_host,
                         # every GPU of a host is at least one: borrowed if one would be
@@ -232,7 +234,7 @@ def _availability(
 def render_form(
     inventory: InventoryReply | None,
     *,
-    policy: GPUPolicy,
+    permissions: GPUPermissions,
     profiles: Sequence[Profile] = (),
     current: GPUOptions | None = None,
     default_mode: GPUMode = GPUMode.NONE,
@@ -253,8 +255,8 @@ def render_form(
     """
     # What the template shows: plain data (strings, numbers, lists, dicts), nothing to call.
     gpus_reachable = inventory is not None
-    models = user_models(inventory, policy)
-    may_use = policy.may_use_gpus and gpus_reachable
+    models = user_models(inventory, permissions)
+    may_use = permissions.may_use_gpus and gpus_reachable
     hidden = len(inventory.models) - len(models) if inventory is not None else 0
 
     if current is None:
@@ -262,16 +264,18 @@ def render_form(
         current = GPUOptions(
             mode=default_mode if may_use else GPUMode.NONE,
             profile=default.slug if default else None,
-            share_memory_mib=policy.default_share_memory_mib,
+            share_memory_mib=permissions.default_share_memory_mib,
         )
     mode = current.mode if may_use or current.mode is GPUMode.NONE else GPUMode.NONE
     cards, custom_checked = _profile_cards(profiles, current.profile or CUSTOM_PROFILE,
                                            inventory, wait_s > 0, gpus_reachable, borrow)
     any_shareable = any(m.share_slots > 1 for m in models)
     memory_max = max((m.memory_total_mib for m in models if m.share_slots > 1), default=None)
-    if policy.max_share_memory_mib is not None:
-        memory_max = min(memory_max or policy.max_share_memory_mib, policy.max_share_memory_mib)
-    limits = [f"at most {policy.max_gpus} GPU{'' if policy.max_gpus == 1 else 's'} per server"]
+    if permissions.max_share_memory_mib is not None:
+        largest = permissions.max_share_memory_mib
+        memory_max = min(memory_max or largest, largest)
+    most = permissions.max_gpus
+    limits = [f"at most {most} GPU{'' if most == 1 else 's'} per server"]
     if wait_s > 0:
         minutes = wait_s / 60
         wait_text = f"{minutes:g} min" if wait_s >= 60 else f"{wait_s:g} s"
@@ -280,7 +284,7 @@ def render_form(
         limits.append(borrowing)
     context = {
         "gpus_reachable": gpus_reachable,
-        "may_use_gpus": policy.may_use_gpus,
+        "may_use_gpus": permissions.may_use_gpus,
         "unavailable_reason": f" ({unavailable})" if unavailable else "",
         "images": [{"name": k, "selected": k == current_image} for k in images or {}],
         "profiles": cards,
@@ -296,11 +300,11 @@ def render_form(
             )
         ],
         "model_options": _model_options(models, current, borrow),
-        "count_options": _count_options(policy, current, borrow),
-        "host_options": _host_options(inventory, models, policy, current),
+        "count_options": _count_options(permissions, current, borrow),
+        "host_options": _host_options(inventory, models, permissions, current),
         "memory_max": memory_max,
         "memory_max_text": format_mib(memory_max) if memory_max else "",
-        "memory_value": current.share_memory_mib or policy.default_share_memory_mib,
+        "memory_value": current.share_memory_mib or permissions.default_share_memory_mib,
         "limits": limits,
         "availability": _availability(inventory, models, hidden) if inventory is not None
         else None,

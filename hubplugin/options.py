@@ -1,9 +1,10 @@
-"""What a user picks on the spawn page or sends as REST ``user_options``, and the admin's policy.
+"""What a user picks on the spawn page or sends as REST ``user_options``, and may pick.
 
 Pure: no I/O, no clock. The spawner parses user input into :class:`GPUOptions`, resolves a
-named profile, checks the result against the admin's :class:`GPUPolicy` (and, when it has
-one, the allocator's current :class:`~allocator.protocol.InventoryReply` for better messages),
-and builds the :class:`~allocator.protocol.AllocateRequest`.
+named profile, checks the result against the user's :class:`GPUPermissions` (from the
+admin's settings) and, when it has one, the allocator's current
+:class:`~allocator.protocol.InventoryReply` (for better messages), and builds the
+:class:`~allocator.protocol.AllocateRequest`.
 
 Both input paths produce the same model. REST clients send::
 
@@ -413,10 +414,10 @@ def choice_from_user_options(
     return resolve_profile(options, profiles, groups)
 
 
-# --------------------------------------------------------------------------- policy
+# --------------------------------------------------------------------------- permissions
 
 
-class GPUPolicy(BaseModel):
+class GPUPermissions(BaseModel):
     """What one user may ask for, derived from the spawner's admin settings."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -459,7 +460,7 @@ def allowed_models_for(
     return list(dict.fromkeys(models))
 
 
-def policy_for(
+def permissions_for(
     groups: Sequence[str],
     *,
     group_models: Mapping[str, Sequence[str]],
@@ -470,14 +471,14 @@ def policy_for(
     max_share_memory_mib: int | None,
     default_share_memory_mib: int | None,
     allow_all_gpus_of_host: bool,
-) -> GPUPolicy:
+) -> GPUPermissions:
     """What a user in ``groups`` may ask for, from the spawner's admin settings.
 
     The GPU limit is the largest of ``user_max_gpus`` and the user's groups' limits, bounded
     by what one request may ask for.
     """
     limits = [limit for group, limit in group_max_gpus.items() if group in set(groups)]
-    return GPUPolicy(
+    return GPUPermissions(
         allowed_models=allowed_models_for(groups, group_models, default_models),
         max_gpus=min(max(0, int(max([user_max_gpus, *limits]))), MAX_COUNT),
         allowed_hosts=list(allowed_hosts) if allowed_hosts is not None else None,
@@ -519,7 +520,7 @@ def _plural(n: int, word: str = "GPU") -> str:
 
 
 class CheckedRequest(BaseModel):
-    """A GPU choice that passed the policy: what to ask the allocator for."""
+    """A GPU choice the user is permitted: what to ask the allocator for."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -547,24 +548,24 @@ class _Context:
     """What every per-field check reads: the choice, the limits and what the cluster has."""
 
     options: GPUOptions
-    policy: GPUPolicy
+    permissions: GPUPermissions
     inventory: InventoryReply | None
     catalog: ModelCatalog | None
     trusted: bool
 
     @property
     def who(self) -> str:
-        return f" (groups: {', '.join(self.policy.groups)})" if self.policy.groups else ""
+        return f" (groups: {', '.join(self.permissions.groups)})" if self.permissions.groups else ""
 
 
 def check_options(
     options: GPUOptions,
-    policy: GPUPolicy,
+    permissions: GPUPermissions,
     inventory: InventoryReply | None = None,
     *,
     trusted: bool = False,
 ) -> CheckedRequest | None:
-    """Check a choice against the policy (and the inventory, when known).
+    """Check a choice against what the user may ask for (and the inventory, when known).
 
     Returns None for "no GPU". ``trusted`` (an admin's profile) skips the per-user limits:
     models, count, hosts and share size; sanity checks against the inventory still apply.
@@ -574,7 +575,7 @@ def check_options(
     options = options.normalized()
     if not options.wants_gpu:
         return None
-    ctx = _Context(options, policy, inventory,
+    ctx = _Context(options, permissions, inventory,
                    ModelCatalog(inventory.models) if inventory is not None else None, trusted)
     _check_may_use_gpus(ctx)
     model, models = _check_model(ctx)
@@ -595,7 +596,7 @@ def check_options(
 
 
 def _check_may_use_gpus(ctx: _Context) -> None:
-    if not ctx.trusted and not ctx.policy.may_use_gpus:
+    if not ctx.trusted and not ctx.permissions.may_use_gpus:
         raise OptionsError(
             f"You may not use GPUs{ctx.who}. Start without a GPU, or ask an administrator.",
             field="mode",
@@ -605,7 +606,7 @@ def _check_may_use_gpus(ctx: _Context) -> None:
 def _check_model(ctx: _Context) -> tuple[str | None, list[str] | None]:
     """The model asked for (canonical when the catalog knows it), or the list to send."""
     options, catalog = ctx.options, ctx.catalog
-    allowed = None if ctx.trusted else ctx.policy.allowed_models
+    allowed = None if ctx.trusted else ctx.permissions.allowed_models
     if options.any_model:
         if allowed is None:
             return None, None
@@ -649,13 +650,14 @@ def _eligible_models(ctx: _Context, model: str | None,
 
 
 def _check_host(ctx: _Context) -> str | None:
-    host, policy, inventory = ctx.options.host, ctx.policy, ctx.inventory
+    host, permissions, inventory = ctx.options.host, ctx.permissions, ctx.inventory
     if host is None:
         return None
-    if not ctx.trusted and policy.allowed_hosts is not None and host not in policy.allowed_hosts:
+    allowed = permissions.allowed_hosts
+    if not ctx.trusted and allowed is not None and host not in allowed:
         raise OptionsError(
             f"You may not use host '{host}'. "
-            f"Hosts you may use: {', '.join(policy.allowed_hosts) or 'none'}.",
+            f"Hosts you may use: {', '.join(allowed) or 'none'}.",
             field="host",
         )
     if inventory is not None and host not in {n.host for n in inventory.nodes}:
@@ -672,7 +674,7 @@ def _gpus_per_host(ctx: _Context, eligible: list[ModelSummary] | None,
     if ctx.inventory is None or eligible is None:
         return per_host
     eligible_names = {m.model for m in eligible}
-    allowed_hosts = ctx.policy.allowed_hosts
+    allowed_hosts = ctx.permissions.allowed_hosts
     for gpu in ctx.inventory.gpus:
         if gpu.mig_enabled:
             continue  # a GPU in MIG mode is no unit: its instances are counted instead
@@ -688,16 +690,16 @@ def _gpus_per_host(ctx: _Context, eligible: list[ModelSummary] | None,
 def _check_share(ctx: _Context, eligible: list[ModelSummary] | None, model: str | None,
                  models: list[str] | None, what: str) -> tuple[int | None, list[str] | None]:
     """The slice's budget, and the models narrowed to those that can be shared."""
-    policy = ctx.policy
-    memory = ctx.options.share_memory_mib or policy.default_share_memory_mib
+    permissions = ctx.permissions
+    memory = ctx.options.share_memory_mib or permissions.default_share_memory_mib
     if (
         not ctx.trusted
         and memory is not None
-        and policy.max_share_memory_mib is not None
-        and memory > policy.max_share_memory_mib
+        and permissions.max_share_memory_mib is not None
+        and memory > permissions.max_share_memory_mib
     ):
         raise OptionsError(
-            f"A shared slice may have at most {policy.max_share_memory_mib} MiB; "
+            f"A shared slice may have at most {permissions.max_share_memory_mib} MiB; "
             f"you asked for {memory} MiB.",
             field="share_memory_mib",
         )
@@ -728,10 +730,10 @@ def _check_share(ctx: _Context, eligible: list[ModelSummary] | None, model: str 
 def _check_count(ctx: _Context, per_host: dict[str, int], host: str | None,
                  what: str) -> int | str:
     """The number of whole GPUs (or ``"all"``) within the user's limit and the hosts."""
-    options, policy = ctx.options, ctx.policy
-    limit = MAX_COUNT if ctx.trusted else policy.max_gpus
+    options, permissions = ctx.options, ctx.permissions
+    limit = MAX_COUNT if ctx.trusted else permissions.max_gpus
     if options.all_gpus_of_host:
-        if not ctx.trusted and not policy.allow_all_gpus_of_host:
+        if not ctx.trusted and not permissions.allow_all_gpus_of_host:
             raise OptionsError(
                 "'All GPUs of a host' is not offered here; choose a number of GPUs.",
                 field="count",

@@ -14,7 +14,7 @@ Life of one server (docs/design.md, flows 1 and 3):
 1. ``options_form`` asks the allocator for its inventory and renders the spawn form;
    ``options_from_form`` turns the submitted fields into ``user_options``. REST clients send
    the same ``user_options``.
-2. ``apply_user_options`` (and again ``start``) checks the choice against the admin's policy:
+2. ``apply_user_options`` (and again ``start``) checks the choice against what the admin permits:
    a forged choice fails with HTTP 400 before anything is asked of the allocator.
 3. ``start`` sends ``allocate`` with the idempotent key ``<hub_id>/<user>/<server>``; a queued
    request reports its position through ``progress()`` until granted or its wait runs out.
@@ -65,7 +65,7 @@ from .leasing import effective_wait, lease_gpus, run_detached, shared_client
 from .options import (
     GPUMode,
     GPUOptions,
-    GPUPolicy,
+    GPUPermissions,
     ModelCatalog,
     OptionsError,
     Profile,
@@ -75,7 +75,7 @@ from .options import (
     load_profiles,
     options_from_form,
     parse_user_options,
-    policy_for,
+    permissions_for,
     request_key,
     visible_profiles,
 )
@@ -382,9 +382,9 @@ class GPUSwarmSpawner(SwarmSpawner):
         """The admin's profiles this user may use."""
         return visible_profiles(load_profiles(self.gpu_profiles), self.user_groups())
 
-    def gpu_policy(self) -> GPUPolicy:
+    def gpu_permissions(self) -> GPUPermissions:
         """What this user may ask for."""
-        return policy_for(
+        return permissions_for(
             self.user_groups(),
             group_models=self.group_models,
             default_models=self.default_models,
@@ -408,7 +408,8 @@ class GPUSwarmSpawner(SwarmSpawner):
         self, options: GPUOptions, profile: Profile | None, inventory: InventoryReply | None
     ) -> Any:
         try:
-            return check_options(options, self.gpu_policy(), inventory, trusted=profile is not None)
+            return check_options(options, self.gpu_permissions(), inventory,
+                                 trusted=profile is not None)
         except OptionsError as exc:
             raise user_error(400, str(exc)) from None
 
@@ -457,16 +458,17 @@ class GPUSwarmSpawner(SwarmSpawner):
         except OptionsError:
             pass
         images = self._get_allowed_images()
-        policy, profiles = self.gpu_policy(), self.profiles()
+        permissions, profiles = self.gpu_permissions(), self.profiles()
         borrow = None
-        if inventory is not None and policy.may_use_gpus:
+        if inventory is not None and permissions.may_use_gpus:
             catalog = ModelCatalog(inventory.models)
             borrow = await borrow_outlook(
                 self.allocator_client(), self.user.name, self.user_groups(),
-                amounts_offered(policy, profiles, catalog), timeout_s=self.allocator_form_timeout)
+                amounts_offered(permissions, profiles, catalog),
+                timeout_s=self.allocator_form_timeout)
         return render_form(
             inventory,
-            policy=policy,
+            permissions=permissions,
             profiles=profiles,
             borrow=borrow,
             current=current,
@@ -512,7 +514,7 @@ class GPUSwarmSpawner(SwarmSpawner):
         # One RPC per spawn: the allocator checks the request against the cluster and refuses
         # with its own text. Only a user held to a list of models needs the cluster's model
         # names first (aliases, and which of the allowed models exist to ask for).
-        restricted = profile is None and self.gpu_policy().allowed_models is not None
+        restricted = profile is None and self.gpu_permissions().allowed_models is not None
         inventory = await self._inventory_or_none() if restricted else None
         checked = self.check_choice(options, profile, inventory)
         if checked is None:
@@ -565,6 +567,7 @@ class GPUSwarmSpawner(SwarmSpawner):
                     extra_create_kwargs=self.extra_create_kwargs,
                     extra_task_spec=self.extra_task_spec,
                     server_name=self.name or "",
+                    groups=self.user_groups(),
                 )
             except BuildError as exc:
                 raise user_error(500, f"Cannot place the server: {exc}") from None

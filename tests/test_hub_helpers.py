@@ -14,7 +14,7 @@ from hubplugin.options import (
     OptionsError,
     choice_from_user_options,
     load_profiles,
-    policy_for,
+    permissions_for,
 )
 from hubplugin.overrides import OverrideError, SavedSettings, profile_settings, settings_swapped
 from hubplugin.progress import SpawnProgress
@@ -83,17 +83,17 @@ async def _collect(progress: SpawnProgress) -> list[dict[str, Any]]:
     return [event async for event in progress.events()]
 
 
-def test_policy_takes_the_largest_group_limit_within_one_request() -> None:
+def test_the_largest_group_limit_counts_within_one_request() -> None:
     common: dict[str, Any] = {
         "group_models": {}, "default_models": ["*"], "allowed_hosts": None,
         "max_share_memory_mib": None, "default_share_memory_mib": None,
         "allow_all_gpus_of_host": True,
     }
-    staff = policy_for(["staff"], user_max_gpus=1, group_max_gpus={"staff": 4, "ml": 9},
+    staff = permissions_for(["staff"], user_max_gpus=1, group_max_gpus={"staff": 4, "ml": 9},
                        **common)
     assert staff.max_gpus == 4
-    assert policy_for([], user_max_gpus=10**6, group_max_gpus={}, **common).max_gpus == 64
-    assert policy_for([], user_max_gpus=-3, group_max_gpus={}, **common).max_gpus == 0
+    assert permissions_for([], user_max_gpus=10**6, group_max_gpus={}, **common).max_gpus == 64
+    assert permissions_for([], user_max_gpus=-3, group_max_gpus={}, **common).max_gpus == 0
 
 
 def test_a_spawn_that_only_picks_an_image_gets_the_default() -> None:

@@ -1,4 +1,4 @@
-"""User GPU choices: parsing (form and REST), policy checks, and the allocate request."""
+"""User GPU choices: parsing (form and REST), permission checks, and the allocate request."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from allocator.protocol import AllocateRequest
 from hubplugin.options import (
     GPUMode,
     GPUOptions,
-    GPUPolicy,
+    GPUPermissions,
     OptionsError,
     Profile,
     allowed_models_for,
@@ -25,8 +25,8 @@ from hubplugin.options import (
 )
 
 INV = inventory()
-STUDENTS = GPUPolicy(allowed_models=["1070"], max_gpus=2, groups=["students"])
-STAFF = GPUPolicy(allowed_models=None, max_gpus=8, groups=["staff"])
+STUDENTS = GPUPermissions(allowed_models=["1070"], max_gpus=2, groups=["students"])
+STAFF = GPUPermissions(allowed_models=None, max_gpus=8, groups=["staff"])
 
 
 # ----------------------------------------------------------------------- parsing REST JSON
@@ -131,7 +131,7 @@ def test_form_output_round_trips_through_rest_parser() -> None:
     )
 
 
-# -------------------------------------------------------------------------------- policy
+# -------------------------------------------------------------------------------- permissions
 
 
 def test_allowed_models_union_over_groups() -> None:
@@ -170,7 +170,7 @@ def test_the_hub_accepts_every_spelling_the_allocator_accepts() -> None:
         opts = GPUOptions(mode=GPUMode.EXCLUSIVE, model=spelling)
         checked = check_options(opts, STUDENTS, INV)
         assert checked is not None and checked.model == GTX1070, spelling
-        without = GPUPolicy(allowed_models=["NVIDIA GeForce GTX 1070"], max_gpus=1)
+        without = GPUPermissions(allowed_models=["NVIDIA GeForce GTX 1070"], max_gpus=1)
         assert check_options(opts, without, None) is not None, spelling
 
 
@@ -202,9 +202,9 @@ def test_any_model_sends_the_allowed_list() -> None:
 
 
 def test_any_model_with_none_of_the_allowed_models_in_the_cluster() -> None:
-    policy = GPUPolicy(allowed_models=["h100"], max_gpus=1)
+    permissions = GPUPermissions(allowed_models=["h100"], max_gpus=1)
     with pytest.raises(OptionsError, match="None of the GPU models you may use"):
-        check_options(GPUOptions(mode=GPUMode.EXCLUSIVE), policy, INV)
+        check_options(GPUOptions(mode=GPUMode.EXCLUSIVE), permissions, INV)
 
 
 def test_count_above_the_user_limit() -> None:
@@ -223,10 +223,10 @@ def test_count_no_host_can_hold() -> None:
 
 
 def test_user_without_gpus() -> None:
-    for policy in (GPUPolicy(allowed_models=[], max_gpus=4), GPUPolicy(max_gpus=0)):
+    for permissions in (GPUPermissions(allowed_models=[], max_gpus=4), GPUPermissions(max_gpus=0)):
         with pytest.raises(OptionsError, match="You may not use GPUs"):
-            check_options(GPUOptions(mode=GPUMode.EXCLUSIVE), policy, INV)
-        assert check_options(GPUOptions(mode=GPUMode.NONE), policy, INV) is None
+            check_options(GPUOptions(mode=GPUMode.EXCLUSIVE), permissions, INV)
+        assert check_options(GPUOptions(mode=GPUMode.NONE), permissions, INV) is None
 
 
 def test_unknown_host() -> None:
@@ -236,10 +236,10 @@ def test_unknown_host() -> None:
 
 
 def test_host_not_allowed() -> None:
-    policy = GPUPolicy(max_gpus=1, allowed_hosts=["gpu-a"])
+    permissions = GPUPermissions(max_gpus=1, allowed_hosts=["gpu-a"])
     with pytest.raises(OptionsError, match="You may not use host 'gpu-c'"):
-        check_options(GPUOptions(mode=GPUMode.EXCLUSIVE, host="gpu-c"), policy, None)
-    checked = check_options(GPUOptions(mode=GPUMode.EXCLUSIVE, host="gpu-a"), policy, INV)
+        check_options(GPUOptions(mode=GPUMode.EXCLUSIVE, host="gpu-c"), permissions, None)
+    checked = check_options(GPUOptions(mode=GPUMode.EXCLUSIVE, host="gpu-a"), permissions, INV)
     assert checked is not None and checked.host == "gpu-a"
 
 
@@ -258,9 +258,9 @@ def test_share_larger_than_the_gpu() -> None:
 
 
 def test_share_above_the_admin_maximum() -> None:
-    policy = GPUPolicy(max_gpus=1, max_share_memory_mib=2048)
+    permissions = GPUPermissions(max_gpus=1, max_share_memory_mib=2048)
     with pytest.raises(OptionsError, match="at most 2048 MiB; you asked for 4096"):
-        check_options(GPUOptions(mode=GPUMode.SHARED, share_memory_mib=4096), policy, None)
+        check_options(GPUOptions(mode=GPUMode.SHARED, share_memory_mib=4096), permissions, None)
 
 
 def test_share_of_an_exclusive_only_model() -> None:
@@ -274,9 +274,9 @@ def test_shared_any_model_keeps_only_shareable_models() -> None:
     assert checked.count == 1 and checked.share_memory_mib == 1024
 
 
-def test_shared_default_budget_comes_from_policy() -> None:
-    policy = GPUPolicy(max_gpus=1, default_share_memory_mib=1536)
-    checked = check_options(GPUOptions(mode=GPUMode.SHARED), policy, INV)
+def test_shared_default_budget_comes_from_the_permissions() -> None:
+    permissions = GPUPermissions(max_gpus=1, default_share_memory_mib=1536)
+    checked = check_options(GPUOptions(mode=GPUMode.SHARED), permissions, INV)
     assert checked is not None and checked.share_memory_mib == 1536
 
 
@@ -285,14 +285,14 @@ def test_all_gpus_of_host() -> None:
     checked = check_options(opts, STAFF, INV)
     assert checked is not None and checked.count == "all"
     with pytest.raises(OptionsError) as err:
-        check_options(opts, GPUPolicy(max_gpus=2), INV)
+        check_options(opts, GPUPermissions(max_gpus=2), INV)
     assert "could give you 4 GPUs, more than your limit of 2" in str(err.value)
     # any model: the 1070 host fits within 2, and the message says so
     with pytest.raises(OptionsError, match="Hosts within your limit: gpu-a"):
         check_options(GPUOptions(mode=GPUMode.EXCLUSIVE, all_gpus_of_host=True),
-                      GPUPolicy(max_gpus=2), INV)
+                      GPUPermissions(max_gpus=2), INV)
     with pytest.raises(OptionsError, match="not offered"):
-        check_options(opts, GPUPolicy(max_gpus=8, allow_all_gpus_of_host=False), INV)
+        check_options(opts, GPUPermissions(max_gpus=8, allow_all_gpus_of_host=False), INV)
 
 
 def test_trusted_profile_skips_user_limits_but_not_sanity() -> None:

@@ -58,18 +58,18 @@ def test_bad_configuration_is_refused() -> None:
         make(wait_s=-1)
 
 
-def test_policy_from_groups() -> None:
+def test_permissions_from_groups() -> None:
     config: dict[str, Any] = {"group_models": {"students": ["1070"], "staff": ["*"]},
                               "default_models": [],
               "group_max_gpus": {"staff": 8}}
-    student = make(**config).gpu_policy()
+    student = make(**config).gpu_permissions()
     assert student.allowed_models == ["1070"] and student.max_gpus == 1
-    staff = make("carol", ("staff",), **config).gpu_policy()
+    staff = make("carol", ("staff",), **config).gpu_permissions()
     assert staff.allowed_models is None and staff.max_gpus == 8
-    visitor = make("vic", (), **config).gpu_policy()
+    visitor = make("vic", (), **config).gpu_permissions()
     assert visitor.allowed_models == [] and not visitor.may_use_gpus
     called = make(user_max_gpus=lambda spawner: 3 if spawner.user.name == "alice" else 0)
-    assert called.gpu_policy().max_gpus == 3
+    assert called.gpu_permissions().max_gpus == 3
 
 
 def test_state_survives_clear_state_until_released() -> None:
@@ -112,7 +112,7 @@ def test_forged_choice_is_a_400_with_a_message(user_options: dict, needle: str) 
     assert needle in err.value.jupyterhub_message  # type: ignore[attr-defined]
 
 
-def test_policy_violation_before_the_allocator_is_asked() -> None:
+def test_a_forbidden_choice_is_refused_before_the_allocator_is_asked() -> None:
     spawner = make(group_models={"students": ["1070"]})
     spawner.user_options = {"mode": "exclusive", "model": "a100"}
     with pytest.raises(web.HTTPError) as err:
@@ -154,7 +154,8 @@ def test_allocator_errors_become_clear_http_errors(error: AllocatorError, status
 
 def test_hubplugin_imports_only_the_allocators_public_surface() -> None:
     code = (
-        "import sys, hubplugin.spawner, hubplugin.form, hubplugin.builders, hubplugin.options;"
+        "import sys, hubplugin.spawner, hubplugin.form, hubplugin.builders, hubplugin.options,"
+        " hubplugin.page.app;"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('allocator'))))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -16,9 +16,9 @@ from allocator.engine import Engine
 from allocator.ledger import Changes
 from allocator.protocol import AllocateRequest, LeaseReply
 from hubplugin.form import render_form
-from hubplugin.options import GPUPolicy
+from hubplugin.options import GPUPermissions
 
-STAFF = GPUPolicy(max_gpus=4, groups=["staff"])
+STAFF = GPUPermissions(max_gpus=4, groups=["staff"])
 
 
 def test_profiles_are_listed_with_free_counts_and_the_mig_gpu_is_not(tmp_path: Path) -> None:
@@ -28,7 +28,7 @@ def test_profiles_are_listed_with_free_counts_and_the_mig_gpu_is_not(tmp_path: P
     granted = engine.handle(AllocateRequest(request_key="k", user="u", model=MIG_1G), HUB,
                             1.5, Changes())
     assert isinstance(granted, LeaseReply)
-    form = parse(render_form(engine.inventory(2.0), policy=STAFF))
+    form = parse(render_form(engine.inventory(2.0), permissions=STAFF))
     options = {o["value"]: str(o["text"]) for o in form.selects["model"]}
     assert set(options) == {"any", MIG_1G, f"{A100} MIG 3g.20gb"}  # no whole A100 offered
     assert "NVIDIA A100-SXM4-40GB · 1g.5gb" in options[MIG_1G]

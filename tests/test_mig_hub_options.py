@@ -16,7 +16,7 @@ from allocator.engine import Engine
 from allocator.ledger import Changes
 from allocator.protocol import GPUInfo, Heartbeat, InventoryReply
 from hubplugin.options import (
-    GPUPolicy,
+    GPUPermissions,
     OptionsError,
     build_allocate_request,
     check_options,
@@ -24,8 +24,8 @@ from hubplugin.options import (
     parse_user_options,
 )
 
-STAFF = GPUPolicy(max_gpus=8, groups=["staff"], allow_all_gpus_of_host=True)
-TWO = GPUPolicy(max_gpus=2, groups=["staff"], allow_all_gpus_of_host=True)
+STAFF = GPUPermissions(max_gpus=8, groups=["staff"], allow_all_gpus_of_host=True)
+TWO = GPUPermissions(max_gpus=2, groups=["staff"], allow_all_gpus_of_host=True)
 
 
 def mig_inventory(tmp_path: Path) -> InventoryReply:
