@@ -1,6 +1,6 @@
 """Spawn to ready on the real hub and engine: with a GPU through swarm-gpu, and without.
 
-    python bench/spawn.py [--spawns 30]      # about 6 minutes; prints one JSON object
+    python bench/spawn.py [--spawns 30]      # about 9 minutes; prints one JSON object
 
 Runs, on a fresh vhost of the local broker and the shared Docker engine in Swarm mode
 (``scripts/services start``; ``source .services/env``):
