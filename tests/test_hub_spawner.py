@@ -154,7 +154,8 @@ def test_allocator_errors_become_clear_http_errors(error: AllocatorError, status
 
 def test_hubplugin_imports_only_the_allocators_public_surface() -> None:
     code = (
-        "import sys, hubplugin.spawner, hubplugin.form, hubplugin.builders, hubplugin.options;"
+        "import sys, hubplugin.spawner, hubplugin.form, hubplugin.builders, hubplugin.options,"
+        " hubplugin.page.app;"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('allocator'))))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -97,8 +97,11 @@ class Reclaimer(NodeReconciliation):
                   and r.reclaim_stopped_at is None]
         if not self._queue and not warned:
             return
+        candidates = self._candidates(now)
+        if not candidates and not warned:
+            return  # nothing could go: no need to simulate the queue
         plan = fairshare.plan_reclaims(
-            self._waiters() if self._queue else [], self._candidates(now),
+            self._waiters() if self._queue else [], candidates,
             self._placement_view(now), self.settings, now=now,
             down_after_s=self.settings.node_down_after_s,
             idle_window_s=self.settings.idle_window_s)

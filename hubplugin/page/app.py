@@ -96,7 +96,9 @@ class GPUPage:
         except AllocatorError as exc:
             inventory, unavailable = self.latest, exc.message
         now = time.time()
-        lease_ids = [lease.lease_id for lease in (inventory.leases or [])] if inventory else []
+        # only the viewer's own leases have charts
+        lease_ids = [lease.lease_id for lease in (inventory.leases or [])
+                     if lease.user == viewer.name] if inventory else []
         history = await self.history.points(lease_ids, since=now - self.window.span_s)
         context = page_context(inventory, viewer, history, now=now, window=self.window,
                                hub_id=self.settings.hub_id, unavailable=unavailable,
