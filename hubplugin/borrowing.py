@@ -3,8 +3,9 @@
 
 The allocator decides, never the hub: the form asks ``quota`` once for each distinct amount its
 choices stand for (a whole GPU counts 1, a shared slice ``1/slots`` of its model) and reads
-each reply's ``would_borrow``. The calls go out together and the form renders without hints
-when any of them fails, or when the allocator has no guarantees to speak of
+each reply's ``would_borrow``. An amount beyond what a quota says is ``free`` would be refused
+(``quota_exceeded``), not borrowed, and is not marked. The calls go out together and the form
+renders without hints when any of them fails, or when the allocator cannot tell
 (``would_borrow`` null).
 """
 
@@ -88,7 +89,14 @@ async def borrow_outlook(client: AllocatorClient, user: str, groups: Sequence[st
         return None
     if any(reply.would_borrow is None for reply in replies):
         return None
+    quotas = replies[0].quotas
     return BorrowOutlook(
-        quotas=replies[0].quotas,
-        borrowed={amount: bool(reply.would_borrow) for amount, reply in zip(asked, replies,
-                                                                             strict=True)})
+        quotas=quotas,
+        borrowed={amount: bool(reply.would_borrow) and not _beyond_a_limit(amount, quotas)
+                  for amount, reply in zip(asked, replies, strict=True)})
+
+
+def _beyond_a_limit(amount: float, quotas: Sequence[QuotaView]) -> bool:
+    """Whether ``amount`` is more than a quota's ``free`` (what the allocator says may still
+    be held): such a request is refused ``quota_exceeded``, not borrowed."""
+    return any(quota.free is not None and amount > quota.free + 1e-9 for quota in quotas)

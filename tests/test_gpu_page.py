@@ -334,8 +334,9 @@ async def test_the_spawn_form_says_which_choices_would_be_borrowed(
     cluster: Cluster, client: AllocatorClient, page_hub: Hub, chromium_path: Path,
     tmp_path: Path,
 ) -> None:
-    """dave (staff: up to 8 GPUs by the hub's policy) is guaranteed one GPU and holds none:
-    one GPU is within his guarantee, two would be borrowed."""
+    """dave (staff: up to 8 GPUs by the hub's policy) is guaranteed one GPU, may borrow one
+    more, and holds none: one GPU is within his guarantee, two would be borrowed, three would
+    be refused."""
     async with asyncio.timeout(TEST_BUDGET_S):
         def drive(profile: str) -> dict[str, Any]:
             with Browser(chromium_path, tmp_path / profile) as browser:
@@ -346,7 +347,7 @@ async def test_the_spawn_form_says_which_choices_would_be_borrowed(
                 seen: dict[str, Any] = {"cards": browser.evaluate(tab, """
                     Object.fromEntries([...document.querySelectorAll('label.sg-card')].map(
                         c => [c.querySelector('input').value, c.innerText]))""")}
-                for count in ("1", "2"):
+                for count in ("1", "2", "3"):
                     browser.evaluate(tab, f"""
                         document.querySelector('input[name=profile][value=custom]').click();
                         document.querySelector('input[name=mode][value=exclusive]').click();
@@ -364,12 +365,13 @@ async def test_the_spawn_form_says_which_choices_would_be_borrowed(
         seen = await asyncio.to_thread(drive, "chromium-before")
         assert "Borrowed beyond your guarantee" in seen["cards"]["two-3090"]
         assert "Borrowed" not in seen["cards"]["gtx1070"]
-        assert (seen["1"], seen["2"], seen["two-3090"]) == (False, True, True)
+        # three is beyond his borrow limit: refused, not borrowed
+        assert (seen["1"], seen["2"], seen["3"], seen["two-3090"]) == (False, True, False, True)
         assert "1 GPU guaranteed to you (you hold 0); beyond it, up to 2 GPUs in all" \
             in seen["limits"], seen["limits"]
 
-        # once he holds his guaranteed GPU, even one more would be borrowed
+        # once he holds his guaranteed GPU, one more would be borrowed, two are too many
         await lease_for(client, page_hub, "dave", "1070", server="first")
         seen = await asyncio.to_thread(drive, "chromium-after")
-        assert (seen["1"], seen["2"]) == (True, True)
+        assert (seen["1"], seen["2"]) == (True, False)
         assert "Borrowed beyond your guarantee" in seen["cards"]["gtx1070"]

@@ -314,3 +314,25 @@ def test_choices_the_allocator_says_would_be_borrowed_are_marked() -> None:
     assert not any("data-borrowed" in i for i in plain.inputs)
     assert not any("data-borrowed" in o for o in plain.selects["count"])
     assert "guaranteed to you" not in "".join(plain.text)
+
+
+def test_the_guarantees_that_allow_borrowing_are_listed() -> None:
+    from allocator.protocol import QuotaView
+    from hubplugin.borrowing import BorrowOutlook
+
+    def quota(scope: str, name: str, guaranteed: float | None, limit: float | None,
+              held: float) -> QuotaView:
+        return QuotaView(scope=scope, name=name, limit=limit, held=held,
+                         free=None if limit is None else limit - held, guaranteed=guaranteed,
+                         borrow_limit=limit)
+
+    outlook = BorrowOutlook(quotas=[
+        quota("user", "alice", 1.0, 1.0, 0.0),  # no borrowing: not listed
+        quota("group", "students", 4.0, None, 2.5),
+        quota("group", "staff", None, None, 0.0),  # unlimited: not listed
+    ], borrowed={})
+    assert outlook.summary() == ("4 GPUs guaranteed to group students (its members hold 2.5); "
+                                 "beyond it, more while GPUs are free, borrowed")
+    assert BorrowOutlook(quotas=[quota("user", "bob", 2.0, 2.0, 1.0)], borrowed={}).summary() \
+        is None
+    assert not outlook.would_borrow(None) and not outlook.would_borrow(3.0)
