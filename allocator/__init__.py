@@ -1,8 +1,9 @@
 """swarm-gpu allocator: GPU leases over AMQP RPC from a SQLite ledger.
 
 Public surface for other parts (:data:`PUBLIC_SURFACE`): :mod:`allocator.protocol`
-(messages), :mod:`allocator.topology` (broker names), :mod:`allocator.client` (the RPC
-client), :mod:`allocator.model_names` (which spellings mean which GPU model) and
+(messages), :mod:`allocator.topology` (broker names), :mod:`allocator.broker` (broker
+addresses: one URL naming several broker nodes), :mod:`allocator.client` (the RPC client),
+:mod:`allocator.model_names` (which spellings mean which GPU model) and
 :mod:`allocator.lease_container` (the label and environment of a lease's container),
 :mod:`allocator.heartbeat_delta` (what a heartbeat delta carries and how it applies),
 :mod:`allocator.tasks` (bounded shutdown of background tasks) and
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 PUBLIC_SURFACE = frozenset({
     "allocator.protocol",
     "allocator.topology",
+    "allocator.broker",
     "allocator.client",
     "allocator.model_names",
     "allocator.lease_container",

@@ -18,6 +18,7 @@ The builders return new dicts, so a new label or variable is one more entry here
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
 from pydantic import ValidationError
@@ -51,14 +52,19 @@ SERVER_LABEL = "swarm-gpu.server"
 """The server name (empty for a user's default server)."""
 REQUEST_KEY_LABEL = "swarm-gpu.request-key"
 """The request key the lease was granted for (idempotency after an adoption too)."""
+GROUPS_LABEL = "swarm-gpu.groups"
+"""The user's groups the lease was asked with, a JSON list (group names may hold commas):
+an adopted lease counts against its groups' quotas and guarantees again."""
 
 GRANT_LABELS = (HOST_LABEL, GPUS_LABEL, SHARED_LABEL, MEMORY_LABEL, USER_LABEL, SERVER_LABEL,
-                REQUEST_KEY_LABEL)
+                REQUEST_KEY_LABEL, GROUPS_LABEL)
 """Every label of the grant besides :data:`LEASE_LABEL`."""
 
 
-def grant_labels(lease: Lease, server_name: str = "") -> dict[str, str]:
-    """The labels of a container that runs for ``lease`` (lease id and grant)."""
+def grant_labels(lease: Lease, server_name: str = "",
+                 groups: Sequence[str] = ()) -> dict[str, str]:
+    """The labels of a container that runs for ``lease`` (lease id and grant); ``groups``:
+    the user's groups the lease was asked with."""
     labels = {
         LEASE_LABEL: lease.lease_id,
         HOST_LABEL: lease.host or "",
@@ -67,6 +73,7 @@ def grant_labels(lease: Lease, server_name: str = "") -> dict[str, str]:
         USER_LABEL: lease.user,
         SERVER_LABEL: server_name,
         REQUEST_KEY_LABEL: lease.request_key,
+        GROUPS_LABEL: json.dumps(sorted(groups), separators=(",", ":")),
     }
     if lease.shared and lease.memory_mib is not None:
         labels[MEMORY_LABEL] = str(lease.memory_mib)
@@ -83,6 +90,9 @@ def grant_from_labels(labels: Mapping[str, str]) -> ContainerGrant | str | None:
         memory_mib = int(memory) if memory not in (None, "") else None
     except ValueError:
         return f"{MEMORY_LABEL} is not a whole number: {memory!r}"
+    groups = _groups(labels.get(GROUPS_LABEL))
+    if isinstance(groups, str):
+        return groups
     try:
         return ContainerGrant(
             host=labels.get(HOST_LABEL, ""),
@@ -92,9 +102,24 @@ def grant_from_labels(labels: Mapping[str, str]) -> ContainerGrant | str | None:
             user=labels.get(USER_LABEL, ""),
             server_name=labels.get(SERVER_LABEL, ""),
             request_key=labels.get(REQUEST_KEY_LABEL, ""),
+            groups=groups,
         )
     except ValidationError as exc:
         return describe_validation_error(exc)
+
+
+def _groups(text: str | None) -> list[str] | str:
+    """The groups of :data:`GROUPS_LABEL` (none when absent: containers labelled before it),
+    or why the label is not a list of names."""
+    if text in (None, ""):
+        return []
+    try:
+        groups = json.loads(text)
+    except ValueError:
+        return f"{GROUPS_LABEL} is not JSON: {text[:100]!r}"
+    if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
+        return f"{GROUPS_LABEL} is not a list of group names: {text[:100]!r}"
+    return groups
 
 
 def lease_labels(lease_id: str) -> dict[str, str]:

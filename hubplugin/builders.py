@@ -147,19 +147,22 @@ def build_service_spec(
     extra_create_kwargs: Mapping[str, Any] | None = None,
     extra_task_spec: Mapping[str, Any] | None = None,
     server_name: str = "",
+    groups: Sequence[str] = (),
 ) -> ServiceGPUSpec:
     """Everything the service needs for this lease, merged with the admin's settings.
 
     The admin's dicts are copied, never modified. The container carries the whole grant
     (:func:`~allocator.lease_container.grant_labels`, with ``server_name``, the JupyterHub
-    server's name, empty for a user's default server), the service the lease label. Without
+    server's name, empty for a user's default server, and the user's ``groups`` the lease was
+    asked with), the service the lease label. Without
     a lease the placement is the admin's own and any stale lease or grant label is removed.
     """
     env = gpu_env(lease)
     lease_id = lease.lease_id if lease is not None else None
     host = lease.host if lease is not None else None
     container = _with_labels(extra_container_spec or {}, "labels",
-                             grant_labels(lease, server_name) if lease is not None else {})
+                             grant_labels(lease, server_name, groups)
+                             if lease is not None else {})
     create = _with_labels(extra_create_kwargs or {}, "labels",
                           lease_labels(lease_id) if lease_id is not None else {})
     placement = copy.deepcopy(dict(extra_placement_spec or {}))

@@ -552,6 +552,7 @@ class GPUSwarmSpawner(SwarmSpawner):
                     extra_create_kwargs=self.extra_create_kwargs,
                     extra_task_spec=self.extra_task_spec,
                     server_name=self.name or "",
+                    groups=self.user_groups(),
                 )
             except BuildError as exc:
                 raise user_error(500, f"Cannot place the server: {exc}") from None

@@ -19,6 +19,7 @@ from allocator.protocol import (
     ContainerEvent,
     ContainerGrant,
     ContainerInfo,
+    ErrorCode,
     ErrorReply,
     GPUInfo,
     Heartbeat,
@@ -47,9 +48,10 @@ def beat(host: str, at: float, containers: list[ContainerInfo], *, gpus: int = 2
 
 
 def grant(host: str, *indices: int, shared: bool = False, memory_mib: int | None = None,
-          key: str = "hub/alice/") -> ContainerGrant:
+          key: str = "hub/alice/", groups: tuple[str, ...] = ()) -> ContainerGrant:
     return ContainerGrant(host=host, gpu_uuids=[uuid(host, i) for i in indices], shared=shared,
-                          memory_mib=memory_mib, user="alice", request_key=key)
+                          memory_mib=memory_mib, user="alice", request_key=key,
+                          groups=list(groups))
 
 
 def running(lease_id: str, container_id: str, labels: ContainerGrant | None,
@@ -115,6 +117,22 @@ def test_an_empty_ledger_adopts_running_containers_before_granting(tmp_path: Pat
     engine.handle(ContainerEvent(host="a", container_id="c-x", lease_id="lease-x",
                                  action=ContainerAction.DIE, at=3.0), NODE, 3.0, changes)
     assert engine.recent["lease-x"].release_reason is ReleaseReason.CONTAINER_EXITED
+
+
+def test_an_adopted_lease_counts_against_its_groups_quota(tmp_path: Path) -> None:
+    """The groups travel in the grant labels: after a lost ledger, the group's quota still
+    sees the GPU its member's running notebook holds."""
+    engine = Engine(settings(tmp_path, group_quota={"students": 1}), started_at=0.0)
+    engine.load(_empty_state(tmp_path), 0.0, fenced=True)
+    changes = Changes()
+    labelled = running("lease-s", "c-s", grant("a", 0, groups=("students",)), started_at=0.1)
+    engine.handle(beat("a", 1.0, [labelled]), NODE, 1.0, changes)
+    assert engine.leases["lease-s"].groups == ("students",)
+    refused = allocate(engine, "hub/bob/", 1.5, changes, model=MODEL, groups=["students"])
+    assert isinstance(refused, ErrorReply), refused
+    assert refused.error.code is ErrorCode.QUOTA_EXCEEDED
+    other = allocate(engine, "hub/carol/", 1.5, changes, model=MODEL, groups=["staff"])
+    assert isinstance(other, LeaseReply) and other.lease.gpu_uuids == [uuid("a", 1)]
 
 
 def _empty_state(tmp_path: Path) -> LoadedState:

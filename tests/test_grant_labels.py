@@ -6,6 +6,7 @@ import pytest
 
 from allocator.lease_container import (
     GPUS_LABEL,
+    GROUPS_LABEL,
     HOST_LABEL,
     LEASE_LABEL,
     MEMORY_LABEL,
@@ -58,4 +59,27 @@ def test_a_lease_label_alone_is_no_grant() -> None:
 def test_labels_that_make_no_grant_say_why(change: dict[str, str], why: str) -> None:
     labels = {**grant_labels(lease()), **change}
     answer = grant_from_labels(labels)
+    assert isinstance(answer, str) and why in answer, answer
+
+
+def test_the_groups_round_trip_even_with_commas_in_a_name() -> None:
+    labels = grant_labels(lease(), groups=["staff", "lab, north"])
+    assert labels[GROUPS_LABEL] == '["lab, north","staff"]'
+    grant = grant_from_labels(labels)
+    assert isinstance(grant, ContainerGrant) and grant.groups == ["lab, north", "staff"]
+
+
+def test_a_container_labelled_before_the_groups_label_has_no_groups() -> None:
+    labels = grant_labels(lease(), groups=["staff"])
+    del labels[GROUPS_LABEL]
+    grant = grant_from_labels(labels)
+    assert isinstance(grant, ContainerGrant) and grant.groups == []
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("staff", "not JSON"), ('{"g": 1}', "not a list of group names"), ("[1]", "not a list"),
+    ('[""]', "groups"),
+])
+def test_groups_labels_that_make_no_grant_say_why(value: str, why: str) -> None:
+    answer = grant_from_labels({**grant_labels(lease()), GROUPS_LABEL: value})
     assert isinstance(answer, str) and why in answer, answer

@@ -107,14 +107,14 @@ def test_full_spec_merges_without_touching_the_admins_settings() -> None:
     originals = copy.deepcopy((container, placement, create))
     spec = build_service_spec(
         lease(), extra_container_spec=container, extra_placement_spec=placement,
-        extra_create_kwargs=create,
+        extra_create_kwargs=create, groups=["students"],
     )
     assert (container, placement, create) == originals
     assert spec.extra_container_spec == {
         "labels": {"team": "ml", LEASE_LABEL: "L-42", "swarm-gpu.host": "gpu-a",
                    "swarm-gpu.gpus": "GPU-aaaa", "swarm-gpu.shared": "0",
                    "swarm-gpu.user": "alice", "swarm-gpu.server": "",
-                   "swarm-gpu.request-key": "hub/alice/"},
+                   "swarm-gpu.request-key": "hub/alice/", "swarm-gpu.groups": '["students"]'},
         "hostname": "nb",
     }
     assert spec.extra_placement_spec == {

@@ -57,7 +57,8 @@ class NodeTruth(LeaseBook):
             record = queued
         else:
             record = LeaseRecord(lease_id=lease_id, request_key=grant.request_key,
-                                 user=grant.user, groups=(), state=LeaseState.BOUND,
+                                 user=grant.user, groups=tuple(grant.groups),
+                                 state=LeaseState.BOUND,
                                  created_at=now, request={})
         models = {self.cluster.gpus[u].model for u in grant.gpu_uuids}
         record.state = LeaseState.BOUND
