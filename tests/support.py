@@ -7,12 +7,13 @@ simulated inventory does; these helpers make the GPUs and messages short to writ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import aio_pika
 import aio_pika.abc
@@ -35,6 +36,27 @@ from allocator.topology import (
 )
 
 T = TypeVar("T")
+
+
+class Startable(Protocol):
+    """A part that runs between ``start()`` and ``stop()``: a node agent, an allocator."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+PartT = TypeVar("PartT", bound=Startable)
+
+
+@contextlib.asynccontextmanager
+async def started(part: PartT) -> AsyncIterator[PartT]:
+    """``part`` started for the ``async with`` block and stopped after it, whatever happens."""
+    await part.start()
+    try:
+        yield part
+    finally:
+        await part.stop()
 
 GTX1070 = "NVIDIA GeForce GTX 1070"
 RTX3090 = "NVIDIA GeForce RTX 3090"

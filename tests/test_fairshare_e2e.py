@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import GTX1070, wait_until
+from support import GTX1070, started, wait_until
 from test_stop_on_release import plain_containers
 
 from allocator.client import AllocatorClient
@@ -85,14 +85,10 @@ def fair_settings(amqp_url: str, ledger_path: Path, **extra: Any) -> AllocatorSe
     return AllocatorSettings(**values)
 
 
-@contextlib.asynccontextmanager
-async def running_allocator(settings: AllocatorSettings) -> AsyncIterator[AllocatorService]:
-    service = AllocatorService(settings)
-    await service.start()
-    try:
-        yield service
-    finally:
-        await service.stop()
+def running_allocator(
+    settings: AllocatorSettings,
+) -> contextlib.AbstractAsyncContextManager[AllocatorService]:
+    return started(AllocatorService(settings))
 
 
 async def bound_lease(client: AllocatorClient, docker: Any, site: Site, user: str,

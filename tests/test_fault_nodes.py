@@ -41,7 +41,7 @@ from faults import (
     report,
     running_allocator,
 )
-from support import GTX1070, NodeSimulator, gpus, wait_until
+from support import GTX1070, NodeSimulator, gpus, started, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.invariants import NodeReport
@@ -222,14 +222,8 @@ def write_host(tmp_path: Path, host: str, count: int = 2) -> Path:
     return path
 
 
-@contextlib.asynccontextmanager
-async def running_agent(settings: AgentSettings):
-    agent = NodeAgent(settings)
-    await agent.start()
-    try:
-        yield agent
-    finally:
-        await agent.stop()
+def running_agent(settings: AgentSettings) -> contextlib.AbstractAsyncContextManager[NodeAgent]:
+    return started(NodeAgent(settings))
 
 
 @contextlib.asynccontextmanager

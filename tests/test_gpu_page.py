@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 from hub_browser import Browser
 from hub_harness import Hub
-from support import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
+from support import GTX1070, RTX3090, NodeSimulator, gpus, started, wait_until
 
 from allocator.client import AllocatorClient
 from allocator.protocol import (
@@ -93,16 +93,12 @@ async def allocator(amqp_vhost: Any, ledger_path: Path) -> AsyncIterator[Any]:
     from allocator.config import AllocatorSettings
     from allocator.service import AllocatorService
 
-    service = AllocatorService(AllocatorSettings(
+    async with started(AllocatorService(AllocatorSettings(
         amqp_url=amqp_vhost.url, ledger_path=ledger_path, allow_any_node_user=True,
         admin_users=["guest"], tick_s=0.1, start_fence_s=0,
         aliases={"1070": GTX1070, "3090": RTX3090},
-        default_user_quota=1, default_user_borrow_limit=2, reclaim_grace_s=600))
-    await service.start()
-    try:
+        default_user_quota=1, default_user_borrow_limit=2, reclaim_grace_s=600))) as service:
         yield service
-    finally:
-        await service.stop()
 
 
 @pytest.fixture
