@@ -143,6 +143,12 @@ async def test_an_idle_borrower_is_warned_stopped_and_its_gpu_granted_to_a_guara
         assert idle.reclaim_at is None
         assert not service.engine.counters.of(Family.RECLAIM_WARNED)
 
+        # What the spawn form asks before: bob's GPU would be his guarantee, alice's a third
+        # borrowed one beyond her borrow limit of 2 (a refusal, not a borrowing).
+        bob_asks = await client.quota("bob", count=1, model=GTX1070)
+        alice_asks = await client.quota("alice", count=1, model=GTX1070)
+        assert (bob_asks.would_borrow, alice_asks.would_borrow) == (False, True)
+        assert (alice_asks.quotas[0].held, alice_asks.quotas[0].borrow_limit) == (2.0, 2.0)
         queued_at = time.time()
         waiting = await client.allocate(AllocateRequest(request_key="e2e/bob/", user="bob",
                                                         host=site.host, wait_s=120))
