@@ -340,11 +340,12 @@ class AllocatorClient:
         )
 
     async def quota(self, user: str, groups: Sequence[str] = (), *, count: float | None = None,
-                    timeout_s: float | None = None) -> QuotaReply:
+                    model: str | None = None, timeout_s: float | None = None) -> QuotaReply:
         """The user's quotas (theirs, then their groups') and what each holds now; with
-        ``count``, also whether a grant of that many GPUs now would be borrowed."""
-        return await self._expect(QuotaRequest(user=user, groups=list(groups), count=count),
-                                  QuotaReply, timeout_s)
+        ``count``, also whether a grant of that many GPUs (of ``model``, whose per-model
+        quotas then count too) now would be borrowed."""
+        request = QuotaRequest(user=user, groups=list(groups), count=count, model=model)
+        return await self._expect(request, QuotaReply, timeout_s)
 
     async def leases(self, user: str | None = None, *, include_finished_s: float = 0.0,
                      include_usage: bool = False,

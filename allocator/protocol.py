@@ -413,6 +413,10 @@ class QuotaRequest(_Message):
         default=None, gt=0, le=MAX_COUNT, allow_inf_nan=False,
         description="GPUs a request would ask for (a slice: 1/slots of its GPU); when given, "
         "the reply says whether granting that many now would be borrowed.")
+    model: Name | None = Field(
+        default=None, description="The model (canonical name or configured alias) of those "
+        "GPUs: its per-model quotas count too. Without it, every per-model quota is listed "
+        "and only the whole-cluster ones decide would_borrow.")
     deadline: float | None = None
 
 
@@ -953,6 +957,9 @@ class QuotaView(BaseModel):
     borrow_limit: float | None = Field(
         default=None, description="The most that may be held, borrowed included; null = no "
         "limit.")
+    model: str | None = Field(
+        default=None, description="A per-model quota's model (it counts only GPUs of that "
+        "model); null: every model.")
 
 
 class QuotaReply(_Message):
