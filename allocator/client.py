@@ -11,6 +11,11 @@ Replies are JSON (never pickle). Usage::
     async with AllocatorClient("amqp://hub:secret@rabbit/") as client:
         lease = await client.allocate(AllocateRequest(request_key="hub/alice/", user="alice",
                                                       model="1070"))
+
+A request that may wait (``wait_s > 0``) is best sent with
+:meth:`AllocatorClient.allocate_and_wait`: the allocator pushes the grant to the call's reply
+address when it is decided, and the client keeps its channel open until then
+(docs/protocol.md, "Waiting in the queue").
 """
 
 from __future__ import annotations
@@ -335,11 +340,12 @@ class AllocatorClient:
         )
 
     async def quota(self, user: str, groups: Sequence[str] = (), *, count: float | None = None,
-                    timeout_s: float | None = None) -> QuotaReply:
+                    model: str | None = None, timeout_s: float | None = None) -> QuotaReply:
         """The user's quotas (theirs, then their groups') and what each holds now; with
-        ``count``, also whether a grant of that many GPUs now would be borrowed."""
-        return await self._expect(QuotaRequest(user=user, groups=list(groups), count=count),
-                                  QuotaReply, timeout_s)
+        ``count``, also whether a grant of that many GPUs (of ``model``, whose per-model
+        quotas then count too) now would be borrowed."""
+        request = QuotaRequest(user=user, groups=list(groups), count=count, model=model)
+        return await self._expect(request, QuotaReply, timeout_s)
 
     async def leases(self, user: str | None = None, *, include_finished_s: float = 0.0,
                      include_usage: bool = False,

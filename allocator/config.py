@@ -59,6 +59,20 @@ class PolicySettings(BaseSettings):
         default_factory=dict,
         description="The most all members of a group may hold at once, borrowed included "
         "(group_quota is the group's guarantee). Absent: the guarantee.")
+    user_model_quota: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="Per model: user -> {model or alias: GPUs guaranteed of that model}, "
+        "besides (not instead of) user_quota.")
+    user_model_borrow_limit: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="user -> {model: the most held of that model, borrowed included}; absent: "
+        "that model's guarantee.")
+    group_model_quota: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="group -> {model or alias: GPUs of that model guaranteed to its members "
+        "together}.")
+    group_model_borrow_limit: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="group -> {model: borrow limit}; absent: guarantee.")
     default_user_borrow_limit: float | None = Field(
         default=None, description="Borrow limit of users not in user_borrow_limit whose quota "
         "is default_user_quota; None = that quota (no borrowing).")
@@ -86,6 +100,19 @@ def borrow_limit_problems(settings: PolicySettings) -> list[str]:
             elif limit < guarantee:
                 problems.append(f"{scope}_borrow_limit[{name!r}] = {limit:g} is below its "
                                 f"guarantee {scope}_quota[{name!r}] = {guarantee:g}")
+    per_model = (("user", settings.user_model_quota, settings.user_model_borrow_limit),
+                 ("group", settings.group_model_quota, settings.group_model_borrow_limit))
+    for scope, model_guarantees, model_limits in per_model:
+        for name, by_model in sorted(model_limits.items()):
+            for model, limit in sorted(by_model.items()):
+                guarantee = model_guarantees.get(name, {}).get(model)
+                where = f"{scope}_model_borrow_limit[{name!r}][{model!r}] = {limit:g}"
+                if guarantee is None:
+                    problems.append(f"{where} has no guarantee to borrow above: set "
+                                    f"{scope}_model_quota[{name!r}][{model!r}]")
+                elif limit < guarantee:
+                    problems.append(f"{where} is below its guarantee {scope}_model_quota"
+                                    f"[{name!r}][{model!r}] = {guarantee:g}")
     default_limit = settings.default_user_borrow_limit
     if default_limit is not None:
         if settings.default_user_quota is None:

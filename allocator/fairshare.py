@@ -3,7 +3,8 @@ a :class:`~allocator.cluster.Cluster`: no I/O, no clock (``now`` is passed in).
 
 Rules, as in ``docs/design.md`` (fair share):
 
-* **Borrowed.** In each limited scope (the user; each of its groups with a quota), the leases
+* **Borrowed.** In each limited scope (the user; each of its groups with a quota; per model,
+  where a per-model guarantee is configured, the leases of that model), the leases
   counted there, oldest grant first, are within the guarantee while their units add up to at
   most the guarantee; the later ones are borrowed there (a tie in grant time keeps the
   standing each had). A lease is borrowed when it is
@@ -47,25 +48,25 @@ class Holding:
     borrowed: bool = False
     """Borrowed as it stands now: of leases granted at the same instant, those already
     borrowed stay behind the others, so a standing never flips on a tie."""
+    model: str | None = None
+    """Its one model (None: it mixes models), for per-model guarantees."""
 
 
 def borrowed_leases(holdings: Sequence[Holding], settings: PolicySettings) -> set[str]:
     """The leases held beyond a guarantee of their owner (see the module's rules)."""
-    in_scope: dict[tuple[str, str], list[Holding]] = {}
-    guarantees: dict[tuple[str, str], Fraction] = {}
+    in_scope: dict[policy.QuotaScope, list[Holding]] = {}
     for holding in holdings:
-        for scope, name, guarantee, _ in policy.quota_scopes(holding.user, holding.groups,
-                                                             settings):
-            if guarantee is None:
-                continue
-            guarantees[(scope, name)] = guarantee
-            in_scope.setdefault((scope, name), []).append(holding)
+        for scope in policy.quota_scopes(holding.user, holding.groups, settings,
+                                         model=holding.model):
+            if scope.guarantee is not None:
+                in_scope.setdefault(scope, []).append(holding)
     borrowed: set[str] = set()
-    for key, members in in_scope.items():
+    for scope, members in in_scope.items():
+        assert scope.guarantee is not None
         total = Fraction(0)
         for holding in sorted(members, key=lambda h: (h.granted_at, h.borrowed, h.lease_id)):
             total += holding.units
-            if total > guarantees[key]:
+            if total > scope.guarantee:
                 borrowed.add(holding.lease_id)
     return borrowed
 
@@ -124,7 +125,7 @@ def _fits(waiter: Waiter, cluster: Cluster, settings: PolicySettings, now: float
     if not isinstance(placement, policy.Placement):
         return None
     if policy.check_quota(placement.units, waiter.demand.user, waiter.demand.groups, cluster,
-                          settings) is not None:
+                          settings, policy.placement_model(placement, cluster)) is not None:
         return None
     return placement
 
@@ -132,7 +133,8 @@ def _fits(waiter: Waiter, cluster: Cluster, settings: PolicySettings, now: float
 def _within_guarantee(waiter: Waiter, placement: policy.Placement, cluster: Cluster,
                       settings: PolicySettings) -> bool:
     standings = policy.quota_standings(waiter.demand.user, waiter.demand.groups, cluster,
-                                       settings, limited_only=True)
+                                       settings, limited_only=True,
+                                       model=policy.placement_model(placement, cluster))
     return not policy.would_borrow(placement.units, standings)
 
 

@@ -669,6 +669,8 @@ class QuotaStanding:
     guarantee: Fraction | None = None
     """GPUs held within it are never reclaimed; beyond it (up to ``limit``) they are
     borrowed. None = no limit (nothing counted here is borrowed)."""
+    model: str | None = None
+    """A per-model quota's model (it counts only GPUs of that model); None: every model."""
 
 
 def _user_limits(user: str, settings: PolicySettings) -> tuple[Fraction | None, Fraction | None]:
@@ -687,47 +689,86 @@ def _user_limits(user: str, settings: PolicySettings) -> tuple[Fraction | None, 
     return _limit(guarantee), _limit(borrow)
 
 
-QuotaScope = tuple[str, str, Fraction | None, Fraction | None]
-"""(scope, name, guarantee, borrow limit) of one quota."""
+@dataclass(frozen=True)
+class QuotaScope:
+    """One quota: whose (a user, or a group's members together), of which model (None: of
+    every model), its guarantee and its borrow limit (None: unlimited)."""
+
+    scope: str
+    name: str
+    guarantee: Fraction | None
+    borrow_limit: Fraction | None
+    model: str | None = None
+
+    def counts(self, claim: Claim, cluster: Cluster, uuid: str) -> bool:
+        """Whether a claim on GPU ``uuid`` counts against this quota."""
+        mine = claim.user == self.name if self.scope == "user" else self.name in claim.groups
+        if not mine or self.model is None:
+            return mine
+        gpu = cluster.gpus.get(uuid)
+        return gpu is not None and gpu.model == self.model
 
 
-def quota_scopes(user: str, groups: Sequence[str], settings: PolicySettings) -> list[QuotaScope]:
-    """(scope, name, guarantee, borrow limit) of the user, then of each of their groups with a
-    quota (each once, in the order given)."""
-    scopes = [("user", user, *_user_limits(user, settings))]
+def _model_scopes(scope: str, name: str, guarantees: Mapping[str, Mapping[str, float]],
+                  limits: Mapping[str, Mapping[str, float]], aliases: Mapping[str, str],
+                  model: str | None, every_model: bool) -> list[QuotaScope]:
+    found = []
+    for key, guarantee in guarantees.get(name, {}).items():
+        canonical = aliases.get(key, key)
+        if every_model or canonical == model:
+            borrow = limits.get(name, {}).get(key, guarantee)
+            found.append(QuotaScope(scope, name, _limit(guarantee), _limit(borrow), canonical))
+    return found
+
+
+def quota_scopes(user: str, groups: Sequence[str], settings: PolicySettings, *,
+                 model: str | None = None, every_model: bool = False) -> list[QuotaScope]:
+    """The quotas of the user, then of each of their groups with one (each once, in the order
+    given): the whole-cluster ones, and the per-model ones (``user_model_quota``,
+    ``group_model_quota``) of ``model`` (a grant's one model), or of every model."""
+    guarantee, borrow = _user_limits(user, settings)
+    scopes = [QuotaScope("user", user, guarantee, borrow)]
+    scopes += _model_scopes("user", user, settings.user_model_quota,
+                            settings.user_model_borrow_limit, settings.aliases, model,
+                            every_model)
     for group in dict.fromkeys(groups):
         if group in settings.group_quota:
-            guarantee = settings.group_quota[group]
-            scopes.append(("group", group, _limit(guarantee),
-                           _limit(settings.group_borrow_limit.get(group, guarantee))))
+            group_guarantee = settings.group_quota[group]
+            scopes.append(QuotaScope("group", group, _limit(group_guarantee), _limit(
+                settings.group_borrow_limit.get(group, group_guarantee))))
+        scopes += _model_scopes("group", group, settings.group_model_quota,
+                                settings.group_model_borrow_limit, settings.aliases, model,
+                                every_model)
     return scopes
 
 
 def quota_standings(user: str, groups: Sequence[str], cluster: Cluster,
-                    settings: PolicySettings, *, limited_only: bool = False
+                    settings: PolicySettings, *, limited_only: bool = False,
+                    model: str | None = None, every_model: bool = False
                     ) -> list[QuotaStanding]:
     """The user's own quota, then one per group of theirs that has one (each group once, in
-    the order given), with what each holds now.
+    the order given), with what each holds now; per-model quotas as :func:`quota_scopes`.
 
     Holdings are the claims in the cluster: one per GPU a lease holds (1 unit each for
-    exclusive leases, 1/slots for a slice). The user's guarantee is ``user_quota[user]``, else
-    ``default_user_quota`` (None = unlimited); each of the user's groups in ``group_quota``
-    guarantees what all claims carrying that group hold together. The limit of each is its
-    borrow limit (``user_borrow_limit``, ``group_borrow_limit``, ``default_user_borrow_limit``),
-    the guarantee where none is set. ``limited_only`` leaves out the unlimited ones, and
-    counts nothing when none is limited.
+    exclusive leases, 1/slots for a slice); a per-model quota counts the claims on GPUs of its
+    model. The user's guarantee is ``user_quota[user]``, else ``default_user_quota`` (None =
+    unlimited); each of the user's groups in ``group_quota`` guarantees what all claims
+    carrying that group hold together. The limit of each is its borrow limit
+    (``user_borrow_limit``, ``group_borrow_limit``, ``default_user_borrow_limit``, and the
+    ``*_model_borrow_limit`` ones), the guarantee where none is set. ``limited_only`` leaves
+    out the unlimited ones, and counts nothing when none is limited.
     """
-    scopes = quota_scopes(user, groups, settings)
+    scopes = quota_scopes(user, groups, settings, model=model, every_model=every_model)
     if limited_only:
-        scopes = [scope for scope in scopes if scope[3] is not None]
+        scopes = [scope for scope in scopes if scope.borrow_limit is not None]
         if not scopes:
             return []  # no quota applies: no need to count what everybody holds
-    claims = [claim for held in cluster.claims.values() for claim in held]
+    claims = [(uuid, claim) for uuid, held in cluster.claims.items() for claim in held]
     return [
-        QuotaStanding(scope, name, limit, sum(
-            (c.units for c in claims if (c.user == name if scope == "user" else name in c.groups)),
-            Fraction(0)), guarantee)
-        for scope, name, guarantee, limit in scopes
+        QuotaStanding(scope.scope, scope.name, scope.borrow_limit, sum(
+            (c.units for uuid, c in claims if scope.counts(c, cluster, uuid)), Fraction(0)),
+            scope.guarantee, scope.model)
+        for scope in scopes
     ]
 
 
@@ -743,19 +784,22 @@ def check_quota(
     groups: Sequence[str],
     cluster: Cluster,
     settings: PolicySettings,
+    model: str | None = None,
 ) -> Refusal | None:
-    """``quota_exceeded`` if granting ``demand_units`` more would pass a user or group quota
-    (see :func:`quota_standings`)."""
-    for standing in quota_standings(user, groups, cluster, settings, limited_only=True):
+    """``quota_exceeded`` if granting ``demand_units`` more (of ``model``, the grant's one
+    model) would pass a user or group quota (see :func:`quota_standings`)."""
+    for standing in quota_standings(user, groups, cluster, settings, limited_only=True,
+                                    model=model):
         assert standing.limit is not None
         if standing.held + demand_units <= standing.limit:
             continue
         who = (f"User {user} may" if standing.scope == "user"
                else f"Group {standing.name} may")
+        of = f" of {standing.model}" if standing.model is not None else ""
         holds = "holds" if standing.scope == "user" else "its members hold"
         return Refusal(
             ErrorCode.QUOTA_EXCEEDED,
-            f"{who} hold {_gpus(standing.limit)} at once and {holds} "
+            f"{who} hold {_gpus(standing.limit)}{of} at once and {holds} "
             f"{_fmt_units(standing.held)}; this request asks for {_fmt_units(demand_units)} more.",
             {
                 "scope": standing.scope,
@@ -763,6 +807,7 @@ def check_quota(
                 "limit": float(standing.limit),
                 "held": float(standing.held),
                 "asked": float(demand_units),
+                **({"model": standing.model} if standing.model is not None else {}),
             },
         )
     return None

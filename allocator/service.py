@@ -676,14 +676,19 @@ class AllocatorService:
             return
         decided = [lease_id for lease_id in lease_ids
                    if lease_id in waiters and not self._still_queued(lease_id)]
+        replies: dict[str, BaseModel | None] = {}
         for lease_id, address in waiters.take(decided):
-            record = self.engine.find(lease_id, None)
-            if record is None:
-                record = await self.ledger.run(functools.partial(self.ledger.find_lease, lease_id))
-            if record is None:  # cannot happen: the ledger keeps every lease
+            if lease_id not in replies:
+                record = self.engine.find(lease_id, None)
+                if record is None:
+                    record = await self.ledger.run(
+                        functools.partial(self.ledger.find_lease, lease_id))
+                # None cannot happen: the ledger keeps every lease
+                replies[lease_id] = None if record is None else self.engine.lease_reply(record)
+            reply = replies[lease_id]
+            if reply is None:
                 continue
-            sent = await self._publish_reply(self.engine.lease_reply(record), address.reply_to,
-                                             address.correlation_id)
+            sent = await self._publish_reply(reply, address.reply_to, address.correlation_id)
             self.stats.counters.add(Count.PUSHES if sent else Count.PUSH_FAILURES)
 
     def _still_queued(self, lease_id: str) -> bool:

@@ -12,12 +12,14 @@ first, is the order of the sources :class:`FileSettings` gives pydantic-settings
 ``config`` is a setting like the others, found by the sources above the file: an argument
 (``--config``) or the environment (``SWARM_GPU_CONFIG``, ``SWARM_GPU_AGENT_CONFIG``). A named
 file that does not exist is an error, not an empty file. :func:`settings_error_line` says
-what is wrong with bad settings in one line.
+what is wrong with bad settings in one line; :func:`list_from_text` reads a list setting
+given as text (fields marked ``NoDecode``).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-__all__ = ["FileSettings", "NamedTomlFile", "settings_error_line"]
+__all__ = ["FileSettings", "NamedTomlFile", "list_from_text", "settings_error_line"]
 
 
 class NamedTomlFile(PydanticBaseSettingsSource):
@@ -84,6 +86,17 @@ class FileSettings(BaseSettings):
         # No .env file and no secrets directory: a deployment passes the environment or a file.
         file = NamedTomlFile(settings_cls, (init_settings, env_settings))
         return init_settings, env_settings, file
+
+
+def list_from_text(value: Any) -> Any:
+    """A list setting given as text (an environment variable, a flag): comma separated,
+    ``48,79``, or JSON, ``[48, 79]``. Anything else is left for the field to validate."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
 
 
 def settings_error_line(exc: Exception) -> str:

@@ -2,10 +2,12 @@
 
 A request that must wait is answered at once with a ``queued`` lease. The allocator remembers
 the reply address (``reply_to``) and correlation id of that answer, and of each later
-``allocate`` retry or ``status`` call that found the lease still queued (the newest one wins:
-a client that reconnected has a new address). When the lease leaves the queue (granted, its
-wait ran out, withdrawn), the service publishes the lease once more to that address, after
-the decision is committed, and forgets the address (docs/protocol.md, "Waiting").
+``allocate`` retry or ``status`` call that found the lease still queued: the newest
+:data:`ADDRESSES_PER_LEASE` of them (a client that reconnected has a new address; another
+caller's ``status`` must not take the push away from the waiting hub). When the lease leaves
+the queue (granted, its wait ran out, withdrawn), the service publishes the lease once more
+to each, after the decision is committed, and forgets them (docs/protocol.md, "Waiting in the
+queue").
 
 Kept in memory only: an allocator that restarts forgets the addresses, and its clients learn
 the outcome from the ``status`` call they repeat every ``recheck_s`` while they wait. Pure
@@ -27,11 +29,16 @@ class ReplyAddress:
     correlation_id: str
 
 
+ADDRESSES_PER_LEASE = 4
+"""How many reply addresses a queued lease keeps (the newest; memory stays bounded by the
+queue's length)."""
+
+
 class Waiters:
-    """Queued lease id -> the reply address of its newest answer."""
+    """Queued lease id -> the reply addresses of its newest answers, oldest first."""
 
     def __init__(self) -> None:
-        self._by_lease: dict[str, ReplyAddress] = {}
+        self._by_lease: dict[str, list[ReplyAddress]] = {}
 
     def __len__(self) -> int:
         return len(self._by_lease)
@@ -40,16 +47,19 @@ class Waiters:
         return lease_id in self._by_lease
 
     def remember(self, lease_id: str, address: ReplyAddress) -> None:
-        """The newest answer about queued ``lease_id`` went to ``address``: push there."""
-        self._by_lease[lease_id] = address
+        """An answer about queued ``lease_id`` went to ``address``: push there too."""
+        addresses = self._by_lease.setdefault(lease_id, [])
+        if address in addresses:
+            addresses.remove(address)
+        addresses.append(address)
+        del addresses[:-ADDRESSES_PER_LEASE]
 
     def take(self, lease_ids: Iterable[str]) -> list[tuple[str, ReplyAddress]]:
-        """Forget and return the addresses of those of ``lease_ids`` that have one (the
-        leases just left the queue)."""
+        """Forget and return the addresses of those of ``lease_ids`` that have any (the
+        leases just left the queue): one (lease id, address) pair per address."""
         taken = []
         for lease_id in lease_ids:
-            address = self._by_lease.pop(lease_id, None)
-            if address is not None:
+            for address in self._by_lease.pop(lease_id, []):
                 taken.append((lease_id, address))
         return taken
 

@@ -22,7 +22,10 @@ What runs, each in its own process, on a fresh vhost of the local broker:
 
 Phases, in one run: ``idle`` (the same client loop with the heartbeats off: the baseline),
 ``full`` (every heartbeat full) and ``delta`` (deltas between full reports), alternated
-``--rounds`` times (``--phases`` picks which). Per phase: allocation
+``--rounds`` times (``--phases`` picks which); ``full-alone`` and ``delta-alone`` run the
+heartbeats without the clients, and ``idle-alone`` nothing at all, for the allocator's CPU
+time per heartbeat (from /proc, less its CPU with nothing to do; a busy machine distorts that
+far less than wall-clock ratios). Per phase: allocation
 throughput and latency, allocator CPU (% of one core) and resident memory from /proc; with
 heartbeats, how many the allocator applied per second and how long each took from being
 published to being applied (the ledger's ``nodes.last_heartbeat`` is the allocator's clock
@@ -100,13 +103,15 @@ ADMIN = "guest"
 """The broker user of the benchmark (loopback guest), made an allocator admin to force-release."""
 
 
-def allocator_env(amqp_url: str, ledger: Path) -> dict[str, str]:
+def allocator_env(amqp_url: str, ledger: Path, max_hosts: int) -> dict[str, str]:
     return {
         "SWARM_GPU_AMQP_URL": amqp_url,
         "SWARM_GPU_LEDGER_PATH": str(ledger),
         "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
         "SWARM_GPU_ADMIN_USERS": json.dumps([ADMIN]),
         "SWARM_GPU_SHARE_SLOTS": json.dumps({SHARED_MODEL: SHARE_SLOTS}),
+        # One broker user reports for every simulated host.
+        "SWARM_GPU_MAX_HOSTS_PER_NODE_USER": str(max_hosts),
         # The idle phases send no heartbeats: nodes must not go down meanwhile.
         "SWARM_GPU_NODE_DOWN_AFTER_S": "86400",
         "SWARM_GPU_STOP_GRACE_S": "86400",
@@ -134,7 +139,8 @@ def build_ledger(path: Path, hosts: int, gpus_per_host: int, leases: int
     Returns host -> [[container_id, lease_id], ...] of the lease containers "running" there.
     """
     settings = AllocatorSettings(
-        ledger_path=path, allow_any_node_user=True, share_slots={SHARED_MODEL: SHARE_SLOTS})
+        ledger_path=path, allow_any_node_user=True, share_slots={SHARED_MODEL: SHARE_SLOTS},
+        max_hosts_per_node_user=max(hosts, 4096))
     engine = Engine(settings, started_at=time.time())
     ledger = Ledger(path)
     ledger.open()
@@ -489,7 +495,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                     "interval_s": args.interval, "amqp_url": vhost.url,
                                     "full_report_s": args.full_report_s,
                                     "containers": containers}))
-        env = allocator_env(vhost.url, ledger)
+        env = allocator_env(vhost.url, ledger, max(args.hosts, 4096))
         allocator = start_process(allocator_command(), env, tmp / "allocator.log")
         started.append(allocator)
         try:
@@ -528,6 +534,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "active_leases": active_leases(ledger),
             }
             # Cold start, with the agents still heartbeating.
+            if args.cold_starts < 1:
+                result["targets"] = targets(result)
+                return result
             lease_id = next(iter(containers.values()))[0][1]
             simulator = Simulator(tmp, plan, "sim-cold", "delta")
             await simulator.start()
@@ -575,8 +584,9 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
     watch = LedgerWatch(ledger)
     depths: list[int] = []
     stop = asyncio.Event()
-    if kind != "idle":
-        simulator = Simulator(tmp, plan, f"sim-{kind}-{round_}", kind)
+    mode, _, alone = kind.partition("-")
+    if mode != "idle":
+        simulator = Simulator(tmp, plan, f"sim-{kind}-{round_}", mode)
         await simulator.start()
         # Warm up: every host has beaten once (new agent ids make the allocator write GPUs).
         await asyncio.sleep(args.interval * 1.5)
@@ -592,7 +602,12 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
                         "heartbeat_simulator": simulator.process.pid if simulator else None})
     meters.start()
     since = time.time()
-    figures = await client_phase(clients, args.seconds, f"{kind}{round_}")
+    if alone:
+        # No clients: the allocator's CPU is the heartbeats' (and its timers').
+        await asyncio.sleep(args.seconds)
+        figures: dict[str, Any] = {"seconds": args.seconds}
+    else:
+        figures = await client_phase(clients, args.seconds, f"{kind}{round_}")
     until = time.time()
     cpu = meters.stop()
     figures["allocator_cpu_pct"] = cpu.pop("allocator")
@@ -647,7 +662,30 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
 
     kinds = list(dict.fromkeys(p["phase"] for p in phases))
     out: dict[str, Any] = {}
+    # The allocator's CPU with neither clients nor heartbeats (its timers): taken off the
+    # heartbeat phases' CPU before dividing by the heartbeats.
+    quiet = median_of("idle-alone", "allocator_cpu_pct") if "idle-alone" in kinds else 0.0
     for kind in kinds:
+        if kind == "idle-alone":
+            out[kind] = {"allocator_cpu_pct": quiet, "queue_depth_max": max(
+                p["queue_depth_max"] or 0 for p in phases if p["phase"] == kind)}
+            continue
+        if kind.endswith("-alone"):
+            # CPU time per heartbeat, from /proc: robust where wall-clock ratios are not (a
+            # busy machine gives the allocator a varying share of a core).
+            per_beat = [(p["allocator_cpu_pct"] - quiet) / 100 * 1e6 / max(
+                p["heartbeats"]["applied_per_s"], 1e-9) for p in phases if p["phase"] == kind]
+            out[kind] = {
+                "allocator_cpu_pct": median_of(kind, "allocator_cpu_pct"),
+                "heartbeats_applied_per_s": median_of(kind, "heartbeats", "applied_per_s"),
+                "allocator_cpu_us_per_heartbeat": round(statistics.median(per_beat), 1),
+                "heartbeat_delay_p99_ms": round(max(
+                    p["heartbeats"]["delay"]["p99_ms"] for p in phases if p["phase"] == kind), 1),
+                # A backlog left by the phase before makes the CPU figure meaningless.
+                "queue_depth_max": max(p["queue_depth_max"] or 0 for p in phases
+                                       if p["phase"] == kind),
+            }
+            continue
         out[kind] = {
             "allocations_per_s": median_of(kind, "allocations_per_s"),
             "allocate_p50_ms": median_of(kind, "allocate", "p50_ms"),
@@ -678,7 +716,7 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
         idle = pair["idle"]
         ratios: dict[str, float] = {}
         for kind, loaded in pair.items():
-            if kind == "idle":
+            if kind.startswith("idle") or kind.endswith("-alone"):
                 continue
             ratios[f"throughput_{kind}_vs_idle"] = round(
                 loaded["allocations_per_s"] / idle["allocations_per_s"], 3)
@@ -689,6 +727,10 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
     out["ratios"] = {key: round(statistics.median(r[key] for r in rounds), 3)
                      for key in rounds[0]}
     out["ratios_per_round"] = rounds
+    if "full-alone" in out and "delta-alone" in out:
+        out["ratios"]["cpu_per_heartbeat_delta_vs_full"] = round(
+            out["delta-alone"]["allocator_cpu_us_per_heartbeat"]
+            / out["full-alone"]["allocator_cpu_us_per_heartbeat"], 3)
     return out
 
 
@@ -725,7 +767,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of the phases")
     parser.add_argument("--phases", default="idle,full,delta",
                         type=lambda text: [k for k in text.split(",") if k],
-                        help="phases of a round, from idle, full, delta (default: all three)")
+                        help="phases of a round, from idle, full, delta, idle-alone, full-alone, "
+                        "delta-alone (without clients: the allocator's CPU per heartbeat, "
+                        "less its CPU with nothing to do); default idle,full,delta")
     parser.add_argument("--full-report-s", type=float, default=20.0,
                         help="in delta phases, a full heartbeat this often (the agent's "
                         "full_report_s)")
@@ -738,6 +782,10 @@ def main() -> None:
     parser.add_argument("--mode", choices=("full", "delta"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = set(args.phases) - {"idle", "full", "delta", "idle-alone", "full-alone",
+                                  "delta-alone"}
+    if unknown:
+        parser.error(f"unknown phases: {', '.join(sorted(unknown))}")
     if args.simulate:
         args.plan = args.simulate
         asyncio.run(simulate(args))

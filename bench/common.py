@@ -317,3 +317,15 @@ class DieListener:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), left)
         return self.seen[container_id]
+
+
+def agent_env(host: str, amqp_url: str, inventory: Path, docker_url: str,
+              interval_s: float = 2.0) -> dict[str, str]:
+    """The environment of a node agent (``python -m nodeagent``) for ``host`` with a simulated
+    inventory, watching ``docker_url``, carrying out the stop commands of ``guest`` (the
+    allocator's broker user in the benchmarks; in a cluster: ``allocator``)."""
+    return {"SWARM_GPU_AGENT_HOST": host, "SWARM_GPU_AGENT_AMQP_URL": amqp_url,
+            "SWARM_GPU_AGENT_INVENTORY": "simulated",
+            "SWARM_GPU_AGENT_SIMULATED_FILE": str(inventory),
+            "SWARM_GPU_AGENT_INTERVAL_S": f"{interval_s:g}",
+            "SWARM_GPU_AGENT_DOCKER_URL": docker_url, "SWARM_GPU_AGENT_COMMAND_USERS": "guest"}

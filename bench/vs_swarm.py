@@ -26,8 +26,9 @@ free; in (b) user 2's request waits in the allocator's queue (``wait_s``), the a
 user 2's waiting client (no polling), and user 2's hub then creates the service.
 
 (b)'s hand-over is split into its parts, on the wall clock of this one machine: **release**
-(user 1's stop to the allocator's ``released_at``: service removal, release request, stop
-command, the container's ``die`` event through the agent), **grant** (``released_at`` to
+(user 1's stop to the allocator's ``released_at``: the release request, sent while the service
+is removed as the hub plugin does, the stop command, the container's ``die`` event through
+the agent), **grant** (``released_at`` to
 user 2's ``granted_at``: the queue), **delivery** (``granted_at`` to the pushed grant in user
 2's hands: commit and push) and **start** (to user 2's task running). A bare aiodocker
 listener on the same engine records when Docker's own ``die`` event of user 1's container
@@ -61,6 +62,7 @@ import aiodocker
 from common import (
     TRAP_TERM,
     DieListener,
+    agent_env,
     machine,
     processes,
     services,
@@ -243,9 +245,10 @@ async def swarm_gpu_trial(docker: aiodocker.Docker, client: AllocatorClient,
         await asyncio.sleep(1.0)
 
         async def user1_stops() -> None:
-            # As the spawner's stop: the service goes, then the post-stop hook releases.
-            await stop_user1(docker, first, container_a, stop)
-            await client.release(lease_id=lease_a.lease_id, by="hub", reason="server stopped")
+            # As the spawner's stop: the service is removed while the lease is released.
+            await asyncio.gather(
+                stop_user1(docker, first, container_a, stop),
+                client.release(lease_id=lease_a.lease_id, by="hub", reason="server stopped"))
 
         async def user2_spawns() -> tuple[Any, float]:
             # As the spawner: the grant is pushed to the waiting call (no status polls).
@@ -381,15 +384,9 @@ async def run_swarm_gpu(args: argparse.Namespace, docker: aiodocker.Docker,
              "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
              "SWARM_GPU_STOP_CONTAINERS": str(stop_commands).lower()}, tmp / "allocator.log"))
         await wait_for_allocator(vhost.url)
-        started.append(start_process(
-            [sys.executable, "-m", "nodeagent"],
-            {"SWARM_GPU_AGENT_HOST": host, "SWARM_GPU_AGENT_AMQP_URL": vhost.url,
-             "SWARM_GPU_AGENT_INVENTORY": "simulated",
-             "SWARM_GPU_AGENT_SIMULATED_FILE": str(inventory),
-             "SWARM_GPU_AGENT_INTERVAL_S": "2", "SWARM_GPU_AGENT_DOCKER_URL": engine.url,
-             # The allocator logs in as guest here (a cluster: the allocator user).
-             "SWARM_GPU_AGENT_COMMAND_USERS": "guest"},
-            tmp / "agent.log"))
+        started.append(start_process([sys.executable, "-m", "nodeagent"],
+                                     agent_env(host, vhost.url, inventory, engine.url),
+                                     tmp / "agent.log"))
         try:
             async with AllocatorClient(vhost.url, timeout_s=30) as client, \
                     DieListener(docker) as dies:

@@ -17,7 +17,6 @@ List settings may also be given in the environment as JSON or comma separated:
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from allocator.settings_files import FileSettings
+from allocator.settings_files import FileSettings, list_from_text
 
 ENV_PREFIX = "SWARM_GPU_AGENT_"
 
@@ -52,26 +51,6 @@ stopped processing) and 45 (pre-emptive cleanup). These are what a user's own bu
 out-of-bounds access or a killed notebook produce; counting them would let any user take
 GPUs out of service. All of them still appear in ``recent_xids`` for the operator.
 """
-
-
-def _int_list(value: Any) -> Any:
-    """Accept ``"48,79"`` as well as ``"[48, 79]"`` from the environment."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            text = text[1:-1] if text.endswith("]") else text[1:]
-        return [int(part) for part in text.split(",") if part.strip()]
-    return value
-
-
-def _str_list(value: Any) -> Any:
-    """Accept ``"allocator,admin"`` as well as ``'["allocator"]'`` from the environment."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            return json.loads(text)
-        return [part.strip() for part in text.split(",") if part.strip()]
-    return value
 
 
 def docker_host_or_standard_socket() -> str:
@@ -247,15 +226,10 @@ class AgentSettings(FileSettings):
         description="Timeout of one XID wait in the XID thread; bounds how long stop() waits.",
     )
 
-    @field_validator("fatal_xids", mode="before")
+    @field_validator("fatal_xids", "command_users", mode="before")
     @classmethod
-    def _parse_xids(cls, value: Any) -> Any:
-        return _int_list(value)
-
-    @field_validator("command_users", mode="before")
-    @classmethod
-    def _parse_users(cls, value: Any) -> Any:
-        return _str_list(value)
+    def _lists_from_text(cls, value: Any) -> Any:
+        return list_from_text(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> AgentSettings:

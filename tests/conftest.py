@@ -180,6 +180,8 @@ async def allocator(amqp_vhost: services.AmqpVhost, ledger_path: Path):
     Nodes may report from the broker's guest user and guest is an admin, so tests can play
     every role; the permission tests build their own settings.
     """
+    from support import started
+
     from allocator.config import AllocatorSettings
     from allocator.service import AllocatorService
 
@@ -192,12 +194,8 @@ async def allocator(amqp_vhost: services.AmqpVhost, ledger_path: Path):
         # (test_engine_node_truth.py, test_fault_node_truth.py).
         start_fence_s=0,
     )
-    service = AllocatorService(settings)
-    await service.start()
-    try:
+    async with started(AllocatorService(settings)) as service:
         yield service
-    finally:
-        await service.stop()
 
 
 @pytest.fixture

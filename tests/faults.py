@@ -220,6 +220,8 @@ async def running_allocator(amqp_url: str, ledger_path: Path, **overrides: Any):
     Any broker user may report for any host and ``guest`` is an admin, as in the ``allocator``
     fixture; the fault tests need their own timer settings.
     """
+    from support import started
+
     from allocator.config import AllocatorSettings
     from allocator.service import AllocatorService
 
@@ -227,12 +229,8 @@ async def running_allocator(amqp_url: str, ledger_path: Path, **overrides: Any):
                               "allow_any_node_user": True, "admin_users": ["guest"],
                               "tick_s": 0.1}
     values.update(overrides)
-    service = AllocatorService(AllocatorSettings(**values))
-    await service.start()
-    try:
+    async with started(AllocatorService(AllocatorSettings(**values))) as service:
         yield service
-    finally:
-        await service.stop()
 
 
 async def await_state(client: Any, lease_id: str, *states: Any, within: float = 10.0,

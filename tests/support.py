@@ -7,17 +7,20 @@ simulated inventory does; these helpers make the GPUs and messages short to writ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import aio_pika
 import aio_pika.abc
+import aiodocker
 
 from allocator.engine import Sender
+from allocator.lease_container import LEASE_LABEL
 from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
@@ -35,6 +38,60 @@ from allocator.topology import (
 )
 
 T = TypeVar("T")
+
+
+class Startable(Protocol):
+    """A part that runs between ``start()`` and ``stop()``: a node agent, an allocator."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+PartT = TypeVar("PartT", bound=Startable)
+
+
+class LabelledDocker(aiodocker.Docker):
+    """A Docker client that starts plain containers carrying a lease label (as a notebook's
+    container does, without a Swarm service) and removes every one of them when closed."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url=url)
+        self._labelled: list[str] = []
+
+    async def start_labelled(self, label: str, image: str, cmd: list[str], *,
+                             stop_signal: str | None = None, prefix: str = "lease") -> str:
+        """Start a container of ``image`` running ``cmd`` with the lease label ``label``."""
+        config: dict[str, Any] = {"Image": image, "Cmd": cmd, "Labels": {LEASE_LABEL: label},
+                                  "HostConfig": {"NetworkMode": "host"}}
+        if stop_signal is not None:
+            config["StopSignal"] = stop_signal
+        container = await self.containers.run(
+            config=config, name=f"{prefix}-{label[:16]}-{uuid.uuid4().hex[:6]}")
+        self._labelled.append(container.id)
+        return str(container.id)
+
+    async def is_running(self, container_id: str | None) -> bool:
+        """Whether the container runs; a lease without a known container is a failure."""
+        assert container_id is not None, "the lease names no container"
+        info = await self.containers.container(container_id).show()
+        return bool(info["State"]["Running"])
+
+    async def close(self) -> None:
+        for container_id in self._labelled:
+            with contextlib.suppress(aiodocker.DockerError, OSError):
+                await self.containers.container(container_id).delete(force=True)
+        await super().close()
+
+
+@contextlib.asynccontextmanager
+async def started(part: PartT) -> AsyncIterator[PartT]:
+    """``part`` started for the ``async with`` block and stopped after it, whatever happens."""
+    await part.start()
+    try:
+        yield part
+    finally:
+        await part.stop()
 
 GTX1070 = "NVIDIA GeForce GTX 1070"
 RTX3090 = "NVIDIA GeForce RTX 3090"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import GTX1070, wait_until
+from support import GTX1070, started, wait_until
 from test_stop_on_release import plain_containers
 
 from allocator.client import AllocatorClient
@@ -85,14 +85,10 @@ def fair_settings(amqp_url: str, ledger_path: Path, **extra: Any) -> AllocatorSe
     return AllocatorSettings(**values)
 
 
-@contextlib.asynccontextmanager
-async def running_allocator(settings: AllocatorSettings) -> AsyncIterator[AllocatorService]:
-    service = AllocatorService(settings)
-    await service.start()
-    try:
-        yield service
-    finally:
-        await service.stop()
+def running_allocator(
+    settings: AllocatorSettings,
+) -> contextlib.AbstractAsyncContextManager[AllocatorService]:
+    return started(AllocatorService(settings))
 
 
 async def bound_lease(client: AllocatorClient, docker: Any, site: Site, user: str,
@@ -147,6 +143,12 @@ async def test_an_idle_borrower_is_warned_stopped_and_its_gpu_granted_to_a_guara
         assert idle.reclaim_at is None
         assert not service.engine.counters.of(Family.RECLAIM_WARNED)
 
+        # What the spawn form asks before: bob's GPU would be his guarantee, alice's a third
+        # borrowed one beyond her borrow limit of 2 (a refusal, not a borrowing).
+        bob_asks = await client.quota("bob", count=1, model=GTX1070)
+        alice_asks = await client.quota("alice", count=1, model=GTX1070)
+        assert (bob_asks.would_borrow, alice_asks.would_borrow) == (False, True)
+        assert (alice_asks.quotas[0].held, alice_asks.quotas[0].borrow_limit) == (2.0, 2.0)
         queued_at = time.time()
         waiting = await client.allocate(AllocateRequest(request_key="e2e/bob/", user="bob",
                                                         host=site.host, wait_s=120))

@@ -24,6 +24,7 @@ from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
     ContainerInfo,
+    ErrorReply,
     GPUInfo,
     Heartbeat,
     LeaseReply,
@@ -468,3 +469,56 @@ def test_a_queued_request_is_planned_for_at_once_and_without_grace_stopped_at_on
     assert [(s.lease_id, s.reason) for s in cluster.engine.take_commands()] == [
         (borrowed, "reclaimed")]
     assert cluster.engine.leases[borrowed].state is LeaseState.RELEASING
+
+
+def test_per_model_guarantees_borrow_and_reclaim_within_their_model(tmp_path: Path):
+    settings = AllocatorSettings(
+        ledger_path=tmp_path / "ledger.sqlite", allow_any_node_user=True, start_fence_s=0,
+        reclaim_grace_s=0.0, aliases={"big": "NVIDIA A100-SXM4-40GB"},
+        user_model_quota={"alice": {"big": 1}, "bob": {"big": 1}},
+        user_model_borrow_limit={"alice": {"big": 2}})
+    engine = Engine(settings, started_at=0.0)
+    changes = Changes()
+    gpus = [GPUInfo(uuid=f"GPU-{i}", index=i, model=model, memory_total_mib=8192)
+            for i, model in enumerate(("NVIDIA A100-SXM4-40GB",) * 3 + (MODEL,))]
+    engine.handle(Heartbeat(host=HOST, agent_id="a", seq=1, sent_at=10.0, interval_s=2,
+                            gpus=gpus, source="simulated"), NODE, 10.0, changes)
+
+    def ask(user: str, key: str, model: str, wait_s: float = 0.0) -> LeaseReply:
+        reply = engine.handle(AllocateRequest(request_key=key, user=user, model=model,
+                                              wait_s=wait_s), HUB, 11.0, changes)
+        assert isinstance(reply, LeaseReply), reply
+        return reply
+
+    first = ask("alice", "a1", "big")
+    second = ask("alice", "a2", "big")
+    other_model = ask("alice", "a3", MODEL)  # no quota on the 1070: neither limited nor borrowed
+    assert (first.lease.borrowed, second.lease.borrowed, other_model.lease.borrowed) == (
+        False, True, False)
+    refused = engine.handle(AllocateRequest(request_key="a4", user="alice", model="big"), HUB,
+                            11.0, changes)
+    assert isinstance(refused, ErrorReply)
+    assert refused.error.code == "quota_exceeded" and "of NVIDIA A100" in refused.error.message
+    ask("carol", "c1", "big")  # the last A100: carol has no quota at all
+    quota = engine.handle(QuotaRequest(user="bob", count=1, model="big"), HUB, 11.0, changes)
+    assert isinstance(quota, QuotaReply) and quota.would_borrow is False
+    assert [(q.model, q.guaranteed) for q in quota.quotas if q.model] == [
+        ("NVIDIA A100-SXM4-40GB", 1.0)]
+    ask("bob", "b1", "big", wait_s=60)  # within his A100 guarantee: alice's borrowed one goes
+    assert engine.take_commands() == []  # granted, never bound: nothing to stop, ended at once
+    assert second.lease.lease_id not in engine.leases
+    assert engine.recent[second.lease.lease_id].release_reason == "reclaimed"
+    assert engine.leases[first.lease.lease_id].state is LeaseState.GRANTED
+    assert engine.leases[engine.by_key["b1"]].state is LeaseState.GRANTED
+
+
+@pytest.mark.parametrize(("settings", "fragment"), [
+    ({"user_model_quota": {"alice": {"a100": 2}},
+      "user_model_borrow_limit": {"alice": {"a100": 1}}},
+     "user_model_borrow_limit['alice']['a100'] = 1 is below its guarantee"),
+    ({"group_model_borrow_limit": {"lab": {"a100": 1}}}, "has no guarantee to borrow above"),
+])
+def test_a_per_model_borrow_limit_below_its_guarantee_is_refused(settings: dict[str, Any],
+                                                                  fragment: str):
+    with pytest.raises(ValidationError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        AllocatorSettings(**settings)

@@ -16,7 +16,7 @@ from allocator.protocol import Health, ReclaimReason
 
 USERS = ("ann", "ben", "cat", "dan")
 GROUPS = ("lab", "course")
-MODEL = "NVIDIA GeForce GTX 1070"
+MODELS = ("NVIDIA GeForce GTX 1070", "NVIDIA A100-SXM4-40GB")
 NOW = 10_000.0
 
 
@@ -28,7 +28,7 @@ def build_cluster(hosts: int, gpus_per_host: int) -> Cluster:
         cluster.nodes[host] = Node(host=host, last_heartbeat=NOW, drained=False,
                                    agent_id="a", gpu_uuids=uuids)
         for i, uuid in enumerate(uuids):
-            cluster.gpus[uuid] = GPU(uuid=uuid, host=host, index=i, model=MODEL,
+            cluster.gpus[uuid] = GPU(uuid=uuid, host=host, index=i, model=MODELS[i % 2],
                                      memory_total_mib=8192, health=Health.HEALTHY,
                                      share_slots=1)
     return cluster
@@ -42,8 +42,14 @@ def scenarios(draw: st.DrawFn) -> tuple[Cluster, PolicySettings, list[fairshare.
     borrow = {u: g + draw(st.integers(0, 3)) for u, g in guarantees.items()}
     group_guarantees = {g: float(draw(st.integers(0, 3))) for g in GROUPS if draw(st.booleans())}
     group_borrow = {g: v + draw(st.integers(0, 4)) for g, v in group_guarantees.items()}
+    model_guarantees = {u: {MODELS[1]: float(draw(st.integers(0, 1)))} for u in USERS
+                        if draw(st.booleans())}
+    model_borrow = {u: {m: g + draw(st.integers(0, 2)) for m, g in by_model.items()}
+                    for u, by_model in model_guarantees.items()}
     config = PolicySettings(user_quota=guarantees, user_borrow_limit=borrow,
-                            group_quota=group_guarantees, group_borrow_limit=group_borrow)
+                            group_quota=group_guarantees, group_borrow_limit=group_borrow,
+                            user_model_quota=model_guarantees,
+                            user_model_borrow_limit=model_borrow)
     free = sorted(cluster.gpus)
     holdings: list[fairshare.Holding] = []
     idle: dict[str, float] = {}
@@ -53,7 +59,8 @@ def scenarios(draw: st.DrawFn) -> tuple[Cluster, PolicySettings, list[fairshare.
         uuid = free.pop(draw(st.integers(0, len(free) - 1)))
         lease_id = f"h{n}"
         holdings.append(fairshare.Holding(lease_id, user, groups, Fraction(1),
-                                          float(draw(st.integers(0, 50)))))
+                                          float(draw(st.integers(0, 50))),
+                                          model=cluster.gpus[uuid].model))
         policy.claim_gpus(cluster, lease_id, user, groups, [uuid], shared=False,
                           memory_mib=None, units=Fraction(1))
         idle[lease_id] = float(draw(st.sampled_from([0, 100, 5000])))
@@ -99,15 +106,16 @@ def test_nothing_within_a_guarantee_is_ever_reclaimed(scenario) -> None:
     for holding in holdings:
         if holding.lease_id in borrowed:
             continue
-        for scope, name, guarantee, _ in policy.quota_scopes(holding.user, holding.groups,
-                                                             config):
-            if guarantee is None:
+        for quota in policy.quota_scopes(holding.user, holding.groups, config,
+                                         model=holding.model):
+            if quota.guarantee is None:
                 continue
-            same = [h for h in holdings if (h.user == name if scope == "user"
-                                            else name in h.groups)]
+            same = [h for h in holdings
+                    if (h.user == quota.name if quota.scope == "user" else quota.name in h.groups)
+                    and quota.model in (None, h.model)]
             earlier = [h for h in same if (h.granted_at, h.borrowed, h.lease_id)
                        <= (holding.granted_at, holding.borrowed, holding.lease_id)]
-            assert sum(h.units for h in earlier) <= guarantee
+            assert sum(h.units for h in earlier) <= quota.guarantee
 
 
 @settings(max_examples=200, deadline=None)
@@ -127,10 +135,11 @@ def fits_within_guarantee(waiter: fairshare.Waiter, cluster: Cluster, config: Po
     if not isinstance(placement, policy.Placement):
         return False
     user, groups = waiter.demand.user, waiter.demand.groups
-    if policy.check_quota(placement.units, user, groups, view, config) is not None:
+    model = policy.placement_model(placement, view)
+    if policy.check_quota(placement.units, user, groups, view, config, model) is not None:
         return False
     return not policy.would_borrow(placement.units, policy.quota_standings(
-        user, groups, view, config, limited_only=True))
+        user, groups, view, config, limited_only=True, model=model))
 
 
 @settings(max_examples=300, deadline=None)

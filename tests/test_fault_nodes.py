@@ -27,10 +27,10 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiodocker
 import pytest
 from faults import (
     REPO_ROOT,
@@ -41,11 +41,10 @@ from faults import (
     report,
     running_allocator,
 )
-from support import GTX1070, NodeSimulator, gpus, wait_until
+from support import GTX1070, LabelledDocker, NodeSimulator, gpus, started, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.invariants import NodeReport
-from allocator.lease_container import LEASE_LABEL
 from allocator.protocol import (
     AllocateRequest,
     ContainerAction,
@@ -222,36 +221,24 @@ def write_host(tmp_path: Path, host: str, count: int = 2) -> Path:
     return path
 
 
-@contextlib.asynccontextmanager
-async def running_agent(settings: AgentSettings):
-    agent = NodeAgent(settings)
-    await agent.start()
-    try:
-        yield agent
-    finally:
-        await agent.stop()
+def running_agent(settings: AgentSettings) -> contextlib.AbstractAsyncContextManager[NodeAgent]:
+    return started(NodeAgent(settings))
+
+
+class FaultDocker(LabelledDocker):
+    """Lease-labelled containers that sleep, and die at once when stopped (SIGKILL)."""
+
+    async def run_lease_container(self, lease_id: str, image: str) -> str:
+        return await self.start_labelled(lease_id, image, ["sleep", "300"],
+                                         stop_signal="SIGKILL", prefix="fault")
 
 
 @contextlib.asynccontextmanager
-async def docker_client(url: str):
-    docker = aiodocker.Docker(url=url)
-    started: list[str] = []
-
-    async def run(lease_id: str, image: str) -> str:
-        container = await docker.containers.run(
-            config={"Image": image, "Cmd": ["sleep", "300"], "Labels": {LEASE_LABEL: lease_id},
-                    "StopSignal": "SIGKILL", "HostConfig": {"NetworkMode": "host"}},
-            name=f"fault-{lease_id[:16]}-{uuid.uuid4().hex[:6]}")
-        started.append(container.id)
-        return container.id
-
-    docker.run_lease_container = run  # type: ignore[attr-defined]
+async def docker_client(url: str) -> AsyncIterator[FaultDocker]:
+    docker = FaultDocker(url)
     try:
         yield docker
     finally:
-        for container_id in started:
-            with contextlib.suppress(aiodocker.DockerError, OSError):
-                await docker.containers.container(container_id).delete(force=True)
         await docker.close()
 
 

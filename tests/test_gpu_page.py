@@ -13,16 +13,18 @@ import contextlib
 import math
 import os
 import shutil
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import aiohttp
 import pytest
 from hub_browser import Browser
 from hub_harness import Hub
-from support import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
+from support import GTX1070, RTX3090, NodeSimulator, gpus, started, wait_until
 
 from allocator.client import AllocatorClient
 from allocator.protocol import (
@@ -91,16 +93,12 @@ async def allocator(amqp_vhost: Any, ledger_path: Path) -> AsyncIterator[Any]:
     from allocator.config import AllocatorSettings
     from allocator.service import AllocatorService
 
-    service = AllocatorService(AllocatorSettings(
+    async with started(AllocatorService(AllocatorSettings(
         amqp_url=amqp_vhost.url, ledger_path=ledger_path, allow_any_node_user=True,
         admin_users=["guest"], tick_s=0.1, start_fence_s=0,
         aliases={"1070": GTX1070, "3090": RTX3090},
-        default_user_quota=1, default_user_borrow_limit=2, reclaim_grace_s=600))
-    await service.start()
-    try:
+        default_user_quota=1, default_user_borrow_limit=2, reclaim_grace_s=600))) as service:
         yield service
-    finally:
-        await service.stop()
 
 
 @pytest.fixture
@@ -129,8 +127,8 @@ async def page_hub(tmp_path: Path, chp_path: Path, amqp_vhost: Any) -> AsyncIter
     hub = Hub(tmp_path / "hub", chp=chp_path, amqp_url=amqp_vhost.url,
               docker_host="unix:///nonexistent/docker.sock", image="unused:never-pulled",
               users=USERS, page=page)
-    await hub.start()
     try:
+        await hub.start()
         yield hub
     finally:
         await hub.stop()
@@ -375,3 +373,22 @@ async def test_the_spawn_form_says_which_choices_would_be_borrowed(
         seen = await asyncio.to_thread(drive, "chromium-after")
         assert (seen["1"], seen["2"]) == (True, False)
         assert "Borrowed beyond your guarantee" in seen["cards"]["gtx1070"]
+
+
+async def test_the_page_ends_with_a_hub_that_dies(page_hub: Hub) -> None:
+    """JupyterHub starts the page in a session of its own: a hub killed outright cannot stop
+    it, so the page notices and ends by itself."""
+    await page_answers(page_hub)
+    assert page_hub.proc is not None
+    page_address = urlparse(page_hub.env["SWARM_GPU_PAGE_URL"])
+    os.kill(page_hub.proc.pid, signal.SIGKILL)
+
+    async def page_gone() -> bool:
+        try:
+            _, writer = await asyncio.open_connection(page_address.hostname, page_address.port)
+        except OSError:
+            return True
+        writer.close()
+        await writer.wait_closed()
+        return False
+    await wait_until(page_gone, within=60, interval=0.5)

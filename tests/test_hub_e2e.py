@@ -22,7 +22,7 @@ from typing import Any
 import aiodocker
 import pytest
 from hub_harness import Hub
-from support import GTX1070, RTX3090, wait_until
+from support import GTX1070, RTX3090, started, wait_until
 
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.lease_container import LEASE_LABEL, grant_labels
@@ -62,11 +62,8 @@ async def node_agent(host: str, amqp_url: str, inventory: Path, *, docker: bool
     agent = NodeAgent(AgentSettings(
         host=host, amqp_url=amqp_url, inventory="simulated", simulated_file=inventory,
         interval_s=0.5, publish_timeout_s=2.0, docker=docker, command_users=["guest"]))
-    await agent.start()
-    try:
+    async with started(agent):
         yield agent
-    finally:
-        await agent.stop()
 
 
 @pytest.fixture

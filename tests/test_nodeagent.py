@@ -24,7 +24,7 @@ from typing import Any
 import aio_pika
 import aiodocker
 import pytest
-from support import docker_cli
+from support import docker_cli, started
 from yarl import URL
 
 from allocator.heartbeat_delta import apply_delta
@@ -298,14 +298,8 @@ def agent_settings(host: str | None, amqp_url: str, inventory: Path, **overrides
     return AgentSettings(**values)
 
 
-@contextlib.asynccontextmanager
-async def running(settings: AgentSettings) -> AsyncIterator[NodeAgent]:
-    agent = NodeAgent(settings)
-    await agent.start()
-    try:
-        yield agent
-    finally:
-        await agent.stop()
+def running(settings: AgentSettings) -> contextlib.AbstractAsyncContextManager[NodeAgent]:
+    return started(NodeAgent(settings))
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from allocator.protocol import (
     ReleaseReason,
 )
 from allocator.service import AllocatorService
+from allocator.waiters import ADDRESSES_PER_LEASE, ReplyAddress, Waiters
 
 NO_RECHECK_S = 600.0
 """A re-check interval no test outlasts: an answer that arrives came by push."""
@@ -127,6 +128,27 @@ async def test_wire_every_answer_of_a_wait_carries_its_correlation_id(two_gpus, 
         assert second.correlation_id == first.correlation_id == raw.last_correlation_id
 
 
+async def test_another_callers_status_does_not_take_the_push_away(client, two_gpus, allocator,
+                                                                   amqp_vhost):
+    queued = Queued()
+    async with AllocatorClient(amqp_vhost.url, timeout_s=10) as hub, \
+            RawRPC(amqp_vhost.url) as admin:
+        waiting = asyncio.create_task(hub.allocate_and_wait(
+            ask("bob", wait_s=60), recheck_s=NO_RECHECK_S, on_queued=queued))
+        await asyncio.wait_for(queued.seen.wait(), 10)
+        await admin.send(json.dumps({"v": 1, "kind": "status",
+                                     "request_key": "hub/bob/"}).encode())
+        assert json.loads((await admin.reply_message()).body)["lease"]["state"] == "queued"
+        await client.release(lease_id=two_gpus.lease_id, force=True)
+        granted = await asyncio.wait_for(waiting, 30)
+        assert granted.state is LeaseState.GRANTED
+        # Both callers were told: the hub on its allocate, the admin on its status.
+        pushed = json.loads((await admin.reply_message()).body)["lease"]
+        assert (pushed["state"], pushed["lease_id"]) == ("granted", granted.lease_id)
+    assert status_calls(allocator) == 1, "the admin's status alone"
+    assert allocator.stats.counters[Count.PUSHES] == 2
+
+
 async def test_a_push_to_a_client_that_went_away_is_harmless(client, two_gpus, allocator,
                                                              amqp_vhost):
     async with RawRPC(amqp_vhost.url) as gone:  # a hub that goes away while it waits
@@ -169,3 +191,15 @@ async def test_an_allocator_restart_during_the_wait(client, two_gpus, allocator,
             assert status_calls(restarted) >= 1, "found by the client's re-check"
         finally:
             await restarted.stop()
+
+
+def test_a_queued_lease_keeps_its_newest_addresses_only():
+    waiters = Waiters()
+    for n in range(ADDRESSES_PER_LEASE + 2):
+        waiters.remember("lease-1", ReplyAddress("amq.rabbitmq.reply-to.x", f"c{n}"))
+    waiters.remember("lease-1", ReplyAddress("amq.rabbitmq.reply-to.x", "c3"))  # again: newest
+    waiters.remember("lease-2", ReplyAddress("amq.rabbitmq.reply-to.y", "d0"))
+    taken = waiters.take(["lease-1", "lease-3"])
+    assert [address.correlation_id for _, address in taken] == ["c2", "c4", "c5", "c3"]
+    assert {lease for lease, _ in taken} == {"lease-1"}
+    assert "lease-1" not in waiters and "lease-2" in waiters and len(waiters) == 1

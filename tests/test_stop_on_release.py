@@ -19,7 +19,7 @@ from typing import Any
 import aio_pika
 import aiodocker
 import pytest
-from support import GTX1070, docker_cli, wait_until
+from support import GTX1070, LabelledDocker, docker_cli, wait_until
 from test_release_e2e import container_of, granted_on, state_of
 
 from allocator.client import AllocatorClient
@@ -88,32 +88,25 @@ async def trap_service(lease: Lease, image: str) -> AsyncIterator[str]:
             await docker_cli("service", "rm", name)
 
 
+class PlainContainers(LabelledDocker):
+    """Lease-labelled containers of one image that exit at once on SIGTERM."""
+
+    def __init__(self, url: str, image: str) -> None:
+        super().__init__(url)
+        self.image = image
+
+    async def run_labelled(self, label: str) -> str:
+        return await self.start_labelled(label, self.image, ["sh", "-c", TRAP_TERM],
+                                         prefix="stop")
+
+
 @contextlib.asynccontextmanager
-async def plain_containers(docker_engine: str, image: str) -> AsyncIterator[Any]:
+async def plain_containers(docker_engine: str, image: str) -> AsyncIterator[PlainContainers]:
     """Starts plain containers with a lease label; removes them afterwards."""
-    docker = aiodocker.Docker(url=docker_engine)
-    started: list[str] = []
-
-    async def run(label: str) -> str:
-        container = await docker.containers.run(
-            config={"Image": image, "Cmd": ["sh", "-c", TRAP_TERM],
-                    "Labels": {LEASE_LABEL: label}, "HostConfig": {"NetworkMode": "host"}},
-            name=f"stop-{label[:16]}-{uuid.uuid4().hex[:6]}")
-        started.append(container.id)
-        return str(container.id)
-
-    async def running(container_id: str) -> bool:
-        info = await docker.containers.container(container_id).show()
-        return bool(info["State"]["Running"])
-
-    docker.run_labelled = run  # type: ignore[attr-defined]
-    docker.is_running = running  # type: ignore[attr-defined]
+    docker = PlainContainers(docker_engine, image)
     try:
         yield docker
     finally:
-        for container_id in started:
-            with contextlib.suppress(aiodocker.DockerError, OSError):
-                await docker.containers.container(container_id).delete(force=True)
         await docker.close()
 
 

@@ -180,7 +180,8 @@ class LeaseBook(Views, CommandOutbox):
         if isinstance(placement, policy.Refusal):
             return placement
         refusal = policy.check_quota(placement.units, demand.user, demand.groups,
-                                     self.cluster, self.settings)
+                                     self.cluster, self.settings,
+                                     policy.placement_model(placement, self.cluster))
         return refusal if refusal is not None else placement
 
     def _placement_view(self, now: float) -> Cluster:
@@ -212,7 +213,8 @@ class LeaseBook(Views, CommandOutbox):
         record.granted_at = now
         record.bind_deadline = now + self.settings.bind_timeout_s
         record.borrowed = policy.would_borrow(placement.units, policy.quota_standings(
-            record.user, record.groups, self.cluster, self.settings, limited_only=True))
+            record.user, record.groups, self.cluster, self.settings, limited_only=True,
+            model=record.model))
         policy.apply_placement(self.cluster, placement, record.lease_id, demand)
         self.index.refresh(self.cluster, placement.host)
         self.by_key[record.request_key] = record.lease_id

@@ -34,6 +34,7 @@ class Reclaimer(NodeReconciliation):
         idle release on. Otherwise the tick skips fair share entirely."""
         s = self.settings
         return bool(s.user_borrow_limit or s.group_borrow_limit
+                    or s.user_model_borrow_limit or s.group_model_borrow_limit
                     or s.default_user_borrow_limit is not None
                     or s.idle_release_after_s is not None)
 
@@ -46,7 +47,7 @@ class Reclaimer(NodeReconciliation):
         holding = self._holding()
         borrowed = fairshare.borrowed_leases(
             [fairshare.Holding(r.lease_id, r.user, r.groups, r.units, r.granted_at or 0.0,
-                               r.borrowed) for r in holding], self.settings)
+                               r.borrowed, r.model) for r in holding], self.settings)
         for record in holding:
             now_borrowed = record.lease_id in borrowed
             if record.borrowed != now_borrowed:

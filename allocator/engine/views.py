@@ -36,8 +36,11 @@ class Views(IdleWatch):
         """The user's quotas and what they and their groups hold now; with a count, whether
         granting that many now would be borrowed."""
         views = []
+        model = (None if request.model is None
+                 else self.settings.aliases.get(request.model, request.model))
         standings = policy.quota_standings(request.user, request.groups, self.cluster,
-                                           self.settings)
+                                           self.settings, model=model,
+                                           every_model=model is None)
         for standing in standings:
             limit = None if standing.limit is None else float(standing.limit)
             views.append(QuotaView(
@@ -45,11 +48,12 @@ class Views(IdleWatch):
                 limit=limit, held=float(standing.held),
                 free=None if limit is None else max(limit - float(standing.held), 0.0),
                 guaranteed=None if standing.guarantee is None else float(standing.guarantee),
-                borrow_limit=limit))
+                borrow_limit=limit, model=standing.model))
         would_borrow = None
         if request.count is not None:
             units = Fraction(request.count).limit_denominator(1_000_000)
-            would_borrow = policy.would_borrow(units, standings)
+            would_borrow = policy.would_borrow(
+                units, [s for s in standings if s.model in (None, model)])
         return QuotaReply(user=request.user, quotas=views, would_borrow=would_borrow)
 
     def leases_reply(self, request: LeasesRequest, now: float) -> LeasesReply:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 from typing import Any
@@ -139,8 +140,24 @@ def make_app(page: GPUPage, prefix: str) -> web.Application:
     )
 
 
+PARENT_CHECK_S = 5.0
+"""How often the page checks that the hub that started it still runs."""
+
+
+async def until_parent_exits() -> None:
+    """Return once the process that started this one has exited. JupyterHub starts a managed
+    service in a session of its own, so a hub that dies without stopping it (killed, or an
+    exit at start) would leave the page running with nobody to route to it."""
+    parent = os.getppid()
+    while True:
+        await asyncio.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent:  # re-parented: the hub has exited
+            break
+    log.warning("The hub that started the GPU page (pid %d) is gone: stopping", parent)
+
+
 async def serve(settings: PageSettings, *, url: str, prefix: str) -> None:
-    """Run the page until cancelled: open the history, sample, answer requests."""
+    """Run the page until cancelled or its hub is gone: open the history, sample, answer."""
     page = GPUPage(settings)
     await page.history.open()
     sampler = asyncio.create_task(page.sample_forever(), name="gpu-page-sampler")
@@ -149,7 +166,7 @@ async def serve(settings: PageSettings, *, url: str, prefix: str) -> None:
     server.listen(address.port or 80, address.hostname or "127.0.0.1")
     log.info("GPU page at %s%s, history in %s", url.rstrip("/"), prefix, settings.history_path)
     try:
-        await asyncio.Event().wait()
+        await until_parent_exits()
     finally:
         server.stop()
         await cancel_and_wait([sampler], within=5.0)

@@ -11,12 +11,13 @@ List settings may be JSON or comma separated: ``SWARM_GPU_PAGE_ADMIN_GROUPS=gpu-
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from allocator.settings_files import list_from_text
 
 ENV_PREFIX = "SWARM_GPU_PAGE_"
 
@@ -56,9 +57,4 @@ class PageSettings(BaseSettings):
     @field_validator("admin_groups", "template_paths", mode="before")
     @classmethod
     def _list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+        return list_from_text(value)
