@@ -26,7 +26,7 @@ Rules, as in ``docs/design.md`` (fair share):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -140,16 +140,22 @@ def _within_guarantee(waiter: Waiter, placement: policy.Placement, cluster: Clus
 
 def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cluster: Cluster,
                   settings: PolicySettings, *, now: float, down_after_s: float,
-                  idle_window_s: float) -> dict[str, Reclaim]:
+                  idle_window_s: float,
+                  leaving: Mapping[str, Sequence[str]] | None = None) -> dict[str, Reclaim]:
     """Which leases must go, and why, so that the waiters that may reclaim fit.
 
     ``cluster`` is the cluster as placement sees it (it is not changed); ``candidates`` are the
-    holding leases that may be reclaimed (borrowed) or released (idle-releasable).
+    holding leases that may be reclaimed (borrowed) or released (idle-releasable);
+    ``leaving`` (lease id → its GPU uuids) are holding leases already on their way out (being
+    released, or a reclaim's stop sent): their GPUs count as free, so that nobody else is
+    warned for a waiter that a stopping container is about to make room for.
     """
     plan: dict[str, Reclaim] = {}
     if not waiters:
         return plan
     view = _copy(cluster)
+    for lease_id, gpu_uuids in (leaving or {}).items():
+        view.drop_claims(lease_id, list(gpu_uuids))
     ordered = victim_order(candidates, idle_window_s)
     for waiter in waiters:
         placement = _fits(waiter, view, settings, now, down_after_s)

@@ -522,3 +522,25 @@ def test_a_per_model_borrow_limit_below_its_guarantee_is_refused(settings: dict[
                                                                   fragment: str):
     with pytest.raises(ValidationError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         AllocatorSettings(**settings)
+
+
+def test_nobody_else_is_warned_while_a_reclaimed_container_stops(tmp_path: Path):
+    """Between the reclaim's stop command and the container's death the waiter still does not
+    fit, but the stopping lease's GPU is already its: a busy borrower gets no warning."""
+    cluster = reclaim_cluster(tmp_path, user_quota={"alice": 0, "bob": 0, "carol": 1},
+                              user_borrow_limit={"alice": 1, "bob": 1, "carol": 1})
+    idle_lease = hold(cluster, "bob", "", 0.0)
+    cluster.now += 1
+    busy_lease = hold(cluster, "alice", "", 70.0)
+    heartbeats(cluster, 40)
+    waiter = cluster.grant("carol", wait_s=3600).lease.lease_id
+    heartbeats(cluster, 65)  # past the grace: the idle lease's stop goes out
+    assert [s.lease_id for s in cluster.engine.take_commands()] == [idle_lease]
+    assert cluster.engine.leases[idle_lease].state is LeaseState.RELEASING
+    heartbeats(cluster, 30)  # the container takes its time to stop
+    assert cluster.engine.leases[busy_lease].reclaim_at is None
+    assert not [e for e in cluster.changes.events
+                if e["kind"] == "reclaim_warning" and e.get("lease_id") == busy_lease]
+    died(cluster, idle_lease)
+    assert cluster.engine.leases[waiter].state is LeaseState.GRANTED
+    assert cluster.engine.leases[busy_lease].state is LeaseState.BOUND

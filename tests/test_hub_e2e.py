@@ -197,7 +197,9 @@ async def test_gpu_server_through_rest(
         container = spec["TaskTemplate"]["ContainerSpec"]
         # The whole grant travels with the container (an allocator that lost the ledger
         # adopts the lease from these labels).
-        assert container["Labels"] == {**grant_labels(lease, server_name=""),
+        # alice is in "students" (the hub's groups above): an adopted lease counts there again.
+        assert container["Labels"] == {**grant_labels(lease, server_name="",
+                                                      groups=["students"]),
                                        "swarm-gpu.test": "e2e"}
         assert spec["Labels"][LEASE_LABEL] == lease.lease_id
         constraints = spec["TaskTemplate"]["Placement"]["Constraints"]

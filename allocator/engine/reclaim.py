@@ -101,11 +101,13 @@ class Reclaimer(NodeReconciliation):
         candidates = self._candidates(now)
         if not candidates and not warned:
             return  # nothing could go: no need to simulate the queue
+        leaving = {r.lease_id: r.gpu_uuids for r in self._holding()
+                   if r.state is LeaseState.RELEASING or r.reclaim_stopped_at is not None}
         plan = fairshare.plan_reclaims(
             self._waiters() if self._queue else [], candidates,
             self._placement_view(now), self.settings, now=now,
             down_after_s=self.settings.node_down_after_s,
-            idle_window_s=self.settings.idle_window_s)
+            idle_window_s=self.settings.idle_window_s, leaving=leaving)
         for record in warned:
             if record.lease_id not in plan:
                 self._withdraw(record, now, changes)
