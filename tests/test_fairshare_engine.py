@@ -593,3 +593,14 @@ def test_nobody_else_is_warned_while_a_reclaimed_container_stops(tmp_path: Path)
     died(cluster, idle_lease)
     assert cluster.engine.leases[waiter].state is LeaseState.GRANTED
     assert cluster.engine.leases[busy_lease].state is LeaseState.BOUND
+
+
+def test_a_per_model_guarantee_applies_however_the_admin_spelled_the_model(tmp_path: Path):
+    """Per-model keys are matched as a user's request is (allocator.model_names): "gtx 1070"
+    is the reported "NVIDIA GeForce GTX 1070"."""
+    cluster = FairCluster(tmp_path, gpus=3, user_model_quota={"alice": {"gtx 1070": 1}},
+                          user_model_borrow_limit={"alice": {"gtx 1070": 2}})
+    first, second = cluster.grant("alice", "a"), cluster.grant("alice", "b")
+    assert (first.lease.borrowed, second.lease.borrowed) == (False, True)
+    third = cluster.send(AllocateRequest(request_key="hub/alice/c", user="alice"))
+    assert isinstance(third, ErrorReply) and third.error.code == "quota_exceeded"
