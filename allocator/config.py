@@ -15,12 +15,14 @@ keyword arguments, environment, the TOML file named by ``SWARM_GPU_CONFIG`` (or 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, NonNegativeInt, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from allocator.model_names import ModelNames, unbranded
 from allocator.settings_files import FileSettings
 
 ENV_PREFIX = "SWARM_GPU_"
@@ -283,20 +285,60 @@ class AllocatorSettings(PolicySettings, FileSettings):
     strict_guarantees: bool = Field(
         default=False,
         description="Refuse to start when the user guarantees, or the group guarantees, add up "
-        "to more GPUs than the cluster has (cluster_gpus, or the ledger's GPUs).")
+        "to more GPUs than the cluster has (cluster_gpus, or the ledger's GPUs), or the "
+        "per-model ones of a model to more than its GPUs (cluster_model_gpus, or the ledger's).")
     cluster_gpus: int | None = Field(
         default=None, ge=0,
         description="GPUs the guarantees are checked against with strict_guarantees; None: the "
         "present GPUs the ledger knows at start.")
+    cluster_model_gpus: dict[str, NonNegativeInt] = Field(
+        default_factory=dict,
+        description="model or alias -> GPUs of that model the per-model guarantees are checked "
+        "against with strict_guarantees; a model not named: its present GPUs the ledger knows "
+        "at start.")
 
 
-def guarantee_problem(settings: PolicySettings, cluster_gpus: float) -> str | None:
-    """With strict guarantees: why the guarantees cannot all be honoured at once, or None."""
+def guarantee_problem(settings: AllocatorSettings, cluster_gpus: float,
+                      model_gpus: Mapping[str, int] | None = None) -> str | None:
+    """With strict guarantees: why the guarantees cannot all be honoured at once, or None.
+
+    ``cluster_gpus`` is the cluster's size; ``model_gpus`` the present GPUs of each model the
+    ledger knows (canonical name -> GPUs). The per-model guarantees of a model are checked
+    against its GPUs, ``cluster_model_gpus`` where that names the model.
+    """
     for scope, guarantees in (("user", settings.user_quota), ("group", settings.group_quota)):
         total = sum(guarantees.values())
         if total > cluster_gpus:
             return (f"the {scope} guarantees ({scope}_quota) add up to {total:g} GPUs, more than "
                     f"the cluster's {cluster_gpus:g} (strict_guarantees is set)")
+    return _model_guarantee_problem(settings, model_gpus or {})
+
+
+def _model_guarantee_problem(settings: AllocatorSettings,
+                             model_gpus: Mapping[str, int]) -> str | None:
+    names = ModelNames.build(model_gpus, settings.aliases)
+
+    def model_of(name: str) -> str:
+        # A name the cluster does not know still groups with its other spellings.
+        return names.canonical(name) or unbranded(name) or name
+
+    gpus: dict[str, float] = {model_of(model): count for model, count in model_gpus.items()}
+    for model, count in settings.cluster_model_gpus.items():
+        gpus[model_of(model)] = count
+    for scope, per_model in (("user", settings.user_model_quota),
+                             ("group", settings.group_model_quota)):
+        totals: dict[str, float] = {}
+        spelled: dict[str, str] = {}
+        for by_model in per_model.values():
+            for model, guarantee in by_model.items():
+                key = model_of(model)
+                totals[key] = totals.get(key, 0) + guarantee
+                spelled.setdefault(key, key if key in names.known else model)
+        for key in sorted(totals):
+            if totals[key] > gpus.get(key, 0):
+                return (f"the {scope} guarantees of model {spelled[key]} ({scope}_model_quota) "
+                        f"add up to {totals[key]:g} GPUs, more than the cluster has of that "
+                        f"model: {gpus.get(key, 0):g} (strict_guarantees is set)")
     return None
 
 

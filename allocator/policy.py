@@ -713,11 +713,19 @@ def _model_scopes(scope: str, name: str, guarantees: Mapping[str, Mapping[str, f
                   limits: Mapping[str, Mapping[str, float]], aliases: Mapping[str, str],
                   model: str | None, every_model: bool) -> list[QuotaScope]:
     found = []
-    for key, guarantee in guarantees.get(name, {}).items():
-        canonical = aliases.get(key, key)
-        if every_model or canonical == model:
-            borrow = limits.get(name, {}).get(key, guarantee)
-            found.append(QuotaScope(scope, name, _limit(guarantee), _limit(borrow), canonical))
+    configured = guarantees.get(name, {})
+    # A per-model key is a name an admin typed ("gtx 1070", an alias): matched to the grant's
+    # model by the same rule as a user's request (allocator.model_names), not by equality.
+    names = ModelNames.build([model], aliases) if configured and model is not None else None
+    for key, guarantee in configured.items():
+        if names is not None and names.canonical(key) == model:
+            canonical = model
+        elif every_model:
+            canonical = aliases.get(key, key)
+        else:
+            continue
+        borrow = limits.get(name, {}).get(key, guarantee)
+        found.append(QuotaScope(scope, name, _limit(guarantee), _limit(borrow), canonical))
     return found
 
 

@@ -326,14 +326,18 @@ class AllocatorService:
 
     def _check_guarantees(self) -> None:
         """With ``strict_guarantees``: refuse to start when the guarantees cannot all be
-        honoured at once by the cluster (``cluster_gpus``, or the GPUs the ledger knows)."""
+        honoured at once by the cluster (``cluster_gpus``, or the GPUs the ledger knows), the
+        per-model ones by the GPUs of their model (``cluster_model_gpus``, or the ledger's)."""
         if not self.settings.strict_guarantees:
             return
+        model_gpus: dict[str, int] = {}
+        for gpu in self.engine.cluster.gpus.values():
+            if gpu.present and gpu.allocatable:
+                model_gpus[gpu.model] = model_gpus.get(gpu.model, 0) + 1
         gpus = self.settings.cluster_gpus
         if gpus is None:
-            gpus = sum(1 for gpu in self.engine.cluster.gpus.values()
-                       if gpu.present and gpu.allocatable)
-        problem = guarantee_problem(self.settings, gpus)
+            gpus = sum(model_gpus.values())
+        problem = guarantee_problem(self.settings, gpus, model_gpus)
         if problem is not None:
             self.ledger.close()
             raise ConfigurationError(problem)

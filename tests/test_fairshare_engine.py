@@ -243,6 +243,30 @@ def test_strict_guarantees_must_fit_the_cluster():
     assert "group" in (guarantee_problem(settings.model_copy(update={"user_quota": {}}), 2) or "")
 
 
+def test_strict_per_model_guarantees_must_fit_that_models_gpus():
+    ledger_gpus = {MODEL: 2, "NVIDIA A100-SXM4-40GB": 4}
+    fits = AllocatorSettings(user_model_quota={"alice": {"gtx 1070": 1}, "bob": {MODEL: 1},
+                                               "carol": {"a100-sxm4-40gb": 4}})
+    assert guarantee_problem(fits, 6, ledger_gpus) is None
+    # Three spellings of one model: together 3 of its 2 GPUs, however many A100s there are.
+    over = fits.model_copy(update={"user_model_quota": {
+        **fits.user_model_quota, "dave": {"GTX-1070": 1}}})
+    assert guarantee_problem(over, 6, ledger_gpus) == (
+        f"the user guarantees of model {MODEL} (user_model_quota) add up to 3 GPUs, more than the "
+        "cluster has of that model: 2 (strict_guarantees is set)")
+    assert guarantee_problem(over.model_copy(update={"cluster_model_gpus": {"gtx1070": 3}}),
+                             6, ledger_gpus) is None
+    groups = AllocatorSettings(group_model_quota={"lab": {"1070": 2}, "ml": {"gtx 1070": 1}},
+                               aliases={"1070": MODEL})
+    problem = guarantee_problem(groups, 6, ledger_gpus)
+    assert problem is not None and f"group guarantees of model {MODEL}" in problem
+    assert "add up to 3 GPUs" in problem and "of that model: 2 " in problem
+    # A model the cluster has none of cannot be guaranteed.
+    unknown = AllocatorSettings(user_model_quota={"alice": {"H100": 1}})
+    assert "model H100 (user_model_quota) add up to 1 GPUs" in (
+        guarantee_problem(unknown, 6, ledger_gpus) or "")
+
+
 @pytest.mark.parametrize(("toml", "line"), [
     ('[user_quota]\nalice = 2\n[user_borrow_limit]\nalice = 1\n',
      "gpu-allocator: invalid settings: user_borrow_limit['alice'] = 1 is below its guarantee "
@@ -250,15 +274,40 @@ def test_strict_guarantees_must_fit_the_cluster():
     ('strict_guarantees = true\ncluster_gpus = 2\n[user_quota]\nalice = 2\nbob = 1\n',
      "gpu-allocator: the user guarantees (user_quota) add up to 3 GPUs, more than the "
      "cluster's 2 (strict_guarantees is set)"),
+    ('strict_guarantees = true\ncluster_gpus = 4\n[cluster_model_gpus]\n"GTX-1070" = 1\n'
+     '[user_model_quota.alice]\n"gtx 1070" = 1\n[user_model_quota.bob]\n'
+     '"NVIDIA GeForce GTX 1070" = 1\n',
+     "gpu-allocator: the user guarantees of model gtx 1070 (user_model_quota) add up to 2 GPUs, "
+     "more than the cluster has of that model: 1 (strict_guarantees is set)"),
 ])
 def test_the_allocator_stops_at_start_with_one_clear_line(tmp_path: Path, toml: str, line: str):
+    assert serve_error_lines(tmp_path, toml) == [line]
+
+
+def serve_error_lines(tmp_path: Path, toml: str) -> list[str]:
+    """``gpu-allocator serve`` over tmp_path's ledger with ``toml``: it must exit 1, with these
+    lines on stderr."""
     config = tmp_path / "allocator.toml"
     config.write_text(f'ledger_path = "{tmp_path / "ledger.sqlite"}"\n{toml}')
     done = subprocess.run([sys.executable, "-m", "allocator.cli", "serve", "--config",
                            str(config)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "SWARM_GPU_AMQP_URL": "amqp://127.0.0.1:1/"})
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == [line]
+    return done.stderr.strip().splitlines()
+
+
+def test_strict_per_model_guarantees_are_checked_against_the_ledgers_gpus(tmp_path: Path):
+    cluster = FairCluster(tmp_path, gpus=2)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.open()
+    try:
+        ledger.call(lambda: ledger.commit(cluster.changes))
+    finally:
+        ledger.close()
+    toml = 'strict_guarantees = true\n[user_model_quota.alice]\n"gtx 1070" = 3\n'
+    assert serve_error_lines(tmp_path, toml) == [
+        f"gpu-allocator: the user guarantees of model {MODEL} (user_model_quota) add up to 3 "
+        "GPUs, more than the cluster has of that model: 2 (strict_guarantees is set)"]
 
 
 # --------------------------------------------------------------------------- reclaim
@@ -544,3 +593,14 @@ def test_nobody_else_is_warned_while_a_reclaimed_container_stops(tmp_path: Path)
     died(cluster, idle_lease)
     assert cluster.engine.leases[waiter].state is LeaseState.GRANTED
     assert cluster.engine.leases[busy_lease].state is LeaseState.BOUND
+
+
+def test_a_per_model_guarantee_applies_however_the_admin_spelled_the_model(tmp_path: Path):
+    """Per-model keys are matched as a user's request is (allocator.model_names): "gtx 1070"
+    is the reported "NVIDIA GeForce GTX 1070"."""
+    cluster = FairCluster(tmp_path, gpus=3, user_model_quota={"alice": {"gtx 1070": 1}},
+                          user_model_borrow_limit={"alice": {"gtx 1070": 2}})
+    first, second = cluster.grant("alice", "a"), cluster.grant("alice", "b")
+    assert (first.lease.borrowed, second.lease.borrowed) == (False, True)
+    third = cluster.send(AllocateRequest(request_key="hub/alice/c", user="alice"))
+    assert isinstance(third, ErrorReply) and third.error.code == "quota_exceeded"

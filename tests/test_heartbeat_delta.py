@@ -33,6 +33,7 @@ from allocator.protocol import (
     LeaseReply,
     LeaseState,
     ProcessUse,
+    ReleaseRequest,
 )
 
 HOST = "h"
@@ -358,3 +359,62 @@ def test_deltas_alone_keep_a_node_alive(tmp_path: Path) -> None:
         assert {node.host: node for node in engine.inventory(170.5).nodes}["quiet"].up
     finally:
         ledger.close()
+
+
+def test_an_empty_delta_does_exactly_what_the_full_report_it_stands_for_does(
+        tmp_path: Path) -> None:
+    """An empty delta is not liveness alone: the report it stands for still drives the rules
+    that depend on time (use samples and idle spells, the stop a released lease's running
+    container is asked again, telemetry written now and then), so both engines must agree."""
+    # Telemetry written every 5 s, a stop asked again at every 2 s heartbeat.
+    options: dict[str, object] = {"telemetry_persist_s": 5.0, "container_stop_grace_s": 0.5,
+                                  "container_stop_retry_s": 0.5}
+    full, full_ledger = engine_on(tmp_path / "full.sqlite", **options)
+    deltas, delta_ledger = engine_on(tmp_path / "deltas.sqlite", **options)
+    engines = ((full, full_ledger), (deltas, delta_ledger))
+    gpus = [gpu(0, used=4000, util=90.0), gpu(1), gpu(2)]
+    try:
+        for engine, ledger in engines:
+            engine.new_lease_id = iter(f"lease-{i}" for i in range(2)).__next__
+            apply(engine, ledger, beat(0, 100.0, gpus, []), 100.0)
+            for i in range(2):
+                reply = apply(engine, ledger, AllocateRequest(
+                    request_key=f"k{i}", user=f"u{i}", host=HOST), 100.5)
+                assert isinstance(reply, LeaseReply)
+                apply(engine, ledger, ContainerEvent(
+                    host=HOST, container_id=f"c-lease-{i}", lease_id=f"lease-{i}",
+                    action=ContainerAction.START, at=101.0), 101.0)
+        running = [container("lease-0", used=4000, util=90.0), container("lease-1")]
+        for engine, ledger in engines:
+            apply(engine, ledger, beat(1, 102.0, gpus, running), 102.0)
+            assert engine.leases["lease-1"].state is LeaseState.BOUND
+        for seq in range(2, 10):
+            at = 100.0 + 2 * seq
+            if seq == 4:
+                for engine, ledger in engines:
+                    apply(engine, ledger, ReleaseRequest(lease_id="lease-1"), at - 1)
+                    assert engine.leases["lease-1"].state is LeaseState.RELEASING
+            apply(full, full_ledger, beat(seq, at, gpus, running), at + 0.1)
+            empty = HeartbeatDelta(host=HOST, agent_id="agent-1", seq=seq, sent_at=at,
+                                   interval_s=2.0)
+            apply(deltas, delta_ledger, empty, at + 0.1)
+            assert deltas.counters[Count.HEARTBEAT_DELTAS.value] == seq - 1
+            assert deltas.cluster.nodes[HOST].last_heartbeat == at + 0.1
+            assert deltas._newest_beat[HOST] == full._newest_beat[HOST] == ("agent-1", seq, at)
+            assert deltas._reported[HOST] == full._reported[HOST]
+            assert comparable(full, full_ledger, at) == comparable(deltas, delta_ledger, at)
+            assert full_ledger.call(full_ledger.load) == delta_ledger.call(delta_ledger.load)
+            assert [(c.lease_id, c.reason) for c in full.commands] == [
+                (c.lease_id, c.reason) for c in deltas.commands]
+            for lease_id in ("lease-0", "lease-1"):
+                assert full.use.latest(lease_id) == deltas.use.latest(lease_id)
+                assert full.use.history(lease_id) == deltas.use.history(lease_id)
+        # Each heartbeat asked again for the stop of the released lease's running container.
+        assert [c.lease_id for c in deltas.commands].count("lease-1") >= 6
+        # Every counter alike but the deltas' own.
+        assert {name: deltas.counters[name] for name in deltas.counters
+                if name != Count.HEARTBEAT_DELTAS.value} == {
+                    name: full.counters[name] for name in full.counters}
+    finally:
+        full_ledger.close()
+        delta_ledger.close()
