@@ -128,6 +128,26 @@ async def hub_factory(
             if service["Spec"]["Name"].startswith(hub.prefix):
                 with contextlib.suppress(aiodocker.DockerError):
                     await docker.services.delete(service["ID"])
+        await _containers_gone(docker, hub.prefix)
+
+
+async def _containers_gone(docker: aiodocker.Docker, prefix: str, within: float = 60.0) -> None:
+    """Wait until no container of the hub's services is left on the engine (removed with
+    force when it outstays a service's removal). The next test's allocator starts on an empty
+    ledger and would adopt a lease container that is still there, by its grant labels, as it
+    does on a real node: the servers of one test must not become another test's leases."""
+    deadline = time.monotonic() + within
+    while True:
+        left = [c for c in await docker.containers.list(all=True)
+                if c["Labels"].get("com.docker.swarm.service.name", "").startswith(prefix)]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            for container in left:
+                with contextlib.suppress(aiodocker.DockerError):
+                    await container.delete(force=True)
+            return
+        await asyncio.sleep(0.3)
 
 
 async def eventually(check: Callable[[], Awaitable[Any]], *, within: float = 30.0,
