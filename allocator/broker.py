@@ -11,6 +11,10 @@ Why in the client and not behind a load balancer: a site that wants the broker h
 available has three broker nodes and no load balancer in front of them (that would be one
 more thing to fail), and aio-pika connects to one URL only. Quorum queues and streams are
 reachable from every node of the cluster, so any node that answers will do.
+
+One trap of a three-node RabbitMQ 3.10 comes with it (:func:`is_refused`): a channel opened on
+a surviving node while a quorum queue is electing a new leader can never publish to that
+queue; the publisher must see the refusal (publisher confirms) and open another channel.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import aio_pika
 import aio_pika.abc
 from aio_pika.abc import TimeoutType
-from aiormq.exceptions import AMQPError
+from aiormq.exceptions import AMQPError, DeliveryError, PublishError
 from yarl import URL
 
 log = logging.getLogger(__name__)
@@ -109,6 +113,31 @@ class FailoverConnection(aio_pika.RobustConnection):
     def arm(self) -> None:
         """From now on, each cleared transport moves to the next node."""
         self._armed = True
+
+
+REFUSED_RETRY_S = 0.25
+"""Pause before publishing a refused message again, on a new channel: a quorum queue's leader
+election takes a fraction of a second to a few seconds on a loaded machine."""
+
+
+def is_refused(exc: BaseException) -> bool:
+    """Whether a publish failed because the broker refused it (a ``basic.nack``): nothing was
+    enqueued, so sending it again cannot duplicate it; a returned (unroutable) message is not
+    a refusal.
+
+    Why a refused publish is sent again **on a new channel**: in RabbitMQ 3.10 a channel's
+    first publish to a quorum queue asks the node of the leader named in the queue's record
+    (read when the channel first uses the queue) which queue version it runs
+    (``rabbit_fifo_client:enqueue/3``). When that node is down, the publish is refused and the
+    channel's state is left as it was, so every later publish of that channel to that queue
+    asks the dead node again and is refused too, for as long as the channel lives: nacked
+    with publisher confirms, dropped without a trace without them. A channel opened on a
+    surviving node after the leader's node died and before the new leader is recorded (a
+    fraction of a second; seconds on a loaded machine) is in that state, and a client whose
+    connection was on the lost node reconnects to the next node at once, into exactly that
+    window. A new channel reads the record again and finds the new leader.
+    """
+    return isinstance(exc, DeliveryError) and not isinstance(exc, PublishError)
 
 
 async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractRobustConnection:

@@ -21,6 +21,7 @@ address when it is decided, and the client keeps its channel open until then
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -143,6 +144,8 @@ class AllocatorClient:
         self._streams: dict[str, asyncio.Queue[bytes | AllocatorError]] = {}
         """Correlation id -> the answers of a wait in the queue (its calls and the pushes)."""
         self._connect_lock = asyncio.Lock()
+        self.requests_refused = 0
+        """Requests the broker refused and this client sent again on a new channel."""
 
     async def __aenter__(self) -> Self:
         await self.connect()
@@ -167,21 +170,59 @@ class AllocatorClient:
                     broker.connect_robust(self.amqp_url, timeout=self.connect_timeout_s),
                     self.connect_timeout_s,
                 )
-                # No publisher confirms: the reply is the confirmation, and a confirm on a
-                # quorum queue costs a replicated write per call.
-                channel = await self._connection.channel(publisher_confirms=False)
-                channel.return_callbacks.add(self._on_return)
-                channel.close_callbacks.add(self._on_channel_close)
-                reply_queue = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
-                await reply_queue.consume(self._on_reply, no_ack=True)
-                self._exchange = await channel.get_exchange(self.exchange_name, ensure=False)
-                self._channel = channel
+                await self._open_channel(self._connection)
             except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
                 await self._close_quietly()
                 reason = str(exc) or type(exc).__name__
                 raise AllocatorUnavailable(
                     f"cannot reach the broker at {redact(self.amqp_url)}: {reason}"
                 ) from exc
+
+    async def _open_channel(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
+        """A channel with its direct reply-to consumer, the one requests go out on from now.
+
+        With publisher confirms: the broker says whether it took each request, and a refused
+        one is sent again on a new channel (:func:`allocator.broker.is_refused`). They cost no
+        extra wait: the allocator sees a request only after the quorum queue took it, which is
+        when the confirm comes.
+        """
+        channel = await asyncio.wait_for(connection.channel(publisher_confirms=True),
+                                         self.connect_timeout_s)
+        channel.return_callbacks.add(self._on_return)
+        channel.close_callbacks.add(self._on_channel_close)
+        reply_queue = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
+        await asyncio.wait_for(reply_queue.consume(self._on_reply, no_ack=True),
+                               self.connect_timeout_s)
+        self._exchange = await channel.get_exchange(self.exchange_name, ensure=False)
+        self._channel = channel
+
+    async def _replace_channel(self, refused: aio_pika.abc.AbstractChannel) -> None:
+        """Requests go out on a new channel of the same connection from now on; ``refused``
+        (whose publishes the broker refuses, or does not confirm) is closed, once, by
+        whichever call saw it first.
+
+        Calls waiting for a reply keep waiting: a refused request was never enqueued and is
+        sent again on the new channel, whose consumer gets its reply (replies are matched by
+        correlation id, whatever channel they come on).
+        """
+        async with self._connect_lock:
+            if self._channel is not refused:
+                return  # replaced already, or the connection was closed meanwhile
+            log.warning("the broker refused a request or did not confirm it in time (a broker "
+                        "node holding a queue's leader lost?); requests go out on a new channel")
+            connection = self._connection
+            self._channel, self._exchange = None, None
+            refused.close_callbacks.discard(self._on_channel_close)
+            with contextlib.suppress(Exception):  # it is being thrown away
+                await asyncio.wait_for(refused.close(), self.connect_timeout_s)
+            if connection is None or connection.is_closed:
+                return  # the next publish connects again
+            try:
+                await self._open_channel(connection)
+            except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
+                raise AllocatorUnavailable(
+                    f"cannot open a channel to the broker at {redact(self.amqp_url)}: "
+                    f"{str(exc) or type(exc).__name__}") from exc
 
     async def close(self) -> None:
         """Close the connection; pending calls and waits fail with :class:`ClientClosed`."""
@@ -260,10 +301,14 @@ class AllocatorClient:
         return _read_reply(body)
 
     async def _publish(self, request: BaseModel, correlation_id: str, bound_s: float) -> None:
-        """Publish ``request`` with its deadline, answers to come on ``correlation_id``."""
-        if not self.connected:
-            await self.connect()
-        assert self._exchange is not None
+        """Publish ``request`` with its deadline, answers to come on ``correlation_id``.
+
+        Returns once the broker has taken it. A request the broker refuses is sent again, on
+        a new channel, every :data:`~allocator.broker.REFUSED_RETRY_S` until ``bound_s`` is
+        spent (a quorum queue whose leader's node was just lost, see
+        :func:`allocator.broker.is_refused`); then it is :class:`AllocatorUnavailable`.
+        """
+        give_up = time.monotonic() + bound_s
         if "deadline" in type(request).model_fields:
             request = request.model_copy(update={"deadline": time.time() + bound_s})
         message = aio_pika.Message(
@@ -275,17 +320,36 @@ class AllocatorClient:
             user_id=self.user_id,
             delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
         )
-        try:
-            await self._exchange.publish(
-                message, routing_key=self.routing_key, mandatory=True, timeout=bound_s
-            )
-        except TimeoutError as exc:
-            raise AllocatorTimeout(
-                f"publishing the request took longer than {bound_s:g} s (is the broker down?)"
-            ) from exc
-        except aio_pika.exceptions.AMQPError as exc:
-            await self._close_quietly()
-            raise AllocatorUnavailable(f"the broker refused the request: {exc}") from exc
+        if not self.connected:
+            await self.connect()
+        while True:
+            channel, exchange = self._channel, self._exchange
+            if channel is None or exchange is None or channel.is_closed:
+                # Lost while the refused request waited to be sent again: the caller's
+                # next call connects anew (connecting here would fail the pending calls).
+                raise AllocatorUnavailable("the broker connection was lost")
+            try:
+                await exchange.publish(message, routing_key=self.routing_key, mandatory=True,
+                                       timeout=max(give_up - time.monotonic(), 0.001))
+                return
+            except TimeoutError as exc:
+                # Not confirmed in time: the next call goes out on a new channel, in case
+                # this one is wedged (seen on a channel whose queue lost its leader).
+                await self._replace_channel(channel)
+                raise AllocatorTimeout(
+                    f"publishing the request took longer than {bound_s:g} s (is the broker down?)"
+                ) from exc
+            except aio_pika.exceptions.AMQPError as exc:
+                if not broker.is_refused(exc):
+                    await self._close_quietly()
+                    raise AllocatorUnavailable(f"the broker refused the request: {exc}") from exc
+                if time.monotonic() + broker.REFUSED_RETRY_S >= give_up:
+                    raise AllocatorUnavailable(
+                        f"the broker refused the request for {bound_s:g} s (the allocator's "
+                        "queue has no leader it can reach)") from exc
+                self.requests_refused += 1
+            await self._replace_channel(channel)
+            await asyncio.sleep(broker.REFUSED_RETRY_S)
 
     async def _expect(
         self, request: BaseModel, expected: type[ReplyT], timeout_s: float | None

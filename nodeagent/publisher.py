@@ -32,7 +32,7 @@ from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractExchange, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
 from yarl import URL
 
 from allocator import broker
@@ -76,6 +76,8 @@ class Publisher:
         self.buffer_size = buffer_size
         self._connection: AbstractRobustConnection | None = None
         self._exchange: AbstractExchange | None = None
+        self._channel: AbstractChannel | None = None
+        """The channel of ``_exchange``."""
         self._buffer: deque[ContainerEvent] = deque()
         self._kick = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -160,13 +162,15 @@ class Publisher:
         # first one.
         channel = await connection.channel(on_return_raises=True)
         try:
-            return await channel.declare_exchange(
+            exchange: AbstractExchange = await channel.declare_exchange(
                 NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
             )
         except aiormq.exceptions.ChannelAccessRefused:
             log.info("broker: may not declare %s; checking that it exists", NODES_EXCHANGE)
             channel = await connection.channel(on_return_raises=True)
-            return await channel.get_exchange(NODES_EXCHANGE, ensure=True)
+            exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=True)
+        self._channel = channel
+        return exchange
 
     async def _connect_loop(self) -> None:
         while self._connection is None:
@@ -213,8 +217,42 @@ class Publisher:
             ),
             expiration=expiration,
         )
-        async with asyncio.timeout(self.timeout_s):
-            await exchange.publish(message, routing_key, mandatory=mandatory)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await exchange.publish(message, routing_key, mandatory=mandatory)
+        except TimeoutError:
+            # Not confirmed in time on a connection that is up: the channel may be wedged
+            # (seen on a channel whose queue lost its leader), and would stay so.
+            if self.connected:
+                await self._renew_channel(exchange)
+            raise
+        except aiormq.exceptions.AMQPError as exc:
+            if broker.is_refused(exc):
+                await self._renew_channel(exchange)
+            raise
+
+    async def _renew_channel(self, refused: AbstractExchange) -> None:
+        """Publish on a new channel from now on: the broker refused a publish of the one
+        ``refused`` is on, or did not confirm it in time. A refusal means the channel refuses
+        every publish for as long as it lives (a quorum queue's leader lost just before that
+        channel first used it, :func:`allocator.broker.is_refused`). The message fails as
+        before (a heartbeat is counted and dropped, an event stays buffered) and the next one
+        goes out on the new channel."""
+        connection, channel = self._connection, self._channel
+        if self._exchange is not refused or connection is None or connection.is_closed:
+            return
+        log.warning("broker: a publish was refused or not confirmed in time; publishing on a "
+                    "new channel from now on")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                self._exchange = await self._declare(connection)
+        except Exception as exc:  # the refused channel stays; the next refusal tries again
+            self._note_error("new channel", exc)
+            return
+        if channel is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    await channel.close()
 
     async def publish_heartbeat(self, heartbeat: Heartbeat | HeartbeatDelta) -> bool:
         """Publish one heartbeat or delta (expires after two intervals); False if it failed."""

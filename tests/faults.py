@@ -365,6 +365,8 @@ class CycleLoad:
     fault_at: float | None = None
     """Set by the test when the fault happens (monotonic)."""
     cycles_after_fault: Counter[int] = field(default_factory=Counter)
+    refused: int = 0
+    """Requests the broker refused and the clients sent again on a new channel."""
 
     def answered_after_fault(self) -> list[float]:
         """Seconds from the fault to each answer after it."""
@@ -427,6 +429,7 @@ async def cycle(number: int, url: str, load: CycleLoad, *, cycles_after_fault: i
             n += 1
             if load.fault_at is not None:
                 load.cycles_after_fault[number] += 1
+        load.refused += client.requests_refused
 
 
 def assert_one_lease_per_answer(audit: LedgerAudit, load: CycleLoad) -> None:

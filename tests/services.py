@@ -215,13 +215,21 @@ def temporary_vhost(broker: RabbitMQ) -> Iterator[AmqpVhost]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs. A zombie does not: a killed broker node (detached, so
+    a child of init) stays one until init reaps it, seconds later,
+    and a test that starts it again must not take it for running."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        # The state is the field after the command name, which is in parentheses.
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc here: kill(0) is all there is
+    return state != "Z"
 
 
 def delete_stale_vhosts(broker: RabbitMQ) -> list[str]:
@@ -294,6 +302,10 @@ class PrivateRabbitMQ:
         """AMQP URL of its vhost ``/``."""
         return f"amqp://guest:guest@127.0.0.1:{self.port}/"
 
+    def vhost_url(self, vhost: str) -> str:
+        """AMQP URL of ``vhost`` on this node."""
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/{urllib.parse.quote(vhost, safe='')}"
+
     @property
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -322,11 +334,16 @@ class PrivateRabbitMQ:
     def start(self, timeout: float = 90.0) -> float:
         """Start the node and wait until it accepts AMQP connections; the seconds it took."""
         started = time.monotonic()
+        self.launch()
+        self._await(started, timeout)
+        return time.monotonic() - started
+
+    def launch(self) -> None:
+        """Start the node's VM in the background (``rabbitmq-server -detached``), not waiting
+        for it to boot."""
         subprocess.run([str(self.bin_dir / "rabbitmq-server"), "-detached"], env=self.env,
                        cwd=self.base, stdin=subprocess.DEVNULL, capture_output=True,
                        timeout=60, check=True)
-        self._await(started, timeout)
-        return time.monotonic() - started
 
     def _await(self, started: float, timeout: float) -> None:
         while True:
@@ -334,8 +351,13 @@ class PrivateRabbitMQ:
             if remaining <= 0:
                 raise TimeoutError(f"RabbitMQ node {self.node} not up within {timeout}s:\n"
                                    + self.log_tail())
-            wait = max(1, min(10, int(remaining)))
-            result = self.ctl("await_startup", "--timeout", str(wait), timeout=wait + 15)
+            wait = max(1, min(30, int(remaining)))
+            try:
+                result = self.ctl("await_startup", "--timeout", str(wait), timeout=wait + 30)
+            except subprocess.TimeoutExpired:
+                # rabbitmqctl is an Erlang VM of its own: on a loaded machine it can take
+                # longer than the wait it was given; the node may still be booting.
+                continue
             if result.returncode == 0 and port_open("127.0.0.1", self.port):
                 return
             time.sleep(0.3)
@@ -419,9 +441,11 @@ class PrivateRabbitMQCluster:
 
     Each node is a :class:`PrivateRabbitMQ`: its own node name, AMQP and distribution ports
     on 127.0.0.1, database and logs under ``base/<n>``; all share one Erlang cookie (``HOME``
-    is ``base``). The shared broker on 5672 (and its 15672, 25672) is never touched. Node 1
-    starts alone; nodes 2 and 3 join it (``rabbitmqctl join_cluster``). Queues declared once
-    all three run get a member on each: quorum queues and streams then survive one node.
+    is ``base``). The shared broker on 5672 (and its 15672, 25672) is never touched. The
+    three start at once; nodes 2 and 3 join node 1 as they boot (peer discovery from their
+    config files, as a deployment's nodes do), with no second boot for a ``join_cluster``.
+    Queues declared once all three run get a member on each: quorum queues and streams then
+    survive one node.
     """
 
     def __init__(self, base: Path, bin_dir: Path, size: int = 3) -> None:
@@ -431,10 +455,19 @@ class PrivateRabbitMQCluster:
         cookie.write_text(uuid.uuid4().hex.upper())
         cookie.chmod(0o400)
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        names = [f"swarm-gpu-cluster-{tag}-{n}@localhost" for n in range(1, size + 1)]
+        # Node 1 starts the cluster; the others find it in their config and join it while
+        # they boot, waiting for it if it is not up yet (up to 5 min on a loaded machine).
+        joining = (
+            "cluster_formation.peer_discovery_backend = classic_config\n"
+            f"cluster_formation.classic_config.nodes.1 = {names[0]}\n"
+            "cluster_formation.discovery_retry_limit = 300\n"
+            "cluster_formation.discovery_retry_interval = 1000\n"
+        )
         self.nodes = [
-            PrivateRabbitMQ(base / f"node{n}", bin_dir, home=base,
-                            node=f"swarm-gpu-cluster-{tag}-{n}@localhost")
-            for n in range(1, size + 1)
+            PrivateRabbitMQ(base / f"node{n}", bin_dir, home=base, node=name,
+                            config="" if n == 1 else joining)
+            for n, name in enumerate(names, start=1)
         ]
 
     @property
@@ -443,41 +476,71 @@ class PrivateRabbitMQCluster:
         return "amqp://guest:guest@" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes) \
             + "/"
 
-    def start(self, timeout: float = 120.0) -> float:
-        """Start every node and cluster them; the seconds it took."""
+    def start(self, timeout: float = 240.0) -> float:
+        """Start every node and wait until all three run as one cluster; the seconds it took."""
         started = time.monotonic()
-        first, *others = self.nodes
-        first.start(timeout)
-        for node in others:
-            node.start(timeout)
-            for step in (("stop_app",), ("join_cluster", first.node), ("start_app",)):
-                result = node.ctl(*step, timeout=timeout)
-                if result.returncode != 0:
-                    raise RuntimeError(f"rabbitmqctl {' '.join(step)} on {node.node}: "
-                                       f"{result.stderr or result.stdout}")
-            node._await(time.monotonic(), timeout)
-        running = self.running_nodes()
-        if sorted(running) != sorted(node.node for node in self.nodes):
-            raise RuntimeError(f"the cluster runs {running}, not all {len(self.nodes)} nodes")
+        for node in self.nodes:
+            node.launch()
+        for node in self.nodes:
+            node._await(started, timeout)
+        self._await_all(started, timeout)
         return time.monotonic() - started
+
+    def ensure_running(self, timeout: float = 240.0) -> float:
+        """Start again every node a test killed (it rejoins the cluster with its data) and
+        wait until all of them run; the seconds it took."""
+        started = time.monotonic()
+        stopped = [node for node in self.nodes if not node.running()]
+        for node in stopped:
+            node.launch()
+        for node in stopped:
+            node._await(started, timeout)
+        self._await_all(started, timeout)
+        return time.monotonic() - started
+
+    def add_vhost(self, vhost: str) -> None:
+        """A vhost of its own, where ``guest`` may do everything: a test's queues apart from
+        the other tests' (each is placed anew, its leader on the node that declares it)."""
+        via = next(node for node in self.nodes if node.running())
+        for args in (("add_vhost", vhost),
+                     ("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")):
+            result = via.ctl(*args)
+            if result.returncode != 0:
+                raise RuntimeError(f"rabbitmqctl {' '.join(args)}: "
+                                   f"{result.stderr or result.stdout}")
+
+    def _await_all(self, started: float, timeout: float) -> None:
+        wanted = sorted(node.node for node in self.nodes)
+        while sorted(running := self.running_nodes()) != wanted:
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"the cluster runs {running}, not all {len(self.nodes)} "
+                                   f"nodes, after {timeout:g} s")
+            time.sleep(0.5)
 
     def running_nodes(self, via: PrivateRabbitMQ | None = None) -> list[str]:
         """The node names the cluster reports running (asked of ``via``, or any live node)."""
         for node in [via] if via is not None else [n for n in self.nodes if n.running()]:
-            result = node.ctl("cluster_status", "--formatter", "json")
+            try:
+                result = node.ctl("cluster_status", "--formatter", "json")
+            except subprocess.TimeoutExpired:
+                continue
             if result.returncode == 0:
                 running: list[str] = json.loads(result.stdout).get("running_nodes", [])
                 return running
         return []
 
-    def stop(self) -> None:
-        """Stop every node (the last resort, SIGKILL, for one that does not stop)."""
-        for node in reversed(self.nodes):
-            try:
-                if node.running():
-                    node.stop()
-            except (OSError, subprocess.SubprocessError, RuntimeError):
-                pass
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop every node at once (SIGTERM: the VM shuts down cleanly), SIGKILL for one that
+        has not stopped within ``timeout``. No ``rabbitmqctl stop``: three more Erlang VMs to
+        boot, one after the other, took minutes on a loaded machine."""
+        pids = [pid for node in self.nodes if (pid := node.pid()) is not None]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(_pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for node in self.nodes:
             node.kill()
 
     def log_tail(self, lines: int = 20) -> str:
@@ -728,3 +791,4 @@ def _first_executable(candidates: list[str | None]) -> Path | None:
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return Path(candidate)
     return None
+
