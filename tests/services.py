@@ -441,9 +441,10 @@ class PrivateRabbitMQCluster:
 
     Each node is a :class:`PrivateRabbitMQ`: its own node name, AMQP and distribution ports
     on 127.0.0.1, database and logs under ``base/<n>``; all share one Erlang cookie (``HOME``
-    is ``base``). The shared broker on 5672 (and its 15672, 25672) is never touched. The
-    three start at once; nodes 2 and 3 join node 1 as they boot (peer discovery from their
-    config files, as a deployment's nodes do), with no second boot for a ``join_cluster``.
+    is ``base``). The shared broker on 5672 (and its 15672, 25672) is never touched. Node 1
+    starts first; nodes 2 and 3 then start at once and join it as they boot (peer discovery
+    from their config files, as a deployment's nodes do), with no second boot for a
+    ``rabbitmqctl join_cluster``.
     Queues declared once all three run get a member on each: quorum queues and streams then
     survive one node.
     """
@@ -457,7 +458,7 @@ class PrivateRabbitMQCluster:
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         names = [f"swarm-gpu-cluster-{tag}-{n}@localhost" for n in range(1, size + 1)]
         # Node 1 starts the cluster; the others find it in their config and join it while
-        # they boot, waiting for it if it is not up yet (up to 5 min on a loaded machine).
+        # they boot (retrying for up to 5 min should it not answer at once).
         joining = (
             "cluster_formation.peer_discovery_backend = classic_config\n"
             f"cluster_formation.classic_config.nodes.1 = {names[0]}\n"
@@ -479,9 +480,13 @@ class PrivateRabbitMQCluster:
     def start(self, timeout: float = 240.0) -> float:
         """Start every node and wait until all three run as one cluster; the seconds it took."""
         started = time.monotonic()
-        for node in self.nodes:
+        # Node 1 first, fully booted: nodes that joined it while it was still booting left it
+        # with its feature flags off (it then refused to declare quorum queues and streams).
+        first, *others = self.nodes
+        first.start(timeout)
+        for node in others:
             node.launch()
-        for node in self.nodes:
+        for node in others:
             node._await(started, timeout)
         self._await_all(started, timeout)
         return time.monotonic() - started
