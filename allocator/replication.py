@@ -111,8 +111,9 @@ class ReplicatedLog:
         """This allocator process as the log knows it."""
         self.position: LogPosition | None = None
         self.is_writer = False
-        """Whether the newest accepted claim is this process's (and none of its batches was
-        skipped since)."""
+        """Whether this process's :meth:`claim` made it the writer and nothing ended that
+        since: another writer's claim, a skipped batch, a dropped connection or an entry that
+        did not come back in time. Entries of its own that arrive later do not restore it."""
         self.mismatch: LogMismatch | None = None
         """Set when the log is not this ledger's history: stop serving."""
         self.mismatch_event = asyncio.Event()
@@ -198,6 +199,9 @@ class ReplicatedLog:
             entry = Entry("claim", log_id, uuid.uuid4().hex, epoch, self.writer_id,
                           genesis=genesis)
             if await self._append(entry):
+                # Unless another writer's claim was applied right after this one.
+                self.is_writer = self.position is not None \
+                    and self.position.writer == self.writer_id
                 break
             if attempt == attempts - 1:
                 raise LogFenced(f"other allocators kept claiming the ledger log {self.stream}")
@@ -345,7 +349,12 @@ class ReplicatedLog:
             log.warning("ledger log %s: skipped a %s of writer %s (epoch %d): fenced by "
                         "epoch %d", self.stream, entry.kind, entry.writer[:8], entry.epoch,
                         epoch)
-        self.is_writer = writer == self.writer_id
+        if writer != self.writer_id:
+            self.is_writer = False
+        # Never made the writer here: after a drop or a timeout, entries of this allocator
+        # that were in flight still arrive, and taking them for a mandate would let it decide
+        # on a memory that lacks them (the same request key granted twice, seen in the
+        # broker-cluster test). Only a claim (:meth:`claim`) makes it the writer again.
         waiter = self._waiters.get(entry.entry_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(accepted)

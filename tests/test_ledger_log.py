@@ -119,3 +119,36 @@ async def test_a_ledger_that_is_not_the_logs_history_is_refused(amqp_vhost,
         await wait_until(replayed, within=10)
         assert fresh.mismatch is None
     assert lease_ids(tmp_path / "fresh.sqlite") == ["one", "two"]
+
+
+async def test_its_own_entry_arriving_after_a_drop_does_not_make_it_the_writer_again(
+        amqp_vhost, tmp_path: Path) -> None:
+    """A writer whose broker connection dropped with an entry in flight: the entry had landed
+    and still arrives, and is applied (a decision of its epoch), but only a new claim makes
+    this allocator the writer again. Taking that entry for a mandate let it decide on a memory
+    that lacked the entry: one request key granted twice (the broker-cluster test)."""
+    url = amqp_vhost.url
+    async with replica(url, tmp_path / "a.sqlite") as a:
+        await a.claim()
+        await a.append(batch("before-the-drop"))
+        # What the connection's close callback does when a broker node is lost.
+        a._connection_lost(None, ConnectionResetError("a broker node was lost"))
+        assert not a.is_writer
+        assert a.position is not None
+        in_flight = Entry("batch", a.position.log_id, "in-flight-entry", a.position.epoch,
+                          a.writer_id, changes=batch("in-flight").to_json())
+        connection = await aio_pika.connect(url, timeout=10)
+        async with connection:
+            channel = await connection.channel()
+            await channel.default_exchange.publish(aio_pika.Message(body=in_flight.encode()),
+                                                   routing_key=STREAM)
+
+        async def applied() -> bool:
+            return a.position is not None and a.position.entry_id == "in-flight-entry"
+        await wait_until(applied, within=10)
+        assert not a.is_writer
+        with pytest.raises(LogFenced):
+            await a.append(batch("decided-on-a-stale-memory"))
+        assert await a.claim() is False
+        await a.append(batch("after-the-claim"))
+    assert lease_ids(tmp_path / "a.sqlite") == ["after-the-claim", "before-the-drop", "in-flight"]
