@@ -72,6 +72,9 @@ class Count(StrEnum):
     STALE_DELIVERIES = "stale_deliveries"
     """Messages dropped unapplied because the channel they came on has closed since: the
     broker has given them to the active allocator (this one was stopped or cut off)."""
+    REDELIVERED_DECIDED = "redelivered_decided"
+    """Redeliveries of requests this allocator had decided and committed already (their
+    acknowledgement was lost with a broker node): dropped, not decided twice."""
 
 
 ANOMALIES = (

@@ -294,6 +294,9 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         ("swarm_gpu_stale_deliveries", "Messages dropped unapplied because their channel "
          "closed before (the broker gave them to the active allocator)", service,
          Count.STALE_DELIVERIES),
+        ("swarm_gpu_redelivered_decided", "Redeliveries of requests decided already (their "
+         "acknowledgement was lost with a broker node), dropped", service,
+         Count.REDELIVERED_DECIDED),
     ):
         yield _counter(name, doc, counters[count])
 

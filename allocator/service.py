@@ -37,6 +37,7 @@ from allocator.broker import broker_address
 from allocator.client import broker_user
 from allocator.config import AllocatorSettings, ConfigurationError, guarantee_problem
 from allocator.counters import Count, Family, ServiceStats
+from allocator.decided import DecidedRequests, RequestId
 from allocator.engine import Engine, Sender
 from allocator.ledger import Changes, Ledger, LedgerChanged, LedgerError
 from allocator.protocol import (
@@ -173,6 +174,12 @@ BROKER_RETRY_MAX_S = 10.0
 """...up to this, until ``broker_wait_s`` has passed."""
 
 
+def _request_id(message: aio_pika.abc.AbstractIncomingMessage) -> RequestId:
+    """What identifies one call of a caller's: its broker user, reply address and correlation
+    id (a retry of the call has a new correlation id)."""
+    return (message.user_id or "", message.reply_to or "", message.correlation_id or "")
+
+
 def _channel_closed(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
     """Whether the channel a delivery came on has closed (aio-pika raises on a closed one)."""
     try:
@@ -220,6 +227,8 @@ class AllocatorService:
         self.failed = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
         self.waiters = Waiters()
+        self.decided = DecidedRequests()
+        """Requests decided and committed lately: their redeliveries are not decided again."""
         """Reply addresses of queued requests, where their outcome is pushed."""
 
     # ------------------------------------------------------------------ life
@@ -502,6 +511,11 @@ class AllocatorService:
                 await self._commit_failed(exc, pending)
                 return
             break
+        decided_at = time.monotonic()
+        self.decided.forget_expired(decided_at)
+        for entry in pending:
+            if entry.message.reply_to and entry.message.correlation_id:
+                self.decided.add(_request_id(entry.message), decided_at)
         await self._send_commands(self.engine.take_commands())
         await self._resolve_lookups(pending)
         self._remember_waiters(pending)
@@ -562,6 +576,14 @@ class AllocatorService:
                        changes: Changes) -> _Pending:
         self.stats.counters.add(Count.RECEIVED)
         wants_reply = bool(message.reply_to and message.correlation_id)
+        if wants_reply and message.redelivered and _request_id(message) in self.decided:
+            # Decided, committed and answered already; its acknowledgement was lost with a
+            # broker node. Its caller may have released the lease since: deciding it again
+            # would grant that request key a lease nobody holds.
+            self.stats.counters.add(Count.REDELIVERED_DECIDED)
+            log.info("dropped a redelivered request decided already (correlation id %s)",
+                     (message.correlation_id or "")[:40])
+            return _Pending(message, None)
         if wants_reply and not self._may_reply_to(message.reply_to or ""):
             # Publishing there would let any sender make the allocator write into a queue of
             # its choosing (its own inbound queue included): refuse unanswered, keep it for a
