@@ -1,0 +1,254 @@
+"""The stack with its three-node broker, on a real three-node Swarm (``scripts/cluster``).
+
+``scripts/cluster up --broker-cluster`` deploys compose/stack.yml with
+compose/stack.broker-cluster.yml (and the one-machine overrides of both): a RabbitMQ node on
+each Swarm node (rabbitmq on manager-1, rabbitmq-2 on gpu-1, rabbitmq-3 on gpu-2), each with
+its own data volume, one Erlang cookie from a secret, peer discovery by classic_config; every
+part's AMQP URL names the three. The allocator's replicas (gpu-1, gpu-2) connect to
+rabbitmq-2 first, the hub and the agents to rabbitmq.
+
+The tests check that the three form one cluster with a member of every quorum queue and
+stream on each, that a user gets a GPU through the hub, and that with gpu-1's engine stopped
+(its broker node, and one allocator replica, gone; the manager stays) the allocator answers
+again, every lease granted before is still there, and a new spawn is granted. The time from
+the stop to the first answer is printed (docs/reliability.md records it).
+
+Its own module (its own ``scripts/cluster up``): tests/test_stack_e2e.py's stack has one
+broker node. Ends with ``scripts/cluster down`` unless SWARM_GPU_CLUSTER_KEEP=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from test_stack_e2e import (
+    ALLOCATOR_NODES,
+    GTX1070,
+    RTX3090,
+    UP_TIMEOUT_S,
+    Cluster,
+    cluster_up,
+    eventually,
+)
+
+from allocator.client import AllocatorClient, AllocatorError
+
+pytestmark = [pytest.mark.docker, pytest.mark.hub, pytest.mark.slow,
+              pytest.mark.timeout(UP_TIMEOUT_S + 900)]
+
+BROKERS = {"manager-1": ("rabbitmq", "rabbit@rabbitmq"),
+           "gpu-1": ("rabbitmq-2", "rabbit-2@rabbitmq-2"),
+           "gpu-2": ("rabbitmq-3", "rabbit-3@rabbitmq-3")}
+"""Swarm node -> (the broker service there, its RabbitMQ node name)."""
+LOST = "gpu-1"
+"""The node stopped: its broker node is the allocator replicas' first one; not the manager."""
+VHOST = "swarm-gpu"
+LEDGER_LOG = "swarm-gpu.ledger-log"
+INBOUND = "swarm-gpu.allocator"
+ANSWER_TIMEOUT_S = 3.0
+POLL_INTERVAL_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    # Two more broker nodes wait for the first and join it: more time to converge.
+    with cluster_up("--broker-cluster", env={"SWARM_GPU_CLUSTER_DEPLOY_TIMEOUT": "600"}) as up:
+        assert up.env["SWARM_GPU_CLUSTER_BROKER_CLUSTER"] == "1"
+        yield up
+
+
+def broker_container(cluster: Cluster, node: str) -> str:
+    service = f"{cluster.stack}_{BROKERS[node][0]}"
+    ids = cluster.docker(node, "ps", "-q", "-f",
+                         f"label=com.docker.swarm.service.name={service}").stdout.split()
+    assert ids, f"no {service} container on {node}"
+    return ids[0]
+
+
+def rabbitmqctl(cluster: Cluster, node: str, *args: str) -> Any:
+    """``rabbitmqctl ARGS --formatter json`` in the broker container on ``node``."""
+    result = cluster.docker(node, "exec", broker_container(cluster, node), "rabbitmqctl", "-q",
+                            *args, "--formatter", "json", timeout=120)
+    return json.loads(result.stdout)
+
+
+def running_nodes(cluster: Cluster, via: str) -> list[str]:
+    status = rabbitmqctl(cluster, via, "cluster_status")
+    return sorted(status["running_nodes"])
+
+
+def replicated_queues(cluster: Cluster, via: str) -> dict[str, dict[str, Any]]:
+    """name -> type, members, online and leader of every quorum queue and stream."""
+    queues = rabbitmqctl(cluster, via, "list_queues", "-p", VHOST, "name", "type", "members",
+                         "online", "leader")
+    return {q["name"]: q for q in queues if q["type"] in ("quorum", "stream")}
+
+
+def every_queue_on(nodes: list[str]) -> Callable[[dict[str, dict[str, Any]]], bool]:
+    """Whether the inbound queue and the ledger log exist and every quorum queue and stream
+    has exactly ``nodes`` as its members."""
+    def probe(queues: dict[str, dict[str, Any]]) -> bool:
+        return {INBOUND, LEDGER_LOG} <= set(queues) and all(
+            sorted(q["members"]) == nodes for q in queues.values())
+    return probe
+
+
+@dataclass
+class Poller:
+    """Calls the allocator (``inventory``) every POLL_INTERVAL_S from its own thread, as the
+    admin user, over a URL naming the three nodes (the manager's first, which stays up)."""
+
+    url: str
+    answers: list[float] = field(default_factory=list)
+    """monotonic times of answered calls (when the answer came)."""
+    failures: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    async def _run(self) -> None:
+        async with AllocatorClient(self.url, timeout_s=ANSWER_TIMEOUT_S) as client:
+            while not self._stop.is_set():
+                try:
+                    await client.inventory(timeout_s=ANSWER_TIMEOUT_S)
+                    self.answers.append(time.monotonic())
+                except (AllocatorError, OSError, TimeoutError) as exc:
+                    self.failures.append(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(POLL_INTERVAL_S)
+
+    def first_answer_after(self, moment: float) -> float | None:
+        later = [t for t in self.answers if t > moment]
+        return later[0] if later else None
+
+    def longest_gap(self, since: float) -> float:
+        times = [since, *[t for t in self.answers if t > since]]
+        return max((b - a for a, b in itertools.pairwise(times)), default=float("inf"))
+
+
+def admin_url(cluster: Cluster) -> str:
+    port = cluster.env["SWARM_GPU_BROKER_PORT"]
+    addresses = [cluster.env["SWARM_GPU_MANAGER_ADDR"], cluster.env["SWARM_GPU_BROKER_2_ADDR"],
+                 cluster.env["SWARM_GPU_BROKER_3_ADDR"]]
+    password = cluster.secret("broker-passwords/admin")
+    return f"amqp://admin:{password}@" + ",".join(f"{a}:{port}" for a in addresses) + f"/{VHOST}"
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_three_broker_nodes_one_on_each_node_form_one_cluster(cluster: Cluster) -> None:
+    where: dict[str, list[str]] = {}
+    for line in cluster.manager("stack", "ps", cluster.stack, "--filter",
+                                "desired-state=running", "--format",
+                                "{{.Name}} {{.Node}} {{.CurrentState}}").stdout.splitlines():
+        name, node = line.split()[:2]
+        where.setdefault(name.split(".")[0].removeprefix(f"{cluster.stack}_"), []).append(node)
+    for node, (service, _) in BROKERS.items():
+        assert where[service] == [node], where
+    assert sorted(where["allocator"]) == sorted(ALLOCATOR_NODES)
+    names = sorted(name for _, name in BROKERS.values())
+    for via in BROKERS:  # every node sees the same three
+        eventually(lambda: running_nodes(cluster, via) == names,  # noqa: B023 (called now)
+                   f"the three nodes running, as {via} sees it")
+    # The definitions' quorum queues (declared when the first node ran alone) and the ledger
+    # log's stream (declared by the allocator) have a member on each node.
+    def whole() -> dict[str, dict[str, Any]] | None:
+        queues = replicated_queues(cluster, "manager-1")
+        return queues if every_queue_on(names)(queues) else None
+    queues = eventually(whole, "every quorum queue and stream on the three nodes", within=180)
+    assert queues[INBOUND]["type"] == "quorum" and queues[LEDGER_LOG]["type"] == "stream"
+
+
+def test_a_user_gets_a_gpu_through_the_hub(cluster: Cluster) -> None:
+    cluster.user("alice", "staff")
+    cluster.spawn("alice", {"mode": "exclusive", "model": "3090"})
+    cluster.ready("alice")
+    lease_id, node, env = cluster.lease_of("alice")
+    gpu, holder = eventually(lambda: cluster.lease(lease_id), "alice's lease")
+    assert node == "gpu-2" and gpu["model"] == RTX3090 and holder["user"] == "alice"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"]
+    eventually(lambda: (cluster.lease(lease_id) or ({}, {}))[1].get("state") == "bound",
+               "alice's lease bound")
+
+
+def test_a_broker_nodes_node_stopped_the_allocator_answers_and_loses_no_decision(
+        cluster: Cluster) -> None:
+    """gpu-1 stops (its engine: its broker node rabbitmq-2, where both allocator replicas
+    are connected, its allocator replica and agent). The allocator answers again through the
+    two broker nodes left, alice's lease (granted before) is still there on its GPU, and a
+    new spawn is granted; gpu-1 comes back and its broker node rejoins."""
+    names = sorted(name for _, name in BROKERS.values())
+    lost_name = BROKERS[LOST][1]
+    active_node, _ = cluster.active_allocator()
+    alice, _, _ = cluster.lease_of("alice")
+    before = json.loads(cluster.gpu_ledger("export", "leases", "--format", "json").stdout)
+    assert alice in {row["lease_id"] for row in before}
+    poller = Poller(admin_url(cluster))
+    poller.start()
+    try:
+        eventually(lambda: len(poller.answers) >= 3, "the allocator answering before the stop")
+        stopping = time.monotonic()
+        stop = cluster.script("stop-node", LOST)
+        assert stop.returncode == 0, stop.stderr
+        stopped = time.monotonic()
+        try:
+            first = eventually(lambda: poller.first_answer_after(stopped),
+                               "an answer after the stop", within=180)
+            gap = poller.longest_gap(stopping)
+            print(f"broker cluster: stop-node {LOST} (rabbitmq-2; active allocator on "
+                  f"{active_node}) took {stopped - stopping:.1f} s; first answer "
+                  f"{first - stopped:.1f} s after it ended, {first - stopping:.1f} s after it "
+                  f"began; longest gap between answers {gap:.1f} s (polled every "
+                  f"{POLL_INTERVAL_S} s, {ANSWER_TIMEOUT_S} s timeout); "
+                  f"{len(poller.failures)} calls unanswered")
+            left = sorted(set(names) - {lost_name})
+            assert running_nodes(cluster, "manager-1") == left
+            # No decision lost: every lease of before, on the same GPUs, by the replica
+            # serving now (the other one, if the active one was on gpu-1).
+            after = json.loads(cluster.gpu_ledger("export", "leases", "--format",
+                                                  "json").stdout)
+            by_id = {row["lease_id"]: row for row in after}
+            for row in before:
+                assert row["lease_id"] in by_id, row
+                assert sorted(by_id[row["lease_id"]]["gpu_uuids"]) == sorted(row["gpu_uuids"])
+            gpu, holder = eventually(lambda: cluster.lease(alice), "alice's lease after")
+            assert holder["state"] == "bound" and gpu["host"] == "gpu-2"
+            # A new spawn is granted (the GTX 1070 of gpu-2; gpu-1 is gone).
+            cluster.user("bob", "students")
+            cluster.spawn("bob", {"mode": "exclusive", "model": "1070", "host": "gpu-2"})
+            cluster.ready("bob")
+            bob, node, _ = cluster.lease_of("bob")
+            bob_gpu, _ = eventually(lambda: cluster.lease(bob), "bob's lease")
+            assert node == "gpu-2" and bob_gpu["model"] == GTX1070
+            assert bob not in by_id and bob_gpu["uuid"] != gpu["uuid"]
+            check = cluster.gpu_ledger("check", check=False)
+            assert check.returncode == 0, check.stdout + check.stderr
+            cluster.stop("bob")
+        finally:
+            start = cluster.script("start-node", LOST)
+            assert start.returncode == 0, start.stderr
+    finally:
+        poller.stop()
+    # Back: rabbitmq-2 restarts on its own data and rejoins; its queues are whole again.
+    eventually(lambda: running_nodes(cluster, "manager-1") == names,
+               "rabbitmq-2 back in the cluster", within=180)
+    eventually(lambda: every_queue_on(names)(replicated_queues(cluster, "manager-1")),
+               "every quorum queue and stream on the three nodes again")
+    cluster.stop("alice")
+    eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
