@@ -8,10 +8,12 @@ part's AMQP URL names the three. The allocator's replicas (gpu-1, gpu-2) connect
 rabbitmq-2 first, the hub and the agents to rabbitmq.
 
 The tests check that the three form one cluster with a member of every quorum queue and
-stream on each, that a user gets a GPU through the hub, and that with gpu-1's engine stopped
-(its broker node, and one allocator replica, gone; the manager stays) the allocator answers
-again, every lease granted before is still there, and a new spawn is granted. The time from
-the stop to the first answer is printed (docs/reliability.md records it).
+stream on each, that a user gets a GPU through the hub, and that with the engine of the worker
+whose broker node holds the active allocator's connection stopped (that broker node, an
+allocator replica and an agent gone; the manager stays) the allocator answers again, every
+lease granted before is still there, and a new spawn is granted; then the same with that
+broker node killed (SIGKILL of its container, its node staying). The time from the fault to
+the first answer is printed (docs/reliability.md records it).
 
 Its own module (its own ``scripts/cluster up``): tests/test_stack_e2e.py's stack has one
 broker node. Ends with ``scripts/cluster down`` unless SWARM_GPU_CLUSTER_KEEP=1.
@@ -20,10 +22,13 @@ broker node. Ends with ``scripts/cluster down`` unless SWARM_GPU_CLUSTER_KEEP=1.
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 import threading
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +53,6 @@ BROKERS = {"manager-1": ("rabbitmq", "rabbit@rabbitmq"),
            "gpu-1": ("rabbitmq-2", "rabbit-2@rabbitmq-2"),
            "gpu-2": ("rabbitmq-3", "rabbit-3@rabbitmq-3")}
 """Swarm node -> (the broker service there, its RabbitMQ node name)."""
-LOST = "gpu-1"
-"""The node stopped: its broker node is the allocator replicas' first one; not the manager."""
 VHOST = "swarm-gpu"
 LEDGER_LOG = "swarm-gpu.ledger-log"
 INBOUND = "swarm-gpu.allocator"
@@ -149,6 +152,43 @@ def admin_url(cluster: Cluster) -> str:
     return f"amqp://admin:{password}@" + ",".join(f"{a}:{port}" for a in addresses) + f"/{VHOST}"
 
 
+def management(cluster: Cluster, method: str, path: str) -> Any:
+    """RabbitMQ's HTTP API on the manager's broker node, as the admin user."""
+    address = cluster.env["SWARM_GPU_MANAGER_ADDR"]
+    request = urllib.request.Request(f"http://{address}:15682/api{path}", method=method)
+    token = base64.b64encode(f"admin:{cluster.secret('broker-passwords/admin')}".encode())
+    request.add_header("Authorization", f"Basic {token.decode()}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def active_consumer(cluster: Cluster) -> dict[str, Any]:
+    """The channel of the allocator's single active consumer of the inbound queue: its
+    connection's ``name`` and the broker ``node`` it is on."""
+    consumers = [c for c in management(cluster, "GET", f"/consumers/{VHOST}")
+                 if c["queue"]["name"] == INBOUND and c["active"]]
+    assert len(consumers) == 1, consumers
+    details: dict[str, Any] = consumers[0]["channel_details"]
+    return details
+
+
+def serving_broker_node(cluster: Cluster) -> str:
+    """The worker whose broker node holds the active allocator's connection. When that is
+    the manager's (which must stay), its connection is closed first: the allocator goes on
+    to the next node of its URL, a worker's."""
+    workers = {BROKERS[node][1]: node for node in ALLOCATOR_NODES}
+
+    def on_a_worker() -> str | None:
+        channel = active_consumer(cluster)
+        if channel["node"] in workers:
+            return workers[channel["node"]]
+        management(cluster, "DELETE", "/connections/"
+                   + urllib.parse.quote(channel["connection_name"], safe=""))
+        return None
+    return eventually(on_a_worker, "the active allocator connected to a worker's broker node")
+
+
 # ------------------------------------------------------------------------------ tests
 
 
@@ -187,68 +227,116 @@ def test_a_user_gets_a_gpu_through_the_hub(cluster: Cluster) -> None:
                "alice's lease bound")
 
 
-def test_a_broker_nodes_node_stopped_the_allocator_answers_and_loses_no_decision(
-        cluster: Cluster) -> None:
-    """gpu-1 stops (its engine: its broker node rabbitmq-2, where both allocator replicas
-    are connected, its allocator replica and agent). The allocator answers again through the
-    two broker nodes left, alice's lease (granted before) is still there on its GPU, and a
-    new spawn is granted; gpu-1 comes back and its broker node rejoins."""
-    names = sorted(name for _, name in BROKERS.values())
-    lost_name = BROKERS[LOST][1]
+def serves_through(cluster: Cluster, what: str, fault: Callable[[], None], lost: str,
+                   spawn_on: str, user: str) -> None:
+    """Runs ``fault`` (which takes ``lost``'s broker node away) while the allocator is
+    called every POLL_INTERVAL_S, then checks: it answers again, through another broker
+    node; every lease of before is in the serving replica's ledger on the same GPUs; a new
+    spawn on ``spawn_on`` is granted a GPU no lease held before; ``gpu-ledger check``."""
     active_node, _ = cluster.active_allocator()
-    alice, _, _ = cluster.lease_of("alice")
     before = json.loads(cluster.gpu_ledger("export", "leases", "--format", "json").stdout)
-    assert alice in {row["lease_id"] for row in before}
+    held = {uuid for uuid, holders in cluster.holders().items() if holders}
     poller = Poller(admin_url(cluster))
     poller.start()
     try:
-        eventually(lambda: len(poller.answers) >= 3, "the allocator answering before the stop")
-        stopping = time.monotonic()
-        stop = cluster.script("stop-node", LOST)
-        assert stop.returncode == 0, stop.stderr
-        stopped = time.monotonic()
-        try:
-            first = eventually(lambda: poller.first_answer_after(stopped),
-                               "an answer after the stop", within=180)
-            gap = poller.longest_gap(stopping)
-            print(f"broker cluster: stop-node {LOST} (rabbitmq-2; active allocator on "
-                  f"{active_node}) took {stopped - stopping:.1f} s; first answer "
-                  f"{first - stopped:.1f} s after it ended, {first - stopping:.1f} s after it "
-                  f"began; longest gap between answers {gap:.1f} s (polled every "
-                  f"{POLL_INTERVAL_S} s, {ANSWER_TIMEOUT_S} s timeout); "
-                  f"{len(poller.failures)} calls unanswered")
-            left = sorted(set(names) - {lost_name})
-            assert running_nodes(cluster, "manager-1") == left
-            # No decision lost: every lease of before, on the same GPUs, by the replica
-            # serving now (the other one, if the active one was on gpu-1).
-            after = json.loads(cluster.gpu_ledger("export", "leases", "--format",
-                                                  "json").stdout)
-            by_id = {row["lease_id"]: row for row in after}
-            for row in before:
-                assert row["lease_id"] in by_id, row
-                assert sorted(by_id[row["lease_id"]]["gpu_uuids"]) == sorted(row["gpu_uuids"])
-            gpu, holder = eventually(lambda: cluster.lease(alice), "alice's lease after")
-            assert holder["state"] == "bound" and gpu["host"] == "gpu-2"
-            # A new spawn is granted (the GTX 1070 of gpu-2; gpu-1 is gone).
-            cluster.user("bob", "students")
-            cluster.spawn("bob", {"mode": "exclusive", "model": "1070", "host": "gpu-2"})
-            cluster.ready("bob")
-            bob, node, _ = cluster.lease_of("bob")
-            bob_gpu, _ = eventually(lambda: cluster.lease(bob), "bob's lease")
-            assert node == "gpu-2" and bob_gpu["model"] == GTX1070
-            assert bob not in by_id and bob_gpu["uuid"] != gpu["uuid"]
-            check = cluster.gpu_ledger("check", check=False)
-            assert check.returncode == 0, check.stdout + check.stderr
-            cluster.stop("bob")
-        finally:
-            start = cluster.script("start-node", LOST)
-            assert start.returncode == 0, start.stderr
+        eventually(lambda: len(poller.answers) >= 3, "the allocator answering before the fault")
+        began = time.monotonic()
+        fault()
+        ended = time.monotonic()
+        first = eventually(lambda: poller.first_answer_after(ended), f"an answer after {what}",
+                           within=180)
+        print(f"broker cluster: {what} ({BROKERS[lost][0]}, which the active allocator on "
+              f"{active_node} was connected to) took {ended - began:.1f} s; first answer "
+              f"{first - ended:.1f} s after it, {first - began:.1f} s after it began; longest "
+              f"gap between answers {poller.longest_gap(began):.1f} s (polled every "
+              f"{POLL_INTERVAL_S} s, {ANSWER_TIMEOUT_S} s timeout); {len(poller.failures)} "
+              "calls unanswered")
     finally:
         poller.stop()
-    # Back: rabbitmq-2 restarts on its own data and rejoins; its queues are whole again.
+    assert active_consumer(cluster)["node"] != BROKERS[lost][1], \
+        "the allocator consumes through another broker node"
+    # No decision lost: every lease of before, on the same GPUs, in the ledger of the
+    # replica serving now (the other one, if the active one was on the lost node).
+    after = json.loads(cluster.gpu_ledger("export", "leases", "--format", "json").stdout)
+    by_id = {row["lease_id"]: row for row in after}
+    for row in before:
+        assert row["lease_id"] in by_id, row
+        assert sorted(by_id[row["lease_id"]]["gpu_uuids"]) == sorted(row["gpu_uuids"])
+    # A new spawn is granted (a GTX 1070 of a node left).
+    cluster.user(user, "students")
+    cluster.spawn(user, {"mode": "exclusive", "model": "1070", "host": spawn_on})
+    cluster.ready(user)
+    lease_id, node, _ = cluster.lease_of(user)
+    gpu, _ = eventually(lambda: cluster.lease(lease_id), f"{user}'s lease")
+    assert node == spawn_on and gpu["model"] == GTX1070
+    assert lease_id not in by_id
+    assert gpu["uuid"] not in held, "a GPU held before the fault is not granted again"
+    check = cluster.gpu_ledger("check", check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    cluster.stop(user)
+    eventually(lambda: cluster.lease(lease_id) is None, f"{user}'s GPU free")
+
+
+def whole_again(cluster: Cluster, lost: str) -> None:
+    """The lost broker node back in the cluster, every replicated queue on the three."""
+    names = sorted(name for _, name in BROKERS.values())
     eventually(lambda: running_nodes(cluster, "manager-1") == names,
-               "rabbitmq-2 back in the cluster", within=180)
+               f"{BROKERS[lost][0]} back in the cluster", within=180)
     eventually(lambda: every_queue_on(names)(replicated_queues(cluster, "manager-1")),
-               "every quorum queue and stream on the three nodes again")
+               "every quorum queue and stream on the three nodes again", within=180)
+
+
+def test_a_broker_nodes_node_stopped_the_allocator_answers_and_loses_no_decision(
+        cluster: Cluster) -> None:
+    """The worker whose broker node holds the active allocator's connection stops (its
+    engine: that broker node, an allocator replica, an agent). The allocator answers again
+    through the two broker nodes left, every lease granted before is still there on its
+    GPUs, and a new spawn on the other worker is granted; the node comes back and its broker
+    node rejoins."""
+    names = sorted(name for _, name in BROKERS.values())
+    lost = serving_broker_node(cluster)
+    (survivor,) = ALLOCATOR_NODES - {lost}
+    alice, alice_node, _ = cluster.lease_of("alice")
+
+    def stop() -> None:
+        result = cluster.script("stop-node", lost)
+        assert result.returncode == 0, result.stderr
+        assert running_nodes(cluster, "manager-1") == sorted(set(names) - {BROKERS[lost][1]})
+    try:
+        serves_through(cluster, f"stop-node {lost}", stop, lost, survivor, "bob")
+        if alice_node == survivor:
+            gpu, holder = eventually(lambda: cluster.lease(alice), "alice's lease after")
+            assert holder["state"] == "bound" and gpu["host"] == survivor
+    finally:
+        start = cluster.script("start-node", lost)
+        assert start.returncode == 0, start.stderr
+    # Back: the broker node restarts on its own data and rejoins; its queues are whole again.
+    whole_again(cluster, lost)
     cluster.stop("alice")
+    eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
+
+
+def test_a_broker_node_killed_the_allocator_answers_and_loses_no_decision(
+        cluster: Cluster) -> None:
+    """The broker node holding the active allocator's connection is killed (SIGKILL: no
+    connection is closed cleanly, the stream and queue leaders there are lost at once); its
+    node and everything else on it stay. Swarm starts it again on its own data."""
+    lost = serving_broker_node(cluster)
+    (other,) = ALLOCATOR_NODES - {lost}
+    container = broker_container(cluster, lost)
+    # A lease granted before the kill, to be found after it.
+    cluster.user("dave", "staff")
+    cluster.spawn("dave", {"mode": "exclusive", "model": "1070", "host": other})
+    cluster.ready("dave")
+    dave, _, _ = cluster.lease_of("dave")
+    eventually(lambda: (cluster.lease(dave) or ({}, {}))[1].get("state") == "bound",
+               "dave's lease bound")
+
+    def kill() -> None:
+        cluster.docker(lost, "kill", "--signal", "KILL", container)
+    serves_through(cluster, f"SIGKILL of {BROKERS[lost][0]}", kill, lost, lost, "carol")
+    gpu, holder = eventually(lambda: cluster.lease(dave), "dave's lease after")
+    assert holder["state"] == "bound" and gpu["host"] == other
+    whole_again(cluster, lost)
+    cluster.stop("dave")
     eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
