@@ -235,6 +235,17 @@ class Cluster:
         assert len(constraint) == 1, spec["TaskTemplate"]["Placement"]
         return lease_id, constraint[0].removeprefix("node.hostname == "), env
 
+    def granted(self, name: str, group: str, options: dict[str, Any]
+                ) -> tuple[str, str, dict[str, str], dict[str, Any], dict[str, Any]]:
+        """``name`` (in ``group``) spawns with ``options``: once the server is ready and its
+        lease in the ledger, (lease id, node, container env, the GPU, the holder)."""
+        self.user(name, group)
+        self.spawn(name, options)
+        self.ready(name)
+        lease_id, node, env = self.lease_of(name)
+        gpu, holder = eventually(lambda: self.lease(lease_id), f"{name}'s lease")
+        return lease_id, node, env, gpu, holder
+
     def container_on(self, node: str, lease_id: str) -> str | None:
         ids = self.docker(node, "ps", "-q", "-f", f"label={LEASE_LABEL}={lease_id}").stdout.split()
         return ids[0] if ids else None
