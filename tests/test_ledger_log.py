@@ -9,6 +9,7 @@ import contextlib
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import pytest
@@ -30,11 +31,13 @@ def batch(lease_id: str) -> Changes:
 
 
 @contextlib.asynccontextmanager
-async def replica(url: str, path: Path) -> AsyncIterator[ReplicatedLog]:
+async def replica(url: str, path: Path, **options: Any) -> AsyncIterator[ReplicatedLog]:
+    """A replica of the log on the ledger at ``path`` (``options``: ReplicatedLog's)."""
     ledger = Ledger(path)
     ledger.open()
     connection = await aio_pika.connect_robust(url, timeout=10)
-    replicated = ReplicatedLog(ledger, STREAM, max_bytes=64 << 20, timeout_s=5)
+    replicated = ReplicatedLog(ledger, STREAM, **{"max_bytes": 64 << 20, "timeout_s": 5,
+                                                  **options})
     try:
         await replicated.start(connection)
         yield replicated
