@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+from faults import first_kept_offset
 from support import wait_until
 from test_ledger_log import STREAM, batch, lease_ids, replica
 
@@ -59,22 +60,6 @@ def caught_up(follower: ReplicatedLog, writer: ReplicatedLog) -> Callable[[], Aw
         return follower.position is not None and writer.position is not None \
             and follower.position.offset == writer.position.offset
     return check
-
-
-async def first_kept_offset(url: str) -> int:
-    """The offset of the oldest entry the stream still keeps."""
-    connection = await aio_pika.connect(url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        await channel.set_qos(prefetch_count=1)
-        queue = await channel.declare_queue(STREAM, durable=True, passive=True)
-        first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            if not first.done():
-                first.set_result(int(message.headers["x-stream-offset"]))  # type: ignore[arg-type]
-        await queue.consume(on_message, arguments={"x-stream-offset": "first"})
-        return await asyncio.wait_for(first, 10)
 
 
 def rows(path: Path, sql: str) -> list[tuple[Any, ...]]:
