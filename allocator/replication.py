@@ -90,6 +90,9 @@ RABBITMQ_SEGMENT_BYTES = 500_000_000
 """RabbitMQ's default ``x-stream-max-segment-size-bytes``."""
 
 
+RETENTION_ARGUMENTS = ("x-max-length-bytes", "x-stream-max-segment-size-bytes")
+
+
 def stream_arguments(max_bytes: int, segment_bytes: int) -> dict[str, Any]:
     """The ledger log's queue arguments: a stream, its retention and its segment size."""
     arguments: dict[str, Any] = {"x-queue-type": "stream", "x-max-length-bytes": max_bytes}
@@ -264,8 +267,21 @@ class ReplicatedLog:
         self._connection = connection
         self._channel = await connection.channel()
         await self._channel.set_qos(prefetch_count=1000)
-        self._queue = await self._channel.declare_queue(self.stream, durable=True,
-                                                        arguments=self.arguments)
+        try:
+            self._queue = await self._channel.declare_queue(self.stream, durable=True,
+                                                            arguments=self.arguments)
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            if not any(name in str(exc) for name in RETENTION_ARGUMENTS):
+                raise
+            # Declared by an earlier start with other retention settings: what it keeps is
+            # the stream's own (or a policy's) business; use it as it is.
+            log.warning("ledger log %s: the stream was declared with other retention than "
+                        "ledger_log_max_bytes = %d, ledger_log_segment_bytes = %d (%s); "
+                        "following it as it is: its arguments, or a policy on it, decide "
+                        "what it keeps", self.stream, self.max_bytes, self.segment_bytes, exc)
+            self._channel = await connection.channel()
+            await self._channel.set_qos(prefetch_count=1000)
+            self._queue = await self._channel.declare_queue(self.stream, passive=True)
         self._publish_channel = await connection.channel(publisher_confirms=False)
         start: int | str = "first"
         if self.position is not None:
@@ -663,8 +679,7 @@ class ReplicatedLog:
         channel = await self._connection.channel()
         try:
             await channel.set_qos(prefetch_count=10)
-            queue = await channel.declare_queue(self.stream, durable=True,
-                                                arguments=self.arguments)
+            queue = await channel.declare_queue(self.stream, passive=True)
             await queue.consume(newest, arguments={"x-stream-offset": "last"})
             async with asyncio.timeout(self.timeout_s):
                 return await found

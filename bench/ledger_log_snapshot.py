@@ -36,6 +36,7 @@ from common import machine, services
 from faults import first_kept_offset
 
 from allocator.cluster import GPU, Node
+from allocator.config import AllocatorSettings
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes, Ledger
 from allocator.log_snapshot import encode_parts
@@ -239,7 +240,9 @@ async def main() -> None:
         small = {"max_bytes": 4 * snapshot_bytes + 2 * SEGMENT_BYTES,
                  "segment_bytes": SEGMENT_BYTES, "snapshot_bytes": snapshot_bytes}
         snapshot = await run(args, tmp, "snapshot", small, None)
-        replay = await run(args, tmp, "replay", {}, snapshot["telemetry_rounds"])
+        defaults = {name: AllocatorSettings.model_fields[f"ledger_log_{name}"].default
+                    for name in ("max_bytes", "segment_bytes", "snapshot_bytes")}
+        replay = await run(args, tmp, "replay", defaults, snapshot["telemetry_rounds"])
     print(json.dumps({"machine": machine(), "hosts": args.hosts,
                       "gpus_per_host": args.gpus_per_host, "leases": args.leases,
                       "ledger": alone, "retention_of_the_snapshot_run": small,

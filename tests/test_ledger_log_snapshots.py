@@ -241,3 +241,19 @@ async def test_a_ledger_with_data_that_starts_the_log_seeds_every_replica_with_a
     assert state(tmp_path / "empty.sqlite") == state(tmp_path / "seeded.sqlite")
     assert trail(tmp_path / "empty.sqlite") == trail(tmp_path / "seeded.sqlite")
     assert json.loads(events[0][-1])["padding"], "events whole, details included"
+
+
+async def test_a_replica_whose_retention_settings_differ_from_the_streams_follows_it(
+        amqp_vhost, tmp_path: Path, caplog) -> None:
+    """Retention is fixed when the stream is declared (an operator raises it by policy); a
+    replica started with other values says so and follows the stream as it is."""
+    url = amqp_vhost.url
+    async with replica(url, tmp_path / "a.sqlite", **TINY) as a:
+        await a.claim()
+        await write(a, update(0))
+        async with replica(url, tmp_path / "b.sqlite",
+                           **{**TINY, "max_bytes": 128 << 10, "segment_bytes": 8 << 10}) as b:
+            await wait_until(caught_up(b, a), within=10)
+            assert b.mismatch is None
+    assert "the stream was declared with other retention" in caplog.text
+    assert state(tmp_path / "b.sqlite") == state(tmp_path / "a.sqlite")
