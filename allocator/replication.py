@@ -435,7 +435,8 @@ class ReplicatedLog:
             lambda: self.ledger.snapshot_tables(trail=trail))
         if not self.is_writer or position is None or position.writer != self.writer_id:
             raise LogFenced("this allocator is not the writer of the ledger log")
-        payloads = encode_parts(tables, self.snapshot_part_bytes)
+        # Off the event loop: a large ledger takes a second or more to encode.
+        payloads = await asyncio.to_thread(encode_parts, tables, self.snapshot_part_bytes)
         snapshot_id = uuid.uuid4().hex
         entries = [
             Entry("snapshot", position.log_id, uuid.uuid4().hex, position.epoch,
@@ -671,7 +672,7 @@ class ReplicatedLog:
             if not found.done():
                 try:
                     entry = Entry.decode(message.body)
-                except ValueError:
+                except (ValueError, KeyError, TypeError):  # not an entry: no pointer
                     found.set_result(None)
                     return
                 found.set_result(entry.snapshot_from if entry.log_id == log_id else None)
@@ -721,7 +722,7 @@ class ReplicatedLog:
         if catch_up.log_id is not None and snapshot.log_id != catch_up.log_id:
             raise self._not_the_history(f"it follows log {catch_up.log_id}, the stream's "
                                         f"snapshot is of log {snapshot.log_id}")
-        tables = decode_parts(snapshot.payloads)
+        tables = await asyncio.to_thread(decode_parts, snapshot.payloads)
         header = snapshot.header
         position = LogPosition(snapshot.log_id, snapshot.last_offset, snapshot.last_entry_id,
                                header.as_of_epoch, header.as_of_writer, header.as_of_offset, 0)

@@ -28,6 +28,7 @@ import asyncio
 import json
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -180,11 +181,16 @@ async def run(args: argparse.Namespace, tmp: Path, mode: str, options: dict[str,
         began = time.monotonic()
         new, new_connection = await replica(vhost.url, tmp / f"{mode}-new.sqlite", **options)
         try:
+            loaded_s = None
             while new.position is None or new.position.offset < log.position.offset:
                 assert new.mismatch is None, new.mismatch
+                if loaded_s is None and new.snapshots_loaded:
+                    loaded_s = time.monotonic() - began
                 await asyncio.sleep(0.05)
             catch_up_s = time.monotonic() - began
             result = {"catch_up_s": round(catch_up_s, 2),
+                      "snapshot_loaded_after_s": None if loaded_s is None
+                      else round(loaded_s, 2),
                       "entries_applied_by_the_new_replica": new.entries_applied,
                       "snapshots_loaded": new.snapshots_loaded}
         finally:
@@ -203,9 +209,9 @@ def ledger_figures(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ledger.open()
     now = time.time()
     for host in range(args.hosts):
-        ledger.call(lambda host=host: ledger.commit(host_batch(host, args.gpus_per_host, now)))
+        ledger.call(partial(ledger.commit, host_batch(host, args.gpus_per_host, now)))
     for first in range(0, args.leases, args.leases_per_batch):
-        ledger.call(lambda first=first: ledger.commit(lease_batch(
+        ledger.call(partial(ledger.commit, lease_batch(
             first, min(args.leases_per_batch, args.leases - first), args.leases, args.hosts,
             args.gpus_per_host, now)))
     began = time.monotonic()

@@ -11,6 +11,7 @@ import asyncio
 import json
 import sqlite3
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +228,7 @@ async def test_a_ledger_with_data_that_starts_the_log_seeds_every_replica_with_a
     seeded = Ledger(tmp_path / "seeded.sqlite")
     seeded.open()
     for n in range(60):
-        seeded.call(lambda n=n: seeded.commit(update(n)))
+        seeded.call(partial(seeded.commit, update(n)))
     seeded.close()
     before = state(tmp_path / "seeded.sqlite"), trail(tmp_path / "seeded.sqlite")
     async with replica(url, tmp_path / "seeded.sqlite", snapshot_part_bytes=2048) as a:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from services import REPO_ROOT
@@ -143,7 +144,7 @@ def test_a_bad_value_is_one_line_naming_the_setting(tmp_path: Path) -> None:
 def test_ledger_log_retention_that_could_drop_the_newest_snapshot_is_refused(
         clean_env: pytest.MonkeyPatch, max_bytes: int | None, segment_bytes: int | None,
         snapshot_bytes: int | None, refused: bool) -> None:
-    given = {name: value for name, value in (("ledger_log_max_bytes", max_bytes),
+    given: dict[str, Any] = {name: value for name, value in (("ledger_log_max_bytes", max_bytes),
                                             ("ledger_log_segment_bytes", segment_bytes),
                                             ("ledger_log_snapshot_bytes", snapshot_bytes))
              if value is not None}
