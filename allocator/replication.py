@@ -616,7 +616,8 @@ class ReplicatedLog:
         if snapshot is not None and accepted:
             snapshot_from, grown = snapshot.header.as_of_offset, 0
             if snapshot.as_of_genesis and snapshot.header.as_of_writer != self.writer_id:
-                seed = decode_parts(snapshot.payloads)  # the ledger the log was started from
+                # The ledger the log was started from: every other replica loads it.
+                seed = await asyncio.to_thread(decode_parts, snapshot.payloads)
         new_position = LogPosition(log_id, offset, entry.entry_id, epoch, writer,
                                    snapshot_from, grown)
 
