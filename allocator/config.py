@@ -253,10 +253,39 @@ class AllocatorSettings(PolicySettings, FileSettings):
         description="The stream queue of the replicated ledger log.",
     )
     ledger_log_max_bytes: int = Field(
-        default=20 * 1024**3, ge=1024**2,
-        description="Retention of the log stream: a replica whose ledger is older than the "
-        "oldest entry kept cannot catch up and refuses to serve (seed it from a backup).",
+        default=20 * 1024**3, ge=64 * 1024,
+        description="Retention of the log stream (its x-max-length-bytes): RabbitMQ drops its "
+        "oldest segments beyond this. A replica whose place in the log is older than what is "
+        "kept, or that starts empty, catches up from the newest snapshot "
+        "(ledger_log_snapshot_bytes). Fixed when the stream is first declared.",
     )
+    ledger_log_segment_bytes: int = Field(
+        default=500_000_000, ge=4096, le=3_000_000_000,
+        description="Segment size of the log stream (its x-stream-max-segment-size-bytes; "
+        "the default is RabbitMQ's). Retention drops whole segments, so the stream keeps at "
+        "least ledger_log_max_bytes less about one segment. Fixed when the stream is first "
+        "declared.",
+    )
+    ledger_log_snapshot_bytes: int = Field(
+        default=256 * 1024**2, ge=1024,
+        description="The active allocator appends a snapshot of the ledger's state (nodes, "
+        "GPUs, leases; not the lease history and events) each time the log has grown by this "
+        "many bytes since the last one. A replica that is new, empty or was offline longer "
+        "than the stream keeps loads the newest snapshot and replays only what follows it, so "
+        "this bounds its catch-up; each snapshot holds the writer for as long as it takes "
+        "(docs/benchmarks.md). At most a quarter of ledger_log_max_bytes less two segments, "
+        "so that the stream always keeps the newest snapshot.",
+    )
+
+    @model_validator(mode="after")
+    def _ledger_log_keeps_a_snapshot(self) -> AllocatorSettings:
+        if self.ledger_log == "stream":
+            problem = ledger_log_retention_problem(self.ledger_log_max_bytes,
+                                                   self.ledger_log_segment_bytes,
+                                                   self.ledger_log_snapshot_bytes)
+            if problem:
+                raise ValueError(problem)
+        return self
 
     reclaim_grace_s: float = Field(
         default=300.0, ge=0, le=24 * 3600,
@@ -296,6 +325,26 @@ class AllocatorSettings(PolicySettings, FileSettings):
         description="model or alias -> GPUs of that model the per-model guarantees are checked "
         "against with strict_guarantees; a model not named: its present GPUs the ledger knows "
         "at start.")
+
+
+def ledger_log_retention_problem(max_bytes: int, segment_bytes: int,
+                                 snapshot_bytes: int) -> str | None:
+    """Why the log stream could drop its newest snapshot before the next one is whole, or None.
+
+    RabbitMQ drops a stream's oldest segments while the rest is over ``max_bytes``, so it
+    keeps at least ``max_bytes`` less one segment (which may overrun its size by a chunk: two
+    are allowed). The newest whole snapshot starts at most ``snapshot_bytes`` of entries, the
+    snapshot written after them and itself before the log's end; with a snapshot no larger
+    than ``snapshot_bytes`` (the writer logs an error when one is) that is under four times
+    ``snapshot_bytes``.
+    """
+    kept = max_bytes - 2 * segment_bytes
+    if 4 * snapshot_bytes > kept:
+        return (f"ledger_log_snapshot_bytes = {snapshot_bytes} is more than a quarter of "
+                f"ledger_log_max_bytes = {max_bytes} less two ledger_log_segment_bytes = "
+                f"{segment_bytes}: the stream could drop the newest snapshot before the next "
+                "one is whole; lower it or raise ledger_log_max_bytes")
+    return None
 
 
 def guarantee_problem(settings: AllocatorSettings, cluster_gpus: float,

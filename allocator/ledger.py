@@ -17,7 +17,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +27,12 @@ import sqlite_utils
 
 from allocator.cluster import GPU, Node
 from allocator.lease import LeaseRecord
+from allocator.log_snapshot import STATE_TABLES, TRAIL_TABLES, Table, Tables
 from allocator.protocol import Health, LeaseState
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
 
 LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
@@ -141,8 +142,17 @@ def _migrate_v4(db: sqlite_utils.Database) -> None:
         leases.add_column(column, kind)
 
 
+def _migrate_v5(db: sqlite_utils.Database) -> None:
+    """Where the newest snapshot of the replicated log is, and how much the log has grown
+    since (NULL: not known, as in a ledger that followed the log before snapshots)."""
+    positions = db.table("log_position")
+    positions.add_column("snapshot_from", int)
+    positions.add_column("bytes_since_snapshot", int)
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
-                                                             _migrate_v3, _migrate_v4]
+                                                             _migrate_v3, _migrate_v4,
+                                                             _migrate_v5]
 """``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
 
 
@@ -161,6 +171,13 @@ class LogPosition:
     """The epoch of the newest accepted claim: only its writer's batches are applied."""
     writer: str
     """The allocator that made that claim."""
+    snapshot_from: int | None = None
+    """The offset of the as-of entry of the newest whole snapshot in the log, where a replica
+    that has to load it starts reading; None while the log has none."""
+    bytes_since_snapshot: int | None = None
+    """Bytes of the entries after that snapshot (after the log's start while it has none):
+    the writer takes the next one when they reach ``ledger_log_snapshot_bytes``; None: not
+    known (a ledger that followed the log before snapshots), and one is due."""
 
 
 @dataclass
@@ -383,11 +400,7 @@ class Ledger:
         try:
             with conn:
                 if position is not None:
-                    conn.execute(
-                        "INSERT OR REPLACE INTO log_position (id, log_id, log_offset, entry_id, "
-                        "epoch, writer) VALUES (1, ?, ?, ?, ?, ?)",
-                        (position.log_id, position.offset, position.entry_id, position.epoch,
-                         position.writer))
+                    self._write_position(conn, position)
                 self._write_rows(conn, "nodes", "host", list(changes.nodes.values()))
                 self._write_rows(conn, "gpus", "uuid", list(changes.gpus.values()))
                 self._write_rows(conn, "leases", "lease_id", list(changes.leases.values()))
@@ -403,6 +416,58 @@ class Ledger:
                         " VALUES (:at, :kind, :host, :lease_id, :user, :gpu_uuid, :detail)",
                         changes.events,
                     )
+        except sqlite3.Error as exc:
+            why = " (its filesystem is read-only)" if _on_read_only_filesystem(self.path) else ""
+            raise LedgerError(f"cannot write the ledger {self.path}: {exc}{why}") from exc
+
+    @staticmethod
+    def _write_position(conn: sqlite3.Connection, position: LogPosition) -> None:
+        conn.execute(
+            "INSERT OR REPLACE INTO log_position (id, log_id, log_offset, entry_id, epoch, "
+            "writer, snapshot_from, bytes_since_snapshot) VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+            (position.log_id, position.offset, position.entry_id, position.epoch,
+             position.writer, position.snapshot_from, position.bytes_since_snapshot))
+
+    def load_snapshot(self, tables: Tables, position: LogPosition, *,
+                      loaded_at: float | None = None) -> None:
+        """Make the ledger's state the snapshot's, in one transaction with its position (on
+        the ledger thread).
+
+        Every node, GPU and lease row is replaced by the snapshot's. The audit trail is kept
+        and gets the snapshot's trail tables if it carries them (a log seeded from a ledger
+        with data); without them and with ``loaded_at``, one event ``log_snapshot_loaded``
+        says from where on this ledger's trail is whole.
+        """
+        conn = self.db.conn
+        try:
+            with conn:
+                for name in STATE_TABLES:
+                    conn.execute(f'DELETE FROM "{name}"')
+                for name in (*STATE_TABLES, *TRAIL_TABLES):
+                    table = tables.get(name)
+                    if table is None or not table.rows:
+                        continue
+                    known = {r[1] for r in conn.execute(f'PRAGMA table_info("{name}")')}
+                    if name in TRAIL_TABLES:
+                        known.discard("id")  # row ids are each ledger's own
+                    unknown = set(table.columns) - known
+                    if unknown:
+                        raise LedgerError(
+                            f"the snapshot's table {name} has columns this ledger does not "
+                            f"have: {', '.join(sorted(unknown))} (written by a newer release?)")
+                    names = ", ".join(f'"{c}"' for c in table.columns)
+                    marks = ", ".join("?" for _ in table.columns)
+                    conn.executemany(f'INSERT INTO "{name}" ({names}) VALUES ({marks})',
+                                     table.rows)
+                if loaded_at is not None and not any(t in tables for t in TRAIL_TABLES):
+                    conn.execute(
+                        "INSERT INTO events (at, kind, detail) VALUES (?, ?, ?)",
+                        (loaded_at, "log_snapshot_loaded", json.dumps(
+                            {"log_id": position.log_id, "log_offset": position.offset,
+                             "as_of_offset": position.snapshot_from,
+                             "why": "lease history and events before this are not in this "
+                                    "ledger: a snapshot carries state, not the trail"})))
+                self._write_position(conn, position)
         except sqlite3.Error as exc:
             why = " (its filesystem is read-only)" if _on_read_only_filesystem(self.path) else ""
             raise LedgerError(f"cannot write the ledger {self.path}: {exc}{why}") from exc
@@ -425,54 +490,66 @@ class Ledger:
     def load(self, finished_limit: int = 10_000) -> LoadedState:
         """Everything the allocator needs in memory (on the ledger thread), with the newest
         ``finished_limit`` final leases."""
-        db = self.db
+        # Plain cursors, not sqlite-utils' row dicts: at 5,000 hosts (40,000 GPU rows) the
+        # dicts and a json.loads per GPU were most of a cold start's load time (measured).
+        conn = self.db.conn
         nodes: dict[str, Node] = {}
         agent_users: dict[str, str] = {}
-        for row in db["nodes"].rows:
-            nodes[row["host"]] = Node(
-                host=row["host"], last_heartbeat=row["last_heartbeat"],
-                drained=bool(row["drained"]), agent_id=row["agent_id"],
-            )
-            if row["agent_user"]:
-                agent_users[row["host"]] = row["agent_user"]
+        for host, last_heartbeat, drained, agent_id, agent_user in conn.execute(
+                "SELECT host, last_heartbeat, drained, agent_id, agent_user FROM nodes"):
+            nodes[host] = Node(host=host, last_heartbeat=last_heartbeat, drained=bool(drained),
+                               agent_id=agent_id)
+            if agent_user:
+                agent_users[host] = agent_user
         gpus = []
-        for row in db["gpus"].rows_where(order_by="host, idx, coalesce(mig_index, -1)"):
+        health_of = {health.value: health for health in Health}
+        for (uuid, host, idx, model, memory_total_mib, share_slots, health, health_reasons,
+             drained, present, memory_used_mib, utilization_pct, temperature_c, power_w,
+             compute_capability, architecture, mig_enabled, mig_parent_uuid, mig_profile,
+             mig_index) in conn.execute(
+                "SELECT uuid, host, idx, model, memory_total_mib, share_slots, health, "
+                "health_reasons, drained, present, memory_used_mib, utilization_pct, "
+                "temperature_c, power_w, compute_capability, architecture, mig_enabled, "
+                "mig_parent_uuid, mig_profile, mig_index FROM gpus "
+                "ORDER BY host, idx, coalesce(mig_index, -1)"):
             gpu = GPU(
-                uuid=row["uuid"], host=row["host"], index=row["idx"], model=row["model"],
-                memory_total_mib=row["memory_total_mib"], share_slots=row["share_slots"] or 1,
-                health=Health(row["health"] or "healthy"),
-                health_reasons=json.loads(row["health_reasons"] or "[]"),
-                drained=bool(row["drained"]), present=bool(row["present"]),
-                memory_used_mib=row["memory_used_mib"] or 0,
-                utilization_pct=row["utilization_pct"], temperature_c=row["temperature_c"],
-                power_w=row["power_w"], compute_capability=row["compute_capability"],
-                architecture=row["architecture"], mig_enabled=bool(row["mig_enabled"]),
-                mig_parent_uuid=row["mig_parent_uuid"], mig_profile=row["mig_profile"],
-                mig_index=row["mig_index"],
+                uuid=uuid, host=host, index=idx, model=model, memory_total_mib=memory_total_mib,
+                share_slots=share_slots or 1,
+                health=(health_of.get(health) or Health(health)) if health else Health.HEALTHY,
+                health_reasons=(json.loads(health_reasons)
+                                if health_reasons and health_reasons != "[]" else []),
+                drained=bool(drained), present=bool(present),
+                memory_used_mib=memory_used_mib or 0, utilization_pct=utilization_pct,
+                temperature_c=temperature_c, power_w=power_w,
+                compute_capability=compute_capability, architecture=architecture,
+                mig_enabled=bool(mig_enabled), mig_parent_uuid=mig_parent_uuid,
+                mig_profile=mig_profile, mig_index=mig_index,
             )
             gpus.append(gpu)
-            if gpu.host in nodes:
-                nodes[gpu.host].gpu_uuids.append(gpu.uuid)
+            owner = nodes.get(host)
+            if owner is not None:
+                owner.gpu_uuids.append(uuid)
         active = [s.value for s in LeaseState if not s.final]
-        marks = ", ".join("?" for _ in active)
-        leases = [
-            LeaseRecord.from_row(self._decode_lease(row))
-            for row in db["leases"].rows_where(f"state in ({marks})", active,
-                                               order_by="created_at")
-        ]
+        leases = [LeaseRecord.from_row(self._decode_lease(row)) for row in self._lease_rows(
+            f"state IN ({', '.join('?' for _ in active)}) ORDER BY created_at", active)]
         final = [s.value for s in LeaseState if s.final]
-        finished = [
-            LeaseRecord.from_row(self._decode_lease(row))
-            for row in db["leases"].rows_where(
-                f"state in ({', '.join('?' for _ in final)})", final,
-                order_by="created_at desc", limit=finished_limit)
-        ]
+        finished = [LeaseRecord.from_row(self._decode_lease(row)) for row in self._lease_rows(
+            f"state IN ({', '.join('?' for _ in final)}) ORDER BY created_at DESC LIMIT ?",
+            [*final, finished_limit])]
         finished.reverse()
         return LoadedState(list(nodes.values()), gpus, leases, agent_users, finished)
 
+    def _lease_rows(self, where: str, params: Sequence[Any]) -> Iterator[dict[str, Any]]:
+        """Lease rows as dicts (column name -> value), ``where`` with its ``ORDER BY``."""
+        cursor = self.db.conn.execute(f"SELECT * FROM leases WHERE {where}", params)
+        columns = [column[0] for column in cursor.description]
+        for values in cursor:
+            yield dict(zip(columns, values, strict=True))
+
     def log_position(self) -> LogPosition | None:
         """Where this ledger stands in the replicated log; None if it never applied one."""
-        row = self.db.execute("SELECT log_id, log_offset, entry_id, epoch, writer "
+        row = self.db.execute("SELECT log_id, log_offset, entry_id, epoch, writer, "
+                              "snapshot_from, bytes_since_snapshot "
                               "FROM log_position WHERE id = 1").fetchone()
         return LogPosition(*row) if row is not None else None
 
@@ -481,22 +558,23 @@ class Ledger:
         return not any(self.db.execute(f'SELECT 1 FROM "{table}" LIMIT 1').fetchone()
                        for table in ("nodes", "gpus", "leases"))
 
-    def snapshot(self) -> Changes:
-        """Every row of the ledger as one batch: the first entry of a log started from a
-        ledger that is not empty, so a replica that replays the log has all of it."""
-        db = self.db
-        changes = Changes()
-        changes.nodes = {row["host"]: row for row in db["nodes"].rows}
-        changes.gpus = {}
-        for row in db["gpus"].rows:
-            row["health_reasons"] = json.loads(row.get("health_reasons") or "[]")
-            changes.gpus[row["uuid"]] = row
-        changes.leases = {row["lease_id"]: self._decode_lease(row) for row in db["leases"].rows}
-        changes.history = [{k: v for k, v in row.items() if k != "id"}
-                           for row in db["lease_history"].rows_where(order_by="id")]
-        changes.events = [{k: v for k, v in row.items() if k != "id"}
-                          for row in db["events"].rows_where(order_by="id")]
-        return changes
+    def snapshot_tables(self, *, trail: bool) -> tuple[LogPosition | None, Tables]:
+        """The ledger's tables as stored (JSON columns stay text), and its position, read in
+        one go on the ledger thread, so the tables are the state at that position: a snapshot
+        for the replicated log. With ``trail``, the lease history and events too (without
+        their row ids, which are each ledger's own)."""
+        tables: Tables = {}
+        for name in (*STATE_TABLES, *(TRAIL_TABLES if trail else ())):
+            order = " ORDER BY id" if name in TRAIL_TABLES else ""
+            cursor = self.db.conn.execute(f'SELECT * FROM "{name}"{order}')
+            columns = [d[0] for d in cursor.description]
+            rows = [list(row) for row in cursor]
+            if name in TRAIL_TABLES:
+                keep = [i for i, column in enumerate(columns) if column != "id"]
+                rows = [[row[i] for i in keep] for row in rows]
+                columns = [columns[i] for i in keep]
+            tables[name] = Table(columns, rows)
+        return self.log_position(), tables
 
     def find_lease(self, lease_id: str) -> LeaseRecord | None:
         """A lease by id, final ones included (on the ledger thread)."""

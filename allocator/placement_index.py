@@ -31,8 +31,11 @@ from collections.abc import Callable
 from allocator.cluster import Cluster, Node
 from allocator.policy import Demand
 
-DEFAULT_DEPTH = 4
-"""Hosts per model in a narrowed view; more than one so down or drained hosts can be skipped."""
+DEFAULT_DEPTH = 1
+"""Hosts per model in a narrowed view. One is enough: :meth:`PlacementIndex.narrow` skips
+hosts that are down or drained with the policy's own test, so the first fitting host of a
+model in best-fit order is the policy's choice for that model (the hypothesis test checks
+depths 1 to 3). Each extra host costs the policy another host's GPUs to look at."""
 
 
 class PlacementIndex:

@@ -29,11 +29,23 @@ Identity. The log's first entry is a claim carrying a new ``log_id``; every entr
 A ledger records the log id and the position (offset, entry id) of the last entry it
 applied, in the same transaction as the entry (:class:`~allocator.ledger.LogPosition`). At
 start it reads the log from that entry on, checking it is the one it applied: a ledger of
-another log, one with data but never part of a log while the log has entries, or one older
-than the oldest entry the stream retains is refused (:class:`LogMismatch`): it is not the
-active one's history, and the allocator does not serve from it. An empty ledger replays the
-log from its start. A ledger with data starting a new log puts a snapshot of itself in the
-log right after its claim, so that every replica's copy is whole.
+another log, or one with data but never part of a log while the log has entries, is refused
+(:class:`LogMismatch`): it is not the active one's history, and the allocator does not serve
+from it. An empty ledger replays the log from its start while the stream keeps it.
+
+Snapshots (:mod:`allocator.log_snapshot`). The stream keeps only ``ledger_log_max_bytes``.
+The writer appends a snapshot of the ledger's state (nodes, GPUs, leases; not the lease
+history and events) each time the log has grown by ``ledger_log_snapshot_bytes``, in parts of
+at most ``SNAPSHOT_PART_BYTES``, right after the entry it is the state of; every entry names
+where the newest whole snapshot starts. A replica whose place in the log is gone (older than
+what the stream keeps) or that has none (an empty ledger, the log's start gone) *catches up*:
+it reads that pointer from the newest entry, reads the snapshot there (or, if that does not
+make a whole one, the first whole one from the oldest entry kept), loads it in place of its
+state and follows the log from its last part. A ledger of another log is still refused. The
+retention settings are checked so that the stream always keeps the newest snapshot
+(:func:`allocator.config.ledger_log_retention_problem`). A ledger with data starting a new log
+puts a snapshot of itself (its trail too) right after its claim, which every other replica
+loads, so that every replica's copy is whole.
 """
 
 from __future__ import annotations
@@ -42,19 +54,53 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aio_pika
 import aio_pika.abc
 
 from allocator.ledger import Changes, Ledger, LedgerError, LogPosition
+from allocator.log_snapshot import (
+    PartHeader,
+    Seen,
+    SnapshotAssembly,
+    decode_parts,
+    encode_parts,
+)
 
 log = logging.getLogger(__name__)
 
 ENTRY_VERSION = 1
 """Version of the entry format; an entry of another version stops the replica."""
+
+SNAPSHOT_PART_BYTES = 1 << 20
+"""The most payload one snapshot part carries. Far below RabbitMQ's largest message (128 MiB
+in 3.10, 16 MiB from 4.0) and small enough that a part never holds up the stream's other
+readers for long."""
+
+ENTRY_OVERHEAD_BYTES = 300
+"""What the stream stores per entry besides its body (AMQP properties, annotations, a share
+of a chunk header): 257 bytes measured on RabbitMQ 3.10.8. The log's growth is counted with
+it, so that many small entries cannot make retention drop more than the settings allow for."""
+
+RABBITMQ_SEGMENT_BYTES = 500_000_000
+"""RabbitMQ's default ``x-stream-max-segment-size-bytes``."""
+
+
+RETENTION_ARGUMENTS = ("x-max-length-bytes", "x-stream-max-segment-size-bytes")
+
+
+def stream_arguments(max_bytes: int, segment_bytes: int) -> dict[str, Any]:
+    """The ledger log's queue arguments: a stream, its retention and its segment size."""
+    arguments: dict[str, Any] = {"x-queue-type": "stream", "x-max-length-bytes": max_bytes}
+    if segment_bytes != RABBITMQ_SEGMENT_BYTES:
+        # Left out at RabbitMQ's default: a stream declared before this setting existed has
+        # no such argument, and declaring it with one would be refused as inequivalent.
+        arguments["x-stream-max-segment-size-bytes"] = segment_bytes
+    return arguments
 
 
 class LogFenced(LedgerError):
@@ -73,62 +119,146 @@ class LogMismatch(LedgerError):
 class Entry:
     """One entry of the log."""
 
-    kind: Literal["claim", "batch"]
+    kind: Literal["claim", "batch", "snapshot"]
     log_id: str
     entry_id: str
     epoch: int
     writer: str
     changes: dict[str, Any] | None = None
     genesis: bool = False
+    snapshot_from: int | None = None
+    """Where the newest whole snapshot the writer knows starts (its as-of entry's offset)."""
+    part: PartHeader | None = None
+    """A snapshot's part: which, and of which snapshot."""
+    payload: bytes = b""
+    """A snapshot part's tables (:func:`allocator.log_snapshot.encode_parts`)."""
 
     def encode(self) -> bytes:
-        return json.dumps({"v": ENTRY_VERSION, "kind": self.kind, "log_id": self.log_id,
-                           "entry_id": self.entry_id, "epoch": self.epoch,
-                           "writer": self.writer, "changes": self.changes,
-                           "genesis": self.genesis}, separators=(",", ":")).encode()
+        """The message body: one JSON object; a snapshot part's payload follows it on a line
+        of its own, so a replica that does not need the tables does not parse them."""
+        head: dict[str, Any] = {"v": ENTRY_VERSION, "kind": self.kind, "log_id": self.log_id,
+                                "entry_id": self.entry_id, "epoch": self.epoch,
+                                "writer": self.writer, "changes": self.changes,
+                                "genesis": self.genesis}
+        if self.snapshot_from is not None:
+            head["snapshot_from"] = self.snapshot_from
+        if self.part is not None:
+            head["snapshot"] = self.part.to_json()
+        body = json.dumps(head, separators=(",", ":")).encode()
+        return body + b"\n" + self.payload if self.kind == "snapshot" else body
 
     @classmethod
     def decode(cls, body: bytes) -> Entry:
-        data = json.loads(body)
-        if data.get("v") != ENTRY_VERSION or data.get("kind") not in ("claim", "batch"):
+        """The entry :meth:`encode` made; ValueError if the body is not one."""
+        head, _, payload = body.partition(b"\n")  # JSON text holds no raw newline
+        data = json.loads(head)
+        kind = data.get("kind")
+        if data.get("v") != ENTRY_VERSION or kind not in ("claim", "batch", "snapshot"):
             raise ValueError(f"not a ledger log entry of version {ENTRY_VERSION}")
-        return cls(kind=data["kind"], log_id=str(data["log_id"]),
+        part = PartHeader.from_json(data["snapshot"]) if kind == "snapshot" else None
+        snapshot_from = data.get("snapshot_from")
+        return cls(kind=kind, log_id=str(data["log_id"]),
                    entry_id=str(data["entry_id"]), epoch=int(data["epoch"]),
                    writer=str(data["writer"]), changes=data.get("changes"),
-                   genesis=bool(data.get("genesis")))
+                   genesis=bool(data.get("genesis")),
+                   snapshot_from=None if snapshot_from is None else int(snapshot_from),
+                   part=part, payload=payload if kind == "snapshot" else b"")
+
+    def seen(self, offset: int) -> Seen:
+        """The entry as a :class:`~allocator.log_snapshot.SnapshotAssembly` reads it."""
+        return Seen(offset, self.entry_id, self.log_id, self.epoch, self.writer, self.genesis,
+                    self.part, self.payload)
+
+
+@dataclass(frozen=True)
+class SnapshotTaken:
+    """What appending one snapshot cost, and whether it became the log's newest."""
+
+    as_of_offset: int
+    parts: int
+    payload_bytes: int
+    """The tables' bytes (JSON)."""
+    stored_bytes: int
+    """What the stream holds of it: its entries with their overhead."""
+    seconds: float
+    """From reading the ledger to the last part read back."""
+    whole: bool
+    """Every replica reads it as a whole snapshot (no other entry broke its run)."""
+
+
+@dataclass
+class _CatchUp:
+    """A replica loading a snapshot: its place in the log is gone, or it had none."""
+
+    log_id: str | None
+    """The log it must be (a ledger too old for what the stream keeps); None: any."""
+    assembly: SnapshotAssembly = field(default_factory=SnapshotAssembly)
+    hint: int | None = None
+    """The offset the consumer was started at, the newest snapshot's as-of entry; None:
+    scanning from the oldest entry kept for the first whole snapshot."""
+    hint_read: bool = False
 
 
 class ReplicatedLog:
     """One replica's side of the log: its consumer, its applier and, when active, its writes."""
 
     def __init__(self, ledger: Ledger, stream: str, *, max_bytes: int, timeout_s: float,
+                 segment_bytes: int = RABBITMQ_SEGMENT_BYTES,
+                 snapshot_bytes: int = 256 << 20, snapshot_part_bytes: int = SNAPSHOT_PART_BYTES,
                  writer_id: str | None = None) -> None:
         self.ledger = ledger
         self.stream = stream
         self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes
+        self.snapshot_bytes = snapshot_bytes
+        """The writer appends a snapshot once the log has grown by this much since the last."""
+        self.snapshot_part_bytes = snapshot_part_bytes
         self.timeout_s = timeout_s
         self.writer_id = writer_id or uuid.uuid4().hex
         """This allocator process as the log knows it."""
         self.position: LogPosition | None = None
         self.is_writer = False
-        """Whether this process's :meth:`claim` made it the writer and nothing ended that
-        since: another writer's claim, a skipped batch, a dropped connection or an entry that
-        did not come back in time. Entries of its own that arrive later do not restore it."""
+        """Whether the newest accepted claim is this process's, made by :meth:`claim` (which
+        then rebuilt the engine), and nothing ended that since: another writer's claim, a
+        skipped batch, a dropped connection or an entry that did not come back in time.
+        Entries of its own that arrive later do not restore it."""
         self.mismatch: LogMismatch | None = None
         """Set when the log is not this ledger's history: stop serving."""
         self.mismatch_event = asyncio.Event()
+        self.caught_up = asyncio.Event()
+        """Cleared while the replica loads a snapshot (it cannot claim the log meanwhile)."""
+        self.caught_up.set()
         self._ledger_had_data = False
         self._verify: str | None = None
         """Entry id expected at the position the consumer starts from (already applied)."""
+        self._claimed_epoch: int | None = None
+        """The epoch of the claim :meth:`claim` saw accepted; a claim of this process that is
+        accepted after its wait ended makes it no writer (its engine was not rebuilt)."""
+        self._assembly = SnapshotAssembly(keep_payloads=False)
+        """Follows the snapshots in the entries applied (a seeding one is loaded)."""
+        self._catch_up: _CatchUp | None = None
         self._waiters: dict[str, asyncio.Future[bool]] = {}
-        self._inbox: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+        self._inbox: asyncio.Queue[tuple[int, aio_pika.abc.AbstractIncomingMessage]] = \
+            asyncio.Queue()
+        self._connection: aio_pika.abc.AbstractConnection | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None
+        self._queue: aio_pika.abc.AbstractQueue | None = None
+        self._consumer_tag: str | None = None
+        self._generation = 0
+        """Counts the consumers started; a delivery of an earlier one is dropped."""
         self._publish_channel: aio_pika.abc.AbstractChannel | None = None
         self._applier: asyncio.Task[None] | None = None
         self._consume_arguments: dict[str, Any] = {}
         """The stream consumer's arguments; its offset follows the entries applied."""
         self.entries_applied = 0
         self.entries_fenced = 0
+        self.snapshots_taken = 0
+        self.snapshots_loaded = 0
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """The stream's queue arguments."""
+        return stream_arguments(self.max_bytes, self.segment_bytes)
 
     # ------------------------------------------------------------------ life
 
@@ -136,26 +266,58 @@ class ReplicatedLog:
         """Declare the stream and follow it from this ledger's position."""
         self.position = await self.ledger.run(self.ledger.log_position)
         self._ledger_had_data = not await self.ledger.run(self.ledger.is_empty)
+        self._connection = connection
         self._channel = await connection.channel()
         await self._channel.set_qos(prefetch_count=1000)
-        queue = await self._channel.declare_queue(
-            self.stream, durable=True,
-            arguments={"x-queue-type": "stream", "x-max-length-bytes": self.max_bytes})
+        try:
+            self._queue = await self._channel.declare_queue(self.stream, durable=True,
+                                                            arguments=self.arguments)
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            if not any(name in str(exc) for name in RETENTION_ARGUMENTS):
+                raise
+            # Declared by an earlier start with other retention settings: what it keeps is
+            # the stream's own (or a policy's) business; use it as it is.
+            log.warning("ledger log %s: the stream was declared with other retention than "
+                        "ledger_log_max_bytes = %d, ledger_log_segment_bytes = %d (%s); "
+                        "following it as it is: its arguments, or a policy on it, decide "
+                        "what it keeps", self.stream, self.max_bytes, self.segment_bytes, exc)
+            self._channel = await connection.channel()
+            await self._channel.set_qos(prefetch_count=1000)
+            self._queue = await self._channel.declare_queue(self.stream, passive=True)
         self._publish_channel = await connection.channel(publisher_confirms=False)
         start: int | str = "first"
         if self.position is not None:
             start = self.position.offset
             self._verify = self.position.entry_id
+            # The log's genesis claim is its offset 0: a snapshot right after it seeds it.
+            self._assembly = SnapshotAssembly(
+                (self.position.offset, self.position.entry_id, self.position.log_id,
+                 self.position.offset == 0), keep_payloads=False)
         self._applier = asyncio.create_task(self._apply_loop(), name="ledger-log-apply")
+        await self._follow(start)
+        connection.close_callbacks.add(self._connection_lost)
+        log.info("ledger log %s: following from %s (%s)", self.stream, start,
+                 f"epoch {self.position.epoch}" if self.position else "a ledger new to it")
+
+    async def _follow(self, offset: int | str) -> None:
+        """Consume the stream from ``offset``, instead of any consumer before (whose
+        deliveries not applied yet are dropped)."""
+        assert self._queue is not None, "start() first"
+        if self._consumer_tag is not None:
+            await self._queue.cancel(self._consumer_tag)
+        self._generation += 1
+        generation = self._generation
+
+        async def deliver(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await self._inbox.put((generation, message))
+
         # aio-pika's robust queue keeps this very dict to consume again after a reconnect
         # (to the same broker node or another): with the offset kept past the last entry
         # applied, a reconnect resumes there instead of replaying the log from the start
         # (which would be correct too, only slow: applied offsets are skipped).
-        self._consume_arguments = {"x-stream-offset": start}
-        await queue.consume(self._inbox.put, arguments=self._consume_arguments)
-        connection.close_callbacks.add(self._connection_lost)
-        log.info("ledger log %s: following from %s (%s)", self.stream, start,
-                 f"epoch {self.position.epoch}" if self.position else "a ledger new to it")
+        self._consume_arguments = {"x-stream-offset": offset}
+        self._consumer_tag = await self._queue.consume(deliver,
+                                                       arguments=self._consume_arguments)
 
     def _connection_lost(self, _connection: object, reason: BaseException | None) -> None:
         """The broker connection dropped (a broker node stopped): an entry in flight cannot
@@ -189,27 +351,49 @@ class ReplicatedLog:
 
         A claim made on a picture that was behind (entries not read yet, or another claim
         first) is skipped by everyone; by then every entry before it is applied, so the next
-        attempt claims on the current picture.
+        attempt claims on the current picture. A replica loading a snapshot does not claim
+        (:class:`LogUnavailable` if it has not caught up within the timeout).
         """
         for attempt in range(attempts):
             self._raise_if_mismatched()
+            if not self.caught_up.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.timeout_s):
+                        await self.caught_up.wait()
+                self._raise_if_mismatched()
+                if not self.caught_up.is_set():
+                    raise LogUnavailable(f"this replica is still loading a snapshot of the "
+                                         f"ledger log {self.stream}")
             genesis = self.position is None
             log_id = uuid.uuid4().hex if self.position is None else self.position.log_id
             epoch = (self.position.epoch if self.position else 0) + 1
             entry = Entry("claim", log_id, uuid.uuid4().hex, epoch, self.writer_id,
-                          genesis=genesis)
+                          genesis=genesis,
+                          snapshot_from=self.position.snapshot_from if self.position else None)
             if await self._append(entry):
-                # Unless another writer's claim was applied right after this one.
-                self.is_writer = self.position is not None \
-                    and self.position.writer == self.writer_id
                 break
             if attempt == attempts - 1:
                 raise LogFenced(f"other allocators kept claiming the ledger log {self.stream}")
+        self._claimed_epoch = epoch
+        position = self.position
+        self.is_writer = position is not None and (position.epoch, position.writer) == \
+            (epoch, self.writer_id)
+        if not self.is_writer:
+            raise LogFenced(f"another allocator claimed the ledger log {self.stream} right "
+                            "after this one")
         if genesis and self._ledger_had_data:
-            snapshot = await self.ledger.run(self.ledger.snapshot)
-            await self.append(snapshot)
-            log.info("ledger log %s started from this ledger (a snapshot of it is its second "
-                     "entry)", self.stream)
+            taken = await self.take_snapshot(trail=True)
+            if not taken.whole:
+                # Another replica's entry came between the claim and its snapshot: the other
+                # replicas do not have this ledger's data, and never will from this log.
+                self._mismatched(LogMismatch(
+                    f"the snapshot of the ledger {self.ledger.path} did not directly follow "
+                    f"its claim of the new ledger log {self.stream} (another allocator "
+                    "appended in between): stop the other replicas, delete the stream and "
+                    "start this one first (docs/operations.md)"))
+                raise LogMismatch("the log did not get this ledger's data")
+            log.info("ledger log %s started from this ledger (a snapshot of it, %d bytes, "
+                     "follows its claim)", self.stream, taken.payload_bytes)
         log.info("ledger log %s: this allocator is the writer (epoch %d)", self.stream, epoch)
         return genesis
 
@@ -223,21 +407,92 @@ class ReplicatedLog:
         if not self.is_writer or self.position is None:
             raise LogFenced("this allocator is not the writer of the ledger log")
         entry = Entry("batch", self.position.log_id, uuid.uuid4().hex, self.position.epoch,
-                      self.writer_id, changes=changes.to_json())
+                      self.writer_id, changes=changes.to_json(),
+                      snapshot_from=self.position.snapshot_from)
         if not await self._append(entry):
             self.is_writer = False
             raise LogFenced("another allocator claimed the ledger log; this batch was fenced")
 
-    async def _append(self, entry: Entry) -> bool:
+    def snapshot_due(self) -> bool:
+        """Whether this writer should append a snapshot now: the log has grown by
+        ``snapshot_bytes`` since its newest (or its growth is not known)."""
+        position = self.position
+        if not self.is_writer or position is None or self._catch_up is not None:
+            return False
+        grown = position.bytes_since_snapshot
+        return grown is None or grown >= self.snapshot_bytes
+
+    async def take_snapshot(self, *, trail: bool = False) -> SnapshotTaken:
+        """As the writer, append a snapshot of the ledger at its position and wait until its
+        last part is applied. The caller appends nothing meanwhile (the service calls this
+        between batches): a batch between the parts would break the snapshot.
+
+        ``trail``: with the lease history and events (only the snapshot seeding a new log).
+        Raises :class:`LogFenced` if this allocator is not, or no longer, the writer, and
+        :class:`LogUnavailable` if the parts did not come back in time.
+        """
+        self._raise_if_mismatched()
+        began = time.monotonic()
+        position, tables = await self.ledger.run(
+            lambda: self.ledger.snapshot_tables(trail=trail))
+        if not self.is_writer or position is None or position.writer != self.writer_id:
+            raise LogFenced("this allocator is not the writer of the ledger log")
+        # Off the event loop: a large ledger takes a second or more to encode.
+        payloads = await asyncio.to_thread(encode_parts, tables, self.snapshot_part_bytes)
+        snapshot_id = uuid.uuid4().hex
+        entries = [
+            Entry("snapshot", position.log_id, uuid.uuid4().hex, position.epoch,
+                  self.writer_id, snapshot_from=position.snapshot_from, payload=payload,
+                  part=PartHeader(snapshot_id, number, len(payloads), position.offset,
+                                  position.entry_id, position.epoch, position.writer))
+            for number, payload in enumerate(payloads)]
+        bodies = [entry.encode() for entry in entries]
+        for entry, body in zip(entries[:-1], bodies, strict=False):
+            await self._publish(entry, body)
+        if not await self._append(entries[-1], bodies[-1]):
+            self.is_writer = False
+            raise LogFenced("another allocator claimed the ledger log during the snapshot")
+        now = self.position
+        stored = sum(len(body) + ENTRY_OVERHEAD_BYTES for body in bodies)
+        taken = SnapshotTaken(position.offset, len(payloads), sum(map(len, payloads)), stored,
+                              time.monotonic() - began,
+                              now is not None and now.snapshot_from == position.offset)
+        if taken.whole:
+            self.snapshots_taken += 1
+            log.info("ledger log %s: snapshot of the ledger at offset %d appended (%d bytes "
+                     "in %d parts, %.2f s)", self.stream, position.offset, taken.payload_bytes,
+                     taken.parts, taken.seconds)
+            kept = self.max_bytes - 2 * self.segment_bytes
+            if 2 * taken.stored_bytes + self.snapshot_bytes > kept:
+                log.error("ledger log %s: a snapshot of %d bytes is too large for the "
+                          "stream's retention: with ledger_log_max_bytes = %d, "
+                          "ledger_log_segment_bytes = %d and ledger_log_snapshot_bytes = %d "
+                          "the newest snapshot may be dropped before the next one is whole; "
+                          "raise ledger_log_max_bytes (docs/operations.md)", self.stream,
+                          taken.stored_bytes, self.max_bytes, self.segment_bytes,
+                          self.snapshot_bytes)
+        else:
+            log.warning("ledger log %s: the snapshot at offset %d was broken by another "
+                        "allocator's entry; the next batch tries again", self.stream,
+                        position.offset)
+        return taken
+
+    async def _publish(self, entry: Entry, body: bytes | None = None) -> None:
+        """Publish ``entry`` (``body``: its encoding, if made already)."""
         assert self._publish_channel is not None, "start() first"
+        await self._publish_channel.default_exchange.publish(
+            aio_pika.Message(body=entry.encode() if body is None else body,
+                             content_type="application/x-ndjson" if entry.kind == "snapshot"
+                             else "application/json",
+                             delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            routing_key=self.stream, timeout=self.timeout_s)
+
+    async def _append(self, entry: Entry, body: bytes | None = None) -> bool:
         waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters[entry.entry_id] = waiter
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self._publish_channel.default_exchange.publish(
-                    aio_pika.Message(body=entry.encode(), content_type="application/json",
-                                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                    routing_key=self.stream, timeout=self.timeout_s)
+                await self._publish(entry, body)
                 return await waiter
         except LogUnavailable:
             self.is_writer = False
@@ -263,9 +518,10 @@ class ReplicatedLog:
 
     async def _apply_loop(self) -> None:
         while True:
-            message = await self._inbox.get()
+            generation, message = await self._inbox.get()
             try:
-                await self._apply_message(message)
+                if generation == self._generation:
+                    await self._apply_message(message)
             except LogMismatch as exc:
                 self._mismatched(exc)
             except asyncio.CancelledError:
@@ -284,40 +540,57 @@ class ReplicatedLog:
         self.mismatch = exc
         self.is_writer = False
         self.mismatch_event.set()
+        self.caught_up.set()  # nothing to wait for: claim() raises the mismatch
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(exc)
 
+    def _not_the_history(self, why: str) -> LogMismatch:
+        return LogMismatch(
+            f"the ledger {self.ledger.path} is not the history of the ledger log "
+            f"{self.stream}: {why}. Empty its folder (it then loads the log's newest "
+            "snapshot) or restore a backup of a current replica (docs/operations.md).")
+
     async def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         offset = int((message.headers or {}).get("x-stream-offset", -1))  # type: ignore[arg-type]
         entry = Entry.decode(message.body)
+        if self._catch_up is not None:
+            await self._catch_up_with(offset, entry)
+            return
         position = self.position
         if self._verify is not None:
             # The first entry read must be the one this ledger applied last.
             expected, self._verify = self._verify, None
             assert position is not None
             if offset == position.offset and entry.entry_id == expected:
+                self._assembly = SnapshotAssembly(
+                    (offset, entry.entry_id, entry.log_id, entry.genesis), keep_payloads=False)
+                return
+            if entry.log_id == position.log_id and offset > position.offset + 1:
+                # Its place is gone from the stream; everything it holds came from this log
+                # up to that place, so the log's newest snapshot may replace it.
+                await self._begin_catch_up(
+                    offset, entry, position.log_id,
+                    f"its place in the log (offset {position.offset}) is older than the "
+                    f"oldest entry the stream keeps (offset {offset})")
                 return
             if offset > position.offset + 1 or offset < position.offset or \
                     entry.log_id != position.log_id or offset == position.offset:
-                raise LogMismatch(
-                    f"the ledger {self.ledger.path} is not the history of the ledger log "
-                    f"{self.stream}: it applied entry {expected} at offset {position.offset} "
-                    f"of log {position.log_id}, the log has entry {entry.entry_id} of log "
-                    f"{entry.log_id} at offset {offset}. Seed it from a backup of a current "
-                    "replica (docs/operations.md) or empty it to replay the log.")
+                raise self._not_the_history(
+                    f"it applied entry {expected} at offset {position.offset} of log "
+                    f"{position.log_id}, the log has entry {entry.entry_id} of log "
+                    f"{entry.log_id} at offset {offset}")
         if position is not None and offset <= position.offset:
             return  # a redelivery after a reconnect: applied already
         if position is None:
-            if not entry.genesis or offset != 0 or (
-                    self._ledger_had_data and entry.writer != self.writer_id):
-                raise LogMismatch(
-                    f"the ledger {self.ledger.path} is not the history of the ledger log "
-                    f"{self.stream}: " + (
-                        "it has data but was never part of this log"
-                        if self._ledger_had_data else
-                        f"the log's oldest entry kept is offset {offset}, not its start")
-                    + ". Seed it from a backup of a current replica (docs/operations.md).")
+            if self._ledger_had_data and (not entry.genesis or offset != 0
+                                          or entry.writer != self.writer_id):
+                raise self._not_the_history("it has data but was never part of this log")
+            if not entry.genesis or offset != 0:
+                await self._begin_catch_up(
+                    offset, entry, None,
+                    f"the log's oldest entry kept is offset {offset}, not its start")
+                return
             log_id, epoch, writer = entry.log_id, 0, ""
         else:
             if entry.log_id != position.log_id and not entry.genesis:
@@ -333,11 +606,28 @@ class ReplicatedLog:
                 accepted, epoch, writer = True, entry.epoch, entry.writer
         elif entry.epoch == epoch and entry.writer == writer:
             accepted = True
-            changes = Changes.from_json(entry.changes or {})
-        new_position = LogPosition(log_id, offset, entry.entry_id, epoch, writer)
+            if entry.kind == "batch":
+                changes = Changes.from_json(entry.changes or {})
+        # The log's growth since its newest whole snapshot (from its start while it has
+        # none; unknown stays unknown until the next one).
+        snapshot_from = position.snapshot_from if position is not None else None
+        grown = position.bytes_since_snapshot if position is not None else 0
+        grown = None if grown is None else grown + len(message.body) + ENTRY_OVERHEAD_BYTES
+        seed = None
+        snapshot = self._assembly.see(entry.seen(offset))
+        if snapshot is not None and accepted:
+            snapshot_from, grown = snapshot.header.as_of_offset, 0
+            if snapshot.as_of_genesis and snapshot.header.as_of_writer != self.writer_id:
+                # The ledger the log was started from: every other replica loads it.
+                seed = await asyncio.to_thread(decode_parts, snapshot.payloads)
+        new_position = LogPosition(log_id, offset, entry.entry_id, epoch, writer,
+                                   snapshot_from, grown)
 
         def commit() -> None:
-            self.ledger.commit(changes, position=new_position)
+            if seed is not None:
+                self.ledger.load_snapshot(seed, new_position)
+            else:
+                self.ledger.commit(changes, position=new_position)
 
         await self.ledger.run(commit)
         self.position = new_position
@@ -349,13 +639,112 @@ class ReplicatedLog:
             log.warning("ledger log %s: skipped a %s of writer %s (epoch %d): fenced by "
                         "epoch %d", self.stream, entry.kind, entry.writer[:8], entry.epoch,
                         epoch)
-        if writer != self.writer_id:
+        if writer != self.writer_id or epoch != self._claimed_epoch:
             self.is_writer = False
         # Never made the writer here: after a drop or a timeout, entries of this allocator
         # that were in flight still arrive, and taking them for a mandate would let it decide
         # on a memory that lacks them (the same request key granted twice, seen in the
         # broker-cluster test). Only a claim (:meth:`claim`) makes it the writer again.
-        waiter = self._waiters.get(entry.entry_id)
+        self._resolve(entry.entry_id, accepted)
+
+    def _resolve(self, entry_id: str, accepted: bool) -> None:
+        waiter = self._waiters.get(entry_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(accepted)
 
+    # ------------------------------------------------------------------ catching up
+
+    async def _begin_catch_up(self, offset: int, entry: Entry, log_id: str | None,
+                              why: str) -> None:
+        """Load the log's newest snapshot instead of this ledger's state (``log_id``: the
+        log the snapshot must be of), then follow the log from it."""
+        log.warning("ledger log %s: %s; catching up from the log's newest snapshot",
+                    self.stream, why)
+        self.caught_up.clear()
+        self._catch_up = _CatchUp(log_id)
+        hint = await self._newest_snapshot_hint(log_id or entry.log_id)
+        if hint is not None and hint > offset:
+            self._catch_up.hint = hint
+            await self._follow(hint)
+            return
+        await self._catch_up_with(offset, entry)  # no pointer to follow: scan from here
+
+    async def _newest_snapshot_hint(self, log_id: str) -> int | None:
+        """Where the newest whole snapshot starts, as the stream's newest entry says."""
+        assert self._connection is not None
+        found: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+
+        async def newest(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            with contextlib.suppress(Exception):
+                await message.ack()
+            if not found.done():
+                try:
+                    entry = Entry.decode(message.body)
+                except (ValueError, KeyError, TypeError):  # not an entry: no pointer
+                    found.set_result(None)
+                    return
+                found.set_result(entry.snapshot_from if entry.log_id == log_id else None)
+
+        channel = await self._connection.channel()
+        try:
+            await channel.set_qos(prefetch_count=10)
+            queue = await channel.declare_queue(self.stream, passive=True)
+            await queue.consume(newest, arguments={"x-stream-offset": "last"})
+            async with asyncio.timeout(self.timeout_s):
+                return await found
+        except (TimeoutError, aio_pika.exceptions.AMQPError, OSError) as exc:
+            log.warning("ledger log %s: the newest entry did not say where the newest "
+                        "snapshot is (%s); looking from the oldest entry kept", self.stream,
+                        exc or type(exc).__name__)
+            return None
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+    async def _scan_from_oldest(self, why: str) -> None:
+        log.warning("ledger log %s: %s; looking for the first whole snapshot from the oldest "
+                    "entry kept", self.stream, why)
+        assert self._catch_up is not None
+        self._catch_up = _CatchUp(self._catch_up.log_id)
+        await self._follow("first")
+
+    async def _catch_up_with(self, offset: int, entry: Entry) -> None:
+        """Read one entry while catching up: nothing is applied until a whole snapshot is
+        read; then it is loaded and the log is followed from its last part."""
+        catch_up = self._catch_up
+        assert catch_up is not None
+        if catch_up.hint is not None and not catch_up.hint_read:
+            catch_up.hint_read = True
+            if offset != catch_up.hint:
+                await self._scan_from_oldest(f"the newest snapshot's start (offset "
+                                             f"{catch_up.hint}) is no longer kept")
+                return
+            catch_up.assembly.see(entry.seen(offset))
+            return
+        snapshot = catch_up.assembly.see(entry.seen(offset))
+        if snapshot is None:
+            if catch_up.hint is not None and not catch_up.assembly.assembling:
+                await self._scan_from_oldest(f"the entries after offset {catch_up.hint} do not "
+                                             "make a whole snapshot")
+            return
+        if catch_up.log_id is not None and snapshot.log_id != catch_up.log_id:
+            raise self._not_the_history(f"it follows log {catch_up.log_id}, the stream's "
+                                        f"snapshot is of log {snapshot.log_id}")
+        tables = await asyncio.to_thread(decode_parts, snapshot.payloads)
+        header = snapshot.header
+        position = LogPosition(snapshot.log_id, snapshot.last_offset, snapshot.last_entry_id,
+                               header.as_of_epoch, header.as_of_writer, header.as_of_offset, 0)
+        await self.ledger.run(lambda: self.ledger.load_snapshot(tables, position,
+                                                                loaded_at=time.time()))
+        self.position = position
+        self._catch_up = None
+        self._assembly = SnapshotAssembly(
+            (snapshot.last_offset, snapshot.last_entry_id, snapshot.log_id, False),
+            keep_payloads=False)
+        self._consume_arguments["x-stream-offset"] = offset + 1
+        self.snapshots_loaded += 1
+        self.is_writer = False
+        self.caught_up.set()
+        log.info("ledger log %s: loaded the snapshot at offset %d (%d bytes in %d parts, "
+                 "epoch %d); following from offset %d", self.stream, header.as_of_offset,
+                 snapshot.size, header.parts, header.as_of_epoch, offset + 1)

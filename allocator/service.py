@@ -246,6 +246,8 @@ class AllocatorService:
             # history must be found out before it could serve.
             self.log = ReplicatedLog(self.ledger, self.settings.ledger_log_stream,
                                      max_bytes=self.settings.ledger_log_max_bytes,
+                                     segment_bytes=self.settings.ledger_log_segment_bytes,
+                                     snapshot_bytes=self.settings.ledger_log_snapshot_bytes,
                                      timeout_s=self.settings.request_timeout_s)
             await self.log.start(self._connection)
             self._watchdog = asyncio.create_task(self._watch_log(self.log),
@@ -524,6 +526,18 @@ class AllocatorService:
         elapsed = time.monotonic() - began
         for entry in pending:
             self.metrics.observe_request(entry.kind, elapsed)
+        if replicated is not None and replicated.snapshot_due():
+            await self._snapshot(replicated)
+
+    async def _snapshot(self, replicated: ReplicatedLog) -> None:
+        """Append a snapshot of the ledger to the log, after a batch is answered and before
+        the next one is applied (a batch between its parts would break it)."""
+        try:
+            await replicated.take_snapshot()
+        except (LogFenced, LogUnavailable, LedgerError) as exc:
+            # Nothing decided is lost: the next batch claims again if this one was deposed,
+            # and the snapshot is tried again after it.
+            log.warning("no snapshot of the ledger log this time: %s", exc)
 
     def _apply_in_memory(self, batch: list[object], poisoned: dict[int, _Pending | None]
                          ) -> tuple[Changes, list[_Pending]]:

@@ -140,7 +140,10 @@ def build_ledger(path: Path, hosts: int, gpus_per_host: int, leases: int
     """
     settings = AllocatorSettings(
         ledger_path=path, allow_any_node_user=True, share_slots={SHARED_MODEL: SHARE_SLOTS},
-        max_hosts_per_node_user=max(hosts, 4096))
+        max_hosts_per_node_user=max(hosts, 4096),
+        # Building 5,000 hosts takes longer than a node's heartbeat window on a busy machine:
+        # hosts must not go down half-way (the allocator runs with the same setting).
+        node_down_after_s=86400)
     engine = Engine(settings, started_at=time.time())
     ledger = Ledger(path)
     ledger.open()

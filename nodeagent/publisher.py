@@ -33,9 +33,9 @@ from typing import Any
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
-from yarl import URL
 
 from allocator import broker
+from allocator.client import broker_user
 from allocator.protocol import ContainerEvent, Heartbeat, HeartbeatDelta, encode
 from allocator.tasks import cancel_and_wait
 from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
@@ -43,17 +43,6 @@ from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_rout
 log = logging.getLogger(__name__)
 
 APP_ID = "swarm-gpu-nodeagent"
-
-
-def broker_user(amqp_url: str) -> str:
-    """The user an AMQP URL logs in as (aio-pika's default ``guest`` when none is given)."""
-    return URL(amqp_url).user or "guest"
-
-
-def redact(amqp_url: str) -> str:
-    """The URL without its password, for logs."""
-    url = URL(amqp_url)
-    return str(url.with_password("***")) if url.password else str(url)
 
 
 class Publisher:
@@ -151,7 +140,7 @@ class Publisher:
         self._connection = connection
         self._note_success("connect")
         connection.reconnect_callbacks.add(self._on_reconnect)
-        log.info("broker: connected to %s as %s", redact(self.amqp_url), self.user_id)
+        log.info("broker: connected to %s as %s", broker.redact(self.amqp_url), self.user_id)
         self._kick.set()
 
     async def _declare(self, connection: AbstractRobustConnection) -> AbstractExchange:

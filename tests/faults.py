@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aio_pika
+
 from allocator.invariants import NodeReport, Violation, check_ledger
 from allocator.reports import open_readonly
 
@@ -92,6 +94,23 @@ def audit_ledger(path: Path, reports: dict[str, NodeReport] | None = None) -> Le
     # exclusive holder may not share it with anyone.
     double = sorted(u for u, n in Counter(held).items() if n > 1 and exclusive[u])
     return LedgerAudit(violations, leases, per_key, held, double)
+
+
+async def first_kept_offset(url: str, stream: str = "swarm-gpu.ledger-log") -> int:
+    """The offset of the oldest entry the ledger log's stream still keeps (above 0 once
+    RabbitMQ has dropped its oldest segments)."""
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=1)
+        queue = await channel.declare_queue(stream, durable=True, passive=True)
+        first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            if not first.done():
+                first.set_result(int(message.headers["x-stream-offset"]))  # type: ignore[arg-type]
+        await queue.consume(on_message, arguments={"x-stream-offset": "first"})
+        return await asyncio.wait_for(first, 10)
 
 
 def backup_ledger(ledger: Path, target: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from allocator import broker
 from allocator.client import AllocatorClient, AllocatorUnavailable
+from nodeagent.publisher import Publisher
 
 
 def test_a_url_with_one_host_is_left_as_it_is() -> None:
@@ -71,6 +72,19 @@ async def test_connections_go_to_the_first_node_that_answers(amqp_vhost) -> None
     # reply consumer is what the connection gives.
     async with AllocatorClient(url, timeout_s=5) as client:
         assert client.connected
+
+
+async def test_a_node_agent_publishes_over_a_url_naming_several_nodes(amqp_vhost) -> None:
+    """The agent's publisher takes its broker user (the AMQP ``user_id`` of every message)
+    from a URL naming several nodes, and connects to the first that answers."""
+    url = with_dead_node_first(amqp_vhost.url)
+    publisher = Publisher(url, "gpu-a", timeout_s=5)
+    assert publisher.user_id == urllib.parse.urlsplit(amqp_vhost.url).username
+    await publisher.start()
+    try:
+        assert publisher.connected
+    finally:
+        await publisher.stop()
 
 
 async def test_no_node_answering_is_an_unavailable_broker_naming_every_node() -> None:

@@ -158,3 +158,175 @@ def test_dockerfile_builds_from_the_repo_root():
         for source in sources.split():
             assert (repo / source).exists(), source
     assert 'pip install ".[agent]"' in dockerfile
+
+
+# ------------------------------------------------------------- the three-node broker
+
+BROKER_CLUSTER = COMPOSE / "stack.broker-cluster.yml"
+ONE_MACHINE = COMPOSE / "stack.one-machine.yml"
+ONE_MACHINE_BROKER_CLUSTER = COMPOSE / "stack.one-machine.broker-cluster.yml"
+BROKER_NODES = ("rabbitmq", "rabbitmq-2", "rabbitmq-3")
+ONE_MACHINE_ENV = {
+    # What scripts/cluster exports for the one-machine files (`scripts/cluster env`).
+    "SWARM_GPU_MANAGER_ADDR": "127.0.0.21", "SWARM_GPU_BROKER_2_ADDR": "127.0.0.22",
+    "SWARM_GPU_BROKER_3_ADDR": "127.0.0.23",
+    "SWARM_GPU_BROKER_ADDRS": "127.0.0.21,127.0.0.22,127.0.0.23",
+    "SWARM_GPU_BROKER_PORT": "5682", "SWARM_GPU_CLUSTER_DIR": "/srv/cluster",
+}
+AMQP_URL = re.compile(r"amqp://([^:]+):[^@]+@([^/]+)/([\w.-]+)")
+
+
+def merged_config(docker_engine: str, *files: Path,
+                  env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``docker stack config -c A -c B ...``: the files merged as ``docker stack deploy``
+    merges them."""
+    docker = shutil.which("docker")
+    if docker is None:
+        require_service("the docker CLI", "not on PATH")
+    args = [docker, "stack", "config"]
+    for file in files:
+        args += ["-c", str(file)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                            env={"DOCKER_HOST": docker_engine,
+                                 "PATH": "/usr/local/bin:/usr/bin:/bin", **(env or {})})
+    if result.returncode != 0 and "unknown command" in result.stderr:
+        require_service("a docker CLI that merges stack files", "it has no 'stack config'")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = yaml.safe_load(result.stdout)
+    return config
+
+
+def broker_urls_of(service: dict[str, Any]) -> list[tuple[str, list[str], str]]:
+    """(user, [host:port, ...], vhost) of every AMQP URL in a service's command."""
+    command = " ".join(service.get("command") or [])
+    return [(user, hosts.split(","), vhost) for user, hosts, vhost in AMQP_URL.findall(command)]
+
+
+def cluster_conf_nodes() -> list[str]:
+    conf = (COMPOSE / "rabbitmq-cluster.conf").read_text()
+    return re.findall(r"^cluster_formation\.classic_config\.nodes\.\d+\s*=\s*(\S+)$", conf,
+                      re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def cluster_stack(docker_engine: str) -> dict[str, Any]:
+    return merged_config(docker_engine, STACK, BROKER_CLUSTER)
+
+
+def test_the_broker_cluster_file_adds_two_broker_nodes(cluster_stack):
+    assert set(cluster_stack["services"]) == {"rabbitmq", "rabbitmq-2", "rabbitmq-3",
+                                              "allocator", "nodeagent", "jupyterhub"}
+    assert cluster_stack["secrets"]["swarm-gpu-rabbitmq-cookie"]["external"] is True
+    conf = (COMPOSE / "rabbitmq-cluster.conf").read_text()
+    assert re.search(r"^cluster_formation\.peer_discovery_backend\s*=\s*classic_config$", conf,
+                     re.MULTILINE)
+    assert re.search(r"^cluster_partition_handling\s*=\s*pause_minority$", conf, re.MULTILINE)
+
+
+def test_each_broker_node_has_its_name_its_volume_its_node_and_the_shared_cookie(cluster_stack):
+    services = cluster_stack["services"]
+    nodes = cluster_conf_nodes()
+    script = (COMPOSE / "rabbitmq-cluster-node.sh").read_text()
+    (script_conf,) = re.findall(r"^conf=(\S+)$", script, re.MULTILINE)
+    volumes, labels = set(), set()
+    for index, name in enumerate(BROKER_NODES, start=1):
+        broker = services[name]
+        # The node name the service sets is the conf's entry of that index, on its host name
+        # (the part after @ is what the other nodes and the clients resolve).
+        node_name = broker["environment"]["RABBITMQ_NODENAME"]
+        assert node_name == nodes[index - 1]
+        assert node_name.split("@")[1] == broker["hostname"] == name
+        assert broker["user"] == "999:999"
+        (data,) = [v for v in broker["volumes"] if v["target"] == "/var/lib/rabbitmq"]
+        assert data["type"] == "volume"
+        volumes.add(data["source"])
+        secrets = {s["target"]: s for s in broker["secrets"]}
+        cookie = secrets["/var/lib/rabbitmq/.erlang.cookie"]
+        assert cookie["source"] == "swarm-gpu-rabbitmq-cookie"
+        assert (cookie["uid"], cookie["gid"], cookie["mode"]) == ("999", "999", 0o400)
+        assert secrets["/etc/rabbitmq/definitions.json"]["source"] == \
+            "swarm-gpu-rabbitmq-definitions"
+        configs = {c["target"]: c for c in broker["configs"]}
+        assert configs[script_conf]["source"] == "rabbitmq-cluster-conf"
+        assert configs["/etc/rabbitmq/conf.d/20-swarm-gpu.conf"]["source"] == "rabbitmq-conf"
+        # One health check each, as stack.yml's (`docker stack deploy` appends an override's
+        # list to the base's: the test must be given once).
+        assert broker["healthcheck"]["test"] == [
+            "CMD", "rabbitmq-diagnostics", "-q", "check_port_connectivity"]
+        start = configs[broker["command"][-1]]
+        assert start["source"] == "rabbitmq-cluster-node" and start["mode"] == 0o555
+        deploy = broker["deploy"]
+        assert deploy["replicas"] == 1 and deploy["endpoint_mode"] == "dnsrr"
+        constraints = deploy["placement"]["constraints"]
+        assert "node.labels.swarm-gpu.broker == true" in constraints
+        (label,) = [c for c in constraints if "swarm-gpu.broker-node" in c]
+        assert label == f"node.labels.swarm-gpu.broker-node == {index}"
+        labels.add(label)
+    assert volumes == {"rabbitmq-data", "rabbitmq-2-data", "rabbitmq-3-data"}, \
+        "the first node keeps stack.yml's volume (a one-node broker's data), each its own"
+    assert len(labels) == 3
+    for config in cluster_stack["configs"].values():
+        assert Path(config["file"]).is_file()
+
+
+def test_the_broker_nodes_start_script_is_valid_shell():
+    result = subprocess.run(["sh", "-n", str(COMPOSE / "rabbitmq-cluster-node.sh")],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    # It reads the node list the way the conf writes it: run its own sed line on the conf.
+    script = (COMPOSE / "rabbitmq-cluster-node.sh").read_text()
+    (line,) = [line for line in script.splitlines() if line.startswith("nodes=$(sed")]
+    sed = line.removeprefix("nodes=$(").removesuffix(' "$conf")')
+    listed = subprocess.run(["sh", "-c", f'{sed} "$0"', str(COMPOSE / "rabbitmq-cluster.conf")],
+                            capture_output=True, text=True, timeout=30, check=True).stdout
+    assert listed.split() == cluster_conf_nodes() == [
+        "rabbit@rabbitmq", "rabbit-2@rabbitmq-2", "rabbit-3@rabbitmq-3"]
+
+
+def test_every_part_names_the_three_broker_nodes(cluster_stack):
+    definitions = json.loads((COMPOSE / "rabbitmq-definitions.json").read_text())
+    (vhost,) = [v["name"] for v in definitions["vhosts"]]
+    users = {}
+    for name, service in cluster_stack["services"].items():
+        for user, hosts, url_vhost in broker_urls_of(service):
+            users[name] = user
+            assert url_vhost == vhost
+            assert sorted(hosts) == sorted(f"{node}:5672" for node in BROKER_NODES), name
+    assert users == {"allocator": "allocator", "nodeagent": "agent-${SWARM_GPU_AGENT_HOST}",
+                     "jupyterhub": "hub"}
+
+
+def test_on_one_machine_every_broker_name_resolves_and_no_two_nodes_share_a_socket(
+        docker_engine):
+    stack = merged_config(docker_engine, STACK, ONE_MACHINE, BROKER_CLUSTER,
+                          ONE_MACHINE_BROKER_CLUSTER, env=ONE_MACHINE_ENV)
+    services = stack["services"]
+    addresses = {}
+    for name, service in services.items():
+        hosts: dict[str, str] = {}
+        for entry in service.get("extra_hosts", []):
+            host, _, address = entry.partition(":")
+            assert hosts.setdefault(host, address) == address, f"{name}: {host} twice"
+        for _, urls, _ in broker_urls_of(service):
+            for url in urls:
+                host, port = url.split(":")
+                assert host in hosts, f"{name} cannot resolve {host}"
+                assert port == ONE_MACHINE_ENV["SWARM_GPU_BROKER_PORT"]
+        if name in BROKER_NODES:
+            assert set(BROKER_NODES) <= set(hosts), f"{name} resolves its peers"
+            addresses[name] = hosts
+    sockets = set()
+    for name in BROKER_NODES:
+        env = services[name]["environment"]
+        address = addresses[name][name]
+        assert env["RABBITMQ_NODE_IP_ADDRESS"] == address, "AMQP on the node's own address"
+        assert f'{{ip,"{address}"}}' in env["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"]
+        # One epmd for the machine, on every node's address (scripts/cluster runs it).
+        assert env["ERL_EPMD_PORT"] == "4379"
+        assert env["ERL_EPMD_ADDRESS"] == ONE_MACHINE_ENV["SWARM_GPU_BROKER_ADDRS"]
+        for socket in ((address, env["RABBITMQ_NODE_PORT"]), ("*", env["RABBITMQ_DIST_PORT"]),
+                       (address, "15682")):
+            assert socket not in sockets, f"{name}: {socket} taken by another node"
+            sockets.add(socket)
+    # None of the machine's own broker's ports (5672, 15672, 25672, epmd 4369).
+    assert not {port for _, port in sockets} & {"5672", "15672", "25672", "4369"}

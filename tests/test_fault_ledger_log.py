@@ -36,6 +36,7 @@ from faults import (
     audit_ledger,
     backup_ledger,
     cycle,
+    first_kept_offset,
     lease_states,
     report,
 )
@@ -328,3 +329,81 @@ async def test_two_actives_the_one_stopped_past_its_heartbeat_timeout_does_not_w
            stale_deliveries_dropped_on_resume=stale, batches_fenced_by_epoch=fenced,
            requests=len(load.granted) * 2, calls=load.calls, retried=dict(load.retried),
            longest_gap_s=round(load.longest_gap_s(), 2), double_booked=len(audit.double_booked))
+
+
+SMALL_LOG: dict[str, Any] = {**LOG, "ledger_log_max_bytes": 256 << 10,
+                             "ledger_log_segment_bytes": 16 << 10,
+                             "ledger_log_snapshot_bytes": 48 << 10}
+"""A log stream RabbitMQ really truncates within the test: 256 KiB kept in 16 KiB segments,
+a snapshot every 48 KiB."""
+
+
+@pytest.mark.slow
+async def test_a_standby_that_caught_up_from_a_snapshot_takes_over_without_double_booking(
+        amqp_vhost, tmp_path: Path) -> None:
+    """The log's start is gone from the stream before the standby first starts, on an empty
+    ledger: it loads the newest snapshot and follows the log from there. Then the active one
+    is killed: the standby serves with the granted-but-unbound leases and the queue it got
+    from the snapshot and the entries after it, and grants no GPU twice."""
+    url = amqp_vhost.url
+    ledger_a, ledger_b = tmp_path / "a" / "ledger.sqlite", tmp_path / "b" / "ledger.sqlite"
+    active = AllocatorProcess("a", url, ledger_a, tmp_path, **SMALL_LOG)
+    standby = AllocatorProcess("b", url, ledger_b, tmp_path, **SMALL_LOG)
+    try:
+        await active.start()
+        await active.wait_consuming()
+        async with heartbeats(url), AllocatorClient(url, timeout_s=5) as client:
+            await cluster_up(client)
+            # History, until RabbitMQ has dropped the log's oldest segments.
+            past = 0
+            while past % 10 or await first_kept_offset(url) == 0:
+                done = await client.allocate(ask(f"past{past}"))
+                await client.release(lease_id=done.lease_id, force=True, by="test",
+                                     reason="history")
+                past += 1
+                assert past < 1000, "the log stream is not truncated"
+            granted = [await client.allocate(ask(f"g{n}", host="gpu-a")) for n in range(4)]
+            queued = [await client.allocate(ask(f"q{n}", host="gpu-a", wait_s=600))
+                      for n in range(2)]
+            assert all(q.state is LeaseState.QUEUED for q in queued)
+            started = time.monotonic()
+            await standby.start()
+            await standby.wait_consuming()
+            await logged(standby, "loaded the snapshot", within=60)
+            catch_up_s = time.monotonic() - started
+            assert "catching up from the log's newest snapshot" in standby.log()
+            before = {lease.lease_id: lease for lease in
+                      (await client.inventory(include_leases=True)).leases or []}
+            order = [lease.lease_id for lease in await client.queue()]
+
+            active.kill()
+            killed_at = time.monotonic()
+            await active.process.wait()  # type: ignore[union-attr]
+            takeover_s = await first_answer_after(client, killed_at)
+            assert takeover_s <= TAKEOVER_BOUND_S
+
+            after = {lease.lease_id: lease for lease in
+                     (await client.inventory(include_leases=True)).leases or []}
+            assert {i: (lease.state, lease.host, lease.gpu_uuids) for i, lease in after.items()} \
+                == {i: (lease.state, lease.host, lease.gpu_uuids) for i, lease in before.items()}
+            assert [lease.lease_id for lease in await client.queue()] == order
+            oldest = await client.status(request_key="hub/past0/")
+            assert oldest.state is LeaseState.RELEASED, "finished leases are in the snapshot"
+            held = {u for lease in granted for u in lease.gpu_uuids}
+            more = [await client.allocate(ask(f"new{n}")) for n in range(GPUS_PER_HOST)]
+            double_booked = sum(len(held & set(lease.gpu_uuids)) for lease in more)
+            with pytest.raises(AllocatorError) as full:
+                await client.allocate(ask("one-too-many"))
+            assert full.value.code is ErrorCode.NO_CAPACITY
+            assert double_booked == 0
+        assert await standby.stop() == 0, standby.log()[-3000:]
+    finally:
+        for process in (active, standby):
+            await process.stop()
+    audit = audit_ledger(ledger_b)
+    assert_sound(audit)
+    assert len(audit.leases) == past + len(granted) + len(queued) + GPUS_PER_HOST
+    report("standby_caught_up_from_snapshot_takes_over", history_leases=past,
+           catch_up_s=round(catch_up_s, 2), takeover_s=round(takeover_s, 3),
+           leases_kept=len(after), queued_kept_in_order=len(order), lost=0,
+           double_booked=double_booked)

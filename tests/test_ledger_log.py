@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import pytest
 from support import wait_until
 
 from allocator.ledger import Changes, Ledger
-from allocator.replication import Entry, LogFenced, LogMismatch, ReplicatedLog
+from allocator.replication import Entry, LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
 
 STREAM = "swarm-gpu.ledger-log"
 
@@ -30,11 +32,13 @@ def batch(lease_id: str) -> Changes:
 
 
 @contextlib.asynccontextmanager
-async def replica(url: str, path: Path) -> AsyncIterator[ReplicatedLog]:
+async def replica(url: str, path: Path, **options: Any) -> AsyncIterator[ReplicatedLog]:
+    """A replica of the log on the ledger at ``path`` (``options``: ReplicatedLog's)."""
     ledger = Ledger(path)
     ledger.open()
     connection = await aio_pika.connect_robust(url, timeout=10)
-    replicated = ReplicatedLog(ledger, STREAM, max_bytes=64 << 20, timeout_s=5)
+    replicated = ReplicatedLog(ledger, STREAM, **{"max_bytes": 64 << 20, "timeout_s": 5,
+                                                  **options})
     try:
         await replicated.start(connection)
         yield replicated
@@ -152,3 +156,30 @@ async def test_its_own_entry_arriving_after_a_drop_does_not_make_it_the_writer_a
         assert await a.claim() is False
         await a.append(batch("after-the-claim"))
     assert lease_ids(tmp_path / "a.sqlite") == ["after-the-claim", "before-the-drop", "in-flight"]
+
+
+async def test_a_claim_accepted_after_its_wait_ended_does_not_make_a_writer(
+        amqp_vhost, tmp_path: Path) -> None:
+    """The claim comes back too late (the ledger thread was busy): claim() has failed, and the
+    allocator has not rebuilt its engine from the ledger. The claim is accepted by the log all
+    the same; this replica must still not write on it, and claims again instead."""
+    url = amqp_vhost.url
+    async with replica(url, tmp_path / "a.sqlite", timeout_s=0.3) as a:
+        busy = asyncio.create_task(a.ledger.run(lambda: time.sleep(1.5)))
+        await asyncio.sleep(0.05)  # the ledger thread is taken: nothing is applied meanwhile
+        with pytest.raises(LogUnavailable):
+            await a.claim()
+        await busy
+
+        async def applied() -> bool:
+            return a.position is not None
+        await wait_until(applied, within=10)
+        assert a.position is not None and (a.position.epoch, a.position.writer) == \
+            (1, a.writer_id), "the log obeys the late claim"
+        assert not a.is_writer
+        with pytest.raises(LogFenced):
+            await a.append(batch("on-a-late-claim"))
+        assert await a.claim() is False  # epoch 2, waited for
+        assert a.is_writer
+        await a.append(batch("after-claiming-again"))
+    assert lease_ids(tmp_path / "a.sqlite") == ["after-claiming-again"]

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from services import REPO_ROOT
@@ -132,3 +133,30 @@ def test_a_bad_value_is_one_line_naming_the_setting(tmp_path: Path) -> None:
     code, lines = one_line_error(["nodeagent.cli"], {"SWARM_GPU_AGENT_CONFIG": str(missing)})
     assert code == 2 and lines == [f"gpu-nodeagent: invalid settings: settings file not found: "
                                    f"{missing}"], lines
+
+
+@pytest.mark.parametrize("max_bytes, segment_bytes, snapshot_bytes, refused", [
+    (None, None, None, False),  # the defaults: 20 GiB, 500 MB segments, 256 MiB
+    (64 << 10, 4 << 10, 14 << 10, False),  # (64 KiB - 2 x 4 KiB) / 4 = 14 KiB
+    (64 << 10, 4 << 10, (14 << 10) + 1, True),
+    (1 << 30, None, 32 << 20, True),  # 1 GiB less two default segments leaves 74 MB
+])
+def test_ledger_log_retention_that_could_drop_the_newest_snapshot_is_refused(
+        clean_env: pytest.MonkeyPatch, max_bytes: int | None, segment_bytes: int | None,
+        snapshot_bytes: int | None, refused: bool) -> None:
+    given: dict[str, Any] = {name: value for name, value in (("ledger_log_max_bytes", max_bytes),
+                                            ("ledger_log_segment_bytes", segment_bytes),
+                                            ("ledger_log_snapshot_bytes", snapshot_bytes))
+             if value is not None}
+    if not refused:
+        load_allocator_settings(ledger_log="stream", **given)
+        return
+    with pytest.raises(ValueError, match="could drop the newest snapshot"):
+        load_allocator_settings(ledger_log="stream", **given)
+    load_allocator_settings(ledger_log="off", **given)  # only the log's retention matters
+    env = {f"SWARM_GPU_{name.upper()}": str(value) for name, value in given.items()}
+    code, lines = one_line_error(["allocator.cli", "serve"],
+                                 {**env, "SWARM_GPU_LEDGER_LOG": "stream"})
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("gpu-allocator: invalid settings: ")
+    assert "ledger_log_snapshot_bytes" in lines[0] and "raise ledger_log_max_bytes" in lines[0]

@@ -17,6 +17,7 @@ ends with ``scripts/cluster down`` unless SWARM_GPU_CLUSTER_KEEP=1 (then the nex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -234,6 +235,17 @@ class Cluster:
         assert len(constraint) == 1, spec["TaskTemplate"]["Placement"]
         return lease_id, constraint[0].removeprefix("node.hostname == "), env
 
+    def granted(self, name: str, group: str, options: dict[str, Any]
+                ) -> tuple[str, str, dict[str, str], dict[str, Any], dict[str, Any]]:
+        """``name`` (in ``group``) spawns with ``options``: once the server is ready and its
+        lease in the ledger, (lease id, node, container env, the GPU, the holder)."""
+        self.user(name, group)
+        self.spawn(name, options)
+        self.ready(name)
+        lease_id, node, env = self.lease_of(name)
+        gpu, holder = eventually(lambda: self.lease(lease_id), f"{name}'s lease")
+        return lease_id, node, env, gpu, holder
+
     def container_on(self, node: str, lease_id: str) -> str | None:
         ids = self.docker(node, "ps", "-q", "-f", f"label={LEASE_LABEL}={lease_id}").stdout.split()
         return ids[0] if ids else None
@@ -260,8 +272,10 @@ def read_env(path: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+@contextlib.contextmanager
+def cluster_up(*options: str, env: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """``scripts/cluster up OPTIONS``; ``scripts/cluster down`` afterwards (unless
+    SWARM_GPU_CLUSTER_KEEP=1)."""
     missing = [tool for tool in ("docker", "dockerd", "mmdebstrap", "unshare")
                if shutil.which(tool) is None]
     if missing and os.environ.get(REQUIRE_ENV) != "1":
@@ -269,9 +283,11 @@ def cluster() -> Iterator[Cluster]:
         require_service("a three-node Swarm (scripts/cluster)", f"missing {', '.join(missing)}")
     directory = Path(os.environ.get("SWARM_GPU_CLUSTER_DIR", REPO_ROOT / ".cluster"))
     started = time.monotonic()
-    up = subprocess.run([str(CLUSTER_SCRIPT), "up"], capture_output=True, text=True,
-                        timeout=UP_TIMEOUT_S, env=script_env(directory), stdin=subprocess.DEVNULL)
-    print(f"scripts/cluster up: {time.monotonic() - started:.0f} s\n{up.stderr}")
+    up = subprocess.run([str(CLUSTER_SCRIPT), "up", *options], capture_output=True, text=True,
+                        timeout=UP_TIMEOUT_S, env={**script_env(directory), **(env or {})},
+                        stdin=subprocess.DEVNULL)
+    print(f"scripts/cluster up {' '.join(options)}: {time.monotonic() - started:.0f} s\n"
+          f"{up.stderr}")
     try:
         assert up.returncode == 0, f"scripts/cluster up failed:\n{up.stderr[-4000:]}"
         yield Cluster(directory, read_env(directory / "env"))
@@ -282,6 +298,12 @@ def cluster() -> Iterator[Cluster]:
                                   text=True, timeout=600, env=script_env(directory),
                                   stdin=subprocess.DEVNULL)
             assert down.returncode == 0, down.stderr
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with cluster_up() as running:
+        yield running
 
 
 # ------------------------------------------------------------------------------ tests

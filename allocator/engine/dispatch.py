@@ -102,7 +102,14 @@ class Engine(Reclaimer):
             self._fence_awaits_first_report = False
             self._serve_queue(now, changes)
         freed = False
-        for record in list(self.leases.values()):
+        # Only queued, granted and releasing leases have timers. Most leases are bound, and
+        # taking each through every branch below was most of a tick at 10,000 leases (7 ms,
+        # twice a second). Identity tests: a set lookup hashes the enum member in Python.
+        queued, granted, releasing = LeaseState.QUEUED, LeaseState.GRANTED, LeaseState.RELEASING
+        timed = [record for record in self.leases.values()
+                 if record.state is queued or record.state is granted
+                 or record.state is releasing]
+        for record in timed:
             if record.state is LeaseState.QUEUED and record.wait_until is not None \
                     and now >= record.wait_until:
                 self._end_lease(record, LeaseState.EXPIRED, ReleaseReason.WAIT_EXPIRED, now,

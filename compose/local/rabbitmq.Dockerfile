@@ -21,6 +21,10 @@ RUN printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/
 # Debian's /usr/sbin wrapper writes the log to /var/log/rabbitmq; the server itself logs to
 # the console with RABBITMQ_LOGS=-, where `docker service logs` reads it.
 ENV RABBITMQ_LOGS=- HOME=/var/lib/rabbitmq
+# The server's own scripts first on PATH, as in the official image (Debian's /usr/sbin
+# wrappers would send rabbitmq-server's output to /var/log/rabbitmq): `rabbitmq-server` in a
+# start script (compose/rabbitmq-cluster-node.sh) and the CLI tools run them directly.
+ENV PATH=/usr/lib/rabbitmq/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 USER rabbitmq
 WORKDIR /var/lib/rabbitmq
 EXPOSE 5672 15672

@@ -1,0 +1,182 @@
+"""The allocator's own CPU per unit of work, in process: no broker, no disk wait, no sockets.
+
+    python bench/engine.py [--hosts 1000] [--gpus-per-host 8] [--leases 10000] [--calls 600]
+
+The wall-clock benchmarks (``rpc.py``, ``cluster.py``) measure what users see, and on a
+shared machine they move with everything else that runs. This one measures the part that is
+the allocator's alone, as **CPU time of the measuring thread** (``time.thread_time``), which
+other processes on the machine hardly change: a profile that can be compared from run to run
+and before and after a change. It builds a ledger with the real engine and ledger code (the
+same as ``cluster.py``: ``--hosts`` hosts, ``--leases`` bound leases, half of them shared
+slices), then times, each over many repetitions:
+
+- ``allocate``: one grant on the loaded cluster (the engine's decision, without the commit);
+- ``heartbeat_full`` / ``heartbeat_delta``: one host's full report (its GPUs and its lease
+  containers) and one empty delta, applied by the engine;
+- ``tick``: one pass of the timers over every lease;
+- ``commit_allocate``: one grant's rows written to SQLite with ``synchronous = FULL`` on the
+  ledger's thread (the fsync is the disk's; its wait is not CPU and not counted);
+- ``cold_load``: reading the whole ledger (``Ledger.load``) and rebuilding the engine
+  (``Engine.load``), the CPU a cold start spends before it can answer.
+
+Prints one JSON object; the figures are medians in microseconds (``cold_load`` in seconds),
+with the ratio of a delta to a full heartbeat, both measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import common
+from cluster import SHARE_SLOTS, SHARED_MODEL, build_ledger, gpu_infos, host_name
+
+from allocator.config import AllocatorSettings
+from allocator.engine import Engine, Sender
+from allocator.ledger import Changes, Ledger
+from allocator.protocol import AllocateRequest, ContainerInfo, Heartbeat, HeartbeatDelta
+
+NODE = Sender(user_id="admin", via_nodes_exchange=True)
+HUB = Sender(user_id="admin", via_nodes_exchange=False)
+COMMITS = 200
+"""Grants whose rows are committed one at a time (after the timed allocations)."""
+
+
+def cpu_us(step: Callable[[], object], repeat: int) -> float:
+    """Median CPU microseconds of one ``step`` (each timed alone)."""
+    samples = []
+    for _ in range(repeat):
+        started = time.thread_time()
+        step()
+        samples.append(time.thread_time() - started)
+    return round(statistics.median(samples) * 1e6, 1)
+
+
+def cpu_us_batched(step: Callable[[], object], repeat: int, per_sample: int = 20) -> float:
+    """Median CPU microseconds of one ``step``, timed ``per_sample`` at a time: a single step
+    can be shorter than the thread clock's resolution."""
+    samples = []
+    for _ in range(max(repeat // per_sample, 1)):
+        started = time.thread_time()
+        for _ in range(per_sample):
+            step()
+        samples.append((time.thread_time() - started) / per_sample)
+    return round(statistics.median(samples) * 1e6, 1)
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ledger.sqlite"
+        built = time.perf_counter()
+        containers = build_ledger(path, args.hosts, args.gpus_per_host, args.leases)
+        built_s = time.perf_counter() - built
+        settings = AllocatorSettings(
+            ledger_path=path, allow_any_node_user=True, share_slots={SHARED_MODEL: SHARE_SLOTS},
+            max_hosts_per_node_user=max(args.hosts, 4096), node_down_after_s=86400)
+        ledger = Ledger(path)
+        ledger.open()
+        try:
+            loads = []
+            engine = Engine(settings, started_at=time.time())
+            for _ in range(3):
+                def timed_load() -> tuple[Any, float]:
+                    started = time.thread_time()
+                    state = ledger.load()
+                    return state, time.thread_time() - started
+                state, read_s = ledger.call(timed_load)
+                started = time.thread_time()
+                engine = Engine(settings, started_at=time.time())
+                engine.load(state, time.time())
+                loads.append((read_s, time.thread_time() - started))
+            figures = measure(engine, ledger, containers, args)
+        finally:
+            ledger.close()
+    return {
+        "benchmark": "engine",
+        "inventory": {"hosts": args.hosts, "gpus": args.hosts * args.gpus_per_host,
+                      "bound_leases": args.leases},
+        "machine": common.machine(),
+        "ledger_built_s": round(built_s, 1),
+        "cpu_us": figures,
+        "cold_load_cpu_s": {
+            "ledger_load": round(statistics.median(r for r, _ in loads), 3),
+            "engine_load": round(statistics.median(e for _, e in loads), 3),
+        },
+        "ratios": {"heartbeat_delta_vs_full": round(
+            figures["heartbeat_delta"] / figures["heartbeat_full"], 3)},
+    }
+
+
+def measure(engine: Engine, ledger: Ledger, containers: dict[str, list[list[str]]],
+            args: argparse.Namespace) -> dict[str, float]:
+    """The per-operation CPU medians on a loaded engine."""
+    now = time.time()
+    seq: dict[str, int] = {}
+
+    def full(index: int) -> Heartbeat:
+        host = host_name(index % args.hosts)
+        seq[host] = seq.get(host, 0) + 1
+        return Heartbeat(
+            host=host, agent_id="bench", seq=seq[host], sent_at=now, interval_s=2,
+            source="simulated", gpus=gpu_infos(index % args.hosts, args.gpus_per_host),
+            containers=[ContainerInfo(container_id=c, lease_id=lease_id)
+                        for c, lease_id in containers.get(host, [])],
+            containers_complete=True)
+
+    def delta(index: int) -> HeartbeatDelta:
+        host = host_name(index % args.hosts)
+        seq[host] += 1
+        return HeartbeatDelta(host=host, agent_id="bench", seq=seq[host], sent_at=now,
+                              interval_s=2)
+
+    # Every host reports once (the start fence), then the figures; the messages are built
+    # outside the timed steps (decoding is the wire's cost, measured by rpc.py and cluster.py).
+    for index in range(args.hosts):
+        engine.handle(full(index), NODE, now, Changes())
+    fulls = iter([full(i) for i in range(args.calls)])
+    full_us = cpu_us(lambda: engine.handle(next(fulls), NODE, now, Changes()), args.calls)
+    deltas = iter([delta(i) for i in range(args.calls)])
+    delta_us = cpu_us(lambda: engine.handle(next(deltas), NODE, now, Changes()), args.calls)
+    requests = iter([AllocateRequest(request_key=f"bench/{i}", user=f"u{i % 64}")
+                     for i in range(args.calls + COMMITS)])
+    last = Changes()
+
+    def allocate() -> None:
+        nonlocal last
+        last = Changes()
+        engine.handle(next(requests), HUB, now, last)
+
+    allocate_us = cpu_us(allocate, args.calls)
+    commits = []
+    for _ in range(COMMITS):
+        allocate()
+        batch = last
+
+        def commit(batch: Changes = batch) -> float:
+            started = time.thread_time()
+            ledger.commit(batch)
+            return time.thread_time() - started
+        commits.append(ledger.call(commit))
+    tick_us = cpu_us_batched(lambda: engine.tick(now, Changes()), 100, per_sample=5)
+    return {"allocate": allocate_us, "heartbeat_full": full_us, "heartbeat_delta": delta_us,
+            "tick": tick_us,
+            "commit_allocate": round(statistics.median(commits) * 1e6, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, default=1000)
+    parser.add_argument("--gpus-per-host", type=int, default=8)
+    parser.add_argument("--leases", type=int, default=10_000, help="bound leases in the ledger")
+    parser.add_argument("--calls", type=int, default=600, help="repetitions of each step")
+    print(json.dumps(bench(parser.parse_args()), indent=2))
+
+
+if __name__ == "__main__":
+    main()
