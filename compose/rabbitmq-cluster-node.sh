@@ -15,7 +15,9 @@
 # and be lost with its node. So once this node runs, it makes itself a member of every
 # quorum queue and stream of every vhost it is not a member of yet, tries again until it is
 # one of all (an attempt can fail while the cluster settles), and looks again every
-# $CHECK_S seconds (a queue declared while this node was down).
+# $CHECK_S seconds: a queue declared while this node was down or still joining (the
+# allocator declares the ledger log's stream at its first start, often before the other two
+# nodes have joined the seed) has one member until then. A look is two CLI calls.
 set -eu
 
 conf=/etc/rabbitmq/conf.d/30-swarm-gpu-cluster.conf
@@ -24,7 +26,7 @@ seed=$(printf '%s\n' "$nodes" | head -n 1)
 me=${RABBITMQ_NODENAME:?the node name}
 database=${RABBITMQ_MNESIA_BASE:-/var/lib/rabbitmq/mnesia}/$me
 WAIT_S=5
-CHECK_S=300
+CHECK_S=30
 
 log() { printf 'rabbitmq-cluster-node: %s\n' "$*" >&2; }
 running() { rabbitmq-diagnostics -q -n "$1" check_running >/dev/null 2>&1; }
