@@ -89,6 +89,17 @@ def ask(user: str, **fields: Any) -> AllocateRequest:
                                            **fields})
 
 
+
+async def fill_the_rest(client, granted, ask) -> int:
+    """Grant every GPU left free (GPUS_PER_HOST of them), check that one more finds none, and
+    return how many of the new grants hold a GPU one of ``granted`` holds (double-booked)."""
+    held = {u for lease in granted for u in lease.gpu_uuids}
+    more = [await client.allocate(ask(f"new{n}")) for n in range(GPUS_PER_HOST)]
+    with pytest.raises(AllocatorError) as full:
+        await client.allocate(ask("one-too-many"))
+    assert full.value.code is ErrorCode.NO_CAPACITY
+    return sum(len(held & set(lease.gpu_uuids)) for lease in more)
+
 @pytest.mark.slow
 async def test_the_active_and_its_disk_lost_the_standby_takes_over_with_the_whole_ledger(
         amqp_vhost, tmp_path: Path) -> None:
@@ -134,13 +145,7 @@ async def test_the_active_and_its_disk_lost_the_standby_takes_over_with_the_whol
                 past = await client.status(request_key=f"hub/past{n}/")
                 assert past.state is LeaseState.RELEASED, "history came along"
             # New grants avoid every GPU the lost active had granted.
-            held = {u for lease in granted for u in lease.gpu_uuids}
-            double_booked = 0
-            more = [await client.allocate(ask(f"new{n}")) for n in range(GPUS_PER_HOST)]
-            double_booked += sum(len(held & set(lease.gpu_uuids)) for lease in more)
-            with pytest.raises(AllocatorError) as full:
-                await client.allocate(ask("one-too-many"))
-            assert full.value.code is ErrorCode.NO_CAPACITY
+            double_booked = await fill_the_rest(client, granted, ask)
             assert double_booked == 0
         assert await standby.stop() == 0, standby.log()[-3000:]
     finally:
@@ -389,12 +394,7 @@ async def test_a_standby_that_caught_up_from_a_snapshot_takes_over_without_doubl
             assert [lease.lease_id for lease in await client.queue()] == order
             oldest = await client.status(request_key="hub/past0/")
             assert oldest.state is LeaseState.RELEASED, "finished leases are in the snapshot"
-            held = {u for lease in granted for u in lease.gpu_uuids}
-            more = [await client.allocate(ask(f"new{n}")) for n in range(GPUS_PER_HOST)]
-            double_booked = sum(len(held & set(lease.gpu_uuids)) for lease in more)
-            with pytest.raises(AllocatorError) as full:
-                await client.allocate(ask("one-too-many"))
-            assert full.value.code is ErrorCode.NO_CAPACITY
+            double_booked = await fill_the_rest(client, granted, ask)
             assert double_booked == 0
         assert await standby.stop() == 0, standby.log()[-3000:]
     finally:
