@@ -5,8 +5,10 @@ A heartbeat upserts its node's GPUs and lists the lease-labelled containers runn
 listed container binds its lease, a missing one ends it after a grace period. A heartbeat
 delta is applied as the full heartbeat it stands for (the host's report held, with the delta's
 entries: :func:`~allocator.heartbeat_delta.apply_delta`), or, when it does not fit that report,
-as a sign of life only. Container events bind or end a lease at once. Admin drains also live
-here: they change what nodes offer.
+as a sign of life only. A delta that changes nothing, onto a host whose GPUs and leases are
+as its report has them, takes a shorter path to the same result
+(:meth:`NodeReconciliation._liveness_only`). Container events bind or end a lease at once.
+Admin drains also live here: they change what nodes offer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from allocator.ledger import Changes
 from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
+    ContainerInfo,
     DrainReply,
     DrainRequest,
     ErrorCode,
@@ -37,6 +40,14 @@ from allocator.protocol import (
     StopReason,
     error_reply,
 )
+
+_GRACE_ENDS = (LeaseState.BOUND, LeaseState.RELEASING)
+"""States of a lease that a complete listing without its container ends after a grace."""
+
+
+def _listing_order(info: ContainerInfo) -> tuple[float, str]:
+    """Oldest first: of two containers claiming one GPU, the one that ran first is adopted."""
+    return (info.started_at or 0.0, info.container_id)
 
 
 class NodeReconciliation(NodeTruth):
@@ -100,8 +111,11 @@ class NodeReconciliation(NodeTruth):
             return
         base = self._reported.get(delta.host)
         beat = apply_delta(base, delta) if base is not None else None
-        if beat is not None:
+        if beat is not None and base is not None:
             self.counters.add(Count.HEARTBEAT_DELTAS)
+            if not (delta.gpus or delta.containers) and self._liveness_only(base, beat, sender,
+                                                                             now, changes):
+                return
             self._heartbeat(beat, sender, now, changes)
             return
         node = self.cluster.nodes.get(delta.host)
@@ -118,6 +132,86 @@ class NodeReconciliation(NodeTruth):
         self._newest_beat[delta.host] = (delta.agent_id, delta.seq, delta.sent_at)
         self.counters.add(Count.HEARTBEATS)
         self._alive(node, sender, now, changes)
+
+    def _liveness_only(self, base: Heartbeat, beat: Heartbeat, sender: Sender, now: float,
+                       changes: Changes) -> bool:
+        """Apply ``beat``, the report an empty delta onto ``base`` stands for, without the
+        passes that would change nothing; False, having changed nothing, when they might.
+
+        The full path (:meth:`_heartbeat`) would find the GPUs as ``base`` left them (the
+        upsert of ``base`` changed and skipped nothing, and no other report took one since:
+        :attr:`_gpus_steady`), every listed container that of a lease bound here, no lease
+        of the host missing from the listing that a grace could end, no conflict to lift
+        (a container event may have recorded one since) and no fence to open (implied today:
+        a complete report held has lifted it; checked so that a change to the fence cannot
+        make this path skip it). What it still does then, this does in the same order: hold
+        the report, liveness, telemetry when it is due, and each listed lease's budget check
+        and use sample (those depend on the time, not on change).
+        ``tests/test_heartbeat_fast_path.py`` holds the two paths equal.
+        """
+        host = beat.host
+        node = self.cluster.nodes.get(host)
+        if (node is None or node.agent_id != beat.agent_id
+                or self._gpus_steady.get(host) is not base or host in self._conflicts
+                or (beat.containers_complete and host in self._fenced)):
+            return False
+        listed = sorted(beat.containers, key=_listing_order)
+        records: list[LeaseRecord] = []
+        for info in listed:
+            # Bound here: neither adopted nor unexpected, nothing to bind or to stop. (Two
+            # containers of one lease are two samples, as in the full path.)
+            record = self.leases.get(info.lease_id)
+            if record is None or record.host != host or record.state is not LeaseState.BOUND:
+                return False
+            records.append(record)
+        running = {record.lease_id for record in records}
+        if beat.containers_complete and any(
+                record.lease_id not in running and record.state in _GRACE_ENDS
+                for record in self._by_host.get(host, {}).values()):
+            return False
+        self._hold(beat, now, changes)
+        self._gpus_steady[host] = beat
+        self._alive_and_telemetry(node, sender, now, changes, due=False, new_node=False)
+        for record, info in zip(records, listed, strict=True):
+            self._node_clock_bound.setdefault(record.lease_id, beat.sent_at)
+            self._check_budget(record, info, now, changes)
+            self._observe_use(record, info, now, changes)
+        return True
+
+    def _hold(self, beat: Heartbeat, now: float, changes: Changes) -> None:
+        """``beat`` is the host's newest report: hold it (what the next delta applies onto)
+        and note its listing and its clock."""
+        self._newest_beat[beat.host] = (beat.agent_id, beat.seq, beat.sent_at)
+        self._reported[beat.host] = beat
+        if beat.containers_complete:
+            self._cannot_list.discard(beat.host)
+        else:
+            self._cannot_list.add(beat.host)
+        self.counters.add(Count.HEARTBEATS)
+        skew = beat.sent_at - now
+        if abs(skew) > CLOCK_SKEW_WARN_S:
+            # Liveness uses receipt time, so a skewed node clock harms nothing here; but the
+            # agent's event times feed the container checks, so an admin should know.
+            self.counters.add(Count.HEARTBEAT_CLOCK_SKEW)
+            if beat.host not in self._skewed:
+                self._skewed.add(beat.host)
+                log.warning("node %s's clock is %+.1f s off the allocator's", beat.host, skew)
+                changes.event(now, "clock_skew", host=beat.host, skew_s=round(skew, 1))
+        else:
+            self._skewed.discard(beat.host)
+
+    def _alive_and_telemetry(self, node: Node, sender: Sender, now: float, changes: Changes,
+                             *, due: bool, new_node: bool) -> None:
+        """Liveness, then the GPU telemetry rows when ``due`` or ``telemetry_persist_s``
+        passed since they were last written."""
+        persist = due or (now - self._telemetry_saved.get(node.host, 0.0)
+                          >= self.settings.telemetry_persist_s)
+        self._alive(node, sender, now, changes, new_node=new_node)
+        # GPU telemetry is written only when it matters or now and then.
+        if persist:
+            self._telemetry_saved[node.host] = now
+            for gpu in self.cluster.gpus_of(node.host):
+                changes.gpu(gpu, now)
 
     def _alive(self, node: Node, sender: Sender, now: float, changes: Changes,
                *, new_node: bool = False) -> None:
@@ -140,24 +234,7 @@ class NodeReconciliation(NodeTruth):
         if beat.host not in self.cluster.nodes and not self._may_add_host(beat.host, sender,
                                                                            now, changes):
             return
-        self._newest_beat[beat.host] = (beat.agent_id, beat.seq, beat.sent_at)
-        self._reported[beat.host] = beat
-        if beat.containers_complete:
-            self._cannot_list.discard(beat.host)
-        else:
-            self._cannot_list.add(beat.host)
-        self.counters.add(Count.HEARTBEATS)
-        skew = beat.sent_at - now
-        if abs(skew) > CLOCK_SKEW_WARN_S:
-            # Liveness uses receipt time, so a skewed node clock harms nothing here; but the
-            # agent's event times feed the container checks, so an admin should know.
-            self.counters.add(Count.HEARTBEAT_CLOCK_SKEW)
-            if beat.host not in self._skewed:
-                self._skewed.add(beat.host)
-                log.warning("node %s's clock is %+.1f s off the allocator's", beat.host, skew)
-                changes.event(now, "clock_skew", host=beat.host, skew_s=round(skew, 1))
-        else:
-            self._skewed.discard(beat.host)
+        self._hold(beat, now, changes)
         node = self.cluster.nodes.get(beat.host)
         new_node = node is None
         if node is None:
@@ -175,15 +252,9 @@ class NodeReconciliation(NodeTruth):
         if inventory_changed:
             self.index.refresh(self.cluster, beat.host)
             self._catalog = None
-        persist = (new_node or agent_changed or inventory_changed or
-                   now - self._telemetry_saved.get(beat.host, 0.0)
-                   >= self.settings.telemetry_persist_s)
-        self._alive(node, sender, now, changes, new_node=new_node)
-        # GPU telemetry is written only when it matters or now and then.
-        if persist:
-            self._telemetry_saved[beat.host] = now
-            for gpu in self.cluster.gpus_of(beat.host):
-                changes.gpu(gpu, now)
+        self._alive_and_telemetry(node, sender, now, changes,
+                                  due=new_node or agent_changed or inventory_changed,
+                                  new_node=new_node)
         freed = self._reconcile_containers(beat, now, changes)
         # Adoptions first (above), then the node is placeable.
         reported = beat.containers_complete and self._report_applied(beat.host, now, changes)
@@ -194,7 +265,7 @@ class NodeReconciliation(NodeTruth):
 
     def _update_gpus(self, node: Node, beat: Heartbeat, now: float, changes: Changes) -> bool:
         """Upsert the node's GPUs; True when anything placement depends on changed."""
-        changed = False
+        changed = skipped = False
         listed: list[str] = []
         for info in sorted(beat.gpus, key=lambda g: (g.index, -1 if g.mig_index is None
                                                        else g.mig_index)):
@@ -205,12 +276,14 @@ class NodeReconciliation(NodeTruth):
                     self.counters.add(Count.DUPLICATE_GPU)
                     changes.event(now, "duplicate_gpu", host=node.host, gpu_uuid=info.uuid,
                                   owner=gpu.host)
+                    skipped = True
                     continue
                 # The GPU moved to another host while its old one is down: follow it.
                 old_node = self.cluster.nodes.get(gpu.host)
                 if old_node is not None and info.uuid in old_node.gpu_uuids:
                     old_node.gpu_uuids.remove(info.uuid)
                     self.index.refresh(self.cluster, old_node.host)
+                self._gpus_steady.pop(gpu.host, None)  # its report no longer says what it has
                 changes.event(now, "gpu_moved", host=node.host, gpu_uuid=info.uuid,
                               old_host=gpu.host)
                 gpu = None
@@ -222,6 +295,7 @@ class NodeReconciliation(NodeTruth):
                                 "(max_gpus_per_host)", info.uuid, node.host,
                                 len(node.gpu_uuids))
                     changes.event(now, "gpu_limit", host=node.host, gpu_uuid=info.uuid)
+                skipped = True
                 continue
             if gpu is None:
                 gpu = GPU(uuid=info.uuid, host=node.host, index=info.index, model=info.model,
@@ -272,6 +346,10 @@ class NodeReconciliation(NodeTruth):
                                            and self.cluster.gpus[u].host == node.host},
                              key=lambda u: self.cluster.gpus[u].order)
             node.gpu_uuids = ordered
+        if changed or skipped:
+            self._gpus_steady.pop(node.host, None)
+        else:
+            self._gpus_steady[node.host] = beat
         return changed
 
     def _reconcile_containers(self, beat: Heartbeat, now: float, changes: Changes) -> bool:
@@ -281,7 +359,7 @@ class NodeReconciliation(NodeTruth):
         """
         running = {c.lease_id: c for c in beat.containers}
         found: dict[str, list[Conflict]] = {}
-        for info in sorted(beat.containers, key=lambda c: (c.started_at or 0.0, c.container_id)):
+        for info in sorted(beat.containers, key=_listing_order):
             record = self.leases.get(info.lease_id)
             if self._forgotten(record, info.lease_id) and info.grant is not None:
                 # Oldest first: of two containers claiming one GPU, the one that ran first

@@ -78,6 +78,12 @@ class EngineState:
         """host -> the full report its newest applied heartbeat stands for (a delta applied
         onto the one before): what the host's next delta applies onto. Missing: the next
         delta is taken as liveness only, until a full report."""
+        self._gpus_steady: dict[str, Heartbeat] = {}
+        """host -> the report whose GPU upsert last changed nothing and skipped nothing (it
+        found the GPUs as the report has them): upserting it again would change nothing, so
+        a delta that changes nothing skips it (see
+        :meth:`~allocator.engine.nodes.NodeReconciliation._liveness_only`). Dropped when
+        another host's report takes one of the host's GPUs."""
         self._telemetry_saved: dict[str, float] = {}
         self._node_clock_bound: dict[str, float] = {}
         """lease id -> node-clock time its container was known to run (start event or listing)."""
@@ -156,6 +162,7 @@ class EngineState:
                       if not node.is_up(now, self.settings.node_down_after_s)}
         self._newest_beat.clear()
         self._reported.clear()
+        self._gpus_steady.clear()
         self._cannot_list.clear()
         self.index.rebuild(self.cluster)
         self._catalog = None
