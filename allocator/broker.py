@@ -19,6 +19,7 @@ queue; the publisher must see the refusal (publisher confirms) and open another 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import urllib.parse
@@ -50,6 +51,45 @@ def broker_urls(amqp_url: str) -> list[str]:
         netloc = f"{credentials}{at}{host.strip()}"
         urls.append(urllib.parse.urlunsplit(parts._replace(netloc=netloc)))
     return urls
+
+
+def rotate_nodes(amqp_url: str, by: int) -> str:
+    """``amqp_url`` with its list of broker nodes rotated so that node ``by`` (modulo their
+    number) comes first: where a new connection should try first. A one-node URL is returned
+    as it is."""
+    urls = broker_urls(amqp_url)
+    if len(urls) == 1:
+        return amqp_url
+    by %= len(urls)
+    parts = urllib.parse.urlsplit(amqp_url)
+    credentials, at, _ = parts.netloc.rpartition("@")
+    hosts = [urllib.parse.urlsplit(url).netloc.rpartition("@")[2] for url in urls]
+    netloc = credentials + at + ",".join(hosts[by:] + hosts[:by])
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+async def silent_nodes(amqp_url: str, timeout: float) -> list[str]:  # noqa: ASYNC109
+    """The addresses (``host:port``) of the broker nodes named in ``amqp_url`` that do not
+    accept an AMQP connection within ``timeout`` seconds (each tried at once, on its own
+    connection).
+
+    A RabbitMQ node opens its AMQP listener only at the end of its boot, after it has joined
+    its cluster: a node that accepts a connection is a running member of it.
+    """
+
+    async def answers(url: str) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                connection = await aio_pika.connect(url, timeout=timeout)
+                await connection.close()
+            return True
+        except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError):
+            return False
+
+    urls = broker_urls(amqp_url)
+    answered = await asyncio.gather(*(answers(url) for url in urls))
+    return [broker_address(url).partition("/")[0]
+            for url, ok in zip(urls, answered, strict=True) if not ok]
 
 
 def redact(amqp_url: str) -> str:

@@ -111,6 +111,12 @@ class LogUnavailable(LedgerError):
     """The entry did not come back in time: it may still be applied later (by everyone)."""
 
 
+class LogNotHere(LedgerError):
+    """The broker node of this connection holds no replica of the log's stream, so it cannot
+    be consumed there (RabbitMQ consumes a stream only on a node with a replica): connect to
+    another node of the cluster."""
+
+
 class LogMismatch(LedgerError):
     """This ledger is not the log's history; the allocator must not serve from it."""
 
@@ -262,6 +268,19 @@ class ReplicatedLog:
 
     # ------------------------------------------------------------------ life
 
+    async def exists(self, connection: aio_pika.abc.AbstractConnection) -> bool:
+        """Whether the log's stream has been declared (on a channel of its own: a passive
+        declaration of a queue that does not exist closes its channel)."""
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(self.stream, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+        return True
+
     async def start(self, connection: aio_pika.abc.AbstractConnection) -> None:
         """Declare the stream and follow it from this ledger's position."""
         self.position = await self.ledger.run(self.ledger.log_position)
@@ -294,7 +313,13 @@ class ReplicatedLog:
                 (self.position.offset, self.position.entry_id, self.position.log_id,
                  self.position.offset == 0), keep_payloads=False)
         self._applier = asyncio.create_task(self._apply_loop(), name="ledger-log-apply")
-        await self._follow(start)
+        try:
+            await self._follow(start)
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            if "replica" not in str(exc):
+                raise
+            raise LogNotHere(f"the broker node holds no replica of the stream {self.stream} "
+                             f"({exc})") from exc
         connection.close_callbacks.add(self._connection_lost)
         log.info("ledger log %s: following from %s (%s)", self.stream, start,
                  f"epoch {self.position.epoch}" if self.position else "a ledger new to it")
