@@ -260,6 +260,8 @@ class ReplicatedLog:
         self.entries_fenced = 0
         self.snapshots_taken = 0
         self.snapshots_loaded = 0
+        self.last_snapshot: SnapshotTaken | None = None
+        """What this process's newest whole snapshot cost (None: it took none)."""
 
     @property
     def arguments(self) -> dict[str, Any]:
@@ -484,6 +486,7 @@ class ReplicatedLog:
                               now is not None and now.snapshot_from == position.offset)
         if taken.whole:
             self.snapshots_taken += 1
+            self.last_snapshot = taken
             log.info("ledger log %s: snapshot of the ledger at offset %d appended (%d bytes "
                      "in %d parts, %.2f s)", self.stream, position.offset, taken.payload_bytes,
                      taken.parts, taken.seconds)

@@ -20,6 +20,7 @@ from faults import first_kept_offset
 from support import wait_until
 from test_ledger_log import STREAM, batch, lease_ids, replica
 
+from allocator import metrics
 from allocator.ledger import Changes, Ledger, LogPosition
 from allocator.log_snapshot import PartHeader, encode_parts
 from allocator.replication import Entry, ReplicatedLog
@@ -99,9 +100,18 @@ async def test_a_new_empty_replica_catches_up_from_the_newest_snapshot_after_tru
         await a.append(update(BATCHES))  # the newest entry: a batch naming the newest snapshot
         assert await first_kept_offset(url) > 0, "RabbitMQ dropped the log's oldest segments"
         assert a.snapshots_taken >= 3
+        assert a.last_snapshot is not None and a.last_snapshot.whole
+        figures = {family.name: family.samples[0].value
+                   for family in metrics.log_families(metrics.log_figures(a))}
+        assert figures["swarm_gpu_ledger_log_snapshots_taken"] == a.snapshots_taken
+        assert figures["swarm_gpu_ledger_log_last_snapshot_bytes"] == \
+            a.last_snapshot.stored_bytes > 0
         async with replica(url, tmp_path / "new.sqlite", **TINY) as new:
             await wait_until(caught_up(new, a), within=30)
             assert new.mismatch is None and new.snapshots_loaded == 1
+            assert {family.name: family.samples[0].value for family in
+                    metrics.log_families(metrics.log_figures(new))
+                    }["swarm_gpu_ledger_log_snapshots_loaded"] == 1
             assert new.position is not None and a.position is not None
             assert new.position.snapshot_from == a.position.snapshot_from, \
                 "it loaded the newest snapshot"
