@@ -513,7 +513,8 @@ class AllocatorService:
         self.failure = str(replicated.mismatch)
         if self._queue is not None and self._consumer_tag is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._queue.cancel(self._consumer_tag), 5)
+                async with asyncio.timeout(STOP_STEP_S):
+                    await self._queue.cancel(self._consumer_tag)
             self._consumer_tag = None
         self.failed.set()
 
