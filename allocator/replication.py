@@ -61,6 +61,7 @@ from typing import Any, Literal
 
 import aio_pika
 import aio_pika.abc
+from aiormq.exceptions import ChannelInvalidStateError
 
 from allocator.ledger import Changes, Ledger, LedgerError, LogPosition
 from allocator.log_snapshot import (
@@ -88,6 +89,9 @@ it, so that many small entries cannot make retention drop more than the settings
 
 RABBITMQ_SEGMENT_BYTES = 500_000_000
 """RabbitMQ's default ``x-stream-max-segment-size-bytes``."""
+
+FOLLOW_RETRY_S = 1.0
+"""Pause before consuming the stream again after a broker error while catching up."""
 
 
 RETENTION_ARGUMENTS = ("x-max-length-bytes", "x-stream-max-segment-size-bytes")
@@ -326,12 +330,35 @@ class ReplicatedLog:
         log.info("ledger log %s: following from %s (%s)", self.stream, start,
                  f"epoch {self.position.epoch}" if self.position else "a ledger new to it")
 
+    async def _follow_again(self, offset: int | str) -> None:
+        """:meth:`_follow` while following already (catching up moves the consumer): a broker
+        error (the connection dropped, a broker node stopped, the channel closed) is tried
+        again every ``FOLLOW_RETRY_S`` until it works, the robust connection reconnecting
+        meanwhile, instead of ending the applier: a replica catching up when its broker node
+        goes would otherwise stop serving for good (its ledger is still the log's history)."""
+        attempt = 1
+        while True:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._follow(offset)
+                return
+            except (aio_pika.exceptions.AMQPError, ChannelInvalidStateError, OSError,
+                    TimeoutError) as exc:
+                log.warning("ledger log %s: cannot consume the stream from offset %s (attempt "
+                            "%d: %s); again in %g s", self.stream, offset, attempt,
+                            exc or type(exc).__name__, FOLLOW_RETRY_S)
+            attempt += 1
+            await asyncio.sleep(FOLLOW_RETRY_S)
+
     async def _follow(self, offset: int | str) -> None:
         """Consume the stream from ``offset``, instead of any consumer before (whose
         deliveries not applied yet are dropped)."""
         assert self._queue is not None, "start() first"
         if self._consumer_tag is not None:
-            await self._queue.cancel(self._consumer_tag)
+            tag, self._consumer_tag = self._consumer_tag, None
+            # The robust queue forgets it first, so it is not restored after a reconnect
+            # even if the cancel itself fails with the connection.
+            await self._queue.cancel(tag)
         self._generation += 1
         generation = self._generation
 
@@ -693,7 +720,9 @@ class ReplicatedLog:
         hint = await self._newest_snapshot_hint(log_id or entry.log_id)
         if hint is not None and hint > offset:
             self._catch_up.hint = hint
-            await self._follow(hint)
+            log.info("ledger log %s: the newest snapshot starts at offset %d; reading it",
+                     self.stream, hint)
+            await self._follow_again(hint)
             return
         await self._catch_up_with(offset, entry)  # no pointer to follow: scan from here
 
@@ -734,7 +763,7 @@ class ReplicatedLog:
                     "entry kept", self.stream, why)
         assert self._catch_up is not None
         self._catch_up = _CatchUp(self._catch_up.log_id)
-        await self._follow("first")
+        await self._follow_again("first")
 
     async def _catch_up_with(self, offset: int, entry: Entry) -> None:
         """Read one entry while catching up: nothing is applied until a whole snapshot is
