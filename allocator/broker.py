@@ -80,7 +80,7 @@ async def silent_nodes(amqp_url: str, timeout: float) -> list[str]:  # noqa: ASY
     async def answers(url: str) -> bool:
         try:
             async with asyncio.timeout(timeout):
-                connection = await aio_pika.connect(url, timeout=timeout)
+                connection = await open_connection(url, timeout=timeout)
                 await connection.close()
             return True
         except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError):
@@ -209,14 +209,32 @@ async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractR
     raise last
 
 
+async def open_connection(url: str, timeout: TimeoutType = None,  # noqa: ASYNC109 (aio-pika's)
+                          client_properties: dict[str, Any] | None = None,
+                          ) -> aio_pika.abc.AbstractConnection:
+    """``aio_pika.connect`` to one node, closing the connection object when the attempt
+    fails. aio-pika leaves a failed one to its ``__del__``, which schedules ``close()`` on
+    whatever loop runs when the object is collected, or, with none running, leaves a
+    coroutine that is never awaited (a warning at an arbitrary later moment)."""
+    extra: dict[str, Any] = {} if client_properties is None \
+        else {"client_properties": client_properties}
+    connection = aio_pika.Connection(aio_pika.connection.make_url(url), **extra)
+    try:
+        await connection.connect(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await connection.close()
+        raise
+    return connection
+
+
 async def connect(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractConnection:
     """A plain connection to the first node of ``amqp_url`` that answers."""
     last: BaseException | None = None
     urls = broker_urls(amqp_url)
     for url in urls:
         try:
-            plain: aio_pika.abc.AbstractConnection = await aio_pika.connect(url, **kwargs)
-            return plain
+            return await open_connection(url, **kwargs)
         except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError) as exc:
             last = exc
             if len(urls) > 1:  # the caller says why when no node answers

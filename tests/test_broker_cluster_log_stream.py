@@ -25,6 +25,7 @@ from pathlib import Path
 import aio_pika
 import pytest
 from faults import AllocatorProcess
+from services import PrivateRabbitMQ, PrivateRabbitMQCluster
 from support import wait_until
 
 from allocator.client import AllocatorClient
@@ -36,14 +37,14 @@ pytestmark = pytest.mark.slow  # three broker nodes and a real process: a minute
 STREAM = AllocatorSettings().ledger_log_stream
 
 
-def cluster_url(cluster, vhost: str, first: int = 0) -> str:  # type: ignore[no-untyped-def]
+def cluster_url(cluster: PrivateRabbitMQCluster, vhost: str, first: int = 0) -> str:
     """One URL naming every node of ``cluster``, node ``first`` first, for ``vhost``."""
     nodes = cluster.nodes[first:] + cluster.nodes[:first]
     return "amqp://guest:guest@" + ",".join(f"127.0.0.1:{node.port}" for node in nodes) \
         + f"/{vhost}"
 
 
-def stream_members(node, vhost: str) -> list[str] | None:  # type: ignore[no-untyped-def]
+def stream_members(node: PrivateRabbitMQ, vhost: str) -> list[str] | None:
     """The nodes holding a replica of the log's stream in ``vhost`` (asked of ``node``), or
     None when the stream does not exist."""
     result = node.ctl("list_queues", "-p", vhost, "name", "type", "members",
@@ -57,7 +58,7 @@ def stream_members(node, vhost: str) -> list[str] | None:  # type: ignore[no-unt
     return None
 
 
-async def on_every_node(cluster, vhost: str) -> str:  # type: ignore[no-untyped-def]
+async def on_every_node(cluster: PrivateRabbitMQCluster, vhost: str) -> str:
     """Start every node a test stopped, add ``vhost`` (new to the log), and return it."""
     await asyncio.to_thread(cluster.ensure_running)
     await asyncio.to_thread(cluster.add_vhost, vhost)
