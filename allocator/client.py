@@ -300,6 +300,11 @@ class AllocatorClient:
                 raise _no_answer(timeout) from exc
         finally:
             self._pending.pop(correlation_id, None)
+            if future.done() and not future.cancelled():
+                # Failed by close() while the publish was still in flight, and never awaited:
+                # the publish's own error is what the caller gets; asyncio would otherwise
+                # log "Future exception was never retrieved".
+                future.exception()
         return _read_reply(body)
 
     async def _publish(self, request: BaseModel, correlation_id: str, bound_s: float) -> None:
