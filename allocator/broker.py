@@ -19,6 +19,7 @@ queue; the publisher must see the refusal (publisher confirms) and open another 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import urllib.parse
@@ -50,6 +51,45 @@ def broker_urls(amqp_url: str) -> list[str]:
         netloc = f"{credentials}{at}{host.strip()}"
         urls.append(urllib.parse.urlunsplit(parts._replace(netloc=netloc)))
     return urls
+
+
+def rotate_nodes(amqp_url: str, by: int) -> str:
+    """``amqp_url`` with its list of broker nodes rotated so that node ``by`` (modulo their
+    number) comes first: where a new connection should try first. A one-node URL is returned
+    as it is."""
+    urls = broker_urls(amqp_url)
+    if len(urls) == 1:
+        return amqp_url
+    by %= len(urls)
+    parts = urllib.parse.urlsplit(amqp_url)
+    credentials, at, _ = parts.netloc.rpartition("@")
+    hosts = [urllib.parse.urlsplit(url).netloc.rpartition("@")[2] for url in urls]
+    netloc = credentials + at + ",".join(hosts[by:] + hosts[:by])
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+async def silent_nodes(amqp_url: str, timeout: float) -> list[str]:  # noqa: ASYNC109
+    """The addresses (``host:port``) of the broker nodes named in ``amqp_url`` that do not
+    accept an AMQP connection within ``timeout`` seconds (each tried at once, on its own
+    connection).
+
+    A RabbitMQ node opens its AMQP listener only at the end of its boot, after it has joined
+    its cluster: a node that accepts a connection is a running member of it.
+    """
+
+    async def answers(url: str) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                connection = await open_connection(url, timeout=timeout)
+                await connection.close()
+            return True
+        except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError):
+            return False
+
+    urls = broker_urls(amqp_url)
+    answered = await asyncio.gather(*(answers(url) for url in urls))
+    return [broker_address(url).partition("/")[0]
+            for url, ok in zip(urls, answered, strict=True) if not ok]
 
 
 def redact(amqp_url: str) -> str:
@@ -169,14 +209,32 @@ async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractR
     raise last
 
 
+async def open_connection(url: str, timeout: TimeoutType = None,  # noqa: ASYNC109 (aio-pika's)
+                          client_properties: dict[str, Any] | None = None,
+                          ) -> aio_pika.abc.AbstractConnection:
+    """``aio_pika.connect`` to one node, closing the connection object when the attempt
+    fails. aio-pika leaves a failed one to its ``__del__``, which schedules ``close()`` on
+    whatever loop runs when the object is collected, or, with none running, leaves a
+    coroutine that is never awaited (a warning at an arbitrary later moment)."""
+    extra: dict[str, Any] = {} if client_properties is None \
+        else {"client_properties": client_properties}
+    connection = aio_pika.Connection(aio_pika.connection.make_url(url), **extra)
+    try:
+        await connection.connect(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await connection.close()
+        raise
+    return connection
+
+
 async def connect(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractConnection:
     """A plain connection to the first node of ``amqp_url`` that answers."""
     last: BaseException | None = None
     urls = broker_urls(amqp_url)
     for url in urls:
         try:
-            plain: aio_pika.abc.AbstractConnection = await aio_pika.connect(url, **kwargs)
-            return plain
+            return await open_connection(url, **kwargs)
         except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError) as exc:
             last = exc
             if len(urls) > 1:  # the caller says why when no node answers

@@ -166,10 +166,9 @@ class AllocatorClient:
                 return
             await self._close_quietly()
             try:
-                self._connection = await asyncio.wait_for(
-                    broker.connect_robust(self.amqp_url, timeout=self.connect_timeout_s),
-                    self.connect_timeout_s,
-                )
+                async with asyncio.timeout(self.connect_timeout_s):
+                    self._connection = await broker.connect_robust(
+                        self.amqp_url, timeout=self.connect_timeout_s)
                 await self._open_channel(self._connection)
             except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
                 await self._close_quietly()
@@ -186,13 +185,13 @@ class AllocatorClient:
         extra wait: the allocator sees a request only after the quorum queue took it, which is
         when the confirm comes.
         """
-        channel = await asyncio.wait_for(connection.channel(publisher_confirms=True),
-                                         self.connect_timeout_s)
+        async with asyncio.timeout(self.connect_timeout_s):
+            channel = await connection.channel(publisher_confirms=True)
         channel.return_callbacks.add(self._on_return)
         channel.close_callbacks.add(self._on_channel_close)
         reply_queue = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
-        await asyncio.wait_for(reply_queue.consume(self._on_reply, no_ack=True),
-                               self.connect_timeout_s)
+        async with asyncio.timeout(self.connect_timeout_s):
+            await reply_queue.consume(self._on_reply, no_ack=True)
         self._exchange = await channel.get_exchange(self.exchange_name, ensure=False)
         self._channel = channel
 
@@ -214,7 +213,8 @@ class AllocatorClient:
             self._channel, self._exchange = None, None
             refused.close_callbacks.discard(self._on_channel_close)
             with contextlib.suppress(Exception):  # it is being thrown away
-                await asyncio.wait_for(refused.close(), self.connect_timeout_s)
+                async with asyncio.timeout(self.connect_timeout_s):
+                    await refused.close()
             if connection is None or connection.is_closed:
                 return  # the next publish connects again
             try:
@@ -240,7 +240,8 @@ class AllocatorClient:
         )
         if connection is not None:
             try:
-                await asyncio.wait_for(connection.close(), self.connect_timeout_s)
+                async with asyncio.timeout(self.connect_timeout_s):
+                    await connection.close()
             except Exception:  # closing a broken connection may fail in many ways; it is gone
                 log.debug("error while closing the allocator connection", exc_info=True)
 
@@ -293,11 +294,17 @@ class AllocatorClient:
             await self._publish(request, correlation_id, timeout)
             remaining = timeout - (time.monotonic() - started)
             try:
-                body = await asyncio.wait_for(future, max(remaining, 0.001))
+                async with asyncio.timeout(max(remaining, 0.001)):
+                    body = await future
             except TimeoutError as exc:
                 raise _no_answer(timeout) from exc
         finally:
             self._pending.pop(correlation_id, None)
+            if future.done() and not future.cancelled():
+                # Failed by close() while the publish was still in flight, and never awaited:
+                # the publish's own error is what the caller gets; asyncio would otherwise
+                # log "Future exception was never retrieved".
+                future.exception()
         return _read_reply(body)
 
     async def _publish(self, request: BaseModel, correlation_id: str, bound_s: float) -> None:
@@ -501,7 +508,8 @@ class AllocatorClient:
                 if now >= give_up:
                     raise StillQueued(wait_s)
                 try:
-                    item = await asyncio.wait_for(stream.get(), min(wake_at, give_up) - now)
+                    async with asyncio.timeout(min(wake_at, give_up) - now):
+                        item = await stream.get()
                 except TimeoutError:
                     if not answered and time.monotonic() < give_up:
                         raise _no_answer(self.timeout_s) from None

@@ -141,7 +141,10 @@ class AllocatorSettings(PolicySettings, FileSettings):
         default=180.0, ge=0,
         description="At start, how long to keep trying to reach the broker before exiting: "
         "on a first deploy the allocator may start before RabbitMQ listens. Each failed "
-        "attempt logs one line; the pause doubles from 1 s up to 10 s. 0 = try once.",
+        "attempt logs one line; the pause doubles from 1 s up to 10 s. 0 = try once. With "
+        "ledger_log = 'stream' it also bounds, at a first start, the wait for every broker "
+        "node of amqp_url to answer before the log's stream is declared, and the search "
+        "for a node holding a replica of the stream.",
     )
     queue_name: str = Field(default="swarm-gpu.allocator", description="Inbound queue name.")
     ledger_path: Path = Path("swarm-gpu-ledger.sqlite")

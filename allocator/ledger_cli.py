@@ -467,8 +467,8 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
     """
     latest: dict[str, NodeReport] = {}
     try:
-        connection = await asyncio.wait_for(broker.connect(amqp_url, timeout=timeout_s),
-                                            timeout_s)
+        async with asyncio.timeout(timeout_s):
+            connection = await broker.connect(amqp_url, timeout=timeout_s)
     except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
         raise CommandError(f"cannot reach the broker to listen to heartbeats: "
                            f"{exc or type(exc).__name__}") from exc
@@ -503,7 +503,8 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
         raise CommandError(f"cannot listen to heartbeats on {NODES_EXCHANGE}: {exc}") from exc
     finally:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(connection.close(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await connection.close()
     return latest
 
 

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -38,6 +38,10 @@ from prometheus_client.registry import Collector
 from allocator.counters import ANOMALIES, Count, Counters, Family, ServiceStats
 from allocator.engine import Engine
 from allocator.protocol import Health, LeaseState
+
+if TYPE_CHECKING:
+    from allocator.ledger import LogPosition
+    from allocator.replication import SnapshotTaken
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,6 +73,29 @@ class Observed(Protocol):
 
     @property
     def metrics(self) -> AllocatorMetrics: ...
+
+    @property
+    def log(self) -> LogObserved | None: ...
+
+
+class LogObserved(Protocol):
+    """What the metrics read of the replicated ledger log (``ledger_log = "stream"``):
+    :class:`allocator.replication.ReplicatedLog`."""
+
+    entries_applied: int
+    entries_fenced: int
+    snapshots_taken: int
+    snapshots_loaded: int
+    is_writer: bool
+
+    @property
+    def position(self) -> LogPosition | None: ...
+
+    @property
+    def last_snapshot(self) -> SnapshotTaken | None: ...
+
+    @property
+    def caught_up(self) -> asyncio.Event: ...
 
 
 class AllocatorMetrics:
@@ -129,13 +156,43 @@ class Snapshot:
     """host -> (up, drained, last heartbeat)"""
     engine_counters: Counters = field(default_factory=Counters)
     service_counters: Counters = field(default_factory=Counters)
+    log: LogFigures | None = None
+    """The replicated ledger log's figures; None without one."""
+
+
+@dataclass(frozen=True)
+class LogFigures:
+    """The replicated ledger log as one scrape sees it."""
+
+    entries_applied: int
+    entries_fenced: int
+    snapshots_taken: int
+    snapshots_loaded: int
+    writer: bool
+    caught_up: bool
+    epoch: int | None
+    offset: int | None
+    last_snapshot: SnapshotTaken | None
+
+
+def log_figures(replicated: LogObserved) -> LogFigures:
+    """Read the replicated log (on the allocator's event loop)."""
+    position = replicated.position
+    return LogFigures(replicated.entries_applied, replicated.entries_fenced,
+                      replicated.snapshots_taken, replicated.snapshots_loaded,
+                      replicated.is_writer, replicated.caught_up.is_set(),
+                      position.epoch if position is not None else None,
+                      position.offset if position is not None else None,
+                      replicated.last_snapshot)
 
 
 def take_snapshot(service: Observed, now: float) -> Snapshot:
     """Read the engine and the service (call on the allocator's event loop)."""
     engine = service.engine
+    replicated = service.log
     snap = Snapshot(engine_counters=engine.counters.copy(),
-                    service_counters=service.stats.counters.copy())
+                    service_counters=service.stats.counters.copy(),
+                    log=log_figures(replicated) if replicated is not None else None)
     inventory = engine.inventory(now)
     node_drained = {node.host: node.drained for node in inventory.nodes}
     node_up = {node.host: node.up for node in inventory.nodes}
@@ -299,6 +356,38 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          Count.REDELIVERED_DECIDED),
     ):
         yield _counter(name, doc, counters[count])
+    if snap.log is not None:
+        yield from log_families(snap.log)
+
+
+def log_families(figures: LogFigures) -> Iterator[Metric]:
+    """The replicated ledger log's families (only with ``ledger_log = "stream"``)."""
+    yield _counter("swarm_gpu_ledger_log_entries_applied", "Entries of the ledger log this "
+                   "replica applied to its ledger", figures.entries_applied)
+    yield _counter("swarm_gpu_ledger_log_entries_fenced", "Entries of the ledger log this "
+                   "replica skipped as a deposed writer's", figures.entries_fenced)
+    yield _counter("swarm_gpu_ledger_log_snapshots_taken", "Whole snapshots of the ledger "
+                   "this replica appended to the log as its writer", figures.snapshots_taken)
+    yield _counter("swarm_gpu_ledger_log_snapshots_loaded", "Snapshots this replica loaded "
+                   "to catch up (its place in the log was gone, or it started empty)",
+                   figures.snapshots_loaded)
+    yield GaugeMetricFamily("swarm_gpu_ledger_log_writer", "1 if this replica is the ledger "
+                            "log's writer (the active allocator)", value=int(figures.writer))
+    yield GaugeMetricFamily("swarm_gpu_ledger_log_caught_up", "1 once this replica has "
+                            "applied the log up to where it started", value=int(figures.caught_up))
+    if figures.epoch is not None and figures.offset is not None:
+        yield GaugeMetricFamily("swarm_gpu_ledger_log_epoch", "The epoch of the newest claim "
+                                "this replica applied", value=figures.epoch)
+        yield GaugeMetricFamily("swarm_gpu_ledger_log_offset", "The stream offset of the last "
+                                "entry this replica applied", value=figures.offset)
+    if figures.last_snapshot is not None:
+        yield GaugeMetricFamily("swarm_gpu_ledger_log_last_snapshot_seconds", "How long this "
+                                "replica's newest snapshot took, from reading the ledger to "
+                                "its last part read back (requests wait meanwhile)",
+                                value=figures.last_snapshot.seconds)
+        yield GaugeMetricFamily("swarm_gpu_ledger_log_last_snapshot_bytes", "What the stream "
+                                "holds of this replica's newest snapshot",
+                                value=figures.last_snapshot.stored_bytes)
 
 
 # --------------------------------------------------------------------------- collector

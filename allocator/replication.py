@@ -61,6 +61,7 @@ from typing import Any, Literal
 
 import aio_pika
 import aio_pika.abc
+from aiormq.exceptions import ChannelInvalidStateError
 
 from allocator.ledger import Changes, Ledger, LedgerError, LogPosition
 from allocator.log_snapshot import (
@@ -89,6 +90,9 @@ it, so that many small entries cannot make retention drop more than the settings
 RABBITMQ_SEGMENT_BYTES = 500_000_000
 """RabbitMQ's default ``x-stream-max-segment-size-bytes``."""
 
+FOLLOW_RETRY_S = 1.0
+"""Pause before consuming the stream again after a broker error while catching up."""
+
 
 RETENTION_ARGUMENTS = ("x-max-length-bytes", "x-stream-max-segment-size-bytes")
 
@@ -109,6 +113,12 @@ class LogFenced(LedgerError):
 
 class LogUnavailable(LedgerError):
     """The entry did not come back in time: it may still be applied later (by everyone)."""
+
+
+class LogNotHere(LedgerError):
+    """The broker node of this connection holds no replica of the log's stream, so it cannot
+    be consumed there (RabbitMQ consumes a stream only on a node with a replica): connect to
+    another node of the cluster."""
 
 
 class LogMismatch(LedgerError):
@@ -254,6 +264,8 @@ class ReplicatedLog:
         self.entries_fenced = 0
         self.snapshots_taken = 0
         self.snapshots_loaded = 0
+        self.last_snapshot: SnapshotTaken | None = None
+        """What this process's newest whole snapshot cost (None: it took none)."""
 
     @property
     def arguments(self) -> dict[str, Any]:
@@ -261,6 +273,19 @@ class ReplicatedLog:
         return stream_arguments(self.max_bytes, self.segment_bytes)
 
     # ------------------------------------------------------------------ life
+
+    async def exists(self, connection: aio_pika.abc.AbstractConnection) -> bool:
+        """Whether the log's stream has been declared (on a channel of its own: a passive
+        declaration of a queue that does not exist closes its channel)."""
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(self.stream, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+        return True
 
     async def start(self, connection: aio_pika.abc.AbstractConnection) -> None:
         """Declare the stream and follow it from this ledger's position."""
@@ -294,17 +319,46 @@ class ReplicatedLog:
                 (self.position.offset, self.position.entry_id, self.position.log_id,
                  self.position.offset == 0), keep_payloads=False)
         self._applier = asyncio.create_task(self._apply_loop(), name="ledger-log-apply")
-        await self._follow(start)
+        try:
+            await self._follow(start)
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            if "replica" not in str(exc):
+                raise
+            raise LogNotHere(f"the broker node holds no replica of the stream {self.stream} "
+                             f"({exc})") from exc
         connection.close_callbacks.add(self._connection_lost)
         log.info("ledger log %s: following from %s (%s)", self.stream, start,
                  f"epoch {self.position.epoch}" if self.position else "a ledger new to it")
+
+    async def _follow_again(self, offset: int | str) -> None:
+        """:meth:`_follow` while following already (catching up moves the consumer): a broker
+        error (the connection dropped, a broker node stopped, the channel closed) is tried
+        again every ``FOLLOW_RETRY_S`` until it works, the robust connection reconnecting
+        meanwhile, instead of ending the applier: a replica catching up when its broker node
+        goes would otherwise stop serving for good (its ledger is still the log's history)."""
+        attempt = 1
+        while True:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._follow(offset)
+                return
+            except (aio_pika.exceptions.AMQPError, ChannelInvalidStateError, OSError,
+                    TimeoutError) as exc:
+                log.warning("ledger log %s: cannot consume the stream from offset %s (attempt "
+                            "%d: %s); again in %g s", self.stream, offset, attempt,
+                            exc or type(exc).__name__, FOLLOW_RETRY_S)
+            attempt += 1
+            await asyncio.sleep(FOLLOW_RETRY_S)
 
     async def _follow(self, offset: int | str) -> None:
         """Consume the stream from ``offset``, instead of any consumer before (whose
         deliveries not applied yet are dropped)."""
         assert self._queue is not None, "start() first"
         if self._consumer_tag is not None:
-            await self._queue.cancel(self._consumer_tag)
+            tag, self._consumer_tag = self._consumer_tag, None
+            # The robust queue forgets it first, so it is not restored after a reconnect
+            # even if the cancel itself fails with the connection.
+            await self._queue.cancel(tag)
         self._generation += 1
         generation = self._generation
 
@@ -459,6 +513,7 @@ class ReplicatedLog:
                               now is not None and now.snapshot_from == position.offset)
         if taken.whole:
             self.snapshots_taken += 1
+            self.last_snapshot = taken
             log.info("ledger log %s: snapshot of the ledger at offset %d appended (%d bytes "
                      "in %d parts, %.2f s)", self.stream, position.offset, taken.payload_bytes,
                      taken.parts, taken.seconds)
@@ -665,7 +720,9 @@ class ReplicatedLog:
         hint = await self._newest_snapshot_hint(log_id or entry.log_id)
         if hint is not None and hint > offset:
             self._catch_up.hint = hint
-            await self._follow(hint)
+            log.info("ledger log %s: the newest snapshot starts at offset %d; reading it",
+                     self.stream, hint)
+            await self._follow_again(hint)
             return
         await self._catch_up_with(offset, entry)  # no pointer to follow: scan from here
 
@@ -706,7 +763,7 @@ class ReplicatedLog:
                     "entry kept", self.stream, why)
         assert self._catch_up is not None
         self._catch_up = _CatchUp(self._catch_up.log_id)
-        await self._follow("first")
+        await self._follow_again("first")
 
     async def _catch_up_with(self, offset: int, entry: Entry) -> None:
         """Read one entry while catching up: nothing is applied until a whole snapshot is

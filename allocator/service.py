@@ -53,7 +53,13 @@ from allocator.protocol import (
     encode,
     error_reply,
 )
-from allocator.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
+from allocator.replication import (
+    LogFenced,
+    LogMismatch,
+    LogNotHere,
+    LogUnavailable,
+    ReplicatedLog,
+)
 from allocator.tasks import cancel_and_wait
 from allocator.topology import (
     AGENTS_EXCHANGE,
@@ -244,12 +250,7 @@ class AllocatorService:
         if self.settings.ledger_log == "stream":
             # Follow the log before consuming requests: a ledger that is not the log's
             # history must be found out before it could serve.
-            self.log = ReplicatedLog(self.ledger, self.settings.ledger_log_stream,
-                                     max_bytes=self.settings.ledger_log_max_bytes,
-                                     segment_bytes=self.settings.ledger_log_segment_bytes,
-                                     snapshot_bytes=self.settings.ledger_log_snapshot_bytes,
-                                     timeout_s=self.settings.request_timeout_s)
-            await self.log.start(self._connection)
+            self._connection, self.log = await self._follow_log(self._connection)
             self._watchdog = asyncio.create_task(self._watch_log(self.log),
                                                  name="allocator-log-watch")
         self._channel = await self._connection.channel(publisher_confirms=False)
@@ -268,7 +269,77 @@ class AllocatorService:
         log.info("allocator consuming %s; ledger %s", self.settings.queue_name,
                  self.settings.ledger_path)
 
-    async def _connect(self) -> aio_pika.abc.AbstractRobustConnection:
+    async def _follow_log(self, connection: aio_pika.abc.AbstractRobustConnection) \
+            -> tuple[aio_pika.abc.AbstractRobustConnection, ReplicatedLog]:
+        """Follow the replicated log from a broker node that holds a replica of its stream,
+        declaring the stream first if it is new; the connection it follows on and the log.
+
+        A node without a replica refuses the stream's consumer (a broker node that joined
+        the cluster after the stream was declared, before it is added as a replica): then
+        the next node of ``amqp_url`` is tried, round the list, pausing after each round,
+        until ``broker_wait_s`` has passed. Exiting instead would only have Swarm restart
+        the allocator, which connects to the same first node again.
+        """
+        nodes = len(broker.broker_urls(self.settings.amqp_url))
+        deadline = time.monotonic() + self.settings.broker_wait_s
+        moved = 0
+        while True:
+            replicated = ReplicatedLog(self.ledger, self.settings.ledger_log_stream,
+                                       max_bytes=self.settings.ledger_log_max_bytes,
+                                       segment_bytes=self.settings.ledger_log_segment_bytes,
+                                       snapshot_bytes=self.settings.ledger_log_snapshot_bytes,
+                                       timeout_s=self.settings.request_timeout_s)
+            if not await replicated.exists(connection):
+                await self._await_broker_nodes(deadline)
+            try:
+                await replicated.start(connection)
+                return connection, replicated
+            except LogNotHere as exc:
+                await replicated.stop()
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(STOP_STEP_S):
+                        await connection.close()
+                if time.monotonic() >= deadline:
+                    raise
+                moved += 1
+                log.warning("ledger log: %s; connecting to the next broker node", exc)
+                if moved % nodes == 0:
+                    await asyncio.sleep(min(BROKER_RETRY_MAX_S,
+                                            max(0.0, deadline - time.monotonic())))
+                connection = await self._connect(first_node=moved)
+
+    async def _await_broker_nodes(self, deadline: float) -> None:
+        """Before the log's stream is first declared: wait (until ``deadline``) for every
+        broker node named in ``amqp_url`` to answer.
+
+        Why: RabbitMQ places a new stream's replicas on the cluster's nodes running at its
+        declaration, and 3.10 cannot add a replica on a node that joined the cluster later
+        until its stream coordinator has taken that node in (up to a coordinator tick
+        later); a command for a stream on such a node before then starts a second stream
+        coordinator there, and the stream is stuck on its first nodes (docs/design.md,
+        high availability). Declared once every node runs, the stream has a replica on
+        each, and the coordinator a member on each. A node that does not come within
+        ``broker_wait_s`` is left out, with a warning.
+        """
+        url = self.settings.amqp_url
+        if len(broker.broker_urls(url)) == 1:
+            return
+        pause = BROKER_RETRY_FIRST_S
+        while silent := await broker.silent_nodes(url, timeout=self.settings.request_timeout_s):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("ledger log: declaring the stream %s while broker node(s) %s do "
+                            "not answer (broker_wait_s passed): it has no replica there "
+                            "until one is added", self.settings.ledger_log_stream,
+                            ", ".join(silent))
+                return
+            log.info("ledger log: the stream %s is new; waiting for broker node(s) %s to "
+                     "answer before declaring it, so that it has a replica on each",
+                     self.settings.ledger_log_stream, ", ".join(silent))
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, BROKER_RETRY_MAX_S)
+
+    async def _connect(self, first_node: int = 0) -> aio_pika.abc.AbstractRobustConnection:
         """The broker connection, waiting up to ``broker_wait_s`` for the broker to listen.
 
         Swarm may start the allocator before RabbitMQ on a first deploy; exiting at once
@@ -277,13 +348,14 @@ class AllocatorService:
         timeout keeps reconnecting in the background.
         """
         timeout = self.settings.request_timeout_s
+        url = broker.rotate_nodes(self.settings.amqp_url, first_node)
         deadline = time.monotonic() + self.settings.broker_wait_s
         pause = BROKER_RETRY_FIRST_S
         attempt = 1
         while True:
             try:
                 async with asyncio.timeout(timeout):
-                    probe = await broker.connect(self.settings.amqp_url, timeout=timeout)
+                    probe = await broker.connect(url, timeout=timeout)
                 await probe.close()
                 break
             except (OSError, TimeoutError, AMQPError) as exc:
@@ -298,7 +370,7 @@ class AllocatorService:
                 pause = min(pause * 2, BROKER_RETRY_MAX_S)
                 attempt += 1
         async with asyncio.timeout(timeout):
-            return await broker.connect_robust(self.settings.amqp_url, timeout=timeout)
+            return await broker.connect_robust(url, timeout=timeout)
 
     async def stop(self) -> None:
         """Stop consuming, finish the batch in hand, close the broker and the ledger.
@@ -441,7 +513,8 @@ class AllocatorService:
         self.failure = str(replicated.mismatch)
         if self._queue is not None and self._consumer_tag is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._queue.cancel(self._consumer_tag), 5)
+                async with asyncio.timeout(STOP_STEP_S):
+                    await self._queue.cancel(self._consumer_tag)
             self._consumer_tag = None
         self.failed.set()
 

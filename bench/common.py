@@ -315,7 +315,8 @@ class DieListener:
                 return None
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._arrived.wait()
         return self.seen[container_id]
 
 

@@ -1,8 +1,12 @@
 """Allocation RPC throughput and latency, against the transport's own floor, in one run.
 
     python bench/rpc.py [--hosts 1000] [--gpus-per-host 8] [--calls 600] [--clients 64]
+                        [--ledger-synchronous full|normal] [--ledger-log off|stream]
+                        [--broker-cluster]
 
-Starts, each in its own process on a fresh vhost of the local broker:
+Starts, each in its own process on a fresh vhost of the local broker (``--broker-cluster``:
+of three local RabbitMQ nodes clustered for the run, so the inbound queue, the echo queue and
+the ledger log's stream are replicated by Raft as on a three-node broker):
 - the real allocator (``gpu-allocator serve``) with a fresh ledger, fed 1,000 simulated
   hosts x 8 GPUs of mixed models by heartbeats;
 - an echo server consuming a queue of the same type and arguments as the allocator's
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -32,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aio_pika
@@ -42,6 +48,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import services  # noqa: E402  (the test helpers that create and delete vhosts)
 
+from allocator import broker  # noqa: E402
 from allocator.client import AllocatorClient, AllocatorError  # noqa: E402
 from allocator.protocol import (  # noqa: E402
     AllocateRequest,
@@ -75,7 +82,7 @@ async def echo_server(amqp_url: str) -> None:
                   env={"NVIDIA_VISIBLE_DEVICES": "GPU-echo", "SWARM_GPU_LEASE": "0" * 32},
                   created_at=time.time(), granted_at=time.time())
     body = encode(LeaseReply(lease=lease))
-    connection = await aio_pika.connect_robust(amqp_url)
+    connection = await broker.connect_robust(amqp_url)
     channel = await connection.channel(publisher_confirms=False)
     await channel.set_qos(prefetch_count=256)
     exchange = await channel.declare_exchange(ECHO_EXCHANGE, aio_pika.ExchangeType.DIRECT,
@@ -139,7 +146,7 @@ async def run_case(amqp_url: str, *, exchange: str, clients: int, calls: int,
 
 async def feed_inventory(amqp_url: str, hosts: int, gpus_per_host: int) -> None:
     """One heartbeat per simulated host, as their node agents would send."""
-    connection = await aio_pika.connect(amqp_url)
+    connection = await broker.connect(amqp_url)
     channel = await connection.channel()
     exchange = await channel.declare_exchange(NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC,
                                               durable=True)
@@ -203,11 +210,24 @@ def start_process(args: list[str], env: dict[str, str], log: Path) -> subprocess
                                 stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
 
+@contextlib.contextmanager
+def broker_vhost(cluster: bool) -> Iterator[str]:
+    """The AMQP URL of a fresh vhost: on the local broker, or (``cluster``) on three local
+    RabbitMQ nodes clustered for this run (tests/services.py; its URL names all three)."""
+    if not cluster:
+        with services.temporary_vhost(services.rabbitmq_from_env()) as vhost:
+            yield vhost.url
+        return
+    with tempfile.TemporaryDirectory() as base, \
+            services.private_rabbitmq_cluster(Path(base)) as nodes:
+        nodes.add_vhost("bench")
+        yield f"{nodes.url}bench"
+
+
 async def bench(args: argparse.Namespace) -> dict[str, object]:
-    broker = services.rabbitmq_from_env()
-    with services.temporary_vhost(broker) as vhost, tempfile.TemporaryDirectory() as tmp:
+    with broker_vhost(args.broker_cluster) as url, tempfile.TemporaryDirectory() as tmp:
         allocator_env = {
-            "SWARM_GPU_AMQP_URL": vhost.url,
+            "SWARM_GPU_AMQP_URL": url,
             "SWARM_GPU_LEDGER_PATH": str(Path(tmp) / "ledger.sqlite"),
             "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
             "SWARM_GPU_NODE_DOWN_AFTER_S": "86400",
@@ -218,7 +238,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         allocator_log, echo_log = Path(tmp) / "allocator.log", Path(tmp) / "echo.log"
         allocator = start_process([sys.executable, "-m", "allocator.cli", "serve"],
                                   allocator_env, allocator_log)
-        echo = start_process([sys.executable, __file__, "--echo-server", vhost.url], {}, echo_log)
+        echo = start_process([sys.executable, __file__, "--echo-server", url], {}, echo_log)
         try:
             for _ in range(300):
                 if "ready" in echo_log.read_text():
@@ -226,9 +246,9 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                 await asyncio.sleep(0.05)
             else:
                 raise RuntimeError(f"echo server did not start: {echo_log.read_text()}")
-            await wait_for_allocator(vhost.url)
-            await feed_inventory(vhost.url, args.hosts, args.gpus_per_host)
-            await wait_for_inventory(vhost.url, args.hosts * args.gpus_per_host)
+            await wait_for_allocator(url)
+            await feed_inventory(url, args.hosts, args.gpus_per_host)
+            await wait_for_inventory(url, args.hosts * args.gpus_per_host)
             results: dict[str, dict[str, float]] = {}
             fsyncs = await asyncio.to_thread(fsync_times, Path(tmp), args.fsyncs)
             results["fsync"] = {
@@ -238,10 +258,10 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
             }
             for name, exchange in (("floor", ECHO_EXCHANGE), ("allocator", "swarm-gpu.rpc")):
                 results[f"{name}_1_client"] = await run_case(
-                    vhost.url, exchange=exchange, clients=1, calls=args.calls // 2,
+                    url, exchange=exchange, clients=1, calls=args.calls // 2,
                     prefix=f"{name}1")
                 results[f"{name}_{args.clients}_clients"] = await run_case(
-                    vhost.url, exchange=exchange, clients=args.clients, calls=args.calls,
+                    url, exchange=exchange, clients=args.clients, calls=args.calls,
                     prefix=f"{name}{args.clients}")
         except BaseException:
             print(allocator_log.read_text()[-3000:], file=sys.stderr)
@@ -260,6 +280,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "inventory": {"hosts": args.hosts, "gpus": args.hosts * args.gpus_per_host},
         "ledger_synchronous": args.ledger_synchronous,
         "ledger_log": args.ledger_log,
+        "broker": "three local nodes, one cluster" if args.broker_cluster else "one node",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         **results,
         "fsync_p50_ms": results["fsync"]["p50_ms"],
@@ -292,6 +313,10 @@ def main() -> None:
     parser.add_argument("--ledger-log", choices=["off", "stream"], default="off",
                         help="the allocator's replicated ledger log (default: off); with "
                         "stream the local ledger is not fsynced (the stream is the record)")
+    parser.add_argument("--broker-cluster", action="store_true",
+                        help="run on three local RabbitMQ nodes clustered for the run (their "
+                        "quorum queues and the log's stream replicated by Raft), not on the "
+                        "local broker")
     parser.add_argument("--echo-server", metavar="AMQP_URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:

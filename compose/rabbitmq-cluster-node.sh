@@ -18,6 +18,13 @@
 # $CHECK_S seconds: a queue declared while this node was down or still joining (the
 # allocator declares the ledger log's stream at its first start, often before the other two
 # nodes have joined the seed) has one member until then. A look is two CLI calls.
+#
+# A stream is only joined once this node runs a member of the stream coordinator (the Raft
+# cluster that places streams' replicas). In RabbitMQ 3.10 a node that joined the cluster after
+# the coordinator started is taken in by the coordinator's leader at its next tick; a stream
+# command on the node before then (an add_replica here, say) starts a second coordinator on the
+# nodes that lack one, and every later command for the stream times out ("Coordinator
+# timeout"). The tick is every 30 s by default; here every $STREAM_TICK_MS ms.
 set -eu
 
 conf=/etc/rabbitmq/conf.d/30-swarm-gpu-cluster.conf
@@ -27,6 +34,7 @@ me=${RABBITMQ_NODENAME:?the node name}
 database=${RABBITMQ_MNESIA_BASE:-/var/lib/rabbitmq/mnesia}/$me
 WAIT_S=5
 CHECK_S=30
+STREAM_TICK_MS=5000
 
 log() { printf 'rabbitmq-cluster-node: %s\n' "$*" >&2; }
 running() { rabbitmq-diagnostics -q -n "$1" check_running >/dev/null 2>&1; }
@@ -42,6 +50,10 @@ peer_running() {
 }
 
 tab=$(printf '\t')
+
+coordinator_member() { # whether this node runs a member of the stream coordinator
+    [ "$(rabbitmqctl -q eval 'whereis(rabbit_stream_coordinator) =/= undefined.' 2>/dev/null)" = true ]
+}
 
 not_member() { # the quorum queues and streams without a member here: VHOST TYPE NAME lines
     vhosts=$(rabbitmqctl -q list_vhosts --no-table-headers name) || return 1
@@ -70,6 +82,10 @@ join_queues() {
             continue
         fi
         printf '%s\n' "$missing" | while IFS=$tab read -r vhost type queue; do
+            if [ "$type" = stream ] && ! coordinator_member; then
+                log "$me: not a member of the stream coordinator yet; stream $queue later"
+                continue
+            fi
             case $type in
                 quorum) rabbitmq-queues -q add_member -p "$vhost" "$queue" "$me" ;;
                 stream) rabbitmq-streams -q add_replica -p "$vhost" "$queue" "$me" ;;
@@ -88,4 +104,6 @@ if [ ! -d "$database" ] && [ "$me" != "$seed" ]; then
     until peer_running; do sleep "$WAIT_S"; done
 fi
 join_queues &
+RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="${RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS:-} -rabbit stream_tick_interval $STREAM_TICK_MS"
+export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS
 exec rabbitmq-server

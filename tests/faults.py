@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -465,3 +466,108 @@ def lease_states(path: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
     """lease id -> (request key, state, GPUs) in a ledger file: what two replicas compare."""
     return {i: (row["request_key"], row["state"], tuple(row["gpu_uuids"]))
             for i, row in audit_ledger(path).leases.items()}
+
+
+# ----------------------------------------------------------------- a link to break
+
+
+class Proxy:
+    """A byte-for-byte stream proxy (unix socket or TCP) whose link the test can break.
+
+    ``cut()`` closes every connection and stops listening (the service looks down: new
+    connections are refused); ``freeze()`` keeps connections open but passes no bytes (a
+    black hole, where calls hang rather than fail); ``restore()`` undoes either.
+    """
+
+    def __init__(self, upstream: Callable[[], Awaitable[tuple[asyncio.StreamReader,
+                                                                asyncio.StreamWriter]]]) -> None:
+        self._upstream = upstream
+        self._server: asyncio.Server | None = None
+        self._listen: Callable[[], Awaitable[asyncio.Server]] | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    async def serve_unix(self, path: Path) -> str:
+        async def listen() -> asyncio.Server:
+            # asyncio removes a stale socket file itself before binding
+            return await asyncio.start_unix_server(self._handle, path=str(path))
+
+        self._listen = listen
+        self._server = await listen()
+        return f"unix://{path}"
+
+    async def serve_tcp(self) -> int:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+
+        async def listen() -> asyncio.Server:
+            return await asyncio.start_server(self._handle, "127.0.0.1", port,
+                                              reuse_address=True)
+
+        self._listen = listen
+        return int(port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await self._upstream()
+        except OSError:
+            writer.close()
+            return
+        self._writers.update((writer, up_writer))
+        tasks = [asyncio.create_task(self._pipe(reader, up_writer)),
+                 asyncio.create_task(self._pipe(up_reader, writer))]
+        self._pipes.update(tasks)
+        for task in tasks:
+            task.add_done_callback(self._pipes.discard)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            self._writers.discard(writer)
+
+    def drop(self) -> None:
+        """Close every connection at once and keep listening (synchronous: callable where
+        nothing may be awaited): the peers see their connection end, as when a broker
+        node closes it, and reconnect at once."""
+        for writer in list(self._writers):
+            writer.close()
+
+    async def _close_connections(self) -> None:
+        for task in list(self._pipes):
+            task.cancel()
+        for writer in list(self._writers):
+            writer.close()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        self._writers.clear()
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        await self._close_connections()
+
+    def freeze(self) -> None:
+        self._flowing.clear()
+
+    async def restore(self) -> None:
+        """Listen again; frozen connections are dropped (the peers reconnect)."""
+        if not self._flowing.is_set():
+            await self._close_connections()
+            self._flowing.set()
+        if self._server is None:
+            assert self._listen is not None
+            self._server = await self._listen()
+
+    async def close(self) -> None:
+        self._flowing.set()
+        await self.cut()

@@ -34,6 +34,7 @@ import pytest
 import services
 from support import GTX1070, gpus, heartbeat, wait_until
 
+from allocator.broker import open_connection
 from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
 from allocator.config import AllocatorSettings
 from allocator.protocol import (
@@ -619,7 +620,7 @@ async def test_a_broker_booted_with_the_stack_config_serves_the_allocator(tmp_pa
             return f"amqp://{user}:{passwords[user]}@127.0.0.1:{port}/swarm-gpu"
 
         with pytest.raises(aio_pika.exceptions.ProbableAuthenticationError):
-            await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{port}/", timeout=10)
+            await open_connection(f"amqp://guest:guest@127.0.0.1:{port}/", timeout=10)
         settings = AllocatorSettings(amqp_url=url("allocator"), ledger_path=tmp_path / "l.sqlite",
                                      tick_s=0.1)  # the stack's defaults: agent-{host}, admin
         service = AllocatorService(settings)

@@ -43,6 +43,16 @@ def test_redact_hides_the_password_only() -> None:
     assert broker.redact("amqp://rabbitmq/v") == "amqp://rabbitmq/v"
 
 
+def test_rotating_the_nodes_puts_the_chosen_one_first_and_keeps_the_rest() -> None:
+    url = "amqp://hub:s3cret@node1:5672,node2,node3:5673/swarm-gpu?heartbeat=30"
+    assert broker.rotate_nodes(url, 1) == \
+        "amqp://hub:s3cret@node2,node3:5673,node1:5672/swarm-gpu?heartbeat=30"
+    assert broker.rotate_nodes(url, 5) == \
+        "amqp://hub:s3cret@node3:5673,node1:5672,node2/swarm-gpu?heartbeat=30"
+    assert broker.rotate_nodes(url, 3) == url
+    assert broker.rotate_nodes("amqp://rabbitmq/v", 2) == "amqp://rabbitmq/v"
+
+
 def dead_address() -> str:
     """host:port on loopback where nothing listens (a port just freed)."""
     with socket.socket() as sock:
@@ -85,6 +95,15 @@ async def test_a_node_agent_publishes_over_a_url_naming_several_nodes(amqp_vhost
         assert publisher.connected
     finally:
         await publisher.stop()
+
+
+async def test_silent_nodes_are_the_ones_that_accept_no_connection(amqp_vhost) -> None:
+    dead = dead_address()
+    parts = urllib.parse.urlsplit(amqp_vhost.url)
+    credentials, _, host = parts.netloc.rpartition("@")
+    url = urllib.parse.urlunsplit(parts._replace(netloc=f"{credentials}@{host},{dead}"))
+    assert await broker.silent_nodes(url, timeout=5) == [dead]
+    assert await broker.silent_nodes(amqp_vhost.url, timeout=5) == []
 
 
 async def test_no_node_answering_is_an_unavailable_broker_naming_every_node() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
-from faults import first_kept_offset
+from faults import Proxy, first_kept_offset
 from support import wait_until
 from test_ledger_log import STREAM, batch, lease_ids, replica
 
+from allocator import metrics
 from allocator.ledger import Changes, Ledger, LogPosition
 from allocator.log_snapshot import PartHeader, encode_parts
 from allocator.replication import Entry, ReplicatedLog
@@ -99,9 +101,18 @@ async def test_a_new_empty_replica_catches_up_from_the_newest_snapshot_after_tru
         await a.append(update(BATCHES))  # the newest entry: a batch naming the newest snapshot
         assert await first_kept_offset(url) > 0, "RabbitMQ dropped the log's oldest segments"
         assert a.snapshots_taken >= 3
+        assert a.last_snapshot is not None and a.last_snapshot.whole
+        figures = {family.name: family.samples[0].value
+                   for family in metrics.log_families(metrics.log_figures(a))}
+        assert figures["swarm_gpu_ledger_log_snapshots_taken"] == a.snapshots_taken
+        assert figures["swarm_gpu_ledger_log_last_snapshot_bytes"] == \
+            a.last_snapshot.stored_bytes > 0
         async with replica(url, tmp_path / "new.sqlite", **TINY) as new:
             await wait_until(caught_up(new, a), within=30)
             assert new.mismatch is None and new.snapshots_loaded == 1
+            assert {family.name: family.samples[0].value for family in
+                    metrics.log_families(metrics.log_figures(new))
+                    }["swarm_gpu_ledger_log_snapshots_loaded"] == 1
             assert new.position is not None and a.position is not None
             assert new.position.snapshot_from == a.position.snapshot_from, \
                 "it loaded the newest snapshot"
@@ -115,6 +126,55 @@ async def test_a_new_empty_replica_catches_up_from_the_newest_snapshot_after_tru
     history, _ = trail(tmp_path / "new.sqlite")
     assert 0 < len(history) < BATCHES / 4
     assert event_kinds(tmp_path / "new.sqlite")[0] == "log_snapshot_loaded"
+
+
+class DropWhenSnapshotFound(logging.Handler):
+    """Breaks the catching-up replica's broker link (``proxy``) the moment it has found where
+    the newest snapshot starts, before it moves its consumer there."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        super().__init__()
+        self.proxy, self.dropped = proxy, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.dropped and "the newest snapshot starts at offset" in record.getMessage():
+            self.proxy.drop()
+            self.dropped += 1
+
+
+async def test_a_replica_catching_up_when_its_broker_connection_drops_still_catches_up(
+        amqp_vhost, tmp_path: Path) -> None:
+    url = amqp_vhost.url
+    replication_log = logging.getLogger("allocator.replication")
+    async with replica(url, tmp_path / "a.sqlite", **TINY) as a:
+        await a.claim()
+        for n in range(BATCHES):
+            await write(a, update(n))
+        await a.append(update(BATCHES))
+        assert await first_kept_offset(url) > 0, "RabbitMQ dropped the log's oldest segments"
+        proxy = Proxy(lambda: asyncio.open_connection(amqp_vhost.broker.host,
+                                                      amqp_vhost.broker.port))
+        port = await proxy.serve_tcp()
+        through_proxy = url.replace(f":{amqp_vhost.broker.port}/", f":{port}/", 1)
+        assert through_proxy != url
+        dropper = DropWhenSnapshotFound(proxy)
+        replication_log.addHandler(dropper)
+        level = replication_log.level
+        replication_log.setLevel(logging.INFO)
+        try:
+            async with replica(f"{through_proxy}?reconnect_interval=0.5",
+                               tmp_path / "new.sqlite", **TINY) as new:
+                await wait_until(caught_up(new, a), within=30)
+                assert dropper.dropped == 1, "the connection was dropped while catching up"
+                assert new.mismatch is None, new.mismatch
+                assert new.snapshots_loaded == 1
+                await write(a, update(BATCHES + 1))  # and it goes on following
+                await wait_until(caught_up(new, a), within=20)
+        finally:
+            replication_log.removeHandler(dropper)
+            replication_log.setLevel(level)
+            await proxy.close()
+    assert state(tmp_path / "new.sqlite") == state(tmp_path / "a.sqlite")
 
 
 async def test_a_replica_offline_while_the_log_was_truncated_catches_up_and_keeps_its_trail(

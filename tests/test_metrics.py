@@ -88,6 +88,8 @@ async def test_scrape_reports_gpus_leases_queue_and_counters(allocator, client, 
     assert samples['swarm_gpu_request_seconds_count{kind="release"}'] == 1
     assert samples['swarm_gpu_request_seconds_count{kind="invalid"}'] == 1
     assert samples['swarm_gpu_request_seconds_count{kind="heartbeat"}'] >= 2
+    # One ledger file, no replicated log: none of its families.
+    assert not any(name.startswith("swarm_gpu_ledger_log") for name in samples)
 
 
 def test_a_hostile_kind_becomes_other_instead_of_a_new_series() -> None:
@@ -182,3 +184,28 @@ async def test_the_allocator_serves_metrics_on_its_configured_port(amqp_vhost, l
         await service.stop()
         await service.stop()  # stopping twice is harmless
     assert service.metrics_server is None
+
+
+async def test_the_replicated_ledger_log_is_reported(amqp_vhost, ledger_path, nodes):
+    from faults import running_allocator
+
+    async with running_allocator(amqp_vhost.url, ledger_path.with_name("replicated.sqlite"),
+                                 ledger_log="stream") as service:
+        server = metrics.serve(service, port=0, addr="127.0.0.1")
+        try:
+            await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 1))  # a batch through the log
+
+            async def applied() -> bool:
+                samples = await asyncio.to_thread(scrape, server.port)
+                return samples.get("swarm_gpu_ledger_log_entries_applied_total", 0) >= 2
+            await wait_until(applied)
+            samples = await asyncio.to_thread(scrape, server.port)
+        finally:
+            server.close()
+        assert service.log is not None
+        assert samples["swarm_gpu_ledger_log_writer"] == 1
+        assert samples["swarm_gpu_ledger_log_caught_up"] == 1
+        assert samples["swarm_gpu_ledger_log_epoch"] == service.log.position.epoch == 1
+        assert samples["swarm_gpu_ledger_log_entries_fenced_total"] == 0
+        assert samples["swarm_gpu_ledger_log_snapshots_taken_total"] == 0
+        assert "swarm_gpu_ledger_log_last_snapshot_seconds" not in samples

@@ -47,13 +47,7 @@ from test_stack_e2e import (
 from allocator.client import AllocatorClient, AllocatorError
 
 pytestmark = [pytest.mark.docker, pytest.mark.hub, pytest.mark.slow,
-              pytest.mark.timeout(UP_TIMEOUT_S + 900),
-              pytest.mark.xfail(strict=False, reason=(
-                  "known, not fixed (docs/reliability.md, the stack's three-node broker): on a "
-                  "fresh state the allocator declares the ledger log's stream while only the "
-                  "seed node runs, so it has one replica, and RabbitMQ 3.10.8 then refuses "
-                  "`rabbitmq-streams add_replica` on the other two (stream coordinator "
-                  "timeout) for minutes; the fault tests need the stream on three nodes"))]
+              pytest.mark.timeout(UP_TIMEOUT_S + 900)]
 
 BROKERS = {"manager-1": ("rabbitmq", "rabbit@rabbitmq"),
            "gpu-1": ("rabbitmq-2", "rabbit-2@rabbitmq-2"),
