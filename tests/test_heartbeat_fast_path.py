@@ -14,9 +14,11 @@ same state, attribute for attribute; the ledgers on disk must hold the same rows
 
 from __future__ import annotations
 
+import functools
 import itertools
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -77,6 +79,11 @@ class FullPathEngine(Engine):
     def _liveness_only(self, base: Heartbeat, beat: Heartbeat, sender: Sender, now: float,
                        changes: Changes) -> bool:
         return False
+
+
+def lease_id(ids: Iterator[int]) -> str:
+    """The next lease id of one engine's own sequence (the two engines must agree)."""
+    return f"lease-{next(ids):04d}"
 
 
 def _comparable(value: Any) -> Any:
@@ -173,7 +180,7 @@ class FastPathMachine(RuleBasedStateMachine):
             ids = itertools.count(1)
             self.engines.append(kind(AllocatorSettings(ledger_path=path, **options),
                                      started_at=self.now,
-                                     new_lease_id=lambda ids=ids: f"lease-{next(ids):04d}"))
+                                     new_lease_id=functools.partial(lease_id, ids)))
             self.ledgers.append(ledger)
         self.agents = {host: Agent(host, models) for host, models in HOSTS.items()}
         self.agents[THIEF] = Agent(THIEF, [])
@@ -215,7 +222,7 @@ class FastPathMachine(RuleBasedStateMachine):
         for engine, ledger in zip(self.engines, self.ledgers, strict=True):
             changes = Changes()
             reply = engine.handle(message, sender, self.now, changes)
-            ledger.call(lambda changes=changes, ledger=ledger: ledger.commit(changes))
+            ledger.call(functools.partial(ledger.commit, changes))
             results.append((reply, changes, engine.take_commands()))
         (fast_reply, fast_changes, fast_commands), (full_reply, full_changes, full_commands) = \
             results
@@ -339,7 +346,7 @@ class FastPathMachine(RuleBasedStateMachine):
                                        lease_id=lease_id, action=ContainerAction.DIE,
                                        at=self.now), NODE)
 
-    @precondition(lambda self: set(self.containers) - set(self.twins))
+    @precondition(lambda self: bool(set(self.containers) - set(self.twins)))
     @rule(data=st.data())
     def twin_starts(self, data: st.DataObject) -> None:
         """A second container of a lease runs beside its first (a replaced task)."""
@@ -457,7 +464,7 @@ class FastPathMachine(RuleBasedStateMachine):
         for engine, ledger in zip(self.engines, self.ledgers, strict=True):
             changes = Changes()
             engine.tick(self.now, changes)
-            ledger.call(lambda changes=changes, ledger=ledger: ledger.commit(changes))
+            ledger.call(functools.partial(ledger.commit, changes))
         fast, full = (engine.take_commands() for engine in self.engines)
         assert fast == full
         self._obey(fast)
