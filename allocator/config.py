@@ -194,6 +194,14 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "deliveries to the active one only).",
     )
     batch_max: int = Field(default=64, ge=1, le=4096, description="Messages per ledger commit.")
+    heartbeat_linger_s: float = Field(
+        default=0.05, ge=0, le=10,
+        description="A batch of nothing but heartbeats (and timer ticks) waits up to this long "
+        "for more before it is applied and committed, so an idle cluster's heartbeats share "
+        "commits instead of paying one each; any other message (a request, a container event) "
+        "ends the wait at once. 0 applies every batch as soon as it is taken.",
+        examples=[0.05, 0],
+    )
     prefetch: int = Field(default=256, ge=1, le=65535)
     telemetry_persist_s: float = Field(
         default=30.0, ge=0, description="GPU telemetry is written to the ledger at most this often."

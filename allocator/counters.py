@@ -52,6 +52,9 @@ class Count(StrEnum):
     """A request that waited for the nodes' first reports after a start (the start fence)."""
     # the service
     RECEIVED = "received"
+    BATCHES = "batches"
+    """Batches of messages applied and committed (one transaction each; timer ticks alone
+    are not counted): messages received over batches is how many each commit carried."""
     REPLIES = "replies"
     REPLY_FAILURES = "reply_failures"
     PUSHES = "pushes"

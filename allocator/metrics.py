@@ -344,6 +344,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
          "given up", service, Count.EXPIRED_DROPPED),
         ("swarm_gpu_commit_failures", "Ledger commits that failed (nothing was granted)",
          service, Count.COMMIT_FAILURES),
+        ("swarm_gpu_batches", "Batches of messages applied and committed to the ledger, one "
+         "transaction each", service, Count.BATCHES),
         ("swarm_gpu_batch_failures", "Batches that hit an internal error",
          service, Count.BATCH_FAILURES),
         ("swarm_gpu_takeovers", "Times this allocator found the ledger written by another "

@@ -64,6 +64,7 @@ from allocator.tasks import cancel_and_wait
 from allocator.topology import (
     AGENTS_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
+    HEARTBEAT_ROUTING_PREFIX,
     NODES_EXCHANGE,
     RPC_EXCHANGE,
     RPC_ROUTING_KEY,
@@ -186,6 +187,18 @@ def _request_id(message: aio_pika.abc.AbstractIncomingMessage) -> RequestId:
     return (message.user_id or "", message.reply_to or "", message.correlation_id or "")
 
 
+def _may_linger(item: object) -> bool:
+    """Whether ``item`` may wait for company before it is applied: a tick or a heartbeat.
+
+    Told by the routing key, before decoding; a message that only claims to be a heartbeat
+    lingers at most ``heartbeat_linger_s`` and is then refused as usual.
+    """
+    if item is _TICK:
+        return True
+    routing_key = getattr(item, "routing_key", None)
+    return isinstance(routing_key, str) and routing_key.startswith(HEARTBEAT_ROUTING_PREFIX)
+
+
 def _channel_closed(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
     """Whether the channel a delivery came on has closed (aio-pika raises on a closed one)."""
     try:
@@ -211,6 +224,8 @@ class AllocatorService:
         self.metrics = metrics.AllocatorMetrics()
         """This service's registry and request histogram (served when metrics_port is set)."""
         self._inbox: asyncio.Queue[object] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        """Set when a message arrives that must not wait out a heartbeat batch's linger."""
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None
         self._agents: aio_pika.abc.AbstractExchange | None = None
@@ -233,9 +248,9 @@ class AllocatorService:
         self.failed = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
         self.waiters = Waiters()
+        """Reply addresses of queued requests, where their outcome is pushed."""
         self.decided = DecidedRequests()
         """Requests decided and committed lately: their redeliveries are not decided again."""
-        """Reply addresses of queued requests, where their outcome is pushed."""
 
     # ------------------------------------------------------------------ life
 
@@ -442,7 +457,9 @@ class AllocatorService:
 
     async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         self._last_delivery = time.monotonic()
-        await self._inbox.put(message)
+        self._inbox.put_nowait(message)
+        if not _may_linger(message) or self._inbox.qsize() >= self.settings.batch_max:
+            self._wake.set()
 
     async def is_standby(self) -> bool:
         """Whether another allocator is the active one, as far as this one can tell.
@@ -471,10 +488,7 @@ class AllocatorService:
 
     async def _apply_loop(self) -> None:
         while True:
-            first = await self._inbox.get()
-            batch = [first]
-            while len(batch) < self.settings.batch_max and not self._inbox.empty():
-                batch.append(self._inbox.get_nowait())
+            batch = await self._next_batch()
             try:
                 batch = self._without_stale(batch)
                 if not batch:
@@ -489,6 +503,32 @@ class AllocatorService:
                     await self._recover(batch)
                 except Exception:  # a dead applier would leave the queue unanswered for good
                     log.exception("could not answer a failed batch")
+
+    async def _next_batch(self) -> list[object]:
+        """The next batch: what the inbox holds, up to ``batch_max`` messages.
+
+        A batch of nothing but heartbeats (and ticks), taken while the inbox had nothing
+        more, first waits up to ``heartbeat_linger_s`` for more. Heartbeats answer nobody
+        and a few tens of milliseconds mean nothing to liveness, while a commit each (a
+        quiet cluster's batches are one message long) was most of what a heartbeat cost.
+        A request or a container event arriving meanwhile ends the wait at once, so neither
+        waits for it; neither does anything else once the inbox holds a full batch.
+        """
+        batch = [await self._inbox.get()]
+        self._take_waiting(batch)
+        linger = self.settings.heartbeat_linger_s
+        if (linger > 0 and len(batch) < self.settings.batch_max
+                and all(_may_linger(item) for item in batch)):
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(linger):
+                    await self._wake.wait()
+            self._take_waiting(batch)
+        return batch
+
+    def _take_waiting(self, batch: list[object]) -> None:
+        while len(batch) < self.settings.batch_max and not self._inbox.empty():
+            batch.append(self._inbox.get_nowait())
 
     def _without_stale(self, batch: list[object]) -> list[object]:
         """The batch without deliveries whose channel has closed since they arrived.
@@ -586,6 +626,8 @@ class AllocatorService:
                 await self._commit_failed(exc, pending)
                 return
             break
+        if pending:  # a batch of timer ticks alone is no batch of messages
+            self.stats.counters.add(Count.BATCHES)
         decided_at = time.monotonic()
         self.decided.forget_expired(decided_at)
         for entry in pending:

@@ -60,9 +60,13 @@ DELIVERY_LIMIT = 5
 """A message redelivered this often (it crashed the allocator each time) is dead-lettered."""
 
 
+HEARTBEAT_ROUTING_PREFIX = "heartbeat."
+"""What every heartbeat's routing key starts with (full reports and deltas alike)."""
+
+
 def heartbeat_routing_key(host: str) -> str:
     """Routing key of a node's heartbeats."""
-    return f"heartbeat.{host}"
+    return f"{HEARTBEAT_ROUTING_PREFIX}{host}"
 
 
 def event_routing_key(host: str) -> str:

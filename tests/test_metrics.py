@@ -81,6 +81,8 @@ async def test_scrape_reports_gpus_leases_queue_and_counters(allocator, client, 
     assert samples['swarm_gpu_node_up{host="gpu-a"}'] == 1
     assert samples["swarm_gpu_heartbeats_total"] >= 2
     assert samples["swarm_gpu_dead_lettered_total"] == 1
+    # Every message was taken in some batch; each batch is one commit.
+    assert 1 <= samples["swarm_gpu_batches_total"] <= samples["swarm_gpu_messages_received_total"]
     assert samples['swarm_gpu_invalid_messages_total{code="bad_request"}'] == 1
     # What the service itself recorded: its registry is its own, so the counts are exact.
     assert samples['swarm_gpu_request_seconds_count{kind="allocate"}'] == 3
