@@ -202,7 +202,13 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "ends the wait at once. 0 applies every batch as soon as it is taken.",
         examples=[0.05, 0],
     )
-    prefetch: int = Field(default=256, ge=1, le=65535)
+    prefetch: int = Field(
+        default=2048, ge=1, le=65535,
+        description="Deliveries the broker may hand the allocator before it acknowledges "
+        "them. Requests are taken ahead of the node messages held here, so this is how far a "
+        "request can pass a backlog of heartbeats (after a restart, or under load); each "
+        "held delivery costs a few KiB of memory.",
+    )
     telemetry_persist_s: float = Field(
         default=30.0, ge=0, description="GPU telemetry is written to the ledger at most this often."
     )

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import aio_pika
 import aio_pika.abc
+import aiormq.abc
 import aiormq.exceptions
 from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 from pydantic import BaseModel
@@ -39,6 +40,7 @@ from allocator.config import AllocatorSettings, ConfigurationError, guarantee_pr
 from allocator.counters import Count, Family, ServiceStats
 from allocator.decided import DecidedRequests, RequestId
 from allocator.engine import Engine, Sender
+from allocator.inbox import Inbox, acknowledgements
 from allocator.ledger import Changes, Ledger, LedgerChanged, LedgerError
 from allocator.protocol import (
     AllocateRequest,
@@ -199,6 +201,18 @@ def _may_linger(item: object) -> bool:
     return isinstance(routing_key, str) and routing_key.startswith(HEARTBEAT_ROUTING_PREFIX)
 
 
+def _delivery(message: aio_pika.abc.AbstractIncomingMessage
+              ) -> tuple[aiormq.abc.AbstractChannel, int] | None:
+    """The channel and delivery tag that settle ``message``; None once its channel has
+    closed (the broker has given the delivery back to the queue)."""
+    if message.delivery_tag is None:
+        return None
+    try:
+        return message.channel, message.delivery_tag
+    except ChannelInvalidStateError:
+        return None
+
+
 def _channel_closed(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
     """Whether the channel a delivery came on has closed (aio-pika raises on a closed one)."""
     try:
@@ -223,7 +237,10 @@ class AllocatorService:
         self.stats = ServiceStats()
         self.metrics = metrics.AllocatorMetrics()
         """This service's registry and request histogram (served when metrics_port is set)."""
-        self._inbox: asyncio.Queue[object] = asyncio.Queue()
+        self._inbox: Inbox[object] = Inbox()
+        """Deliveries (and timer ticks) not applied yet: requests ahead of node messages."""
+        self._arrived = asyncio.Event()
+        """Set when something is put into the empty inbox."""
         self._wake = asyncio.Event()
         """Set when a message arrives that must not wait out a heartbeat batch's linger."""
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
@@ -457,8 +474,9 @@ class AllocatorService:
 
     async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         self._last_delivery = time.monotonic()
-        self._inbox.put_nowait(message)
-        if not _may_linger(message) or self._inbox.qsize() >= self.settings.batch_max:
+        self._inbox.put(message, request=message.exchange != NODES_EXCHANGE)
+        self._arrived.set()
+        if not _may_linger(message) or len(self._inbox) >= self.settings.batch_max:
             self._wake.set()
 
     async def is_standby(self) -> bool:
@@ -484,7 +502,8 @@ class AllocatorService:
         while True:
             await asyncio.sleep(self.settings.tick_s)
             if not await self.is_standby():
-                await self._inbox.put(_TICK)
+                self._inbox.put(_TICK, request=False)
+                self._arrived.set()
 
     async def _apply_loop(self) -> None:
         while True:
@@ -514,21 +533,20 @@ class AllocatorService:
         A request or a container event arriving meanwhile ends the wait at once, so neither
         waits for it; neither does anything else once the inbox holds a full batch.
         """
-        batch = [await self._inbox.get()]
-        self._take_waiting(batch)
+        while not self._inbox:
+            self._arrived.clear()
+            await self._arrived.wait()
+        batch_max = self.settings.batch_max
+        batch = self._inbox.take(batch_max)
         linger = self.settings.heartbeat_linger_s
-        if (linger > 0 and len(batch) < self.settings.batch_max
+        if (linger > 0 and len(batch) < batch_max and not self._inbox
                 and all(_may_linger(item) for item in batch)):
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(linger):
                     await self._wake.wait()
-            self._take_waiting(batch)
+            batch += self._inbox.take(batch_max - len(batch))
         return batch
-
-    def _take_waiting(self, batch: list[object]) -> None:
-        while len(batch) < self.settings.batch_max and not self._inbox.empty():
-            batch.append(self._inbox.get_nowait())
 
     def _without_stale(self, batch: list[object]) -> list[object]:
         """The batch without deliveries whose channel has closed since they arrived.
@@ -886,21 +904,22 @@ class AllocatorService:
                 sent = await self._publish_reply(entry.reply, entry.message.reply_to or "",
                                                  entry.message.correlation_id)
                 self.stats.counters.add(Count.REPLIES if sent else Count.REPLY_FAILURES)
-        if pending and not any(entry.dead_letter for entry in pending):
-            # One acknowledgement for the whole batch. The batch holds every delivery not yet
-            # settled, in delivery order (the inbox is FIFO and batches are applied one after
-            # the other), so acking the last with multiple=True settles exactly the batch.
-            # A frame (and a socket write) per message was the costliest part of a heartbeat.
-            await self._settle(pending[-1].message.ack(multiple=True))
-            return
         for entry in pending:
             if entry.dead_letter:
                 # Rejected without requeue: the queue's dead-letter exchange keeps it for a
                 # person to look at.
                 self.stats.counters.add(Count.DEAD_LETTERED)
                 await self._settle(entry.message.reject(requeue=False))
-            else:
-                await self._settle(entry.message.ack())
+        # As few acknowledgements as settle exactly the rest: mostly one multiple=True per
+        # batch (a frame, and a socket write, per message was the costliest part of a
+        # heartbeat), plus one each for requests taken ahead of node messages still waiting.
+        by_delivery = {key: entry.message for entry in pending if not entry.dead_letter
+                       if (key := _delivery(entry.message)) is not None}
+        waiting = (key for item in self._inbox
+                   if isinstance(item, aio_pika.abc.AbstractIncomingMessage)
+                   if (key := _delivery(item)) is not None)
+        for ack in acknowledgements(by_delivery, waiting):
+            await self._settle(by_delivery[(ack.channel, ack.tag)].ack(multiple=ack.multiple))
 
     async def _settle(self, settlement: Awaitable[object]) -> None:
         """An ack, nack or reject, bounded in time and never raising: on a channel that a
