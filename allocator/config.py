@@ -193,7 +193,10 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "writes, counts as a standby and runs no timers (single-active-consumer gives "
         "deliveries to the active one only).",
     )
-    batch_max: int = Field(default=64, ge=1, le=4096, description="Messages per ledger commit.")
+    batch_max: int = Field(
+        default=64, ge=1, le=4096,
+        description="Messages per ledger commit, of each kind: up to this many requests and "
+        "this many node messages (heartbeats, container events).")
     heartbeat_linger_s: float = Field(
         default=0.05, ge=0, le=10,
         description="A batch of nothing but heartbeats (and timer ticks) waits up to this long "

@@ -6,8 +6,10 @@ leaves seconds of them in the queue; 5,000 hosts send 1,000 a second). That reor
 anybody could rely on: the broker keeps no order between two publishers, and each lane keeps
 its own arrival order, so one hub's requests stay in the order it sent them and so do one
 agent's events and heartbeats (an event applied before the heartbeat sent ahead of it would
-make a container look alive after its death). Node messages keep at least half of every
-batch, so no stream of requests can starve liveness.
+make a container look alive after its death). A batch takes up to ``batch_max`` of each
+lane, so no stream of requests can starve liveness: node messages move as fast as they did
+when a batch was ``batch_max`` messages of both kinds, in arrival order (faster, since
+requests no longer take their places).
 
 A batch is then no longer every unsettled delivery up to its last one, and one
 ``ack(multiple=True)`` on its last message could settle node messages still waiting here.
@@ -29,36 +31,57 @@ T = TypeVar("T")
 C = TypeVar("C", bound=Hashable)
 
 
-class Inbox(Generic[T]):
-    """Items in two first-in-first-out lanes, requests and node messages."""
+class Inbox(Generic[T, C]):
+    """Items in two first-in-first-out lanes, requests and node messages; each item with
+    the (channel, delivery tag) that settles it, or None (a timer tick)."""
 
     def __init__(self) -> None:
         self._order = itertools.count()
-        self._requests: deque[tuple[int, T]] = deque()
-        self._nodes: deque[tuple[int, T]] = deque()
+        self._requests: deque[tuple[int, T, tuple[C, int] | None]] = deque()
+        self._nodes: deque[tuple[int, T, tuple[C, int] | None]] = deque()
 
-    def put(self, item: T, *, request: bool) -> None:
+    def put(self, item: T, *, request: bool, delivery: tuple[C, int] | None = None) -> None:
         """Add ``item`` at the end of its lane."""
-        (self._requests if request else self._nodes).append((next(self._order), item))
+        (self._requests if request else self._nodes).append((next(self._order), item, delivery))
 
     def __len__(self) -> int:
         return len(self._requests) + len(self._nodes)
 
     def __iter__(self) -> Iterator[T]:
         """Every item waiting, requests first (each lane in arrival order)."""
-        for _, item in itertools.chain(self._requests, self._nodes):
+        for _, item, _ in itertools.chain(self._requests, self._nodes):
             yield item
 
     def take(self, most: int) -> list[T]:
-        """Up to ``most`` items, in the order they arrived: requests first, except that node
-        messages keep at least half of the places when they have that many waiting."""
-        nodes = min(len(self._nodes), max(most // 2, most - len(self._requests)))
-        requests = min(len(self._requests), most - nodes)
-        nodes = min(len(self._nodes), most - requests)
-        taken = [self._requests.popleft() for _ in range(requests)]
-        taken += [self._nodes.popleft() for _ in range(nodes)]
+        """The oldest ``most`` items of each lane (at most), in the order they arrived."""
+        taken = [self._requests.popleft() for _ in range(min(most, len(self._requests)))]
+        taken += [self._nodes.popleft() for _ in range(min(most, len(self._nodes)))]
         taken.sort(key=lambda entry: entry[0])
-        return [item for _, item in taken]
+        return [item for _, item, _ in taken]
+
+    def oldest_deliveries(self) -> list[tuple[C, int]]:
+        """The oldest waiting delivery of each lane (what :func:`acknowledgements` needs:
+        a lane keeps arrival order, so nothing older waits behind it), on the channel of
+        the deliveries since the last :meth:`keep_channel`."""
+        oldest = []
+        for lane in (self._requests, self._nodes):
+            for _, _, delivery in lane:  # past the timer ticks at its head, if any
+                if delivery is not None:
+                    oldest.append(delivery)
+                    break
+        return oldest
+
+    def keep_channel(self, channel: C) -> list[T]:
+        """Remove and return the items delivered on any other channel (a channel closed by
+        a reconnect: the broker has given its unsettled deliveries back to the queue)."""
+        dropped: list[T] = []
+        for lane in (self._requests, self._nodes):
+            kept = [entry for entry in lane if entry[2] is None or entry[2][0] == channel]
+            dropped += [entry[1] for entry in lane
+                        if entry[2] is not None and entry[2][0] != channel]
+            lane.clear()
+            lane.extend(kept)
+        return dropped
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,7 @@ class AllocatorService:
         self.stats = ServiceStats()
         self.metrics = metrics.AllocatorMetrics()
         """This service's registry and request histogram (served when metrics_port is set)."""
-        self._inbox: Inbox[object] = Inbox()
+        self._inbox: Inbox[object, aiormq.abc.AbstractChannel] = Inbox()
         """Deliveries (and timer ticks) not applied yet: requests ahead of node messages."""
         self._arrived = asyncio.Event()
         """Set when something is put into the empty inbox."""
@@ -255,6 +255,8 @@ class AllocatorService:
         self._queue: aio_pika.abc.AbstractQueue | None = None
         self._data_version: int | None = None
         self._last_delivery: float | None = None
+        self._delivery_channel: aiormq.abc.AbstractChannel | None = None
+        """The channel of the newest delivery (a reconnect brings a new one)."""
         self.metrics_server: metrics.MetricsServer | None = None
         self._stopped = False
         self.started = asyncio.Event()
@@ -474,7 +476,14 @@ class AllocatorService:
 
     async def _on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         self._last_delivery = time.monotonic()
-        self._inbox.put(message, request=message.exchange != NODES_EXCHANGE)
+        delivery = _delivery(message)
+        if delivery is not None and delivery[0] is not self._delivery_channel:
+            if self._delivery_channel is not None:
+                # A new channel: what the old one delivered and nobody applied yet can no
+                # longer be settled, and the broker has given it back to the queue.
+                self._drop_stale(len(self._inbox.keep_channel(delivery[0])))
+            self._delivery_channel = delivery[0]
+        self._inbox.put(message, request=message.exchange != NODES_EXCHANGE, delivery=delivery)
         self._arrived.set()
         if not _may_linger(message) or len(self._inbox) >= self.settings.batch_max:
             self._wake.set()
@@ -558,12 +567,14 @@ class AllocatorService:
         """
         fresh = [item for item in batch if not (
             isinstance(item, aio_pika.abc.AbstractIncomingMessage) and _channel_closed(item))]
-        if len(fresh) < len(batch):
-            self.stats.counters.add(Count.STALE_DELIVERIES, len(batch) - len(fresh))
-            log.warning("dropped %d message(s) whose channel closed before they were applied "
-                        "(the broker gives them to the active allocator)",
-                        len(batch) - len(fresh))
+        self._drop_stale(len(batch) - len(fresh))
         return fresh
+
+    def _drop_stale(self, count: int) -> None:
+        if count:
+            self.stats.counters.add(Count.STALE_DELIVERIES, count)
+            log.warning("dropped %d message(s) whose channel closed before they were applied "
+                        "(the broker gives them to the active allocator)", count)
 
     async def _watch_log(self, replicated: ReplicatedLog) -> None:
         """Stop serving for good when the log turns out not to be this ledger's history."""
@@ -915,10 +926,7 @@ class AllocatorService:
         # heartbeat), plus one each for requests taken ahead of node messages still waiting.
         by_delivery = {key: entry.message for entry in pending if not entry.dead_letter
                        if (key := _delivery(entry.message)) is not None}
-        waiting = (key for item in self._inbox
-                   if isinstance(item, aio_pika.abc.AbstractIncomingMessage)
-                   if (key := _delivery(item)) is not None)
-        for ack in acknowledgements(by_delivery, waiting):
+        for ack in acknowledgements(by_delivery, self._inbox.oldest_deliveries()):
             await self._settle(by_delivery[(ack.channel, ack.tag)].ack(multiple=ack.multiple))
 
     async def _settle(self, settlement: Awaitable[object]) -> None:

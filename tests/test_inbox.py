@@ -9,43 +9,43 @@ from allocator.inbox import Acknowledgement, Inbox, acknowledgements
 
 
 def test_requests_go_ahead_and_a_batch_keeps_arrival_order() -> None:
-    inbox: Inbox[str] = Inbox()
+    inbox: Inbox[str, str] = Inbox()
     for name in ("h1", "h2", "h3", "h4"):
         inbox.put(name, request=False)
     inbox.put("r1", request=True)
     inbox.put("h5", request=False)
     inbox.put("r2", request=True)
-    # Four places: both requests, and the two oldest node messages (their half).
-    assert inbox.take(4) == ["h1", "h2", "r1", "r2"]
+    # Up to two of each lane: both requests, and the two oldest node messages.
+    assert inbox.take(2) == ["h1", "h2", "r1", "r2"]
     assert list(inbox) == ["h3", "h4", "h5"]
 
 
-def test_node_messages_keep_half_of_a_batch_against_a_stream_of_requests() -> None:
-    inbox: Inbox[str] = Inbox()
+def test_node_messages_keep_their_places_against_a_stream_of_requests() -> None:
+    inbox: Inbox[str, str] = Inbox()
     for i in range(10):
         inbox.put(f"h{i}", request=False)
     for i in range(100):
         inbox.put(f"r{i}", request=True)
-    batch = inbox.take(8)
+    batch = inbox.take(4)
     assert [item for item in batch if item.startswith("h")] == ["h0", "h1", "h2", "h3"]
     assert [item for item in batch if item.startswith("r")] == ["r0", "r1", "r2", "r3"]
 
 
-def test_one_lane_alone_fills_the_batch() -> None:
-    inbox: Inbox[str] = Inbox()
+def test_each_lane_gives_up_to_most() -> None:
+    inbox: Inbox[str, str] = Inbox()
     for i in range(5):
         inbox.put(f"h{i}", request=False)
     assert inbox.take(3) == ["h0", "h1", "h2"]
     for i in range(5):
         inbox.put(f"r{i}", request=True)
-    assert inbox.take(10) == ["h3", "h4", "r0", "r1", "r2", "r3", "r4"]
+    assert inbox.take(5) == ["h3", "h4", "r0", "r1", "r2", "r3", "r4"]
     assert not inbox
 
 
 @settings(max_examples=300, deadline=None)
 @given(lanes=st.lists(st.booleans(), max_size=60), sizes=st.lists(st.integers(1, 9), min_size=1))
 def test_take_respects_the_lanes(lanes: list[bool], sizes: list[int]) -> None:
-    inbox: Inbox[int] = Inbox()
+    inbox: Inbox[int, str] = Inbox()
     for number, request in enumerate(lanes):
         inbox.put(number, request=request)
     taken: list[int] = []
@@ -53,10 +53,11 @@ def test_take_respects_the_lanes(lanes: list[bool], sizes: list[int]) -> None:
         if not inbox:
             break
         waiting_nodes = sum(1 for n in inbox if not lanes[n])
+        waiting_requests = len(inbox) - waiting_nodes
         batch = inbox.take(most)
-        assert len(batch) == min(most, len(batch) + len(inbox)), "it took as much as it could"
         assert batch == sorted(batch), "a batch is applied in arrival order"
-        assert sum(1 for n in batch if not lanes[n]) >= min(waiting_nodes, most // 2)
+        assert sum(1 for n in batch if not lanes[n]) == min(waiting_nodes, most)
+        assert sum(1 for n in batch if lanes[n]) == min(waiting_requests, most)
         taken += batch
     assert not inbox
     # Each lane came out in its own arrival order, and nothing was lost or taken twice.
@@ -90,9 +91,9 @@ def test_acknowledgements_settle_exactly_what_was_applied(lanes: list[bool], siz
                                                           ) -> None:
     """The broker's view: deliveries 1..n; a multiple ack settles every unsettled one up to
     its tag. After each batch, what is settled must be exactly what has been applied."""
-    inbox: Inbox[int] = Inbox()
+    inbox: Inbox[int, str] = Inbox()
     for tag, request in enumerate(lanes, start=1):
-        inbox.put(tag, request=request)
+        inbox.put(tag, request=request, delivery=("c", tag))
     unsettled = set(range(1, len(lanes) + 1))
     applied: set[int] = set()
     for most in sizes * (len(lanes) + 1):
@@ -100,8 +101,7 @@ def test_acknowledgements_settle_exactly_what_was_applied(lanes: list[bool], siz
             break
         batch = inbox.take(most)
         applied.update(batch)
-        for ack in acknowledgements([("c", tag) for tag in batch],
-                                    [("c", tag) for tag in inbox]):
+        for ack in acknowledgements([("c", tag) for tag in batch], inbox.oldest_deliveries()):
             assert ack.tag in unsettled, "an acknowledgement of a settled delivery"
             if ack.multiple:
                 unsettled -= {tag for tag in unsettled if tag <= ack.tag}
@@ -109,3 +109,23 @@ def test_acknowledgements_settle_exactly_what_was_applied(lanes: list[bool], siz
                 unsettled.discard(ack.tag)
         assert unsettled == set(range(1, len(lanes) + 1)) - applied
     assert not unsettled
+
+
+def test_the_oldest_deliveries_are_each_lanes_first_past_its_ticks() -> None:
+    inbox: Inbox[str, str] = Inbox()
+    inbox.put("tick", request=False)
+    inbox.put("h1", request=False, delivery=("c", 1))
+    inbox.put("r2", request=True, delivery=("c", 2))
+    inbox.put("h3", request=False, delivery=("c", 3))
+    assert inbox.oldest_deliveries() == [("c", 2), ("c", 1)]
+
+
+def test_a_new_channel_drops_what_the_closed_one_delivered() -> None:
+    inbox: Inbox[str, str] = Inbox()
+    inbox.put("old h1", request=False, delivery=("old", 1))
+    inbox.put("tick", request=False)
+    inbox.put("old r2", request=True, delivery=("old", 2))
+    inbox.put("new h1", request=False, delivery=("new", 1))
+    assert inbox.keep_channel("new") == ["old r2", "old h1"]
+    assert list(inbox) == ["tick", "new h1"]
+    assert inbox.oldest_deliveries() == [("new", 1)]
