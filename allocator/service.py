@@ -533,7 +533,8 @@ class AllocatorService:
                     log.exception("could not answer a failed batch")
 
     async def _next_batch(self) -> list[object]:
-        """The next batch: what the inbox holds, up to ``batch_max`` messages.
+        """The next batch: what the inbox holds, up to ``batch_max`` messages of each lane
+        (requests, node messages), in arrival order.
 
         A batch of nothing but heartbeats (and ticks), taken while the inbox had nothing
         more, first waits up to ``heartbeat_linger_s`` for more. Heartbeats answer nobody
