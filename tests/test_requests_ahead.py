@@ -39,7 +39,8 @@ async def test_a_request_passes_a_backlog_of_heartbeats_left_by_a_restart(amqp_v
         asked = asyncio.create_task(client.inventory())
         await asyncio.sleep(0.2)
         async with started(_allocator(amqp_vhost.url, ledger_path)):
-            inventory = await asyncio.wait_for(asked, 60)
+            async with asyncio.timeout(60):
+                inventory = await asked
             # Answered in arrival order it would have seen every host (they came first).
             assert len(inventory.nodes) < BACKLOG, "the request waited for the whole backlog"
 
