@@ -597,12 +597,49 @@ class AllocatorService:
         # ledger caught up with the log is not.
         await self._reload(fenced=genesis)
 
+    async def _proof_of_activity(self, batch: list[object]) -> list[object]:
+        """What of ``batch`` shows that single-active-consumer made this allocator the active
+        one, which a claim of the log needs: its deliveries on a channel the broker still
+        holds. The batch without its stale deliveries, or empty when nothing shows it; then
+        nothing may claim.
+
+        Timer ticks alone show nothing: one queued just before this allocator learnt that
+        another one claimed the log would depose the active one. A delivery shows it only
+        while its channel is open at the broker, which one round trip on it settles: after
+        a pause (a stopped process, a stalled machine) past the connection's heartbeat
+        timeout, the broker has closed the connection and given its deliveries to the other
+        allocator, while this process may not have read that yet. Deliveries whose channel
+        does not answer go back to the queue (nothing to do if it is closed).
+        """
+        messages = [item for item in batch
+                    if isinstance(item, aio_pika.abc.AbstractIncomingMessage)]
+        deliveries = [(message, _delivery(message)) for message in messages]
+        live: set[aiormq.abc.AbstractChannel] = set()
+        for channel in {delivery[0] for _, delivery in deliveries if delivery is not None}:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.settings.request_timeout_s):
+                    # Re-sets the prefetch it already has: a round trip with no effect (it
+                    # applies to consumers started after it, and none will be).
+                    await channel.basic_qos(prefetch_count=self.settings.prefetch)
+                live.add(channel)
+        stale = {id(message): message for message, delivery in deliveries
+                 if delivery is None or delivery[0] not in live}
+        if stale:
+            self._drop_stale(len(stale))
+            await self._requeue(list(stale.values()))
+        if len(stale) == len(messages):
+            return []
+        return [item for item in batch if id(item) not in stale]
+
     async def _apply_batch(self, batch: list[object]) -> None:
         began = time.monotonic()
         poisoned: dict[int, _Pending | None] = {}
         takeovers = 0
         replicated = self.log
         if replicated is not None and not replicated.is_writer:
+            batch = await self._proof_of_activity(batch)
+            if not batch:
+                return
             try:
                 await self._become_writer(replicated)
             except (LogFenced, LogMismatch, LogUnavailable) as exc:
