@@ -53,6 +53,15 @@ hostile ``kind`` cannot grow the number of time series."""
 
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
+BATCH_PHASES = ("decide", "commit", "answer")
+"""The parts of applying one batch, in order: ``decide`` (decode and decide in memory),
+``commit`` (the ledger transaction, or the append to the replicated log and its return,
+with the hand-over to the ledger's thread), ``answer`` (after the commit: stop commands,
+replies, acknowledgements and pushed grants)."""
+
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0)
+
 GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict")
 """Each present GPU is in exactly one: conflict (a running container's grant contradicts the
 ledger on it) first, then held (any claim), unhealthy, drained (the GPU or its node), down
@@ -111,6 +120,15 @@ class AllocatorMetrics:
             buckets=REQUEST_BUCKETS,
             registry=self.registry,
         )
+        self.batch_phase_seconds = Histogram(
+            "swarm_gpu_batch_phase_seconds",
+            "Seconds each batch of messages spent in each part of being applied: decide "
+            "(decode and decide in memory), commit (the ledger transaction or the log append), "
+            "answer (replies, acknowledgements, pushed grants)",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
         self._collector: AllocatorCollector | None = None
         self._lock = threading.Lock()
 
@@ -118,6 +136,11 @@ class AllocatorMetrics:
         """Record the latency of one request of ``kind`` (``allocate``, ``heartbeat``...)."""
         label = kind if kind in REQUEST_KINDS else "other"
         self.request_seconds.labels(label).observe(seconds)
+
+    def observe_batch(self, decide_s: float, commit_s: float, answer_s: float) -> None:
+        """Record how long one batch spent in each of :data:`BATCH_PHASES`."""
+        for phase, seconds in zip(BATCH_PHASES, (decide_s, commit_s, answer_s), strict=True):
+            self.batch_phase_seconds.labels(phase).observe(seconds)
 
     def install(self, service: Observed,
                 loop: asyncio.AbstractEventLoop | None = None) -> AllocatorCollector:

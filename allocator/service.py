@@ -647,7 +647,9 @@ class AllocatorService:
                             "the queue", exc)
                 await self._requeue(batch)
                 return
+        deciding = committing = 0.0
         while True:
+            phase_began = time.monotonic()
             try:
                 changes, pending = self._apply_in_memory(batch, poisoned)
             except _Poisoned as bad:
@@ -658,6 +660,7 @@ class AllocatorService:
                 self.stats.counters.add(Count.POISONED)
                 poisoned[bad.index] = self._refused(batch[bad.index])
                 await self._reload()
+                deciding += time.monotonic() - phase_began
                 continue
             # One trip to the ledger thread per batch: the commit itself checks that no other
             # allocator wrote since our last look. If one did, we are a standby that has just
@@ -665,6 +668,8 @@ class AllocatorService:
             def commit(batch_changes: Changes = changes) -> None:
                 self.ledger.commit(batch_changes, expect_version=self._data_version)
 
+            decided_at = time.monotonic()
+            deciding += decided_at - phase_began
             try:
                 if replicated is not None:
                     if changes:
@@ -682,6 +687,7 @@ class AllocatorService:
                 await self._requeue(batch)
                 return
             except LedgerChanged:
+                committing += time.monotonic() - decided_at
                 takeovers += 1
                 if takeovers > 3:
                     raise LedgerError("the ledger keeps changing under this allocator") from None
@@ -693,21 +699,25 @@ class AllocatorService:
                 await self._commit_failed(exc, pending)
                 return
             break
+        committed_at = time.monotonic()
+        committing += committed_at - decided_at
         if pending:  # a batch of timer ticks alone is no batch of messages
             self.stats.counters.add(Count.BATCHES)
-        decided_at = time.monotonic()
-        self.decided.forget_expired(decided_at)
+        self.decided.forget_expired(committed_at)
         for entry in pending:
             if entry.message.reply_to and entry.message.correlation_id:
-                self.decided.add(_request_id(entry.message), decided_at)
+                self.decided.add(_request_id(entry.message), committed_at)
         await self._send_commands(self.engine.take_commands())
         await self._resolve_lookups(pending)
         self._remember_waiters(pending)
         await self._reply_and_ack(pending)
         await self._push_outcomes(changes.leases)
-        elapsed = time.monotonic() - began
+        answered_at = time.monotonic()
+        elapsed = answered_at - began
         for entry in pending:
             self.metrics.observe_request(entry.kind, elapsed)
+        if pending:
+            self.metrics.observe_batch(deciding, committing, answered_at - committed_at)
         if replicated is not None and replicated.snapshot_due():
             await self._snapshot(replicated)
 

@@ -22,6 +22,11 @@ It also times one ``fsync`` of a 4 KiB write on the ledger's own disk (the folde
 file is in), ``--fsyncs`` times, in the same run: a grant is on disk before its reply, so
 one client can at best see the echo floor plus one fsync (``fsync_p50_ms``), and the ratio
 ``p50_1_client_vs_floor_plus_fsync`` says how far the allocator is from that limit.
+
+Where the allocator's share of one client's call goes: the allocator's own metrics
+(``swarm_gpu_batch_phase_seconds``, scraped before and after the one-client case; every call
+is a batch of its own there) give the mean of each part of applying a batch: decide, commit
+(with the hand-over to the ledger's thread), answer (reply and acknowledgement written).
 """
 
 from __future__ import annotations
@@ -32,15 +37,19 @@ import contextlib
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aio_pika
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -104,6 +113,42 @@ async def echo_server(amqp_url: str) -> None:
 
 
 # ----------------------------------------------------------------------------- clients
+
+
+def batch_phases(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """phase -> (seconds summed, batches) from the allocator's metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                timeout=10) as response:
+        text = response.read().decode()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "swarm_gpu_batch_phase_seconds":
+            continue
+        for sample in family.samples:
+            phase = sample.labels.get("phase", "")
+            if sample.name.endswith("_sum"):
+                sums[phase] = sample.value
+            elif sample.name.endswith("_count"):
+                counts[phase] = sample.value
+    return {phase: (sums[phase], counts.get(phase, 0.0)) for phase in sums}
+
+
+def phase_means_ms(before: dict[str, tuple[float, float]],
+                   after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """The mean milliseconds per batch of each phase between two scrapes."""
+    means = {}
+    for phase, (total, count) in after.items():
+        total_before, count_before = before.get(phase, (0.0, 0.0))
+        if count > count_before:
+            means[phase] = round((total - total_before) / (count - count_before) * 1000, 3)
+    return means
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -225,6 +270,7 @@ def broker_vhost(cluster: bool) -> Iterator[str]:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, object]:
+    metrics_port = free_port()
     with broker_vhost(args.broker_cluster) as url, tempfile.TemporaryDirectory() as tmp:
         allocator_env = {
             "SWARM_GPU_AMQP_URL": url,
@@ -234,6 +280,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
             "SWARM_GPU_STOP_GRACE_S": "86400",
             "SWARM_GPU_LEDGER_SYNCHRONOUS": args.ledger_synchronous,
             "SWARM_GPU_LEDGER_LOG": args.ledger_log,
+            "SWARM_GPU_METRICS_PORT": str(metrics_port),
         }
         allocator_log, echo_log = Path(tmp) / "allocator.log", Path(tmp) / "echo.log"
         allocator = start_process([sys.executable, "-m", "allocator.cli", "serve"],
@@ -249,7 +296,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
             await wait_for_allocator(url)
             await feed_inventory(url, args.hosts, args.gpus_per_host)
             await wait_for_inventory(url, args.hosts * args.gpus_per_host)
-            results: dict[str, dict[str, float]] = {}
+            results: dict[str, dict[str, Any]] = {}
             fsyncs = await asyncio.to_thread(fsync_times, Path(tmp), args.fsyncs)
             results["fsync"] = {
                 "count": len(fsyncs), "disk_of": "the ledger's folder",
@@ -257,9 +304,14 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                 "p99_ms": round(percentile(fsyncs, 0.99) * 1000, 3),
             }
             for name, exchange in (("floor", ECHO_EXCHANGE), ("allocator", "swarm-gpu.rpc")):
+                before = await asyncio.to_thread(batch_phases, metrics_port)
                 results[f"{name}_1_client"] = await run_case(
                     url, exchange=exchange, clients=1, calls=args.calls // 2,
                     prefix=f"{name}1")
+                if name == "allocator":
+                    after = await asyncio.to_thread(batch_phases, metrics_port)
+                    results[f"{name}_1_client"]["batch_phases_mean_ms"] = phase_means_ms(
+                        before, after)
                 results[f"{name}_{args.clients}_clients"] = await run_case(
                     url, exchange=exchange, clients=args.clients, calls=args.calls,
                     prefix=f"{name}{args.clients}")

@@ -93,6 +93,17 @@ async def test_scrape_reports_gpus_leases_queue_and_counters(allocator, client, 
     # One ledger file, no replicated log: none of its families.
     assert not any(name.startswith("swarm_gpu_ledger_log") for name in samples)
 
+    # Each batch's parts, once per batch (polled: the scrape runs beside the applier, and the
+    # last batch may still be answering); the commit of each took time.
+    async def every_batch_in_each_phase() -> dict[str, float] | None:
+        now = await asyncio.to_thread(scrape, served.port)
+        counts = {now[f'swarm_gpu_batch_phase_seconds_count{{phase="{phase}"}}']
+                  for phase in metrics.BATCH_PHASES}
+        return now if counts == {now["swarm_gpu_batches_total"]} else None
+    samples = await wait_until(every_batch_in_each_phase)
+    assert samples['swarm_gpu_batch_phase_seconds_sum{phase="commit"}'] > 0
+    assert samples['swarm_gpu_batch_phase_seconds_sum{phase="decide"}'] > 0
+
 
 def test_a_hostile_kind_becomes_other_instead_of_a_new_series() -> None:
     recorder = metrics.AllocatorMetrics()
