@@ -214,10 +214,26 @@ class LedgerMachine(RuleBasedStateMachine):
         if beat:
             for host in HOSTS:
                 self._beat(host)
+        releasing = {lease_id for lease_id, record in self.engine.leases.items()
+                     if record.state is LeaseState.RELEASING}
         changes = Changes()
         self.engine.tick(self.now, changes)
         self.ledger.call(lambda: self.ledger.commit(changes))
         self._obey_stops()
+        self._no_timer_overdue(releasing)
+
+    def _no_timer_overdue(self, releasing_before: set[str]) -> None:
+        """After a tick no lease is past its timer: whatever sequence brought each lease into
+        its state, the tick saw it (the engine looks only at leases it indexed as timed)."""
+        for record in self.engine.leases.values():
+            if record.state is LeaseState.QUEUED:
+                assert record.wait_until is None or record.wait_until > self.now, record
+            elif record.state is LeaseState.GRANTED:
+                assert record.bind_deadline is not None and record.bind_deadline > self.now
+            elif record.lease_id in releasing_before and record.host is not None:
+                node = self.engine.cluster.nodes.get(record.host)
+                last = max(node.last_heartbeat or 0.0 if node else 0.0, self.engine.started_at)
+                assert self.now - last <= self.settings.stop_grace_s, record
 
     # ------------------------------------------------------------------ invariants
 

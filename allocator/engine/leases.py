@@ -202,6 +202,7 @@ class LeaseBook(Views, CommandOutbox):
     def _grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,
                now: float, changes: Changes, old: LeaseState | None) -> None:
         record.state = LeaseState.GRANTED
+        self._time(record)
         record.host = placement.host
         self._by_host.setdefault(record.host, {})[record.lease_id] = record
         record.gpu_uuids = tuple(placement.gpu_uuids)
@@ -287,6 +288,7 @@ class LeaseBook(Views, CommandOutbox):
         """
         old = record.state
         record.state = LeaseState.RELEASING
+        self._time(record)
         record.releasing_at = now
         record.released_by = by
         record.release_note = note
