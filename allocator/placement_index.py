@@ -6,8 +6,10 @@ costs about 1 ms. This index keeps, per model, the hosts that have free GPUs of 
 ordered by the policy's own best-fit key ``(free GPUs on the host, host name)``, plus the
 hosts with partly shared GPUs. :meth:`PlacementIndex.narrow` returns a cluster view holding
 only the few hosts among which the policy's answer must lie; the policy then runs on that
-view. Whenever the view finds nothing, the caller runs the policy on the whole cluster, so
-refusals (and their messages) are always the exact ones.
+view. A view without hosts means that nothing fits anywhere. Whenever the view finds
+nothing, a caller that owes the requester an explanation runs the policy on the whole
+cluster, so refusals (and their messages) are always the exact ones; one that only asks
+whether a request fits (serving the queue) takes the view's "no" as the answer.
 
 Why the narrowed answer equals the full one: for each acceptable model the view includes the
 first ``depth`` usable hosts, in best-fit order, that have enough free GPUs of that model
@@ -99,7 +101,8 @@ class PlacementIndex:
 
     def narrow(self, demand: Demand, cluster: Cluster,
                is_usable: Callable[[Node], bool]) -> Cluster | None:
-        """A view of the few hosts the policy's choice must be among, or None to use all.
+        """A view of the few hosts the policy's choice must be among (none: nothing fits),
+        or None to use all.
 
         ``is_usable(node)`` says whether a node is up and not drained now (the policy's
         own test); hosts failing it are skipped.
@@ -127,7 +130,5 @@ class PlacementIndex:
                         break
             if demand.shared:
                 hosts.update(self._shared.get(model, ()))
-        if not hosts:
-            return None
         nodes: dict[str, Node] = {h: cluster.nodes[h] for h in hosts if h in cluster.nodes}
         return Cluster(nodes=nodes, gpus=cluster.gpus, claims=cluster.claims)

@@ -582,12 +582,21 @@ def _no_capacity(demand: Demand, cluster: Cluster, now: float, down_after_s: flo
     return Refusal(ErrorCode.NO_CAPACITY, " ".join(sentences), details)
 
 
-def place(demand: Demand, cluster: Cluster, now: float, down_after_s: float) -> Placement | Refusal:
+def nothing_fits_now() -> Refusal:
+    """The refusal of a placement asked without an explanation (:func:`place`)."""
+    return Refusal(ErrorCode.NO_CAPACITY, "Nothing free fits this request right now.")
+
+
+def place(demand: Demand, cluster: Cluster, now: float, down_after_s: float, *,
+          explain: bool = True) -> Placement | Refusal:
     """Where the demand fits now (best fit), or why not.
 
     ``unknown_host``/``unsatisfiable`` (from :func:`feasible`) when it could never fit,
     else ``no_capacity`` naming what is free instead, with ``details["free"]`` as
-    ``{model: {host: free GPUs}}`` (and ``details["free_slots"]`` for slices).
+    ``{model: {host: free GPUs}}`` (and ``details["free_slots"]`` for slices). Without
+    ``explain`` a demand that does not fit gets :func:`nothing_fits_now`: finding why, and
+    what is free instead, looks at every GPU of the cluster, and a queued request that is
+    tried again whenever something changed needs only to know whether it fits.
     """
     if demand.host is not None and demand.host not in cluster.nodes:
         refusal = feasible(demand, cluster)
@@ -604,6 +613,8 @@ def place(demand: Demand, cluster: Cluster, now: float, down_after_s: float) -> 
         found = _exclusive(demand, demand.count, cluster, view)
     if found is not None:
         return found
+    if not explain:
+        return nothing_fits_now()
     # Only on failure: an impossible request must not queue forever as "no capacity".
     return feasible(demand, cluster) or _no_capacity(demand, cluster, now, down_after_s)
 

@@ -685,6 +685,10 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
                 continue
             value: Any = phase
             for key in path:
+                if key not in value:
+                    # A phase where no allocation succeeded has no latencies: say why.
+                    raise RuntimeError(f"phase {kind!r} (round {phase['round']}) has no "
+                                       f"{'/'.join(path)}; its errors: {phase.get('errors')}")
                 value = value[key]
             values.append(value)
         return round(statistics.median(values), 2)

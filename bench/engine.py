@@ -22,7 +22,13 @@ slices), then times, each over many repetitions:
 - ``commit_allocate``: one grant's rows written to SQLite with ``synchronous = FULL`` on the
   ledger's thread (the fsync is the disk's; its wait is not CPU and not counted);
 - ``cold_load``: reading the whole ledger (``Ledger.load``) and rebuilding the engine
-  (``Engine.load``), the CPU a cold start spends before it can answer.
+  (``Engine.load``), the CPU a cold start spends before it can answer;
+- ``fenced_start``: a restart with requests waiting: the engine rebuilt fenced (no node
+  placeable before its first complete report), ``--queued`` requests of the hub clients'
+  mix queued behind the fence, then every host's first full report applied; the CPU of all
+  those reports (each lifts its host's fence and tries the queue again) and how many of the
+  requests were granted by the end (it stops after ``--fenced-cap-s`` of CPU, saying how many
+  reports it applied).
 
 Prints one JSON object; the figures are medians in microseconds (``cold_load`` in seconds),
 with the ratios of each delta to a full heartbeat, all measured in this run.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -40,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-from cluster import SHARE_SLOTS, SHARED_MODEL, build_ledger, gpu_infos, host_name
+from cluster import SHARE_SLOTS, SHARED_MODEL, build_ledger, gpu_infos, host_name, request_for
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
@@ -106,6 +113,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 engine.load(state, time.time())
                 loads.append((read_s, time.thread_time() - started))
             figures = measure(engine, ledger, containers, args)
+            fenced = fenced_start(settings, state, containers, args)
         finally:
             ledger.close()
     return {
@@ -119,6 +127,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "ledger_load": round(statistics.median(r for r, _ in loads), 3),
             "engine_load": round(statistics.median(e for _, e in loads), 3),
         },
+        "fenced_start": fenced,
         "ratios": {
             "heartbeat_delta_vs_full": round(
                 figures["heartbeat_delta"] / figures["heartbeat_full"], 3),
@@ -219,12 +228,49 @@ def measure(engine: SwitchableEngine, ledger: Ledger, containers: dict[str, list
             "commit_allocate": round(statistics.median(commits) * 1e6, 1)}
 
 
+def fenced_start(settings: AllocatorSettings, state: Any,
+                 containers: dict[str, list[list[str]]], args: argparse.Namespace
+                 ) -> dict[str, float]:
+    """A restart with ``--queued`` requests waiting behind the start fence: the CPU of every
+    host's first full report (see the module's docstring)."""
+    now = time.time()
+    engine = Engine(settings, started_at=now)
+    engine.load(state, now, fenced=True)
+    rng = random.Random("fenced-start")
+    requests = [request_for(rng, f"fenced/{n}", f"hub-user-{n}").model_copy(
+        update={"wait_s": 60.0}) for n in range(args.queued)]
+    for request in requests:
+        engine.handle(request, HUB, now, Changes())
+    queued = len(engine._queue)
+    started = time.thread_time()
+    applied = 0
+    for index in range(args.hosts):
+        if time.thread_time() - started > args.fenced_cap_s:
+            break  # a pathological case must still end: report how far it got
+        applied += 1
+        host = host_name(index)
+        engine.handle(Heartbeat(
+            host=host, agent_id="bench-restart", seq=1, sent_at=now, interval_s=2,
+            source="simulated", gpus=gpu_infos(index, args.gpus_per_host),
+            containers=[ContainerInfo(container_id=c, lease_id=lease_id)
+                        for c, lease_id in containers.get(host, [])],
+            containers_complete=True), NODE, now, Changes())
+    cpu_s = time.thread_time() - started
+    return {"queued_behind_fence": queued, "first_reports": applied,
+            "cpu_s": round(cpu_s, 3), "cpu_us_per_report": round(cpu_s / applied * 1e6, 1),
+            "granted_by_the_end": queued - len(engine._queue)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--gpus-per-host", type=int, default=8)
     parser.add_argument("--leases", type=int, default=10_000, help="bound leases in the ledger")
     parser.add_argument("--calls", type=int, default=600, help="repetitions of each step")
+    parser.add_argument("--queued", type=int, default=64,
+                        help="requests waiting behind the start fence in fenced_start")
+    parser.add_argument("--fenced-cap-s", type=float, default=60.0,
+                        help="fenced_start stops applying first reports after this much CPU")
     print(json.dumps(bench(parser.parse_args()), indent=2))
 
 

@@ -57,9 +57,7 @@ class Reclaimer(NodeReconciliation):
     def _waiters(self) -> list[fairshare.Waiter]:
         waiters = []
         for _, lease_id in self._queue:
-            record = self.leases[lease_id]
-            demand = policy.make_demand(AllocateRequest.model_validate(record.request),
-                                        self._model_catalog(), self.settings)
+            demand = self._queued_demand(self.leases[lease_id])
             if isinstance(demand, policy.Demand):
                 waiters.append(fairshare.Waiter(lease_id, demand))
         return waiters

@@ -78,6 +78,9 @@ class EngineState:
         at, instead of every lease (most are bound and have none; 10,000 bound leases made
         each tick milliseconds of CPU, twice a second)."""
         self._queue: list[tuple[tuple[Any, ...], str]] = []
+        self._demands: dict[str, tuple[Cluster, policy.Demand | policy.Refusal]] = {}
+        """Queued lease -> (the model catalog it was resolved on, its demand): see
+        :meth:`~allocator.engine.leases.LeaseBook._queued_demand`."""
         self.agent_users: dict[str, str] = {}
         self.counters = Counters()
         self._newest_beat: dict[str, tuple[str, int, float]] = {}
@@ -154,6 +157,7 @@ class EngineState:
         self._hosts_of_user = Counter(self.agent_users.values())
         self.leases, self.by_key, self._queue, self._by_host = {}, {}, [], {}
         self._timed = {}
+        self._demands = {}
         # Finished leases of the ledger: a container still running for one is a zombie to
         # stop, never a lease the ledger forgot.
         self.recent = OrderedDict((r.lease_id, r) for r in state.finished[-RECENT_FINAL_LEASES:])
