@@ -304,11 +304,12 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                 "p99_ms": round(percentile(fsyncs, 0.99) * 1000, 3),
             }
             for name, exchange in (("floor", ECHO_EXCHANGE), ("allocator", "swarm-gpu.rpc")):
-                before = await asyncio.to_thread(batch_phases, metrics_port)
+                mine = name == "allocator"
+                before = await asyncio.to_thread(batch_phases, metrics_port) if mine else {}
                 results[f"{name}_1_client"] = await run_case(
                     url, exchange=exchange, clients=1, calls=args.calls // 2,
                     prefix=f"{name}1")
-                if name == "allocator":
+                if mine:
                     after = await asyncio.to_thread(batch_phases, metrics_port)
                     results[f"{name}_1_client"]["batch_phases_mean_ms"] = phase_means_ms(
                         before, after)

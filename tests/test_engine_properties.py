@@ -231,9 +231,8 @@ class LedgerMachine(RuleBasedStateMachine):
             elif record.state is LeaseState.GRANTED:
                 assert record.bind_deadline is not None and record.bind_deadline > self.now
             elif record.lease_id in releasing_before and record.host is not None:
-                node = self.engine.cluster.nodes.get(record.host)
-                last = max(node.last_heartbeat or 0.0 if node else 0.0, self.engine.started_at)
-                assert self.now - last <= self.settings.stop_grace_s, record
+                silent_s = self.engine._silent_for(record.host, self.now)
+                assert silent_s <= self.settings.stop_grace_s, record
 
     # ------------------------------------------------------------------ invariants
 

@@ -104,10 +104,10 @@ class Engine(Reclaimer):
         freed = False
         # Only queued, granted and releasing leases have timers: the tick looks at those
         # alone (_timed), in the order they entered such a state, and forgets the ones that
-        # have left them since (bound, or final).
+        # have left them since (bound, or final: a lease leaves self.leases only as final).
         timed = []
         for lease_id, record in list(self._timed.items()):
-            if record.state in TIMED_STATES and self.leases.get(lease_id) is record:
+            if record.state in TIMED_STATES:
                 timed.append(record)
             else:
                 del self._timed[lease_id]

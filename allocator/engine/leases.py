@@ -7,6 +7,7 @@ stopped it) -> ``released`` (the container is gone). Every release records its r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -266,13 +267,7 @@ class LeaseBook(Views, CommandOutbox):
             return
         # Nodes do not change during the pass, only claims (which the view shares): one view
         # for the whole pass, built if a request needs it.
-        views: list[Cluster] = []
-
-        def view() -> Cluster:
-            if not views:
-                views.append(self._placement_view(now))
-            return views[0]
-
+        view = functools.cache(lambda: self._placement_view(now))
         for _, lease_id in list(self._queue):
             record = self.leases[lease_id]
             demand = self._queued_demand(record)
