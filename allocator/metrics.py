@@ -35,7 +35,14 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from allocator.counters import ANOMALIES, Count, Counters, Family, ServiceStats
+from allocator.counters import (
+    COUNT_EXPORTED,
+    FAMILY_EXPORTED,
+    Count,
+    Counters,
+    Exported,
+    ServiceStats,
+)
 from allocator.engine import Engine
 from allocator.protocol import Health, LeaseState
 
@@ -256,9 +263,12 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def _labelled_counter(name: str, doc: str, label: str,
-                      counts: Mapping[str, int]) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=[label])
+def _exported(exported: Exported, counts: Mapping[str, int]) -> CounterMetricFamily:
+    """``exported``'s family with ``counts``: label value -> count (without a label, the one
+    count it has)."""
+    if exported.label is None:
+        return _counter(exported.name, exported.help, sum(counts.values()))
+    family = CounterMetricFamily(exported.name, exported.help, labels=[exported.label])
     for value_label, value in sorted(counts.items()):
         family.add_metric([value_label], value)
     return family
@@ -305,84 +315,32 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     yield node_up
     yield beat
 
-    engine, service = snap.engine_counters, snap.service_counters
-    yield _labelled_counter("swarm_gpu_releases", "Leases ended, by release reason", "reason",
-                            engine.of(Family.RELEASED))
-    yield _labelled_counter("swarm_gpu_refusals", "Allocate requests refused, by error code",
-                            "code", engine.of(Family.REFUSED))
-    yield _labelled_counter("swarm_gpu_container_events", "Container events from node agents",
-                            "action", engine.of(Family.CONTAINER_EVENT))
-    yield _labelled_counter("swarm_gpu_node_messages_rejected", "Node messages refused "
-                            "because their broker user does not own the host", "kind",
-                            engine.of(Family.NODE_MESSAGE_REJECTED))
-    yield _labelled_counter("swarm_gpu_invalid_messages", "Messages that did not decode, by "
-                            "error code", "code", service.of(Family.INVALID_MESSAGE))
-    yield _labelled_counter("swarm_gpu_container_stops_asked", "Stop commands to node agents "
-                            "decided, by reason", "reason", engine.of(Family.STOP_ASKED))
-    yield _labelled_counter("swarm_gpu_reclaim_warnings", "Warnings that a borrowed or idle "
-                            "lease will be stopped, by reason", "reason",
-                            engine.of(Family.RECLAIM_WARNED))
-    anomalies = CounterMetricFamily("swarm_gpu_anomalies", "Things a node or client did that "
-                                    "should not happen", labels=["kind"])
-    for kind in ANOMALIES:
-        anomalies.add_metric([kind.value], engine[kind])
-    yield anomalies
-    for name, doc, counters, count in (
-        ("swarm_gpu_grants", "Leases granted (now or from the queue)", engine, Count.GRANTED),
-        ("swarm_gpu_queued", "Requests that had to wait", engine, Count.QUEUED),
-        ("swarm_gpu_binds", "Leases bound to a running container", engine, Count.BOUND),
-        ("swarm_gpu_adoptions", "Leases the ledger did not know, taken back from a running "
-         "container's grant labels", engine, Count.ADOPTED),
-        ("swarm_gpu_allocate_retries", "Allocate retries answered with the existing lease",
-         engine, Count.ALLOCATE_RETRY),
-        ("swarm_gpu_heartbeats", "Heartbeats applied, full or delta", engine, Count.HEARTBEATS),
-        ("swarm_gpu_heartbeat_deltas", "Heartbeat deltas applied", engine,
-         Count.HEARTBEAT_DELTAS),
-        ("swarm_gpu_heartbeat_delta_gaps", "Heartbeat deltas that did not fit the report "
-         "held (a lost message): the host awaits its next full report", engine,
-         Count.HEARTBEAT_DELTA_GAPS),
-        ("swarm_gpu_heartbeat_deltas_unapplied", "Heartbeat deltas taken as liveness only "
-         "while their host awaited a full report", engine, Count.HEARTBEAT_DELTAS_UNAPPLIED),
-        ("swarm_gpu_heartbeats_stale", "Heartbeats ignored as replayed or reordered",
-         engine, Count.HEARTBEAT_STALE),
-        ("swarm_gpu_node_down_events", "Times a node was marked down", engine, Count.NODE_DOWN),
-        ("swarm_gpu_messages_received", "Messages taken off the inbound queue",
-         service, Count.RECEIVED),
-        ("swarm_gpu_replies", "Replies sent", service, Count.REPLIES),
-        ("swarm_gpu_commands_sent", "Commands published to node agents",
-         service, Count.COMMANDS_SENT),
-        ("swarm_gpu_command_failures", "Commands to node agents that could not be published",
-         service, Count.COMMAND_FAILURES),
-        ("swarm_gpu_reply_failures", "Replies that could not be sent", service,
-         Count.REPLY_FAILURES),
-        ("swarm_gpu_pushes", "Outcomes of queued requests (grant, expiry, withdrawal) "
-         "published to the waiting client", service, Count.PUSHES),
-        ("swarm_gpu_push_failures", "Outcomes of queued requests that could not be "
-         "published", service, Count.PUSH_FAILURES),
-        ("swarm_gpu_dead_lettered", "Messages sent to the dead-letter queue",
-         service, Count.DEAD_LETTERED),
-        ("swarm_gpu_reply_to_refused", "Messages refused unanswered because their reply_to "
-         "was not a direct reply-to address", service, Count.REPLY_TO_REFUSED),
-        ("swarm_gpu_expired_requests_dropped", "Requests dropped because their sender had "
-         "given up", service, Count.EXPIRED_DROPPED),
-        ("swarm_gpu_commit_failures", "Ledger commits that failed (nothing was granted)",
-         service, Count.COMMIT_FAILURES),
-        ("swarm_gpu_batches", "Batches of messages applied and committed to the ledger, one "
-         "transaction each", service, Count.BATCHES),
-        ("swarm_gpu_batch_failures", "Batches that hit an internal error",
-         service, Count.BATCH_FAILURES),
-        ("swarm_gpu_takeovers", "Times this allocator found the ledger written by another "
-         "(a standby taking over)", service, Count.TAKEOVERS),
-        ("swarm_gpu_stale_deliveries", "Messages dropped unapplied because their channel "
-         "closed before (the broker gave them to the active allocator)", service,
-         Count.STALE_DELIVERIES),
-        ("swarm_gpu_redelivered_decided", "Redeliveries of requests decided already (their "
-         "acknowledgement was lost with a broker node), dropped", service,
-         Count.REDELIVERED_DECIDED),
-    ):
-        yield _counter(name, doc, counters[count])
+    yield from counter_families(snap.engine_counters, snap.service_counters)
     if snap.log is not None:
         yield from log_families(snap.log)
+
+
+_COUNT_FAMILIES: Mapping[Exported, tuple[Count, ...]] = {
+    exported: tuple(count for count, other in COUNT_EXPORTED.items() if other == exported)
+    for exported in dict.fromkeys(COUNT_EXPORTED.values())
+}
+"""Each family of plain counters with its members (one each, but the anomalies'), in the
+order of their declaration."""
+
+
+def counter_families(engine: Counters, service: Counters) -> Iterator[Metric]:
+    """Every counter declared in :mod:`allocator.counters`, exported as declared there.
+
+    A counter is counted by the engine or by the service, never both: the sum of the two
+    reads it wherever it is counted.
+    """
+    for family, exported in FAMILY_EXPORTED.items():
+        counts = Counter(engine.of(family))
+        counts.update(service.of(family))
+        yield _exported(exported, counts)
+    for exported, members in _COUNT_FAMILIES.items():
+        yield _exported(exported, {count.value: engine[count] + service[count]
+                                   for count in members})
 
 
 def log_families(figures: LogFigures) -> Iterator[Metric]:

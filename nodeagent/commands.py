@@ -131,13 +131,6 @@ class CommandConsumer:
         self._stopping.clear()
         await self._close()
 
-    async def wait_idle(self, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) until no stop is under way (for tests)."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while self._stopping:
-                    await asyncio.gather(*self._stopping.values(), return_exceptions=True)
-
     # ------------------------------------------------------------------ the loop
 
     async def _run(self) -> None:

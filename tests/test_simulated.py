@@ -196,40 +196,65 @@ def test_resolve_host() -> None:
 # ----------------------------------------------------------------------------------- NVML
 
 
-def test_nvml_source_imports_and_fails_clearly_without_a_driver() -> None:
-    from nodeagent.nvml import NvmlSource
+def nvml_gpus() -> list[str] | None:
+    """The UUIDs of the GPUs NVML lists on this machine, in index order; None where NVML does
+    not start (no NVIDIA driver or library).
 
-    try:
-        source = NvmlSource()
-    except InventoryUnavailable as exc:
-        assert "--inventory simulated" in str(exc)
-    else:  # a machine with a real GPU: the source must work
-        try:
-            assert all(gpu.uuid for gpu in source.read_gpus())
-        finally:
-            source.close()
-
-
-def test_nvml_check_prints_one_json_object() -> None:
-    result = subprocess.run([sys.executable, "-m", "nodeagent.nvml_check", "--xid-wait", "0"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    report = json.loads(result.stdout)
-    if report["ok"]:
-        assert result.returncode == 0 and "gpus" in report
-    else:
-        assert result.returncode == 2
-        assert "--inventory simulated" in report["error"]
-
-
-def test_agent_without_nvml_exits_with_a_clear_message() -> None:
+    Asked of pynvml directly, so that the code under test does not decide which outcome its
+    own test expects.
+    """
     import pynvml
 
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        pass
-    else:  # a GPU machine: the agent would run, not exit
+        return None
+    try:
+        uuids: list[str] = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+            uuids.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
+        return uuids
+    finally:
         pynvml.nvmlShutdown()
+
+
+def test_nvml_source_imports_and_fails_clearly_without_a_driver() -> None:
+    from nodeagent.nvml import NvmlSource
+
+    expected = nvml_gpus()
+    if expected is None:
+        with pytest.raises(InventoryUnavailable, match="--inventory simulated"):
+            NvmlSource()
+        return
+    # A machine with NVML: the source must work and read every GPU NVML lists.
+    source = NvmlSource()
+    try:
+        samples = source.read_gpus()
+    finally:
+        source.close()
+    assert [s.uuid for s in samples if not s.is_mig_instance] == expected
+    assert all(sample.uuid for sample in samples)
+
+
+def test_nvml_check_prints_one_json_object() -> None:
+    expected = nvml_gpus()
+    result = subprocess.run([sys.executable, "-m", "nodeagent.nvml_check", "--xid-wait", "0"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    report = json.loads(result.stdout)
+    if expected is None:
+        assert result.returncode == 2, result.stderr
+        assert report.keys() == {"ok", "error"} and report["ok"] is False
+        assert "--inventory simulated" in report["error"]
+    else:
+        assert result.returncode == 0, result.stderr
+        assert report["ok"] is True
+        assert [gpu["uuid"] for gpu in report["gpus"]
+                if gpu["mig_parent_uuid"] is None] == expected
+
+
+def test_agent_without_nvml_exits_with_a_clear_message() -> None:
+    if nvml_gpus() is not None:  # a GPU machine: the agent would run, not exit
         pytest.skip("NVML works here")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_AGENT_")}
     result = subprocess.run(
