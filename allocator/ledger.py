@@ -24,10 +24,20 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import sqlite_utils
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 
 from allocator.cluster import GPU, Node
 from allocator.lease import LeaseRecord
-from allocator.log_snapshot import STATE_TABLES, TRAIL_TABLES, Table, Tables
+from allocator.log_snapshot import STATE_TABLES, TRAIL_TABLES, Table, Tables, describe
 from allocator.protocol import Health, LeaseState
 
 T = TypeVar("T")
@@ -62,53 +72,83 @@ class LedgerChanged(LedgerError):
     """Another process committed to the ledger since this one last looked (a takeover)."""
 
 
+# The columns each migration creates, written once: the migrations create them and
+# :data:`COLUMNS` (the current schema) is their union. A released migration's columns never
+# change; a new column is a new migration with a constant of its own.
+_NODES_V1: dict[str, type] = {
+    "host": str, "agent_id": str, "agent_user": str, "first_seen": float,
+    "last_heartbeat": float, "drained": int, "drain_reason": str, "drained_by": str,
+    "drained_at": float,
+}
+_GPUS_V1: dict[str, type] = {
+    "uuid": str, "host": str, "idx": int, "model": str, "memory_total_mib": int,
+    "memory_used_mib": int, "utilization_pct": float, "temperature_c": float,
+    "power_w": float, "health": str, "health_reasons": str, "drained": int,
+    "present": int, "share_slots": int, "first_seen": float, "updated_at": float,
+}
+_GPUS_V2: dict[str, type] = {
+    "compute_capability": str, "architecture": str, "mig_enabled": int, "mig_parent_uuid": str,
+    "mig_profile": str, "mig_index": int,
+}
+_LEASES_V1: dict[str, type] = {
+    "lease_id": str, "request_key": str, "user": str, "groups": str, "state": str,
+    "created_at": float, "request": str, "priority": int, "host": str,
+    "gpu_uuids": str, "model": str, "shared": int, "memory_mib": int, "units": float,
+    "units_num": int, "units_den": int, "env": str, "enqueued_at": float,
+    "wait_until": float, "granted_at": float, "bind_deadline": float, "bound_at": float,
+    "container_id": str, "releasing_at": float, "released_at": float,
+    "release_reason": str, "released_by": str, "release_note": str,
+}
+_LEASES_V4: dict[str, type] = {
+    "borrowed": int, "reclaim_at": float, "reclaim_reason": str, "reclaim_for": str,
+    "reclaim_stopped_at": float, "idle_since": float, "idle_gpu_s": float,
+}
+_HISTORY_V1: dict[str, type] = {
+    "id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str, "reason": str,
+    "by": str,
+}
+_EVENTS_V1: dict[str, type] = {
+    "id": int, "at": float, "kind": str, "host": str, "lease_id": str, "user": str,
+    "gpu_uuid": str, "detail": str,
+}
+_LOG_POSITION_V3: dict[str, type] = {
+    "id": int, "log_id": str, "log_offset": int, "entry_id": str, "epoch": int, "writer": str,
+}
+_LOG_POSITION_V5: dict[str, type] = {"snapshot_from": int, "bytes_since_snapshot": int}
+
+COLUMNS: dict[str, dict[str, type]] = {
+    "nodes": _NODES_V1,
+    "gpus": {**_GPUS_V1, **_GPUS_V2},
+    "leases": {**_LEASES_V1, **_LEASES_V4},
+    "lease_history": _HISTORY_V1,
+    "events": _EVENTS_V1,
+    "log_position": {**_LOG_POSITION_V3, **_LOG_POSITION_V5},
+}
+"""Every table of the schema this code writes (:data:`SCHEMA_VERSION`), with its columns and
+their types in order of creation. No other table or column name ever reaches SQL: a change
+set naming another is refused (:class:`ChangeSet`)."""
+
+PRIMARY_KEYS = {"nodes": "host", "gpus": "uuid", "leases": "lease_id", "lease_history": "id",
+                "events": "id", "log_position": "id"}
+
+JSON_COLUMNS: dict[str, tuple[str, ...]] = {"leases": LEASE_JSON_COLUMNS,
+                                            "gpus": ("health_reasons",)}
+"""Text columns holding JSON: a change set carries their values as lists and objects."""
+
+
 def _migrate_v1(db: sqlite_utils.Database) -> None:
     """The first schema: nodes, GPUs, leases with history, and the event log."""
-    db.table("nodes").create(
-        {
-            "host": str, "agent_id": str, "agent_user": str, "first_seen": float,
-            "last_heartbeat": float, "drained": int, "drain_reason": str, "drained_by": str,
-            "drained_at": float,
-        },
-        pk="host",
-    )
-    db.table("gpus").create(
-        {
-            "uuid": str, "host": str, "idx": int, "model": str, "memory_total_mib": int,
-            "memory_used_mib": int, "utilization_pct": float, "temperature_c": float,
-            "power_w": float, "health": str, "health_reasons": str, "drained": int,
-            "present": int, "share_slots": int, "first_seen": float, "updated_at": float,
-        },
-        pk="uuid",
-    )
+    db.table("nodes").create(_NODES_V1, pk="host")
+    db.table("gpus").create(_GPUS_V1, pk="uuid")
     db.table("gpus").create_index(["host"])
-    db.table("leases").create(
-        {
-            "lease_id": str, "request_key": str, "user": str, "groups": str, "state": str,
-            "created_at": float, "request": str, "priority": int, "host": str,
-            "gpu_uuids": str, "model": str, "shared": int, "memory_mib": int, "units": float,
-            "units_num": int, "units_den": int, "env": str, "enqueued_at": float,
-            "wait_until": float, "granted_at": float, "bind_deadline": float, "bound_at": float,
-            "container_id": str, "releasing_at": float, "released_at": float,
-            "release_reason": str, "released_by": str, "release_note": str,
-        },
-        pk="lease_id",
-    )
+    db.table("leases").create(_LEASES_V1, pk="lease_id")
     db.table("leases").create_index(["state"])
     db.table("leases").create_index(["request_key"])
     db.table("leases").create_index(["user"])
     db.table("leases").create_index(["created_at"])
-    db.table("lease_history").create(
-        {"id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str,
-         "reason": str, "by": str},
-        pk="id",
-    )
+    db.table("lease_history").create(_HISTORY_V1, pk="id")
     db.table("lease_history").create_index(["lease_id"])
-    db.table("events").create(
-        {"id": int, "at": float, "kind": str, "host": str, "lease_id": str, "user": str,
-         "gpu_uuid": str, "detail": str},
-        pk="id",
-    )
+    db.table("events").create(_EVENTS_V1, pk="id")
     db.table("events").create_index(["at"])
     db.table("events").create_index(["kind"])
 
@@ -117,28 +157,20 @@ def _migrate_v2(db: sqlite_utils.Database) -> None:
     """MIG and compute capability per GPU, so a restarted allocator knows before the first
     heartbeat that a GPU in MIG mode is no unit of its own."""
     gpus = db.table("gpus")
-    for column, kind in (("compute_capability", str), ("architecture", str),
-                         ("mig_enabled", int), ("mig_parent_uuid", str), ("mig_profile", str),
-                         ("mig_index", int)):
+    for column, kind in _GPUS_V2.items():
         gpus.add_column(column, kind)
 
 
 def _migrate_v3(db: sqlite_utils.Database) -> None:
     """Where this ledger stands in the replicated log (see :mod:`allocator.replication`)."""
-    db.table("log_position").create(
-        {"id": int, "log_id": str, "log_offset": int, "entry_id": str, "epoch": int,
-         "writer": str},
-        pk="id",
-    )
+    db.table("log_position").create(_LOG_POSITION_V3, pk="id")
 
 
 def _migrate_v4(db: sqlite_utils.Database) -> None:
     """Fair share: borrowed leases, reclaim warnings (their deadlines survive a restart) and
     idle accounting."""
     leases = db.table("leases")
-    for column, kind in (("borrowed", int), ("reclaim_at", float), ("reclaim_reason", str),
-                         ("reclaim_for", str), ("reclaim_stopped_at", float),
-                         ("idle_since", float), ("idle_gpu_s", float)):
+    for column, kind in _LEASES_V4.items():
         leases.add_column(column, kind)
 
 
@@ -146,8 +178,8 @@ def _migrate_v5(db: sqlite_utils.Database) -> None:
     """Where the newest snapshot of the replicated log is, and how much the log has grown
     since (NULL: not known, as in a ledger that followed the log before snapshots)."""
     positions = db.table("log_position")
-    positions.add_column("snapshot_from", int)
-    positions.add_column("bytes_since_snapshot", int)
+    for column, kind in _LOG_POSITION_V5.items():
+        positions.add_column(column, kind)
 
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
@@ -252,12 +284,104 @@ class Changes:
                 "events": self.events}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Changes:
-        """The batch :meth:`to_json` made."""
-        return cls(leases={row["lease_id"]: row for row in data.get("leases", [])},
-                   nodes={row["host"]: row for row in data.get("nodes", [])},
-                   gpus={row["uuid"]: row for row in data.get("gpus", [])},
-                   history=list(data.get("history", [])), events=list(data.get("events", [])))
+    def from_json(cls, data: object) -> Changes:
+        """The batch :meth:`to_json` made, checked against the schema (:class:`ChangeSet`);
+        :class:`BrokenChanges` if it is not one this ledger can write."""
+        return ChangeSet.parse(data).to_changes()
+
+
+class BrokenChanges(ValueError):
+    """A change set this ledger cannot write: a table or column its schema does not have, a
+    row without its key, or a value of the wrong type. Found before any SQL is run."""
+
+
+def _row_model(table: str, *, skip: tuple[str, ...] = ()) -> type[BaseModel]:
+    """A strict model of one row of ``table`` in a change set, made from :data:`COLUMNS`:
+    every column optional (a row may update some columns only) but its key, no other name."""
+    fields: dict[str, Any] = {}
+    for column, kind in COLUMNS[table].items():
+        if column in skip:
+            continue
+        value: Any
+        if column in JSON_COLUMNS.get(table, ()):
+            value = list[JsonValue] | dict[str, JsonValue]
+        elif kind is int:
+            value = bool | int  # booleans are stored as 0 and 1
+        else:
+            value = kind  # strict: a float column takes an int too, a text column a string
+        if column == PRIMARY_KEYS[table]:
+            fields[column] = (value, Field(min_length=1))
+        else:
+            fields[column] = (value | None, None)
+    return create_model(f"{table}_row", __config__=ConfigDict(strict=True, extra="forbid",
+                                                               frozen=True), **fields)
+
+
+_CHANGE_TABLES = {"leases": "leases", "nodes": "nodes", "gpus": "gpus",
+                  "history": "lease_history", "events": "events"}
+"""The lists of a change set and the tables they write."""
+
+_INSERTED = ("lease_history", "events")
+"""Tables a change set appends to: their rows get every column (row ids are each ledger's
+own, never written)."""
+
+_ROW_MODELS = {table: _row_model(table, skip=("id",) if table in _INSERTED else ())
+               for table in _CHANGE_TABLES.values()}
+
+
+class ChangeSet(BaseModel):
+    """A batch's writes as the replicated log carries them (:meth:`Changes.to_json`).
+
+    Row keys become SQL column names, so every row is checked against :data:`COLUMNS`
+    first: an unknown column is a broken entry, never SQL (a newer release's column too: a
+    replica that dropped it would hold another state than the writer). Fields of the change
+    set itself that this release does not know are ignored.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    leases: list[dict[str, Any]] = []
+    nodes: list[dict[str, Any]] = []
+    gpus: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+
+    @field_validator("leases", "nodes", "gpus", "history", "events")
+    @classmethod
+    def _rows_of_the_schema(cls, rows: list[dict[str, Any]],
+                            info: ValidationInfo) -> list[dict[str, Any]]:
+        table = _CHANGE_TABLES[str(info.field_name)]
+        model = _ROW_MODELS[table]
+        checked = []
+        for number, row in enumerate(rows):
+            try:
+                valid = model.model_validate(row)
+            except ValidationError as exc:
+                raise ValueError(f"row {number} of {table}: {describe(exc)}") from None
+            # An update writes the columns given; an appended row gets every column, so that
+            # each of the INSERT's named parameters is bound.
+            checked.append(valid.model_dump(exclude_unset=table not in _INSERTED))
+        return checked
+
+    @classmethod
+    def parse(cls, data: object) -> ChangeSet:
+        """The change set in ``data`` (plain JSON); :class:`BrokenChanges` if it is none."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise BrokenChanges(f"a broken change set: {describe(exc)}") from None
+
+    @classmethod
+    def of(cls, changes: Changes) -> ChangeSet:
+        """``changes`` checked as every replica will check them."""
+        return cls.parse(changes.to_json())
+
+    def to_changes(self) -> Changes:
+        """The batch to commit."""
+        return Changes(leases={row["lease_id"]: row for row in self.leases},
+                       nodes={row["host"]: row for row in self.nodes},
+                       gpus={row["uuid"]: row for row in self.gpus},
+                       history=list(self.history), events=list(self.events))
 
 
 @dataclass
@@ -271,6 +395,17 @@ class LoadedState:
     finished: list[LeaseRecord] = field(default_factory=list)
     """The newest final leases (oldest first), so that a container of a lease finished before
     a restart is still known as a zombie, not adopted as a lease the ledger forgot."""
+
+
+def _insert_sql(table: str) -> str:
+    columns = [column for column in COLUMNS[table] if column != "id"]
+    names = ", ".join(f'"{column}"' for column in columns)
+    marks = ", ".join(f":{column}" for column in columns)
+    return f'INSERT INTO "{table}" ({names}) VALUES ({marks})'
+
+
+_INSERT_SQL = {table: _insert_sql(table) for table in _INSERTED}
+"""Appending a row of the lease history or the events: every column but the row id."""
 
 
 def _upsert_sql(table: str, columns: list[str], pk: str) -> str:
@@ -290,11 +425,8 @@ def _encode(value: Any) -> Any:
 class Ledger:
     """The SQLite ledger, owned by one writer thread."""
 
-    def __init__(self, path: str | Path, *, create: bool = True, readonly: bool = False,
-                 synchronous: Literal["full", "normal"] = "full"):
+    def __init__(self, path: str | Path, *, synchronous: Literal["full", "normal"] = "full"):
         self.path = Path(path)
-        self._create = create
-        self._readonly = readonly
         self._synchronous = "normal" if synchronous == "normal" else "full"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._db: sqlite_utils.Database | None = None
@@ -322,26 +454,21 @@ class Ledger:
     # -- open / close ----------------------------------------------------------------------
 
     def open(self) -> None:
-        """Open (creating and migrating as needed). Runs on the ledger thread."""
+        """Open for writing, creating and migrating as needed (read-only readers use
+        :func:`allocator.reports.open_readonly`). Runs on the ledger thread."""
         self.call(self._open)
 
     def _open(self) -> None:
         self._thread = threading.current_thread()
-        if not self.path.exists() and (self._readonly or not self._create):
-            raise LedgerError(f"no ledger at {self.path}")
         try:
-            if self._readonly:
-                conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
-                                       check_same_thread=True)
-            else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                conn = sqlite3.connect(str(self.path), check_same_thread=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(str(self.path), check_same_thread=True)
             conn.execute("PRAGMA busy_timeout = 5000")
             db = sqlite_utils.Database(conn)
             version = db.execute("PRAGMA user_version").fetchone()[0]
             tables = set(db.table_names())
         except sqlite3.DatabaseError as exc:
-            if not self._readonly and _on_read_only_filesystem(self.path):
+            if _on_read_only_filesystem(self.path):
                 raise LedgerError(f"cannot open the ledger {self.path} for writing: its "
                                   f"filesystem is read-only ({exc})") from exc
             raise LedgerError(f"{self.path} is not a readable ledger: {exc}") from exc
@@ -354,16 +481,15 @@ class Ledger:
         if version == 0 and tables:
             conn.close()
             raise LedgerError(f"{self.path} is an SQLite file but not a swarm-gpu ledger")
-        if not self._readonly:
-            # WAL: readers (the CLI, backups) never block the writer, and a commit is one
-            # sequential append. synchronous=FULL (the default) because a granted lease must
-            # survive a crash of the machine, not only of the process; see AllocatorSettings.
-            db.execute("PRAGMA journal_mode = WAL")
-            db.execute(f"PRAGMA synchronous = {self._synchronous.upper()}")
-            for target in range(version, SCHEMA_VERSION):
-                with conn:
-                    MIGRATIONS[target](db)
-                    db.execute(f"PRAGMA user_version = {target + 1}")
+        # WAL: readers (the CLI, backups) never block the writer, and a commit is one
+        # sequential append. synchronous=FULL (the default) because a granted lease must
+        # survive a crash of the machine, not only of the process; see AllocatorSettings.
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute(f"PRAGMA synchronous = {self._synchronous.upper()}")
+        for target in range(version, SCHEMA_VERSION):
+            with conn:
+                MIGRATIONS[target](db)
+                db.execute(f"PRAGMA user_version = {target + 1}")
         self._db = db
 
     def close(self) -> None:
@@ -405,17 +531,9 @@ class Ledger:
                 self._write_rows(conn, "gpus", "uuid", list(changes.gpus.values()))
                 self._write_rows(conn, "leases", "lease_id", list(changes.leases.values()))
                 if changes.history:
-                    conn.executemany(
-                        "INSERT INTO lease_history (lease_id, at, from_state, to_state, reason, by)"
-                        " VALUES (:lease_id, :at, :from_state, :to_state, :reason, :by)",
-                        changes.history,
-                    )
+                    conn.executemany(_INSERT_SQL["lease_history"], changes.history)
                 if changes.events:
-                    conn.executemany(
-                        "INSERT INTO events (at, kind, host, lease_id, user, gpu_uuid, detail)"
-                        " VALUES (:at, :kind, :host, :lease_id, :user, :gpu_uuid, :detail)",
-                        changes.events,
-                    )
+                    conn.executemany(_INSERT_SQL["events"], changes.events)
         except sqlite3.Error as exc:
             why = " (its filesystem is read-only)" if _on_read_only_filesystem(self.path) else ""
             raise LedgerError(f"cannot write the ledger {self.path}: {exc}{why}") from exc
@@ -483,6 +601,9 @@ class Ledger:
             columns = tuple(row)
             by_columns.setdefault(columns, []).append([_encode(row[c]) for c in columns])
         for columns, values in by_columns.items():
+            unknown = set(columns) - COLUMNS[table].keys()
+            if unknown:  # never SQL: the log's rows are checked already, this guards the rest
+                raise BrokenChanges(f"{table} has no column {', '.join(sorted(unknown))}")
             conn.executemany(_upsert_sql(table, list(columns), pk), values)
 
     # -- reads -----------------------------------------------------------------------------

@@ -26,8 +26,21 @@ Order of delivery is what counts; the as-of entry is named by offset *and* entry
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 STATE_TABLES = ("nodes", "gpus", "leases")
 """What a replica serves and accounts from: every node, GPU and lease, finished ones too
@@ -88,56 +101,92 @@ def encode_parts(tables: Tables, max_part_bytes: int) -> list[bytes]:
     return parts
 
 
+Value = StrictStr | StrictInt | StrictFloat | StrictBool | None
+"""A value as SQLite stores it (JSON columns as their text)."""
+
+
+class _TablePart(BaseModel):
+    """One table's rows in one part: ``{"columns": [...], "rows": [[...], ...]}``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    columns: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    rows: list[list[Value]]
+
+    @model_validator(mode="after")
+    def _rows_fit_the_columns(self) -> Self:
+        if len(set(self.columns)) != len(self.columns):
+            raise ValueError("a column is named twice")
+        width = len(self.columns)
+        for number, row in enumerate(self.rows):
+            if len(row) != width:
+                raise ValueError(f"row {number} has {len(row)} values for {width} columns")
+        return self
+
+
+_PART = TypeAdapter(dict[str, _TablePart])
+"""A part's payload: table name to its rows in the part. Table names are checked where the
+tables are loaded (:meth:`allocator.ledger.Ledger.load_snapshot` reads only its own)."""
+
+
 def decode_parts(payloads: list[bytes]) -> Tables:
-    """The tables :func:`encode_parts` split into ``payloads``."""
+    """The tables :func:`encode_parts` split into ``payloads``; ValueError (a pydantic
+    ValidationError among them) if a payload is not one."""
     tables: Tables = {}
     for payload in payloads:
-        data = json.loads(payload)
-        if not isinstance(data, dict):
-            raise ValueError("a snapshot part is not a JSON object")
-        for name, part in data.items():
-            columns, rows = part["columns"], part["rows"]
+        try:
+            part = _PART.validate_json(payload, strict=True)
+        except ValidationError as exc:
+            raise ValueError(f"a broken snapshot part: {describe(exc)}") from None
+        for name, table in part.items():
             if name not in tables:
-                tables[name] = Table(list(columns), [])
-            elif tables[name].columns != columns:
+                tables[name] = Table(list(table.columns), [])
+            elif tables[name].columns != table.columns:
                 raise ValueError(f"the parts of a snapshot disagree on the columns of {name}")
-            tables[name].rows.extend(rows)
+            tables[name].rows.extend(table.rows)
     return tables
 
 
-@dataclass(frozen=True)
-class PartHeader:
+def describe(exc: ValidationError) -> str:
+    """A validation error in one line: the first problem, where it is, and how many more."""
+    errors = exc.errors(include_url=False, include_input=False)
+    where = ".".join(str(part) for part in errors[0]["loc"])
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where + ': ' if where else ''}{errors[0]['msg']}{more}"
+
+
+class AsOf(BaseModel):
+    """The entry a snapshot is the state of, and the epoch and writer the log obeyed after
+    it: a replica that loads the snapshot obeys them too, and only their own parts make the
+    snapshot."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    offset: int = Field(ge=0)
+    """The stream offset of the as-of entry."""
+    entry_id: str = Field(min_length=1)
+    epoch: int = Field(ge=1)
+    writer: str = Field(min_length=1)
+
+
+class PartHeader(BaseModel):
     """What a snapshot's part says about the snapshot (the entry's ``snapshot`` field)."""
 
-    snapshot_id: str
-    part: int
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    id: str = Field(min_length=1)
+    """The snapshot's id, the same in each of its parts."""
+    part: int = Field(ge=0)
     """This part's number, from 0."""
-    parts: int
+    parts: int = Field(ge=1)
     """How many parts the snapshot has."""
-    as_of_offset: int
-    """The stream offset of the entry whose state the snapshot is."""
-    as_of_entry_id: str
-    as_of_epoch: int
-    """The epoch and writer the log obeyed after the as-of entry: a replica that loads the
-    snapshot obeys them too, and only their own parts make the snapshot."""
-    as_of_writer: str
+    as_of: AsOf
 
-    def to_json(self) -> dict[str, Any]:
-        """The header as plain JSON."""
-        return {"id": self.snapshot_id, "part": self.part, "parts": self.parts,
-                "as_of": {"offset": self.as_of_offset, "entry_id": self.as_of_entry_id,
-                          "epoch": self.as_of_epoch, "writer": self.as_of_writer}}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PartHeader:
-        """The header :meth:`to_json` made; ValueError if it is not one."""
-        as_of = data["as_of"]
-        header = cls(str(data["id"]), int(data["part"]), int(data["parts"]),
-                     int(as_of["offset"]), str(as_of["entry_id"]), int(as_of["epoch"]),
-                     str(as_of["writer"]))
-        if not 0 <= header.part < header.parts:
-            raise ValueError(f"snapshot part {header.part} of {header.parts}")
-        return header
+    @model_validator(mode="after")
+    def _part_of_parts(self) -> Self:
+        if self.part >= self.parts:
+            raise ValueError(f"snapshot part {self.part} of {self.parts}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -211,13 +260,13 @@ class SnapshotAssembly:
                                                     entry.log_id, entry.genesis)
         run, self._run = self._run, None
         part = entry.part
-        if part is None or entry.epoch != part.as_of_epoch or entry.writer != part.as_of_writer:
+        if part is None or entry.epoch != part.as_of.epoch or entry.writer != part.as_of.writer:
             return None
         if run is not None and entry.log_id == run.log_id \
-                and part == replace(run.header, part=run.next_part):
+                and part == run.header.model_copy(update={"part": run.next_part}):
             pass  # the next part of the snapshot being read
         elif part.part == 0 and previous is not None \
-                and previous[:3] == (part.as_of_offset, part.as_of_entry_id, entry.log_id):
+                and previous[:3] == (part.as_of.offset, part.as_of.entry_id, entry.log_id):
             run = _Run(part, entry.log_id, previous[3], 0,
                        self._keep_payloads or previous[3], [], 0)
         else:

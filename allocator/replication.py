@@ -12,8 +12,9 @@ has committed (on a three-node broker, replicated by Raft to a majority), and re
 entry in order also tells the writer whether a newer writer came first (below). One wait
 gives both durability and fencing.
 
-Writers and epochs. Each entry is a *claim* (``epoch``, ``writer``) or a *batch* (``epoch``,
-``writer``, changes). Every replica applies the same rules to the same sequence:
+Writers and epochs. Each entry (:mod:`allocator.log_entries`) is a *claim* (``epoch``,
+``writer``), a *batch* (``epoch``, ``writer``, changes) or a snapshot's part (below). Every
+replica applies the same rules to the same sequence:
 
 - a claim whose epoch is higher than the current one is accepted: its writer is the writer;
 - a batch is applied only if its epoch and writer are the current ones; any other batch is a
@@ -52,30 +53,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import aio_pika
 import aio_pika.abc
 from aiormq.exceptions import ChannelInvalidStateError
 
-from allocator.ledger import Changes, Ledger, LedgerError, LogPosition
+from allocator.ledger import Changes, ChangeSet, Ledger, LedgerError, LogPosition
+from allocator.log_entries import (
+    Batch,
+    BrokenEntry,
+    Claim,
+    Entry,
+    SnapshotPart,
+    decode_entry,
+)
 from allocator.log_snapshot import (
+    AsOf,
     PartHeader,
-    Seen,
     SnapshotAssembly,
     decode_parts,
     encode_parts,
 )
 
 log = logging.getLogger(__name__)
-
-ENTRY_VERSION = 1
-"""Version of the entry format; an entry of another version stops the replica."""
 
 SNAPSHOT_PART_BYTES = 1 << 20
 """The most payload one snapshot part carries. Far below RabbitMQ's largest message (128 MiB
@@ -123,61 +128,6 @@ class LogNotHere(LedgerError):
 
 class LogMismatch(LedgerError):
     """This ledger is not the log's history; the allocator must not serve from it."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One entry of the log."""
-
-    kind: Literal["claim", "batch", "snapshot"]
-    log_id: str
-    entry_id: str
-    epoch: int
-    writer: str
-    changes: dict[str, Any] | None = None
-    genesis: bool = False
-    snapshot_from: int | None = None
-    """Where the newest whole snapshot the writer knows starts (its as-of entry's offset)."""
-    part: PartHeader | None = None
-    """A snapshot's part: which, and of which snapshot."""
-    payload: bytes = b""
-    """A snapshot part's tables (:func:`allocator.log_snapshot.encode_parts`)."""
-
-    def encode(self) -> bytes:
-        """The message body: one JSON object; a snapshot part's payload follows it on a line
-        of its own, so a replica that does not need the tables does not parse them."""
-        head: dict[str, Any] = {"v": ENTRY_VERSION, "kind": self.kind, "log_id": self.log_id,
-                                "entry_id": self.entry_id, "epoch": self.epoch,
-                                "writer": self.writer, "changes": self.changes,
-                                "genesis": self.genesis}
-        if self.snapshot_from is not None:
-            head["snapshot_from"] = self.snapshot_from
-        if self.part is not None:
-            head["snapshot"] = self.part.to_json()
-        body = json.dumps(head, separators=(",", ":")).encode()
-        return body + b"\n" + self.payload if self.kind == "snapshot" else body
-
-    @classmethod
-    def decode(cls, body: bytes) -> Entry:
-        """The entry :meth:`encode` made; ValueError if the body is not one."""
-        head, _, payload = body.partition(b"\n")  # JSON text holds no raw newline
-        data = json.loads(head)
-        kind = data.get("kind")
-        if data.get("v") != ENTRY_VERSION or kind not in ("claim", "batch", "snapshot"):
-            raise ValueError(f"not a ledger log entry of version {ENTRY_VERSION}")
-        part = PartHeader.from_json(data["snapshot"]) if kind == "snapshot" else None
-        snapshot_from = data.get("snapshot_from")
-        return cls(kind=kind, log_id=str(data["log_id"]),
-                   entry_id=str(data["entry_id"]), epoch=int(data["epoch"]),
-                   writer=str(data["writer"]), changes=data.get("changes"),
-                   genesis=bool(data.get("genesis")),
-                   snapshot_from=None if snapshot_from is None else int(snapshot_from),
-                   part=part, payload=payload if kind == "snapshot" else b"")
-
-    def seen(self, offset: int) -> Seen:
-        """The entry as a :class:`~allocator.log_snapshot.SnapshotAssembly` reads it."""
-        return Seen(offset, self.entry_id, self.log_id, self.epoch, self.writer, self.genesis,
-                    self.part, self.payload)
 
 
 @dataclass(frozen=True)
@@ -421,8 +371,8 @@ class ReplicatedLog:
             genesis = self.position is None
             log_id = uuid.uuid4().hex if self.position is None else self.position.log_id
             epoch = (self.position.epoch if self.position else 0) + 1
-            entry = Entry("claim", log_id, uuid.uuid4().hex, epoch, self.writer_id,
-                          genesis=genesis,
+            entry = Claim(log_id=log_id, entry_id=uuid.uuid4().hex, epoch=epoch,
+                          writer=self.writer_id, genesis=genesis,
                           snapshot_from=self.position.snapshot_from if self.position else None)
             if await self._append(entry):
                 break
@@ -460,9 +410,10 @@ class ReplicatedLog:
         self._raise_if_mismatched()
         if not self.is_writer or self.position is None:
             raise LogFenced("this allocator is not the writer of the ledger log")
-        entry = Entry("batch", self.position.log_id, uuid.uuid4().hex, self.position.epoch,
-                      self.writer_id, changes=changes.to_json(),
-                      snapshot_from=self.position.snapshot_from)
+        # Checked as every replica checks it, so that no replica stops on what it appends.
+        entry = Batch(log_id=self.position.log_id, entry_id=uuid.uuid4().hex,
+                      epoch=self.position.epoch, writer=self.writer_id,
+                      changes=ChangeSet.of(changes), snapshot_from=self.position.snapshot_from)
         if not await self._append(entry):
             self.is_writer = False
             raise LogFenced("another allocator claimed the ledger log; this batch was fenced")
@@ -494,11 +445,14 @@ class ReplicatedLog:
         # Off the event loop: a large ledger takes a second or more to encode.
         payloads = await asyncio.to_thread(encode_parts, tables, self.snapshot_part_bytes)
         snapshot_id = uuid.uuid4().hex
+        as_of = AsOf(offset=position.offset, entry_id=position.entry_id, epoch=position.epoch,
+                     writer=position.writer)
         entries = [
-            Entry("snapshot", position.log_id, uuid.uuid4().hex, position.epoch,
-                  self.writer_id, snapshot_from=position.snapshot_from, payload=payload,
-                  part=PartHeader(snapshot_id, number, len(payloads), position.offset,
-                                  position.entry_id, position.epoch, position.writer))
+            SnapshotPart(log_id=position.log_id, entry_id=uuid.uuid4().hex,
+                         epoch=position.epoch, writer=self.writer_id,
+                         snapshot_from=position.snapshot_from, payload=payload,
+                         snapshot=PartHeader(id=snapshot_id, part=number, parts=len(payloads),
+                                             as_of=as_of))
             for number, payload in enumerate(payloads)]
         bodies = [entry.encode() for entry in entries]
         for entry, body in zip(entries[:-1], bodies, strict=False):
@@ -608,7 +562,7 @@ class ReplicatedLog:
 
     async def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         offset = int((message.headers or {}).get("x-stream-offset", -1))  # type: ignore[arg-type]
-        entry = Entry.decode(message.body)
+        entry = decode_entry(message.body)
         if self._catch_up is not None:
             await self._catch_up_with(offset, entry)
             return
@@ -661,8 +615,8 @@ class ReplicatedLog:
                 accepted, epoch, writer = True, entry.epoch, entry.writer
         elif entry.epoch == epoch and entry.writer == writer:
             accepted = True
-            if entry.kind == "batch":
-                changes = Changes.from_json(entry.changes or {})
+            if isinstance(entry, Batch):
+                changes = entry.changes.to_changes()
         # The log's growth since its newest whole snapshot (from its start while it has
         # none; unknown stays unknown until the next one).
         snapshot_from = position.snapshot_from if position is not None else None
@@ -671,8 +625,8 @@ class ReplicatedLog:
         seed = None
         snapshot = self._assembly.see(entry.seen(offset))
         if snapshot is not None and accepted:
-            snapshot_from, grown = snapshot.header.as_of_offset, 0
-            if snapshot.as_of_genesis and snapshot.header.as_of_writer != self.writer_id:
+            snapshot_from, grown = snapshot.header.as_of.offset, 0
+            if snapshot.as_of_genesis and snapshot.header.as_of.writer != self.writer_id:
                 # The ledger the log was started from: every other replica loads it.
                 seed = await asyncio.to_thread(decode_parts, snapshot.payloads)
         new_position = LogPosition(log_id, offset, entry.entry_id, epoch, writer,
@@ -736,8 +690,8 @@ class ReplicatedLog:
                 await message.ack()
             if not found.done():
                 try:
-                    entry = Entry.decode(message.body)
-                except (ValueError, KeyError, TypeError):  # not an entry: no pointer
+                    entry = decode_entry(message.body)
+                except BrokenEntry:  # not an entry: no pointer
                     found.set_result(None)
                     return
                 found.set_result(entry.snapshot_from if entry.log_id == log_id else None)
@@ -790,7 +744,7 @@ class ReplicatedLog:
         tables = await asyncio.to_thread(decode_parts, snapshot.payloads)
         header = snapshot.header
         position = LogPosition(snapshot.log_id, snapshot.last_offset, snapshot.last_entry_id,
-                               header.as_of_epoch, header.as_of_writer, header.as_of_offset, 0)
+                               header.as_of.epoch, header.as_of.writer, header.as_of.offset, 0)
         await self.ledger.run(lambda: self.ledger.load_snapshot(tables, position,
                                                                 loaded_at=time.time()))
         self.position = position
@@ -803,5 +757,5 @@ class ReplicatedLog:
         self.is_writer = False
         self.caught_up.set()
         log.info("ledger log %s: loaded the snapshot at offset %d (%d bytes in %d parts, "
-                 "epoch %d); following from offset %d", self.stream, header.as_of_offset,
-                 snapshot.size, header.parts, header.as_of_epoch, offset + 1)
+                 "epoch %d); following from offset %d", self.stream, header.as_of.offset,
+                 snapshot.size, header.parts, header.as_of.epoch, offset + 1)

@@ -45,10 +45,11 @@ def open_readonly(path: str | Path, *, busy_timeout_s: float = 5.0) -> sqlite3.C
     """Open a ledger read-only, or raise :class:`LedgerError` saying in one line why not.
 
     Read-only (``mode=ro``) means the reports can never change the ledger, and in WAL mode a
-    reader neither waits for nor blocks the running allocator. The checks mirror
-    :meth:`allocator.ledger.Ledger.open`: a missing file, a file that is not SQLite, an SQLite
-    file that is not a ledger, a ledger of a newer schema, and a ledger another process holds
-    with an exclusive lock are each refused with their own message.
+    reader neither waits for nor blocks the running allocator. This is the only read-only
+    way in (:class:`allocator.ledger.Ledger` opens for writing); its checks mirror
+    :meth:`allocator.ledger.Ledger.open`'s: a missing file, a file that is not SQLite, an
+    SQLite file that is not a ledger, a ledger of a newer schema, and a ledger another process
+    holds with an exclusive lock are each refused with their own message.
     """
     path = Path(path)
     if not path.exists():

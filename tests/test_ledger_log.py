@@ -16,8 +16,9 @@ import aio_pika
 import pytest
 from support import wait_until
 
-from allocator.ledger import Changes, Ledger
-from allocator.replication import Entry, LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
+from allocator.ledger import Changes, ChangeSet, Ledger
+from allocator.log_entries import Batch
+from allocator.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
 
 STREAM = "swarm-gpu.ledger-log"
 
@@ -77,8 +78,8 @@ async def test_a_deposed_writer_is_fenced_and_every_replica_has_one_history(
         # A write a made before it saw b's claim, arriving after it: what a deposed writer's
         # in-flight append looks like on the stream. Every replica skips it.
         assert a.position is not None
-        late = Entry("batch", a.position.log_id, "late-entry", 1, a.writer_id,
-                     changes=batch("from-a-late").to_json())
+        late = Batch(log_id=a.position.log_id, entry_id="late-entry", epoch=1,
+                     writer=a.writer_id, changes=ChangeSet.of(batch("from-a-late")))
         connection = await aio_pika.connect(url, timeout=10)
         async with connection:
             channel = await connection.channel()
@@ -139,8 +140,9 @@ async def test_its_own_entry_arriving_after_a_drop_does_not_make_it_the_writer_a
         a._connection_lost(None, ConnectionResetError("a broker node was lost"))
         assert not a.is_writer
         assert a.position is not None
-        in_flight = Entry("batch", a.position.log_id, "in-flight-entry", a.position.epoch,
-                          a.writer_id, changes=batch("in-flight").to_json())
+        in_flight = Batch(log_id=a.position.log_id, entry_id="in-flight-entry",
+                          epoch=a.position.epoch, writer=a.writer_id,
+                          changes=ChangeSet.of(batch("in-flight")))
         connection = await aio_pika.connect(url, timeout=10)
         async with connection:
             channel = await connection.channel()

@@ -22,9 +22,10 @@ from support import wait_until
 from test_ledger_log import STREAM, batch, lease_ids, replica
 
 from allocator import metrics
-from allocator.ledger import Changes, Ledger, LogPosition
-from allocator.log_snapshot import PartHeader, encode_parts
-from allocator.replication import Entry, ReplicatedLog
+from allocator.ledger import Changes, ChangeSet, Ledger, LogPosition
+from allocator.log_entries import Batch, SnapshotPart
+from allocator.log_snapshot import AsOf, PartHeader, encode_parts
+from allocator.replication import ReplicatedLog
 
 TINY: dict[str, Any] = {"max_bytes": 64 << 10, "segment_bytes": 4 << 10,
                         "snapshot_bytes": 12 << 10, "snapshot_part_bytes": 1 << 10}
@@ -246,13 +247,15 @@ async def test_a_snapshot_of_a_deposed_writer_is_ignored_by_followers_and_by_a_n
         tables["leases"].rows.append([*tables["leases"].rows[0]])
         tables["leases"].rows[-1][tables["leases"].columns.index("lease_id")] = "forged"
         payloads = encode_parts(tables, TINY["snapshot_part_bytes"])
-        parts = [Entry("snapshot", stale.log_id, f"forged-part-{number}", 1, a.writer_id,
-                       snapshot_from=stale.snapshot_from, payload=payload,
-                       part=PartHeader("forged", number, len(payloads), stale.offset,
-                                       stale.entry_id, 1, a.writer_id))
+        as_of = AsOf(offset=stale.offset, entry_id=stale.entry_id, epoch=1, writer=a.writer_id)
+        parts = [SnapshotPart(log_id=stale.log_id, entry_id=f"forged-part-{number}", epoch=1,
+                              writer=a.writer_id, snapshot_from=stale.snapshot_from,
+                              payload=payload,
+                              snapshot=PartHeader(id="forged", part=number,
+                                                  parts=len(payloads), as_of=as_of))
                  for number, payload in enumerate(payloads)]
-        late = Entry("batch", stale.log_id, "forged-late", 1, a.writer_id,
-                     changes=batch("forged-late").to_json(), snapshot_from=stale.offset)
+        late = Batch(log_id=stale.log_id, entry_id="forged-late", epoch=1, writer=a.writer_id,
+                     changes=ChangeSet.of(batch("forged-late")), snapshot_from=stale.offset)
         connection = await aio_pika.connect(url, timeout=10)
         async with connection:
             channel = await connection.channel()

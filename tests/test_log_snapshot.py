@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocator.log_snapshot import (
+    AsOf,
     PartHeader,
     Seen,
     SnapshotAssembly,
@@ -83,9 +84,10 @@ def snapshot_entries(as_of: Seen, payloads: list[bytes], *, first_offset: int,
     """The parts a writer appends after ``as_of``; offsets may skip (RabbitMQ's own chunks)."""
     return [entry(first_offset + 2 * number, f"{snapshot_id}-part{number}", epoch=epoch,
                   writer=writer, payload=payload,
-                  part=PartHeader(snapshot_id, number, len(payloads), as_of.offset,
-                                  as_of.entry_id, header_epoch or epoch,
-                                  header_writer or writer))
+                  part=PartHeader(id=snapshot_id, part=number, parts=len(payloads),
+                                  as_of=AsOf(offset=as_of.offset, entry_id=as_of.entry_id,
+                                             epoch=header_epoch or epoch,
+                                             writer=header_writer or writer)))
             for number, payload in enumerate(payloads)]
 
 
@@ -103,7 +105,7 @@ def test_parts_right_after_their_as_of_entry_make_one_whole_snapshot(
     [done] = read([entry(first - 1, "before"), as_of, *parts, entry(10**7, "after")])
     assert done.payloads == payloads
     assert (done.last_offset, done.last_entry_id) == (parts[-1].offset, parts[-1].entry_id)
-    assert done.header.as_of_offset == first and not done.as_of_genesis
+    assert done.header.as_of.offset == first and not done.as_of_genesis
     assert done.size == sum(map(len, payloads))
 
 
