@@ -1,11 +1,13 @@
 """The allocator process: consumes the inbound queue, applies, commits, then replies.
 
-One task (the applier) takes messages in arrival order, up to ``batch_max`` at a time,
-applies them to the :class:`~allocator.engine.Engine`, commits the whole batch to the
-ledger in one transaction, and only then sends the replies and acknowledges the messages.
-A crash before the commit loses nothing (the broker redelivers, requests are idempotent
-by ``request_key``); a failed commit grants nothing (memory is rebuilt from the ledger and
-every request in the batch is answered ``storage_error``).
+One task (the applier) takes up to ``batch_max`` requests and ``batch_max`` node messages at
+a time (requests go ahead of node messages that arrived before them; each kind keeps its
+arrival order: :mod:`allocator.inbox`, docs/design.md "Decisions"), applies them to the
+:class:`~allocator.engine.Engine`, commits the whole batch to the ledger in one transaction,
+and only then sends the replies and acknowledges the messages. A crash before the commit
+loses nothing (the broker redelivers, requests are idempotent by ``request_key``); a failed
+commit grants nothing (memory is rebuilt from the ledger and every request in the batch is
+answered ``storage_error``).
 
 Commands the batch decided for node agents (stop a lease's container) are published to the
 agents exchange after the commit, before the replies: fire-and-forget, each bounded in time;

@@ -2,9 +2,13 @@
 
 It reads the host's GPUs (from NVML, or from a simulated inventory file on hosts without
 GPUs), judges their health, watches the Docker engine for containers that carry a lease
-label, and publishes heartbeats and container events to the broker. It imports only the
-allocator's public surface: :mod:`allocator.protocol`, :mod:`allocator.topology` and
-:mod:`allocator.client`.
+label, and publishes heartbeats and container events to the broker.
+
+It imports only the allocator's public surface, these modules exactly: :mod:`allocator.broker`,
+:mod:`allocator.client`, :mod:`allocator.heartbeat_delta`, :mod:`allocator.lease_container`,
+:mod:`allocator.model_names`, :mod:`allocator.protocol`, :mod:`allocator.settings_files`,
+:mod:`allocator.tasks` and :mod:`allocator.topology` (``tests/test_design_map.py`` holds this
+list to the code).
 
 Modules, one concept each:
 
@@ -13,9 +17,11 @@ Modules, one concept each:
 - :mod:`nodeagent.nvml`       the real inventory source (nvidia-ml-py)
 - :mod:`nodeagent.simulated`  the simulated inventory source (a JSON file) and its writer
 - :mod:`nodeagent.health`     pure health evaluation with recovery
+- :mod:`nodeagent.mig`        MIG: parent health on instances, held instances through a re-partition
 - :mod:`nodeagent.cgroups`    process → container mapping through ``/proc/<pid>/cgroup``
 - :mod:`nodeagent.containers` lease-labelled containers and their events (aiodocker)
 - :mod:`nodeagent.publisher`  bounded, buffered publishing to the nodes exchange (aio-pika)
+- :mod:`nodeagent.commands`   the allocator's stop commands for this host's lease containers
 - :mod:`nodeagent.agent`      the agent itself: heartbeat loop, event forwarding, XID thread
 - :mod:`nodeagent.cli`        ``gpu-nodeagent``
 - :mod:`nodeagent.nvml_check` ``python -m nodeagent.nvml_check`` for a real GPU machine

@@ -17,10 +17,15 @@ The engine is one class, :class:`Engine`, built from rooms of one concept each:
 
 - :mod:`allocator.engine.state` - the memory (nodes, GPUs, leases, queue) and its rebuild from
   the ledger (:meth:`~allocator.engine.state.EngineState.load`);
+- :mod:`allocator.engine.idle` - idle measured on the GPU: a bound lease's use, idle spells;
 - :mod:`allocator.engine.views` - read-only answers: lease views, lookups, the inventory;
 - :mod:`allocator.engine.outbox` - the stop-command outbox to node agents;
 - :mod:`allocator.engine.leases` - the lease book: allocate, queue, grant, release, end;
+- :mod:`allocator.engine.node_truth` - adoption of containers the ledger forgot, grant
+  conflicts, the start fence;
 - :mod:`allocator.engine.nodes` - node reconciliation: heartbeats, container events, drains;
+- :mod:`allocator.engine.reclaim` - fair share in action: warn, withdraw and carry out
+  reclaims and idle releases;
 - :mod:`allocator.engine.dispatch` - :class:`Engine` itself: message dispatch and timers.
 """
 
