@@ -6,8 +6,10 @@ addresses: one URL naming several broker nodes), :mod:`allocator.client` (the RP
 :mod:`allocator.model_names` (which spellings mean which GPU model) and
 :mod:`allocator.lease_container` (the label and environment of a lease's container),
 :mod:`allocator.heartbeat_delta` (what a heartbeat delta carries and how it applies),
-:mod:`allocator.tasks` (bounded shutdown of background tasks) and
-:mod:`allocator.settings_files` (how a process reads its settings: sources, the TOML file).
+:mod:`allocator.tasks` (bounded shutdown of background tasks),
+:mod:`allocator.settings_files` (how a process reads its settings: sources, the TOML file),
+:mod:`allocator.capacity` (how many GPUs of one request one host can give, the rule the
+hub's form checks and the policy share).
 The node agent and the hub plugin import nothing else of the allocator.
 """
 
@@ -23,5 +25,6 @@ PUBLIC_SURFACE = frozenset({
     "allocator.heartbeat_delta",
     "allocator.tasks",
     "allocator.settings_files",
+    "allocator.capacity",
 })
 """The modules other parts may import."""

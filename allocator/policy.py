@@ -17,7 +17,8 @@ Rules, as in ``docs/design.md``:
   least that capability and that architecture (an instance has its parent's).
 * Exclusive ``count=n``: *n* free GPUs of one model. ``count=None`` ("all"): every present
   GPU of the host that matches the request must be free and placeable (at least one); such a
-  lease mixes models only when no model was asked for.
+  lease mixes models only when no model was asked for. How many GPUs one host can give one
+  request is :mod:`allocator.capacity`'s rule, the hub's too.
 * Model names a person typed are matched by :mod:`allocator.model_names`, the rule the hub
   uses too. Acceptable models are tried in order of preference: the first that fits anywhere
   wins.
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from allocator import lease_container
+from allocator import capacity, lease_container
 from allocator.cluster import GPU, Claim, Cluster
 from allocator.config import PolicySettings
 from allocator.model_names import ModelNameError, ModelNames
@@ -377,11 +378,12 @@ def feasible(demand: Demand, cluster: Cluster) -> Refusal | None:
     if demand.count is None:
         return None  # "all" needs only one matching GPU on some host.
 
-    groups: dict[tuple[str, str], int] = {}
-    for gpu in big:
-        groups[(gpu.host, gpu.model)] = groups.get((gpu.host, gpu.model), 0) + 1
-    # Largest group first, then host and model names for a stable message.
-    (host, model), most = min(groups.items(), key=lambda item: (-item[1], item[0]))
+    # One rule with the hub (allocator.capacity): a count is GPUs of one model on one host.
+    group = capacity.largest_group(capacity.gpu_groups(
+        ((gpu.host, gpu.model) for gpu in big), any_model=demand.models is None))
+    # big is not empty, and a count never mixes models
+    assert group is not None and group.model is not None
+    host, model, most = group.host, group.model, group.gpus
     if most >= demand.count:
         return None
     if demand.models is not None and len(demand.models) == 1:

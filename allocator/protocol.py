@@ -44,8 +44,20 @@ MAX_COUNT = 64
 MAX_WAIT_S = 24 * 3600.0
 """The longest a request may wait in the queue."""
 
-Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+MAX_NAME = 200
+"""The longest identifier (user, host, model, request key...) a message may carry."""
+
+PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
+"""The pattern of an identifier: at least one character, none of them a control character."""
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=PRINTABLE)]
 """A printable identifier (user, host, model, request key...)."""
+
+MAX_MODELS = 32
+"""The most models one request may list as acceptable (``AllocateRequest.models``)."""
+
+MAX_GROUPS = 64
+"""The most groups one request may name."""
 
 MAX_TEXT = 500
 """The longest free text (a reason, a health verdict) a message may carry."""
@@ -62,7 +74,10 @@ WIRE: Final = {"wire": True}
 ``"yes"`` not a boolean), and it makes ``"v"`` required. Messages built in Python get ``v``
 by default."""
 
-MiB = Annotated[StrictInt, Field(ge=0, le=1 << 30)]
+MAX_MIB = 1 << 30
+"""The largest memory size in MiB a message may carry (1 PiB)."""
+
+MiB = Annotated[StrictInt, Field(ge=0, le=MAX_MIB)]
 """A memory size in MiB (up to 1 PiB)."""
 
 ComputeCapability = Annotated[str, Field(pattern=r"^[0-9]{1,2}\.[0-9]{1,2}$",
@@ -246,13 +261,14 @@ class AllocateRequest(_Message):
         examples=["hub1/alice/"],
     )
     user: Name = Field(examples=["alice"])
-    groups: list[Name] = Field(default_factory=list, max_length=64, examples=[["students"]])
+    groups: list[Name] = Field(default_factory=list, max_length=MAX_GROUPS,
+                               examples=[["students"]])
     model: Name | None = Field(
         default=None, description="A model name or alias; None = any.", examples=["1070"]
     )
     models: list[Name] | None = Field(
         default=None,
-        max_length=32,
+        max_length=MAX_MODELS,
         description="Acceptable models in order of preference; excludes ``model``.",
         examples=[["a100", "3090"]],
     )
@@ -407,7 +423,7 @@ class QuotaRequest(_Message):
 
     kind: Literal["quota"] = "quota"
     user: Name
-    groups: list[Name] = Field(default_factory=list, max_length=64,
+    groups: list[Name] = Field(default_factory=list, max_length=MAX_GROUPS,
                                description="The user's groups, as an allocate would give them.")
     count: float | None = Field(
         default=None, gt=0, le=MAX_COUNT, allow_inf_nan=False,

@@ -7,8 +7,15 @@
 - :mod:`hubplugin.templating`: the Jinja2 templates of the form and the page (admins override).
 - :mod:`hubplugin.page`: the GPU page, a hub service at ``/services/gpu/``.
 - :mod:`hubplugin.builders`: a lease turned into env, placement constraints and labels.
+- :mod:`hubplugin.leasing`: the allocate-and-wait conversation with the allocator, releases.
+- :mod:`hubplugin.overrides`: a profile's spawner settings, set for one start and undone.
+- :mod:`hubplugin.progress`: the spawn page's progress events (the request, its queue place).
+- :mod:`hubplugin.errors`: allocator errors as HTTP errors with a message for people.
 - :mod:`hubplugin.spawner`: the spawner (entry point ``gpu-swarm``).
 
-It imports only the allocator's public surface: ``allocator.protocol``, ``allocator.topology``
-and ``allocator.client``.
+It imports only the allocator's public surface, these modules exactly:
+:mod:`allocator.capacity`, :mod:`allocator.client`, :mod:`allocator.lease_container`,
+:mod:`allocator.model_names`, :mod:`allocator.protocol`, :mod:`allocator.settings_files` and
+:mod:`allocator.tasks`
+(``tests/test_design_map.py`` holds this list to the code).
 """

@@ -26,15 +26,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from allocator.capacity import gpu_groups, most_per_host
 from allocator.model_names import ModelNameError, ModelNames, same_model
 from allocator.protocol import (
     MAX_COUNT,
+    MAX_GROUPS,
+    MAX_MIB,
+    MAX_MODELS,
     MAX_WAIT_S,
     AllocateRequest,
     Architecture,
     ComputeCapability,
     InventoryReply,
     ModelSummary,
+    Name,
     ShareRequest,
 )
 
@@ -47,10 +52,10 @@ CUSTOM_PROFILE = "custom"
 PASSTHROUGH_KEYS = frozenset({"image"})
 """user_options keys that are not GPU options and are left to DockerSpawner (``image``)."""
 
-MAX_LISTED_MODELS = 32
-"""AllocateRequest.models holds at most this many names."""
-
-_PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
+GPU_FORM_FIELDS = ("profile", "mode", "model", "count", "all_gpus_of_host", "host",
+                   "share_memory_mib")
+"""The spawn form's fields that make a GPU choice; a form without any (dockerspawner's image
+form, an admin's own) makes none, and the spawn gets the admin's default."""
 
 
 class OptionsError(ValueError):
@@ -79,11 +84,10 @@ class GPUOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
 
     mode: GPUMode = Field(default=GPUMode.NONE, description="none, exclusive or shared.")
-    model: str = Field(
+    # Name: the wire's own bounds (printable, at most MAX_NAME characters), so that what the
+    # form accepts is what an AllocateRequest can carry.
+    model: Name = Field(
         default=ANY_MODEL,
-        min_length=1,
-        max_length=200,
-        pattern=_PRINTABLE,
         description='A model name or alias, or "any".',
         examples=["any", "1070", "NVIDIA GeForce GTX 1070"],
     )
@@ -91,9 +95,8 @@ class GPUOptions(BaseModel):
     all_gpus_of_host: bool = Field(
         default=False, description="Every GPU (of the model) of one host, instead of count."
     )
-    host: str | None = Field(
-        default=None, min_length=1, max_length=200, pattern=_PRINTABLE,
-        description="Only this node.", examples=["gpu-a"],
+    host: Name | None = Field(
+        default=None, description="Only this node.", examples=["gpu-a"],
     )
     share_memory_mib: int | None = Field(
         default=None, description="Memory budget of a shared slice; default: the admin's."
@@ -131,8 +134,8 @@ class GPUOptions(BaseModel):
     @field_validator("share_memory_mib")
     @classmethod
     def _memory_in_range(cls, value: int | None) -> int | None:
-        if value is not None and not 1 <= value <= 1 << 30:
-            raise ValueError(f"must be between 1 and {1 << 30} MiB (you asked for {value})")
+        if value is not None and not 1 <= value <= MAX_MIB:
+            raise ValueError(f"must be between 1 and {MAX_MIB} MiB (you asked for {value})")
         return value
 
     @property
@@ -247,12 +250,17 @@ def options_from_form(formdata: Mapping[str, Sequence[str]]) -> dict[str, Any]:
     Fields of the form: ``profile`` (a slug or ``custom``), ``mode``, ``model``, ``count``
     (a number or ``all``), ``host`` (empty = any), ``share_memory_mib``, and ``image`` if the
     admin offers images. Unknown fields (the hub's ``_xsrf``...) are ignored. Choosing a
-    profile ignores the custom fields, as a browser would still submit them.
+    profile ignores the custom fields, as a browser would still submit them. A form with none
+    of the GPU fields (:data:`GPU_FORM_FIELDS`) chooses nothing: only ``image`` is kept, and
+    the spawn gets the default choice, as a REST spawn without GPU options does.
     """
     out: dict[str, Any] = {}
     image = _first(formdata, "image")
     if image is not None:
         out["image"] = image
+    if all(_first(formdata, field) is None for field in GPU_FORM_FIELDS):
+        # "no GPU" pinned here would override the admin's default_gpu_mode and profiles
+        return out
     profile = _first(formdata, "profile")
     if profile is not None and profile != CUSTOM_PROFILE:
         parse_user_options({"profile": profile})  # validates the slug
@@ -408,10 +416,32 @@ def choice_from_user_options(
     """
     raw = dict(user_options or {})
     options = parse_user_options(raw)
-    if not raw.keys() - PASSTHROUGH_KEYS:
+    if not makes_gpu_choice(raw):
         default = next((p for p in profiles if p.default), None)
         options = GPUOptions(profile=default.slug) if default else GPUOptions(mode=default_mode)
     return resolve_profile(options, profiles, groups)
+
+
+def makes_gpu_choice(user_options: Mapping[str, Any] | None) -> bool:
+    """Whether ``user_options`` choose anything about GPUs (more than :data:`PASSTHROUGH_KEYS`);
+    those that do not get the default choice."""
+    return bool((user_options or {}).keys() - PASSTHROUGH_KEYS)
+
+
+def offers_gpu_choice(permissions: GPUPermissions, profiles: Iterable[Profile]) -> bool:
+    """Whether a user has a GPU to choose: GPUs of their own choice, or a profile with one.
+
+    A user with neither gets no GPU form: the spawn is SwarmSpawner's (a straight spawn, or
+    dockerspawner's image choice), and starts without a GPU.
+    """
+    return permissions.may_use_gpus or any(p.options().wants_gpu for p in profiles)
+
+
+def default_mode_for(permissions: GPUPermissions, default_mode: GPUMode) -> GPUMode:
+    """The mode of a spawn that chooses nothing: the admin's ``default_mode``, but no GPU for a
+    user who may not pick GPUs, whose straight spawn must start (as SwarmSpawner's does)
+    rather than be refused a GPU nobody asked for."""
+    return default_mode if permissions.may_use_gpus else GPUMode.NONE
 
 
 # --------------------------------------------------------------------------- permissions
@@ -581,7 +611,9 @@ def check_options(
     model, models = _check_model(ctx)
     eligible = _eligible_models(ctx, model, models)
     host = _check_host(ctx)
-    per_host = _gpus_per_host(ctx, eligible, host)
+    # A request that names no model, nor a list, is the one whose "all GPUs of a host" may
+    # mix models (allocator.capacity); the allocator gets exactly that request.
+    per_host = _gpus_per_host(ctx, eligible, host, any_model=model is None and models is None)
     what = "any model you may use" if model is None else model
     if options.mode is GPUMode.SHARED:
         memory, models = _check_share(ctx, eligible, model, models, what)
@@ -591,7 +623,7 @@ def check_options(
             options=options, model=model, models=models, count=1, host=host,
             share_memory_mib=memory, shared=True,
         )
-    count = _check_count(ctx, per_host, host, what)
+    count = _check_count(ctx, per_host, host, what, one_model=model is not None)
     return CheckedRequest(options=options, model=model, models=models, count=count, host=host)
 
 
@@ -621,7 +653,7 @@ def _check_model(ctx: _Context) -> tuple[str | None, list[str] | None]:
                 )
         else:
             names = list(allowed)
-        return None, list(dict.fromkeys(names))[:MAX_LISTED_MODELS]
+        return None, list(dict.fromkeys(names))[:MAX_MODELS]
     if catalog is not None:
         resolved = catalog.names.resolve([options.model])
         if isinstance(resolved, ModelNameError):
@@ -668,20 +700,22 @@ def _check_host(ctx: _Context) -> str | None:
 
 
 def _gpus_per_host(ctx: _Context, eligible: list[ModelSummary] | None,
-                   host: str | None) -> dict[str, int]:
-    """GPUs per host of the eligible models (total, not just free); empty when unknown."""
-    per_host: dict[str, int] = {}
+                   host: str | None, *, any_model: bool) -> dict[str, int]:
+    """Host -> the most GPUs (total, not just free) one request of the eligible models can
+    get there, by the allocator's own rule (:mod:`allocator.capacity`: a count is of one
+    model); empty when unknown."""
     if ctx.inventory is None or eligible is None:
-        return per_host
+        return {}
     eligible_names = {m.model for m in eligible}
     allowed_hosts = ctx.permissions.allowed_hosts
-    for gpu in ctx.inventory.gpus:
-        if gpu.mig_enabled:
-            continue  # a GPU in MIG mode is no unit: its instances are counted instead
-        if gpu.model in eligible_names and (
-            ctx.trusted or allowed_hosts is None or gpu.host in allowed_hosts
-        ):
-            per_host[gpu.host] = per_host.get(gpu.host, 0) + 1
+    counted = [
+        (gpu.host, gpu.model) for gpu in ctx.inventory.gpus
+        # a GPU in MIG mode is no unit: its instances are counted instead
+        if not gpu.mig_enabled and gpu.model in eligible_names
+        and (ctx.trusted or allowed_hosts is None or gpu.host in allowed_hosts)
+    ]
+    per_host = most_per_host(gpu_groups(
+        counted, all_of_host=ctx.options.all_gpus_of_host, any_model=any_model))
     if host is not None:
         per_host = {host: per_host.get(host, 0)}
     return per_host
@@ -723,13 +757,16 @@ def _check_share(ctx: _Context, eligible: list[ModelSummary] | None, model: str 
             )
         shareable = fitting
     if model is None and len(shareable) < len(eligible):
-        models = [m.model for m in shareable][:MAX_LISTED_MODELS]
+        models = [m.model for m in shareable][:MAX_MODELS]
     return memory, models
 
 
 def _check_count(ctx: _Context, per_host: dict[str, int], host: str | None,
-                 what: str) -> int | str:
-    """The number of whole GPUs (or ``"all"``) within the user's limit and the hosts."""
+                 what: str, *, one_model: bool) -> int | str:
+    """The number of whole GPUs (or ``"all"``) within the user's limit and the hosts.
+
+    ``per_host`` is :func:`_gpus_per_host`'s; ``one_model`` says the request names one model
+    (else the messages say why GPUs of several models on one host do not add up)."""
     options, permissions = ctx.options, ctx.permissions
     limit = MAX_COUNT if ctx.trusted else permissions.max_gpus
     if options.all_gpus_of_host:
@@ -761,6 +798,13 @@ def _check_count(ctx: _Context, per_host: dict[str, int], host: str | None,
         largest = max(per_host.values())
         if largest == 0 and host is not None:
             raise OptionsError(f"Host '{host}' has no GPU of {what}.", field="host")
+        if options.count > largest and not one_model:
+            where = f"Host '{host}' has only" if host is not None else "No host has more than"
+            raise OptionsError(
+                f"{where} {_plural(largest)} of one model ({what}); you asked for "
+                f"{options.count}. The GPUs of one server are all of one model.",
+                field="count",
+            )
         if options.count > largest and host is not None:
             raise OptionsError(
                 f"Host '{host}' has only {_plural(largest)} of {what}; you asked for "
@@ -796,7 +840,7 @@ def build_allocate_request(
     return AllocateRequest(
         request_key=request_key(hub_id, user, server_name),
         user=user,
-        groups=list(groups)[:64],
+        groups=list(groups)[:MAX_GROUPS],
         model=checked.model,
         models=checked.models,
         count=checked.count,

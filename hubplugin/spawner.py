@@ -13,7 +13,9 @@ Life of one server (docs/design.md, flows 1 and 3):
 
 1. ``options_form`` asks the allocator for its inventory and renders the spawn form;
    ``options_from_form`` turns the submitted fields into ``user_options``. REST clients send
-   the same ``user_options``.
+   the same ``user_options``. A user with no GPU to choose (no model, no GPU, no profile with
+   one) gets what a ``SwarmSpawner`` gives: a straight spawn, or dockerspawner's image choice.
+   A spawn that chooses no GPU (only an image, or nothing) gets the admin's default.
 2. ``apply_user_options`` (and again ``start``) checks the choice against what the admin permits:
    a forged choice fails with HTTP 400 before anything is asked of the allocator.
 3. ``start`` sends ``allocate`` with the idempotent key ``<hub_id>/<user>/<server>``; a queued
@@ -72,7 +74,10 @@ from .options import (
     build_allocate_request,
     check_options,
     choice_from_user_options,
+    default_mode_for,
     load_profiles,
+    makes_gpu_choice,
+    offers_gpu_choice,
     options_from_form,
     parse_user_options,
     permissions_for,
@@ -234,8 +239,9 @@ class GPUSwarmSpawner(SwarmSpawner):
     default_gpu_mode = Unicode(
         GPUMode.NONE.value,
         config=True,
-        help="""Mode preselected on the form and used by REST spawns without options:
-        ``none``, ``exclusive`` or ``shared``. A profile marked ``default`` wins.""",
+        help="""Mode preselected on the form and used by spawns that choose no GPU (REST
+        without options, a form with only an image): ``none``, ``exclusive`` or ``shared``.
+        A profile marked ``default`` wins; a user who may not use GPUs gets ``none``.""",
     )
 
     wait_s = Float(
@@ -396,11 +402,16 @@ class GPUSwarmSpawner(SwarmSpawner):
             allow_all_gpus_of_host=self.allow_all_gpus_of_host,
         )
 
+    def gpu_default_mode(self) -> GPUMode:
+        """The mode of a spawn that chooses none: ``default_gpu_mode``, or no GPU for a user
+        who may not pick GPUs."""
+        return default_mode_for(self.gpu_permissions(), GPUMode(self.default_gpu_mode))
+
     def gpu_choice(self) -> tuple[GPUOptions, Profile | None]:
         """The user's choice with profiles resolved; HTTP 400 when it cannot be parsed."""
         try:
             return choice_from_user_options(self.user_options, self.profiles(),
-                                            self.user_groups(), GPUMode(self.default_gpu_mode))
+                                            self.user_groups(), self.gpu_default_mode())
         except OptionsError as exc:
             raise user_error(400, str(exc)) from None
 
@@ -439,8 +450,19 @@ class GPUSwarmSpawner(SwarmSpawner):
 
     # ------------------------------------------------------------------ spawn form
 
+    def image_options_form(self) -> str:
+        """dockerspawner's own form: a choice among several ``allowed_images``, else none
+        (``""``: the hub spawns at once), exactly as for a ``SwarmSpawner``."""
+        return str(SwarmSpawner._default_options_form(self))
+
     async def gpu_options_form(self) -> str:
-        """Render the spawn form from the allocator's current inventory."""
+        """Render the spawn form from the allocator's current inventory; for a user with no
+        GPU to choose, dockerspawner's form (:meth:`image_options_form`) instead."""
+        permissions, profiles = self.gpu_permissions(), self.profiles()
+        if not offers_gpu_choice(permissions, profiles):
+            # SwarmSpawner's contract where GPUs are not involved: no GPU form, and no
+            # allocator call that could only slow the page down.
+            return self.image_options_form()
         inventory: InventoryReply | None = None
         unavailable = None
         try:
@@ -453,12 +475,12 @@ class GPUSwarmSpawner(SwarmSpawner):
         current = None
         try:
             previous = parse_user_options(self.user_options or {})
-            if self.user_options:
+            # options that chose only an image chose no GPU: the form shows the default
+            if makes_gpu_choice(self.user_options):
                 current = previous
         except OptionsError:
             pass
         images = self._get_allowed_images()
-        permissions, profiles = self.gpu_permissions(), self.profiles()
         borrow = None
         if inventory is not None and permissions.may_use_gpus:
             catalog = ModelCatalog(inventory.models)
@@ -472,7 +494,7 @@ class GPUSwarmSpawner(SwarmSpawner):
             profiles=profiles,
             borrow=borrow,
             current=current,
-            default_mode=GPUMode(self.default_gpu_mode),
+            default_mode=self.gpu_default_mode(),
             unavailable=unavailable,
             wait_s=self.wait_s,
             images=images if isinstance(images, dict) and len(images) > 1 else None,

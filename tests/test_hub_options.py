@@ -100,7 +100,9 @@ def test_form_no_gpu_drops_other_fields() -> None:
     assert options_from_form({"mode": ["none"], "model": ["a100"], "count": ["8"]}) == {
         "mode": "none"
     }
-    assert options_from_form({}) == {"mode": "none"}
+    # a form without GPU fields chooses nothing: the spawn gets the admin's default
+    assert options_from_form({}) == {}
+    assert options_from_form({"image": ["lab"], "_xsrf": ["t"]}) == {"image": "lab"}
 
 
 def test_form_profile_wins_over_custom_fields() -> None:

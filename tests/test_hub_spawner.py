@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from dockerspawner import SwarmSpawner
 from tornado import web
 from traitlets import TraitError
 
@@ -120,6 +121,72 @@ def test_a_forbidden_choice_is_refused_before_the_allocator_is_asked() -> None:
     assert err.value.status_code == 400
     assert err.value.log_message is not None
     assert "may not use GPU model 'a100'" in err.value.log_message % err.value.args
+
+
+# ------------------------------------------- SwarmSpawner's contract where GPUs are not involved
+
+NO_ALLOCATOR: dict[str, Any] = {"allocator_url": "amqp://guest:guest@127.0.0.1:9/",
+                                "allocator_connect_timeout": 0.5,
+                                "allocator_form_timeout": 0.5}
+"""An allocator nobody answers at: a spawner that asks it renders its GPU form anyway, with
+a note, after a refused connection."""
+
+NO_GPU_USERS = [{"default_models": []}, {"user_max_gpus": 0}]
+
+
+def swarm_spawner(**config: Any) -> SwarmSpawner:
+    """A plain SwarmSpawner, to compare with."""
+    return SwarmSpawner(user=SimpleNamespace(name="vic", groups=[], url="/user/vic/"), **config)
+
+
+@pytest.mark.parametrize("config", NO_GPU_USERS, ids=["no-models", "no-gpus"])
+async def test_a_user_who_may_use_no_gpu_gets_a_straight_spawn(config: dict[str, Any]) -> None:
+    # the admin preselects whole GPUs for those who may use them
+    spawner = make("vic", (), default_gpu_mode="exclusive", **config, **NO_ALLOCATOR)
+    form = await spawner.get_options_form()
+    assert form == "" == await swarm_spawner().get_options_form()  # the hub spawns at once
+    spawner.user_options = {}
+    spawner.apply_user_options(spawner, {})  # no "You may not use GPUs": nobody asked for one
+    options, profile = spawner.gpu_choice()
+    assert options.mode is GPUMode.NONE and profile is None
+
+
+@pytest.mark.parametrize("config", NO_GPU_USERS, ids=["no-models", "no-gpus"])
+async def test_a_user_who_may_use_no_gpu_gets_dockerspawners_image_form(
+    config: dict[str, Any]
+) -> None:
+    images = ["jupyter/minimal", "jupyter/scipy"]
+    spawner = make("vic", (), allowed_images=images, **config, **NO_ALLOCATOR)
+    form = await spawner.get_options_form()
+    assert form == await swarm_spawner(allowed_images=images).get_options_form()
+    assert 'name="image"' in form and 'name="mode"' not in form
+    spawner.user_options = spawner.options_from_form({"image": ["jupyter/scipy"]})
+    assert spawner.user_options == {"image": "jupyter/scipy"}
+    spawner.apply_user_options(spawner, spawner.user_options)
+    assert spawner.gpu_choice()[0].mode is GPUMode.NONE
+
+
+async def test_a_user_with_a_gpu_profile_still_gets_the_gpu_form() -> None:
+    spawner = make("vic", (), default_models=[], gpu_profiles=PROFILES, **NO_ALLOCATOR)
+    form = await spawner.get_options_form()
+    assert 'id="sg-form"' in form and 'name="profile"' in form
+
+
+def test_a_form_that_sends_only_an_image_gets_the_default_gpu_choice() -> None:
+    # an admin's own options_form, or dockerspawner's, that offers only images
+    spawner = make(default_gpu_mode="exclusive", allowed_images=["lab", "minimal"],
+                   options_form='<select name="image"><option>lab</option></select>')
+    spawner.user_options = spawner.options_from_form({"image": ["lab"], "_xsrf": ["t"]})
+    assert spawner.user_options == {"image": "lab"}
+    options, profile = spawner.gpu_choice()
+    assert options.mode is GPUMode.EXCLUSIVE and profile is None
+    with_profiles = make(gpu_profiles=PROFILES)
+    with_profiles.user_options = with_profiles.options_from_form({"image": ["lab"]})
+    options, profile = with_profiles.gpu_choice()
+    assert profile is not None and profile.slug == "gpu"  # the admin's default profile
+    # REST user_options with only an image: the same
+    spawner.user_options = {"image": "lab"}
+    assert spawner.gpu_choice()[0].mode is GPUMode.EXCLUSIVE
 
 
 def test_profile_overrides_are_applied_and_undone() -> None:
