@@ -14,11 +14,13 @@ the hub test allows for a cold build.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -100,14 +102,23 @@ async def log_in(session: aiohttp.ClientSession, hub: str, user: str, password: 
 
 @pytest.mark.docker
 @pytest.mark.hub
+@pytest.mark.browser
 @pytest.mark.slow
-@pytest.mark.timeout(COLD_DEMO_S + 300)
+@pytest.mark.timeout(2 * COLD_DEMO_S + 300)
 async def test_the_demo_starts_gpu_notebooks_from_the_hub_and_stops_clean(
-        hub_demo: tuple[Path, int], docker_engine: str) -> None:
+        hub_demo: tuple[Path, int], docker_engine: str, chromium_path: Path,
+        tmp_path: Path) -> None:
     state, port = hub_demo
     if services.chp_path() is None:
         require_service("configurable-http-proxy", "not installed")
     env = demo_env(state, port)
+    # A first run left running (as an interrupted one would leave it): the next run takes
+    # over from it, whatever it left.
+    first = run_demo(["--no-walkthrough"], env, timeout=COLD_DEMO_S)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-6000:]
+    assert "walk-through" not in first.stdout
+    left_running = demo_processes(state)
+    assert left_running
     demo = run_demo([], env, timeout=COLD_DEMO_S)
     output = demo.stdout + demo.stderr
     assert demo.returncode == 0, output[-6000:]
@@ -118,6 +129,7 @@ async def test_the_demo_starts_gpu_notebooks_from_the_hub_and_stops_clean(
     assert "NVIDIA_VISIBLE_DEVICES=GPU-" in demo.stdout
     assert "queued (position 1)" in demo.stdout
     assert "walk-through passed" in demo.stdout
+    assert not set(left_running) & set(demo_processes(state))
     timings = json.loads(demo.stdout.strip().splitlines()[-1])["walkthrough"]
     assert timings["handover_s"] > 0 and timings["walkthrough_s"] >= timings["handover_s"]
     print(f"scripts/demo: {timings}")
@@ -150,6 +162,8 @@ async def test_the_demo_starts_gpu_notebooks_from_the_hub_and_stops_clean(
             status: dict[str, Any] = await response.json()
         assert "started" in status
 
+    await asyncio.to_thread(browse, hub, passwords, tmp_path, chromium_path)
+
     settings = exported(state / "env")
     vhost = settings["SWARM_GPU_AMQP_URL"].rsplit("/", 1)[1]
     prefix = settings["SWARM_GPU_DEMO_PREFIX"]
@@ -166,6 +180,36 @@ async def test_the_demo_starts_gpu_notebooks_from_the_hub_and_stops_clean(
     assert code == 200
     assert [s["Spec"]["Name"] for s in json.loads(body)
             if s["Spec"]["Name"].startswith(f"{prefix}-")] == []
+
+
+def browse(hub: str, passwords: dict[str, str], tmp_path: Path, chromium: Path) -> None:
+    """The spawn page as the admin sees it, and the GPU page as bob sees it, in Chromium;
+    with SWARM_GPU_UPDATE_DOCS=1 the screenshots become the README's pictures."""
+    from hub_browser import Browser
+
+    shots = {"spawn": tmp_path / "demo-spawn-page.png", "page": tmp_path / "demo-gpu-page.png"}
+    with Browser(chromium, tmp_path / "chromium", height=900) as browser:
+        tab = browser.page()
+        browser.log_in(tab, hub, "admin", passwords["admin"])
+        browser.navigate(tab, f"{hub}/hub/spawn")
+        spawn = browser.evaluate(tab, """({
+            models: [...document.querySelectorAll('#sg-model option')].map(o => o.value),
+            text: document.body.innerText,
+        })""")
+        browser.screenshot(tab, shots["spawn"], full_page=True)
+        browser.navigate(tab, f"{hub}/hub/logout")
+        browser.log_in(tab, hub, "bob", passwords["bob"])
+        browser.navigate(tab, f"{hub}/services/gpu/")
+        page_text = str(browser.evaluate(tab, "document.body.innerText"))
+        browser.screenshot(tab, shots["page"], full_page=True)
+    assert "NVIDIA A100-SXM4-40GB" in spawn["models"], spawn
+    assert "NVIDIA GeForce RTX 3090" in spawn["models"], spawn
+    assert "Available now" in spawn["text"]
+    assert "A100" in page_text and "bob" in page_text, page_text[:1000]
+    for shot in shots.values():
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("SWARM_GPU_UPDATE_DOCS") == "1":
+            shutil.copyfile(shot, REPO_ROOT / "docs" / shot.name)
 
 
 @pytest.mark.slow
