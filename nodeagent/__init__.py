@@ -22,6 +22,7 @@ Modules, one concept each:
 - :mod:`nodeagent.containers` lease-labelled containers and their events (aiodocker)
 - :mod:`nodeagent.publisher`  bounded, buffered publishing to the nodes exchange (aio-pika)
 - :mod:`nodeagent.commands`   the allocator's stop commands for this host's lease containers
+- :mod:`nodeagent.metrics`    Prometheus metrics on a port of its own (``metrics_port``)
 - :mod:`nodeagent.agent`      the agent itself: heartbeat loop, event forwarding, XID thread
 - :mod:`nodeagent.cli`        ``gpu-nodeagent``
 - :mod:`nodeagent.nvml_check` ``python -m nodeagent.nvml_check`` for a real GPU machine

@@ -47,6 +47,7 @@ from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
 from nodeagent.health import HealthRules, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
+from nodeagent.metrics import AgentMetrics, MetricsServer, serve
 from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
 from nodeagent.simulated import SimulatedLeaseUse, SimulatedSource
@@ -206,6 +207,9 @@ class NodeAgent:
         self._xid_stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
+        self.metrics = AgentMetrics(settings.inventory)
+        """Latencies and failures as they happen; the rest is read at scrape time."""
+        self.metrics_server: MetricsServer | None = None
 
     # ------------------------------------------------------------------ counters
 
@@ -262,6 +266,7 @@ class NodeAgent:
                 replay_grace_s=settings.docker_replay_grace_s,
                 liveness_s=settings.docker_liveness_s,
                 events=settings.docker_events,
+                on_call=self.metrics.observe_docker_call,
             )
         engine_name = None
         if settings.host is None and self.watcher is not None:
@@ -269,6 +274,9 @@ class NodeAgent:
         self.host = resolve_host(settings, engine_name)
         if self.source is None:
             self.source = await asyncio.to_thread(open_source, settings, self.host)
+        if settings.metrics_port and self.metrics_server is None:
+            self.metrics_server = serve(self, self.metrics, settings.metrics_port,
+                                        settings.metrics_addr)
         self.publisher = Publisher(
             settings.amqp_url,
             self.host,
@@ -338,6 +346,9 @@ class NodeAgent:
                 self.source.close()
         if self.publisher is not None:
             await self.publisher.stop()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.close)
+            self.metrics_server = None
         if self._started:
             log.info("agent stopped: %d heartbeats, %d events forwarded, %d publish failures, "
                      "%d docker reconnects, %d containers stopped on command",
@@ -372,7 +383,11 @@ class NodeAgent:
     def _read_snapshot(self) -> _Snapshot:
         # Runs in a worker thread: NVML calls and /proc reads block.
         assert self.source is not None
-        samples = self.source.read_gpus()
+        started = time.monotonic()
+        try:
+            samples = self.source.read_gpus()
+        finally:
+            self.metrics.observe_inventory_read(time.monotonic() - started)
         pids = {proc.pid for sample in samples for proc in sample.processes}
         return _Snapshot(samples, self.cgroups.containers_of(pids))
 
@@ -407,6 +422,7 @@ class NodeAgent:
             # A heartbeat without the GPUs would read as "GPUs gone" and release their leases;
             # report the last known GPUs as unhealthy instead, so nothing new lands on them.
             unreadable = f"inventory: reading the GPUs failed ({type(exc).__name__}: {exc})"
+            self.metrics.count_inventory_error()
             log.error("%s", unreadable)
             if self._last_samples is None:
                 return None

@@ -10,7 +10,9 @@ from the field (``interval_s`` is ``--interval-s``, or ``--interval``; a boolean
 field's description as its help. Options override the environment (``SWARM_GPU_AGENT_*``),
 which overrides the TOML file. Exit status: 0 after a clean stop, 2 when the settings or the
 inventory cannot work (one line says what to change, e.g. ``--inventory simulated`` on a host
-without NVIDIA GPUs).
+without NVIDIA GPUs) or when the ``agent`` extra is not installed (one line naming it:
+``pip install 'swarm-gpu[agent]'``). ``--help`` works without that extra: it needs only the
+settings.
 """
 
 from __future__ import annotations
@@ -21,16 +23,45 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic_settings import CliSettingsSource
 
 from allocator.settings_files import settings_error_line
-from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings, load_settings
 from nodeagent.inventory import InventoryUnavailable
 
+if TYPE_CHECKING:
+    from nodeagent.agent import NodeAgent
+
 log = logging.getLogger("nodeagent")
+
+AGENT_EXTRA = "swarm-gpu[agent]"
+"""The extra that brings the agent's own dependencies (pyproject.toml)."""
+
+AGENT_EXTRA_MODULES = frozenset({"aiodocker", "aiohttp"})
+"""Top-level modules the agent imports that only :data:`AGENT_EXTRA` installs (aiohttp comes
+with aiodocker). NVML's ``pynvml`` is loaded only with ``inventory = "nvml"``, and says so
+itself."""
+
+
+class MissingExtra(RuntimeError):
+    """The agent's extra is not installed; the message is the one line to print."""
+
+
+def import_agent() -> type[NodeAgent]:
+    """:class:`~nodeagent.agent.NodeAgent`, imported only now: its Docker client is in the
+    ``agent`` extra. Raises :class:`MissingExtra` naming the extra when a module of it is
+    missing; any other import error is a bug and propagates."""
+    try:
+        from nodeagent.agent import NodeAgent
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in AGENT_EXTRA_MODULES:
+            raise
+        raise MissingExtra(f"the node agent needs the {missing} package, which the 'agent' "
+                           f"extra installs: pip install '{AGENT_EXTRA}'") from None
+    return NodeAgent
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, Any]]:
     """The command line: the options that are not settings, and the settings it gives."""
@@ -51,7 +82,7 @@ async def run(settings: AgentSettings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    agent = NodeAgent(settings)
+    agent = import_agent()(settings)
     try:
         await agent.start()
     except InventoryUnavailable as exc:
@@ -77,6 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(**given)
     except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
         print(f"gpu-nodeagent: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
+        return 2
+    try:
+        import_agent()  # before the event loop: a missing extra is one line, not a traceback
+    except MissingExtra as exc:
+        print(f"gpu-nodeagent: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(run(settings))
 

@@ -17,6 +17,7 @@ List settings may also be given in the environment as JSON or comma separated:
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -146,6 +147,19 @@ class AgentSettings(FileSettings):
         description="How often the command consumer checks that its connection, channel and "
         "consumer are still there (it also notices at once when the broker says so).",
     )
+    metrics_port: int = Field(
+        default=9465, ge=0, le=65535,
+        description="Port of the agent's Prometheus metrics (/metrics): heartbeats, events, "
+        "stop commands, NVML and Docker call latency, and each GPU's health, utilization, "
+        "memory and temperature with DCGM exporter's labels. 0: off. A port already in use "
+        "is logged as an error and the agent runs on without metrics.",
+    )
+    metrics_addr: str = Field(
+        default="127.0.0.1",
+        description="Address the metrics port binds to. The default, loopback, shows the "
+        "metrics to nobody else; set 0.0.0.0 (or the address of the network Prometheus "
+        "scrapes from) to let Prometheus reach them.",
+    )
     proc_root: Path = Field(
         default=Path("/proc"),
         description="Where the host's /proc is visible, to map GPU processes to containers. "
@@ -230,6 +244,18 @@ class AgentSettings(FileSettings):
     @classmethod
     def _lists_from_text(cls, value: Any) -> Any:
         return list_from_text(value)
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _an_ip_address(cls, value: str) -> str:
+        # An address, not a host name: a name would be resolved once at start, and a typo
+        # would only show as an error in the log while the agent runs on without metrics.
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address (e.g. 127.0.0.1 or 0.0.0.0)") \
+                from None
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> AgentSettings:

@@ -40,7 +40,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -111,6 +111,9 @@ class StopOutcome(StrEnum):
 
 ChangeCallback = Callable[[ContainerChange], Awaitable[None] | None]
 ResyncCallback = Callable[[], Awaitable[None] | None]
+CallObserver = Callable[[str, float, bool], None]
+"""``(call, seconds, ok)`` after every Docker API call, for the agent's metrics; the calls
+are named as in :data:`nodeagent.metrics.DOCKER_CALLS`."""
 
 
 async def _call(callback: Callable[..., Any] | None, *args: Any) -> None:
@@ -194,8 +197,11 @@ class ContainerWatcher:
         liveness_s: float = 15.0,
         events: bool = True,
         clock: Callable[[], float] = time.time,
+        on_call: CallObserver | None = None,
     ) -> None:
         self.docker_url = docker_url
+        self.on_call = on_call
+        """Told the name, duration and success of every Docker API call."""
         self.events = events
         """Follow the event stream; False: listing mode, see :meth:`refresh`."""
         self.on_change = on_change
@@ -303,7 +309,7 @@ class ContainerWatcher:
         """
         docker = self._docker or aiodocker.Docker(url=self.docker_url)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with self._timed("info"), asyncio.timeout(self.timeout_s):
                 info = await docker.system.info()
             return str(info.get("Name") or "") or None
         except (aiodocker.DockerError, aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -325,7 +331,7 @@ class ContainerWatcher:
         """
         assert self._docker is not None, "start() first"
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with self._timed("inspect"), asyncio.timeout(self.timeout_s):
                 container = await self._docker.containers.get(container_id)
         except aiodocker.DockerError as exc:
             if exc.status == 404:
@@ -338,7 +344,7 @@ class ContainerWatcher:
         if not (container["State"] or {}).get("Running"):
             return StopOutcome.NOT_RUNNING
         try:
-            async with asyncio.timeout(grace_s + self.timeout_s):
+            async with self._timed("stop"), asyncio.timeout(grace_s + self.timeout_s):
                 await container.stop(t=math.ceil(grace_s))
         except aiodocker.DockerError as exc:
             if exc.status == 404:  # removed while we looked: as good as stopped
@@ -349,7 +355,7 @@ class ContainerWatcher:
     async def list_lease_containers(self) -> list[LeaseContainer]:
         """Ask the engine for the running lease containers (bounded by the timeout)."""
         assert self._docker is not None, "start() first"
-        async with asyncio.timeout(self.timeout_s):
+        async with self._timed("list"), asyncio.timeout(self.timeout_s):
             containers = await self._docker.containers.list(
                 filters=json.dumps({"label": [LEASE_LABEL], "status": ["running"]})
             )
@@ -368,6 +374,27 @@ class ContainerWatcher:
                 )
             )
         return [c for c in result if c.lease_id]
+
+    @contextlib.asynccontextmanager
+    async def _timed(self, call: str) -> AsyncIterator[None]:
+        """Tell :attr:`on_call` how long the Docker call in the block took and whether it
+        worked. Its timeout goes inside the block, so a call that timed out counts as failed;
+        a 404 (no such container) is the engine's answer, not a failure; a call cancelled
+        because the agent stops is not told at all."""
+        started = time.monotonic()
+        ok = cancelled = False
+        try:
+            yield
+            ok = True
+        except aiodocker.DockerError as exc:
+            ok = exc.status == 404
+            raise
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            if self.on_call is not None and not cancelled:
+                self.on_call(call, time.monotonic() - started, ok)
 
     # ------------------------------------------------------------------ the loop
 
@@ -453,7 +480,7 @@ class ContainerWatcher:
                 # Quiet stream: make sure the engine is still there (a half-open
                 # connection never ends the stream on its own).
                 assert self._docker is not None
-                async with asyncio.timeout(self.timeout_s):
+                async with self._timed("ping"), asyncio.timeout(self.timeout_s):
                     await self._docker.version()
                 continue
             if event is None:
