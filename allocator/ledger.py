@@ -5,18 +5,23 @@ thread-safe); every call goes through :meth:`Ledger.run`. Writes arrive as a
 :class:`Changes` batch and are committed in a single transaction, so a batch of requests
 costs one fsync. Nothing is answered "granted" before the batch holding it is committed.
 
-The schema is versioned with ``PRAGMA user_version`` and migrated forward at open; a ledger
-written by a newer release is refused rather than misread.
+The schema is versioned with ``PRAGMA user_version`` and migrated forward at open, each
+migration in one transaction of its own; a ledger written by a newer release is refused rather
+than misread, and so is one whose pages are damaged (``PRAGMA quick_check``). An open ledger
+holds its lock file shared (:class:`LedgerLock`), so that ``gpu-ledger restore`` never
+replaces it under a running allocator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import json
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,6 +75,104 @@ def _on_read_only_filesystem(path: Path) -> bool:
 
 class LedgerChanged(LedgerError):
     """Another process committed to the ledger since this one last looked (a takeover)."""
+
+
+class LedgerCorrupt(LedgerError):
+    """The ledger's file is damaged (SQLite's ``quick_check`` or a read found bad pages)."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(f"the ledger {path} is corrupt ({detail}): "
+                         f"{what_to_do_with_a_damaged_ledger(path)}")
+
+
+def what_to_do_with_a_damaged_ledger(path: Path) -> str:
+    """The two ways out, in words an admin can follow."""
+    return (f"restore it from a backup (gpu-ledger restore BACKUP --ledger {path}), or move it "
+            f"away with its -wal and -shm files so that the allocator starts afresh and "
+            f"rebuilds from the nodes' running containers (and the ledger log, if on)")
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite's error means damaged pages ("database disk image is malformed"), not
+    a busy, missing or foreign file."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return bool(code & 0xFF == sqlite3.SQLITE_CORRUPT)
+    return "malformed" in str(exc)
+
+
+class LedgerInUse(LedgerError):
+    """Another process holds the ledger's lock in a way that excludes this one."""
+
+
+LOCK_WAIT_S = 5.0
+"""How long an allocator waits at start for a restore that holds the ledger's lock."""
+
+
+class LedgerLock:
+    """An advisory lock beside the ledger (``<ledger>.lock``, ``flock``).
+
+    Every :class:`Ledger` holds it shared while open, so the allocator and a standby on the
+    same file never exclude each other; ``gpu-ledger restore`` takes it exclusive, so it
+    never replaces a ledger an allocator has open, and an allocator never opens one being
+    replaced. A lock file of its own, not SQLite's: SQLite's locks are POSIX record locks,
+    which a process loses on *every* descriptor of the file when it closes any one of them.
+    The kernel drops the lock with its process, so a crash never leaves it held.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @staticmethod
+    def path_of(ledger: Path) -> Path:
+        """The lock file of the ledger at ``ledger``."""
+        return ledger.with_name(ledger.name + ".lock")
+
+    @classmethod
+    def take(cls, ledger: Path, *, exclusive: bool, wait_s: float = 0.0) -> LedgerLock:
+        """The lock of ``ledger``, waiting up to ``wait_s``; :class:`LedgerInUse` if another
+        process holds it in a way that excludes this one, :class:`LedgerError` if the lock
+        file cannot be made."""
+        path = cls.path_of(ledger)
+        try:
+            # Read-only is enough for flock, so the lock file of one user (an admin's
+            # restore) never keeps another (the allocator's) out.
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                raise LedgerError(f"cannot open the ledger {ledger} for writing: its "
+                                  f"filesystem is read-only ({exc.strerror})") from exc
+            raise LedgerError(f"cannot open the ledger's lock file {path}: "
+                              f"{exc.strerror or exc}") from exc
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                return cls(path, fd)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    if exclusive:
+                        raise LedgerInUse(
+                            f"the ledger {ledger} is in use by a running allocator (it holds "
+                            f"{path.name}): stop it first") from None
+                    raise LedgerInUse(
+                        f"the ledger {ledger} is being restored (gpu-ledger restore holds "
+                        f"{path.name}); start the allocator once the restore is done"
+                    ) from None
+                time.sleep(0.05)
+            except OSError:
+                os.close(fd)
+                raise
+
+    def release(self) -> None:
+        """Let go of the lock (closing its descriptor)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 # The columns each migration creates, written once: the migrations create them and
@@ -136,50 +239,100 @@ JSON_COLUMNS: dict[str, tuple[str, ...]] = {"leases": LEASE_JSON_COLUMNS,
 """Text columns holding JSON: a change set carries their values as lists and objects."""
 
 
+_SQL_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL"}
+"""SQLite's column type for each Python type (sqlite-utils' mapping, which wrote the ledgers
+of earlier releases; 3.x wrote FLOAT for float, the same REAL affinity)."""
+
+MigrationHook = Callable[[int, str], None]
+
+migration_hook: MigrationHook | None = None
+"""Called after each statement a migration runs, with the statement's number (from 1, counted
+over the whole open) and its SQL, before the migration commits. None in production; the
+tests set it in a child process to end that process mid-migration (``os._exit``) and see
+that the ledger keeps its old schema whole."""
+
+
+def _run(db: sqlite_utils.Database, sql: str) -> None:
+    """One statement of a migration, on the connection as it is (never a commit of its own:
+    the transaction is :meth:`Ledger._migrate`'s)."""
+    db.conn.execute(sql)
+    _statement_done(sql)
+
+
+class _Progress(threading.local):
+    """Statements run by the migration under way on this thread (one per ledger thread)."""
+
+    statements = 0
+
+
+_progress = _Progress()
+
+
+def _statement_done(sql: str) -> None:
+    _progress.statements += 1
+    if migration_hook is not None:
+        migration_hook(_progress.statements, sql)
+
+
+def _create_table(db: sqlite_utils.Database, table: str, columns: dict[str, type],
+                  pk: str) -> None:
+    defs = ", ".join(f'"{name}" {_SQL_TYPES[kind]}' + (" PRIMARY KEY" if name == pk else "")
+                     for name, kind in columns.items())
+    _run(db, f'CREATE TABLE "{table}" ({defs})')
+
+
+def _create_index(db: sqlite_utils.Database, table: str, column: str) -> None:
+    # sqlite-utils' index name, so that ledgers of every release have the same indexes.
+    _run(db, f'CREATE INDEX "idx_{table}_{column}" ON "{table}" ("{column}")')
+
+
+def _add_columns(db: sqlite_utils.Database, table: str, columns: dict[str, type]) -> None:
+    for name, kind in columns.items():
+        _run(db, f'ALTER TABLE "{table}" ADD COLUMN "{name}" {_SQL_TYPES[kind]}')
+
+
+# Migrations are plain SQL on the connection, not sqlite-utils' create/add_column: those
+# commit by themselves outside a transaction (and 3.x always did), which left a ledger that
+# crashed mid-migration with some columns and its old user_version, so the next start failed
+# on "duplicate column". Each one runs in Ledger._migrate's BEGIN IMMEDIATE ... COMMIT.
+
+
 def _migrate_v1(db: sqlite_utils.Database) -> None:
     """The first schema: nodes, GPUs, leases with history, and the event log."""
-    db.table("nodes").create(_NODES_V1, pk="host")
-    db.table("gpus").create(_GPUS_V1, pk="uuid")
-    db.table("gpus").create_index(["host"])
-    db.table("leases").create(_LEASES_V1, pk="lease_id")
-    db.table("leases").create_index(["state"])
-    db.table("leases").create_index(["request_key"])
-    db.table("leases").create_index(["user"])
-    db.table("leases").create_index(["created_at"])
-    db.table("lease_history").create(_HISTORY_V1, pk="id")
-    db.table("lease_history").create_index(["lease_id"])
-    db.table("events").create(_EVENTS_V1, pk="id")
-    db.table("events").create_index(["at"])
-    db.table("events").create_index(["kind"])
+    _create_table(db, "nodes", _NODES_V1, "host")
+    _create_table(db, "gpus", _GPUS_V1, "uuid")
+    _create_index(db, "gpus", "host")
+    _create_table(db, "leases", _LEASES_V1, "lease_id")
+    for column in ("state", "request_key", "user", "created_at"):
+        _create_index(db, "leases", column)
+    _create_table(db, "lease_history", _HISTORY_V1, "id")
+    _create_index(db, "lease_history", "lease_id")
+    _create_table(db, "events", _EVENTS_V1, "id")
+    _create_index(db, "events", "at")
+    _create_index(db, "events", "kind")
 
 
 def _migrate_v2(db: sqlite_utils.Database) -> None:
     """MIG and compute capability per GPU, so a restarted allocator knows before the first
     heartbeat that a GPU in MIG mode is no unit of its own."""
-    gpus = db.table("gpus")
-    for column, kind in _GPUS_V2.items():
-        gpus.add_column(column, kind)
+    _add_columns(db, "gpus", _GPUS_V2)
 
 
 def _migrate_v3(db: sqlite_utils.Database) -> None:
     """Where this ledger stands in the replicated log (see :mod:`allocator.replication`)."""
-    db.table("log_position").create(_LOG_POSITION_V3, pk="id")
+    _create_table(db, "log_position", _LOG_POSITION_V3, "id")
 
 
 def _migrate_v4(db: sqlite_utils.Database) -> None:
     """Fair share: borrowed leases, reclaim warnings (their deadlines survive a restart) and
     idle accounting."""
-    leases = db.table("leases")
-    for column, kind in _LEASES_V4.items():
-        leases.add_column(column, kind)
+    _add_columns(db, "leases", _LEASES_V4)
 
 
 def _migrate_v5(db: sqlite_utils.Database) -> None:
     """Where the newest snapshot of the replicated log is, and how much the log has grown
     since (NULL: not known, as in a ledger that followed the log before snapshots)."""
-    positions = db.table("log_position")
-    for column, kind in _LOG_POSITION_V5.items():
-        positions.add_column(column, kind)
+    _add_columns(db, "log_position", _LOG_POSITION_V5)
 
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
@@ -431,6 +584,7 @@ class Ledger:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._db: sqlite_utils.Database | None = None
         self._thread: threading.Thread | None = None
+        self._lock: LedgerLock | None = None
 
     # -- threading -------------------------------------------------------------------------
 
@@ -460,37 +614,135 @@ class Ledger:
 
     def _open(self) -> None:
         self._thread = threading.current_thread()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Shared: the allocator and a standby on the same file may both hold it; only
+        # `gpu-ledger restore` takes it exclusively, so it never replaces a ledger in use.
+        self._lock = LedgerLock.take(self.path, exclusive=False, wait_s=LOCK_WAIT_S)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = self._connect_and_migrate()
+        except BaseException:
+            self._lock.release()
+            self._lock = None
+            raise
+
+    def _connect_and_migrate(self) -> sqlite_utils.Database:
+        try:
             conn = sqlite3.connect(str(self.path), check_same_thread=True)
+        except sqlite3.DatabaseError as exc:
+            raise self._unreadable(exc) from exc
+        try:
             conn.execute("PRAGMA busy_timeout = 5000")
             db = sqlite_utils.Database(conn)
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            tables = set(db.table_names())
+            try:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                tables = set(db.table_names())
+            except sqlite3.DatabaseError as exc:
+                raise self._unreadable(exc) from exc
+            if version > SCHEMA_VERSION:
+                raise LedgerError(
+                    f"{self.path} has schema version {version}, newer than this release "
+                    f"understands ({SCHEMA_VERSION}); upgrade swarm-gpu"
+                )
+            if version == 0 and tables:
+                raise LedgerError(f"{self.path} is an SQLite file but not a swarm-gpu ledger")
+            if tables:
+                self._quick_check(conn)
+            try:
+                # WAL: readers (the CLI, backups) never block the writer, and a commit is
+                # one sequential append. synchronous=FULL (the default) because a granted
+                # lease must survive a crash of the machine, not only of the process; see
+                # AllocatorSettings.
+                db.execute("PRAGMA journal_mode = WAL")
+                db.execute(f"PRAGMA synchronous = {self._synchronous.upper()}")
+            except sqlite3.DatabaseError as exc:
+                raise self._unreadable(exc) from exc
+            if version < SCHEMA_VERSION:
+                self._migrate(conn, db)
+        except BaseException:
+            conn.close()
+            raise
+        return db
+
+    def _unreadable(self, exc: sqlite3.DatabaseError) -> LedgerError:
+        if _on_read_only_filesystem(self.path):
+            return LedgerError(f"cannot open the ledger {self.path} for writing: its "
+                               f"filesystem is read-only ({exc})")
+        if _is_corruption(exc):
+            return LedgerCorrupt(self.path, str(exc))
+        if "locked" in str(exc) or "busy" in str(exc):
+            return LedgerError(f"the ledger {self.path} is locked by another process: {exc}")
+        return LedgerError(f"{self.path} is not a readable ledger: {exc}; if it was one, it "
+                           f"is damaged: {what_to_do_with_a_damaged_ledger(self.path)}")
+
+    def _quick_check(self, conn: sqlite3.Connection) -> None:
+        """Refuse a ledger whose pages are damaged before anything is read or migrated.
+
+        ``quick_check`` reads every page and checks its structure (not index contents
+        against tables, which ``integrity_check`` does at several times the cost); a
+        damaged page found here is better than a half-loaded engine or a migration
+        failing on it. Its cost at open is measured in ``bench/ledger_open.py``.
+        """
+        try:
+            problems = [str(row[0]) for row in conn.execute("PRAGMA quick_check(5)")]
         except sqlite3.DatabaseError as exc:
-            if _on_read_only_filesystem(self.path):
-                raise LedgerError(f"cannot open the ledger {self.path} for writing: its "
-                                  f"filesystem is read-only ({exc})") from exc
-            raise LedgerError(f"{self.path} is not a readable ledger: {exc}") from exc
-        if version > SCHEMA_VERSION:
-            conn.close()
-            raise LedgerError(
-                f"{self.path} has schema version {version}, newer than this release "
-                f"understands ({SCHEMA_VERSION}); upgrade swarm-gpu"
-            )
-        if version == 0 and tables:
-            conn.close()
-            raise LedgerError(f"{self.path} is an SQLite file but not a swarm-gpu ledger")
-        # WAL: readers (the CLI, backups) never block the writer, and a commit is one
-        # sequential append. synchronous=FULL (the default) because a granted lease must
-        # survive a crash of the machine, not only of the process; see AllocatorSettings.
-        db.execute("PRAGMA journal_mode = WAL")
-        db.execute(f"PRAGMA synchronous = {self._synchronous.upper()}")
-        for target in range(version, SCHEMA_VERSION):
-            with conn:
-                MIGRATIONS[target](db)
-                db.execute(f"PRAGMA user_version = {target + 1}")
-        self._db = db
+            if not _is_corruption(exc):
+                raise self._unreadable(exc) from exc
+            problems = [str(exc)]
+        if problems != ["ok"]:
+            raise LedgerCorrupt(self.path, "; ".join(problems))
+
+    def _migrate(self, conn: sqlite3.Connection, db: sqlite_utils.Database) -> None:
+        """Take the ledger to :data:`SCHEMA_VERSION`, one migration per transaction.
+
+        Each migration's DDL and its ``user_version`` run in one explicit ``BEGIN
+        IMMEDIATE ... COMMIT``: SQLite's DDL is transactional, but Python's sqlite3 (in its
+        default isolation handling) begins transactions only before DML, so DDL inside
+        ``with conn:`` committed statement by statement. With ``isolation_level = None`` the
+        module issues no BEGIN or COMMIT of its own and the transaction is exactly ours
+        (``tests/test_ledger_migrations.py`` checks both). A crash mid-migration leaves the
+        previous schema whole. The version is read again inside each transaction: a standby
+        sharing the file may have migrated it meanwhile.
+        """
+        _progress.statements = 0
+        saved = conn.isolation_level
+        conn.isolation_level = None
+        try:
+            while True:
+                version = 0
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+                    if version >= SCHEMA_VERSION:
+                        conn.execute("COMMIT")
+                        return
+                    MIGRATIONS[version](db)
+                    # PRAGMA user_version is written in the database header, inside the
+                    # same transaction as the DDL.
+                    conn.execute(f"PRAGMA user_version = {version + 1}")
+                    _statement_done(f"PRAGMA user_version = {version + 1}")
+                    conn.execute("COMMIT")
+                except sqlite3.Error as exc:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise self._migration_failed(version, exc) from exc
+        finally:
+            conn.isolation_level = saved
+
+    def _migration_failed(self, version: int, exc: sqlite3.Error) -> LedgerError:
+        if _on_read_only_filesystem(self.path):
+            return LedgerError(f"cannot migrate the ledger {self.path}: its filesystem is "
+                               f"read-only ({exc})")
+        if isinstance(exc, sqlite3.DatabaseError) and _is_corruption(exc):
+            return LedgerCorrupt(self.path, str(exc))
+        hint = ""
+        if "duplicate column" in str(exc) or "already exists" in str(exc):
+            hint = (" (a release before 0.2.0 that stopped mid-migration leaves a ledger "
+                    "so)")
+        return LedgerError(
+            f"cannot migrate the ledger {self.path} from schema {version} to {version + 1}: "
+            f"{exc}{hint}; nothing of it was written, the ledger is still at schema "
+            f"{version}: restore a backup (gpu-ledger restore BACKUP --ledger {self.path}) "
+            f"or move the ledger away to rebuild from the nodes")
 
     def close(self) -> None:
         """Close the connection and stop the thread."""
@@ -498,6 +750,9 @@ class Ledger:
             if self._db is not None:
                 self._db.conn.close()
                 self._db = None
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
         try:
             self.call(_close)
         finally:

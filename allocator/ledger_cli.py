@@ -9,12 +9,15 @@
     gpu-ledger undrain  HOST [--gpu UUID]
     gpu-ledger release  LEASE_ID [--force --reason TEXT]
     gpu-ledger check    [--ledger FILE] [--live --amqp URL]
+    gpu-ledger backup   PATH [--ledger FILE] [--force]        (while the allocator runs)
+    gpu-ledger restore  BACKUP [--ledger FILE] [--new-log]    (with the allocator stopped)
 
 Reading commands open the ledger read-only (``--ledger``, default ``$SWARM_GPU_LEDGER_PATH``);
 in WAL mode that works while the allocator runs and never disturbs it. Admin actions and the
 live status go through the running allocator (``--amqp``, default ``$SWARM_GPU_AMQP_URL``),
 which records who did what and why. Times (``T``) are ISO 8601 (UTC unless an offset is
-given), epoch seconds, or ``now``.
+given), epoch seconds, or ``now``. ``backup`` reads the ledger as the reading commands do;
+``restore`` replaces it, and refuses while an allocator has it open.
 
 Exit status: 0 done, 1 ``check`` found violations, 2 an error (one line on stderr).
 """
@@ -42,11 +45,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from allocator import broker, exports, reports
+from allocator import backup, broker, exports, reports
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.heartbeat_delta import apply_delta
 from allocator.invariants import NodeReport, Violation, check_ledger
-from allocator.ledger import LedgerError
+from allocator.ledger import LedgerError, LogPosition
 from allocator.protocol import NODE_MESSAGE_ADAPTER, Heartbeat, HeartbeatDelta
 from allocator.topology import NODES_EXCHANGE
 
@@ -159,6 +162,28 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--grace", type=float, default=5.0, metavar="S",
                        help="with --live: ignore leases bound or released this recently")
     check.add_argument("--json", action="store_true", help="print violations as JSON")
+
+    take = commands.add_parser(
+        "backup", help="copy the ledger, consistent, while the allocator writes",
+        description="SQLite's online backup of the ledger into PATH (a file, or a folder for "
+                    "ledger-<UTC time>.sqlite), as of one commit, with its ledger log position.")
+    take.add_argument("path", type=Path, metavar="PATH")
+    ledger_option(take)
+    take.add_argument("--force", action="store_true", help="replace PATH if it exists")
+
+    back = commands.add_parser(
+        "restore", help="replace the ledger with a backup (the allocator stopped)",
+        description="Replace the ledger with a copy of BACKUP. Refused while an allocator has "
+                    "the ledger open; the replaced ledger is kept beside it.")
+    back.add_argument("backup", type=Path, metavar="BACKUP")
+    back.add_argument(
+        "--ledger", type=Path, default=os.environ.get("SWARM_GPU_LEDGER_PATH") or None,
+        help="the ledger to replace (default: $SWARM_GPU_LEDGER_PATH)")
+    back.add_argument(
+        "--new-log", action="store_true",
+        help="with the replicated ledger log: clear the backup's log position, because the "
+             "log it belongs to is lost (the allocator then starts a new log from this "
+             "ledger); default: keep it, and the allocator catches up from there")
     return parser
 
 
@@ -508,11 +533,74 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
     return latest
 
 
+# --------------------------------------------------------------------------- backup, restore
+
+
+def _position_text(position: LogPosition | None) -> str:
+    if position is None:
+        return "no ledger log position (it followed no replicated log)"
+    return (f"ledger log {position.log_id} at offset {position.offset} "
+            f"(epoch {position.epoch})")
+
+
+def _age(at: float | None, now: float) -> str:
+    if at is None:
+        return "at an unknown time"
+    return _when(at, now)
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    """Copy the ledger, consistent, while the allocator writes."""
+    path = _ledger_path(args)
+    began = time.monotonic()
+    info = backup.backup(path, args.path, now=time.time(), overwrite=args.force,
+                         busy_timeout_s=args.busy_timeout)
+    print(f"backed up {path} to {info.path} in {time.monotonic() - began:.1f} s: "
+          f"{info.leases} leases ({info.active_leases} active), schema {info.schema}, "
+          f"{_position_text(info.position)}")
+    return EXIT_OK
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Replace the ledger with a backup, and say what the restored ledger may lack."""
+    path = _ledger_path(args)
+    now = time.time()
+    result = backup.restore(args.backup, path, new_log=args.new_log, now=now)
+    info = result.backup
+    print(f"restored {path} from {info.path}, taken {_age(info.as_of, now)}: {info.leases} "
+          f"leases ({info.active_leases} active), schema {info.schema} (the allocator "
+          f"migrates it at start)")
+    if result.replaced:
+        print(f"the ledger it replaced is kept as {', '.join(map(str, result.replaced))}")
+    if info.position is None:
+        print("ledger log: none in the backup; with ledger_log = \"stream\" the allocator "
+              "starts a new log from it only if the old stream is gone (delete it first)")
+    elif result.position_cleared:
+        print(f"ledger log: position cleared (--new-log; it was "
+              f"{_position_text(info.position)}); the allocator starts a new log with a "
+              f"snapshot of this ledger: delete the old stream first and empty the other "
+              f"replicas' ledgers")
+    else:
+        print(f"ledger log: position kept, {_position_text(info.position)}; the allocator "
+              f"catches up from there (from the log's newest snapshot if the stream no "
+              f"longer keeps it)")
+    missing = ("what the log does not bring back" if info.position is not None
+               and not result.position_cleared else "everything")
+    print(f"may be missing: {missing} after the backup was taken: leases granted, released "
+          f"or queued since, their history and accounting. At start the allocator adopts the "
+          f"running containers of leases it does not know from their labels, releases the "
+          f"leases whose containers are gone, and grants nothing on a node before its first "
+          f"report; requests that were waiting must be made again")
+    print(f"next: gpu-ledger check --ledger {path}, then start the allocator")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- main
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": cmd_status, "export": cmd_export, "usage": cmd_usage, "drain": cmd_drain,
-    "undrain": cmd_drain, "release": cmd_release, "check": cmd_check,
+    "undrain": cmd_drain, "release": cmd_release, "check": cmd_check, "backup": cmd_backup,
+    "restore": cmd_restore,
 }
 
 
