@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import sys
 from collections.abc import Sequence
 
@@ -92,6 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_client_command(args))
     except (AllocatorError, LedgerError, ValidationError, ConfigurationError, OSError) as exc:
         print(f"gpu-allocator: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except sqlite3.Error as exc:
+        # The ledger turns SQLite's errors into LedgerError at open; one that escapes still
+        # gets one line that names it rather than a traceback.
+        print(f"gpu-allocator: ledger error: {_one_line(exc)}", file=sys.stderr)
         return 1
 
 

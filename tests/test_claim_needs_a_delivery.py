@@ -23,7 +23,8 @@ from support import GTX1070, NodeSimulator, gpus, wait_until
 from allocator.client import AllocatorClient
 from allocator.counters import Count
 from allocator.protocol import AllocateRequest
-from allocator.service import _TICK, AllocatorService
+from allocator.service import AllocatorService
+from allocator.service.intake import TICK as _TICK
 
 
 @contextlib.asynccontextmanager

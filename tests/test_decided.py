@@ -3,7 +3,7 @@ recognised for as long as it is kept, and the memory stays bounded."""
 
 from __future__ import annotations
 
-from allocator.decided import DecidedRequests
+from allocator.service.decided import DecidedRequests
 
 
 def test_a_decided_request_is_known_until_it_expires() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.inbox import Acknowledgement, Inbox, acknowledgements
+from allocator.service.inbox import Acknowledgement, Inbox, acknowledgements
 
 
 def test_requests_go_ahead_and_a_batch_keeps_arrival_order() -> None:

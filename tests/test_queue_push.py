@@ -25,7 +25,7 @@ from allocator.protocol import (
     ReleaseReason,
 )
 from allocator.service import AllocatorService
-from allocator.waiters import ADDRESSES_PER_LEASE, ReplyAddress, Waiters
+from allocator.service.waiters import ADDRESSES_PER_LEASE, ReplyAddress, Waiters
 
 NO_RECHECK_S = 600.0
 """A re-check interval no test outlasts: an answer that arrives came by push."""

@@ -1,0 +1,92 @@
+"""The allocator's commands to node agents (stop a lease's container), published to the
+agents exchange after the commit that decided them, before the batch's replies.
+
+Fire-and-forget, each bounded in time: a command that cannot be published is logged and
+counted and never fails the batch (the decision is committed; Swarm still stops the task,
+later, and a container that heartbeats keep listing is asked again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aio_pika
+import aio_pika.abc
+
+from allocator.config import AllocatorSettings
+from allocator.counters import Count, ServiceStats
+from allocator.protocol import StopContainer, encode
+from allocator.topology import command_routing_key
+
+log = logging.getLogger(__name__)
+
+
+class Commands:
+    """Sends stop commands on the agents exchange, as the allocator's broker user."""
+
+    def __init__(self, settings: AllocatorSettings, stats: ServiceStats, user_id: str
+                 ) -> None:
+        self.settings = settings
+        self._stats = stats
+        self._user_id = user_id
+        """The AMQP user_id of every command, which the broker verifies and the agents check."""
+        self._exchange: aio_pika.abc.AbstractExchange | None = None
+        """The agents exchange on the command channel; None: stop commands cannot be sent
+        (before :meth:`attach`, or the broker refused its declaration)."""
+
+    def attach(self, exchange: aio_pika.abc.AbstractExchange | None) -> None:
+        """Send commands on ``exchange`` from now on (None: stop commands are off)."""
+        self._exchange = exchange
+
+    async def send(self, commands: list[StopContainer]) -> None:
+        """Publish the batch's commands to the agents (after the commit, never before).
+
+        Not mandatory and not persistent: an agent whose queue does not exist (agent down) is
+        simply not stopping anything, and Swarm stops the task as before.
+        """
+        exchange = self._exchange
+        if not commands:
+            return
+        counters = self._stats.counters
+        if exchange is None:
+            counters.add(Count.COMMAND_FAILURES, len(commands))
+            log.warning("%d stop command(s) not sent: stop commands are off (see the error "
+                        "at start)", len(commands))
+            return
+        # One bound for the whole batch, so that a broker that stopped answering delays the
+        # batch's replies by request_timeout_s at most, however many commands it decided.
+        give_up = time.monotonic() + self.settings.request_timeout_s
+        for index, command in enumerate(commands):
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                counters.add(Count.COMMAND_FAILURES, len(commands) - index)
+                log.warning("gave up sending %d command(s) to node agents: the broker does "
+                            "not take them", len(commands) - index)
+                return
+            try:
+                await exchange.publish(self._message(command),
+                                       routing_key=command_routing_key(command.host),
+                                       mandatory=False, timeout=remaining)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never fail the batch: the decision is committed
+                counters.add(Count.COMMAND_FAILURES)
+                log.warning("could not ask %s to stop container %s (lease %s): %s",
+                            command.host, command.container_id[:12], command.lease_id,
+                            exc or type(exc).__name__)
+                continue
+            counters.add(Count.COMMANDS_SENT)
+            log.info("asked %s to stop container %s of lease %s (%s, grace %g s)",
+                     command.host, command.container_id[:12], command.lease_id,
+                     command.reason.value, command.grace_s)
+
+    def _message(self, command: StopContainer) -> aio_pika.Message:
+        return aio_pika.Message(
+            body=encode(command),
+            content_type="application/json",
+            type=command.kind,
+            user_id=self._user_id,
+            delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+        )

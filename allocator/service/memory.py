@@ -1,0 +1,60 @@
+"""The engine's memory as rebuilt from the ledger, and the ledger's version it reflects.
+
+SQLite's ``data_version`` changes when *another* connection commits. :class:`Memory` records
+it at each rebuild; a commit to the shared file expects it unchanged (optimistic concurrency:
+a standby that another allocator's writes made stale must not write), and a ledger whose
+version moved on says another allocator is writing (:meth:`Memory.written_elsewhere`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+
+from allocator.engine import Engine
+from allocator.ledger import Changes, Ledger
+
+
+class Memory:
+    """Rebuilds the engine from the ledger and commits batches to the ledger file.
+
+    Invariant: ``_data_version`` is the ledger's ``data_version`` as of the last rebuild; the
+    engine holds what the ledger held then, plus the batches this process has committed since.
+    """
+
+    def __init__(self, ledger: Ledger, engine: Engine, clock: Callable[[], float],
+                 after_reload: Callable[[], Awaitable[None]]) -> None:
+        self._ledger = ledger
+        self._engine = engine
+        self._clock = clock
+        self._after_reload = after_reload
+        """Called after each rebuild (pushes the outcomes the ledger now holds)."""
+        self._data_version: int | None = None
+        """The ledger's ``data_version`` at the last rebuild; None before the first."""
+
+    async def reload(self, *, fenced: bool = False) -> None:
+        """Rebuild the engine from the ledger (start, failed commit, poisoned message,
+        takeover, fenced batch).
+
+        Only the start is fenced: after a failed commit the ledger is what this process
+        wrote, and a takeover finds what the active one wrote.
+        """
+        ledger = self._ledger
+        state = await ledger.run(ledger.load)
+        self._engine.load(state, self._clock(), fenced=fenced)
+        self._data_version = await ledger.run(ledger.data_version)
+        # Another allocator may have decided queued requests whose clients wait here (a
+        # takeover): what the ledger says now is committed, so it may be pushed.
+        await self._after_reload()
+
+    async def commit(self, changes: Changes) -> None:
+        """Write one batch to the ledger file in one transaction, in one trip to the ledger's
+        thread; :class:`~allocator.ledger.LedgerChanged` (nothing written) when another
+        allocator wrote since the last rebuild."""
+        ledger = self._ledger
+        await ledger.run(functools.partial(ledger.commit, changes,
+                                           expect_version=self._data_version))
+
+    async def written_elsewhere(self) -> bool:
+        """Whether another process has written the ledger since the last rebuild."""
+        return await self._ledger.run(self._ledger.data_version) != self._data_version
