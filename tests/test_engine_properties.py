@@ -231,7 +231,7 @@ class LedgerMachine(RuleBasedStateMachine):
             elif record.state is LeaseState.GRANTED:
                 assert record.bind_deadline is not None and record.bind_deadline > self.now
             elif record.lease_id in releasing_before and record.host is not None:
-                silent_s = self.engine._silent_for(record.host, self.now)
+                silent_s = self.engine.nodes.silent_for(record.host, self.now)
                 assert silent_s <= self.settings.stop_grace_s, record
 
     # ------------------------------------------------------------------ invariants

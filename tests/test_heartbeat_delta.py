@@ -400,8 +400,9 @@ def test_an_empty_delta_does_exactly_what_the_full_report_it_stands_for_does(
             apply(deltas, delta_ledger, empty, at + 0.1)
             assert deltas.counters[Count.HEARTBEAT_DELTAS.value] == seq - 1
             assert deltas.cluster.nodes[HOST].last_heartbeat == at + 0.1
-            assert deltas._newest_beat[HOST] == full._newest_beat[HOST] == ("agent-1", seq, at)
-            assert deltas._reported[HOST] == full._reported[HOST]
+            assert (deltas.nodes.newest_beat[HOST] == full.nodes.newest_beat[HOST]
+                    == ("agent-1", seq, at))
+            assert deltas.nodes.reported[HOST] == full.nodes.reported[HOST]
             assert comparable(full, full_ledger, at) == comparable(deltas, delta_ledger, at)
             assert full_ledger.call(full_ledger.load) == delta_ledger.call(delta_ledger.load)
             assert [(c.lease_id, c.reason) for c in full.commands] == [

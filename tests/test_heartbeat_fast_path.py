@@ -1,5 +1,5 @@
 """A delta that changes nothing takes a shorter path through the engine
-(``NodeReconciliation._liveness_only``) and must end exactly where the full path ends.
+(``Engine._liveness_only``) and must end exactly where the full path ends.
 
 A hypothesis state machine drives two engines in lockstep with the same random traffic (leases
 asked, released, their containers started and ended, unknown containers, GPU health and
@@ -103,9 +103,21 @@ IDENTITY_ONLY = {"new_lease_id", "settings"}
 
 
 def state_of(engine: Engine) -> dict[str, Any]:
-    """Every attribute of the engine, as data (a new attribute is compared too)."""
-    return {name: _comparable(value) for name, value in vars(engine).items()
-            if name not in IDENTITY_ONLY}
+    """Every attribute of the engine and of each of its parts, as data (a new attribute, or a
+    new part, is compared too). A part's references to the engine's shared objects and to
+    other parts are left out: each is compared once, at the engine's level."""
+    shared = {id(value) for value in vars(engine).values()}
+    state: dict[str, Any] = {}
+    for name, value in vars(engine).items():
+        if name in IDENTITY_ONLY:
+            continue
+        if type(value).__module__.startswith("allocator.engine."):
+            state[name] = {part_name: _comparable(part_value)
+                           for part_name, part_value in vars(value).items()
+                           if part_name not in IDENTITY_ONLY and id(part_value) not in shared}
+        else:
+            state[name] = _comparable(value)
+    return state
 
 
 class Agent:
@@ -507,7 +519,7 @@ def test_a_steady_host_takes_the_short_path_and_a_changed_one_does_not() -> None
             machine._report("h0", "empty")
             machine.both_hold_the_same()
         assert FastEngine.taken == taken + 3
-        assert machine.engines[0].use_now(lease_id) == (1.0, 100)
+        assert machine.engines[0].idle.use_now(lease_id) == (1.0, 100)
         machine._apply(ReleaseRequest(lease_id=lease_id), HUB)
         for _ in range(3):
             machine.time_passes(2.0)

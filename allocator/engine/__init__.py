@@ -2,31 +2,42 @@
 
 No I/O and no clock: each call gets ``now`` and a :class:`~allocator.ledger.Changes` to
 fill, and returns the reply (or ``None`` for fire-and-forget node messages). The service
-commits the changes, then sends the replies. If a commit fails, the service throws this
-engine away and rebuilds it from the ledger, so memory never runs ahead of the disk.
+commits the changes, then sends the replies. If a commit fails, the service rebuilds the
+engine's memory from the ledger (:meth:`Engine.load`), so memory never runs ahead of the disk.
 
 Lease life (docs/design.md, flows): ``queued`` → ``granted`` (GPUs claimed) → ``bound`` (the node
 saw the container start) → ``releasing`` (the hub stopped it) → ``released`` (the container
 is gone). Every release records its reason.
 
 The engine decides, the service acts: commands to node agents (stop a lease's container) go
-into the outbox :attr:`Engine.commands`, which the service sends once the batch that decided
-them is committed, and forgets when the commit fails.
+into the outbox (:attr:`Engine.commands`), which the service takes once the batch that decided
+them is committed (:meth:`Engine.take_commands`), and forgets when the commit fails.
 
-The engine is one class, :class:`Engine`, built from rooms of one concept each:
+:class:`Engine` is a dispatcher over parts, each owning its own state, that it builds once and
+calls per message, in order (a part calls only the parts it was given):
 
-- :mod:`allocator.engine.state` - the memory (nodes, GPUs, leases, queue) and its rebuild from
-  the ledger (:meth:`~allocator.engine.state.EngineState.load`);
-- :mod:`allocator.engine.idle` - idle measured on the GPU: a bound lease's use, idle spells;
-- :mod:`allocator.engine.views` - read-only answers: lease views, lookups, the inventory;
-- :mod:`allocator.engine.outbox` - the stop-command outbox to node agents;
-- :mod:`allocator.engine.leases` - the lease book: allocate, queue, grant, release, end;
-- :mod:`allocator.engine.node_truth` - adoption of containers the ledger forgot, grant
-  conflicts, the start fence;
-- :mod:`allocator.engine.nodes` - node reconciliation: heartbeats, container events, drains;
-- :mod:`allocator.engine.reclaim` - fair share in action: warn, withdraw and carry out
-  reclaims and idle releases;
-- :mod:`allocator.engine.dispatch` - :class:`Engine` itself: message dispatch and timers.
+- :mod:`allocator.engine.dispatch` - :class:`Engine`: builds the parts, routes each message to
+  them, runs the timers, rebuilds memory from the ledger;
+- :mod:`allocator.engine.state` - what every part shares: :class:`Sender`, the limits, the log;
+- :mod:`allocator.engine.fence` - ``StartFence``: no grant on a node before its first complete
+  report after a fenced start;
+- :mod:`allocator.engine.nodes` - ``NodeReports``: each node's newest report, liveness, who
+  may report for it, drains;
+- :mod:`allocator.engine.gpus` - ``GpuInventory``: a node's GPUs as its report lists them;
+- :mod:`allocator.engine.placement` - ``Placer``: where a demand fits now, the model catalog;
+- :mod:`allocator.engine.idle` - ``IdleWatch``: a lease's use on the GPU, idle spells, budgets;
+- :mod:`allocator.engine.outbox` - ``CommandOutbox``: stop commands to node agents;
+- :mod:`allocator.engine.leases` - ``LeaseBook``: the leases, the queue, the timers, and the
+  transitions grant, bind, release, end;
+- :mod:`allocator.engine.requests` - ``LeaseRequests``: allocate, release, serve the queue;
+- :mod:`allocator.engine.node_truth` - ``NodeTruth``: adoption of containers the ledger
+  forgot, grant conflicts;
+- :mod:`allocator.engine.containers` - ``NodeReconciliation``: container listings and events
+  held against the lease book;
+- :mod:`allocator.engine.reclaim` - ``Reclaimer``: fair share in action: warn, withdraw and
+  carry out reclaims and idle releases;
+- :mod:`allocator.engine.views` - ``Views``: read-only answers (inventory, quota, leases,
+  status, queue).
 """
 
 from allocator.engine.dispatch import Engine

@@ -1,43 +1,115 @@
-"""The engine's front door: :class:`Engine` applies one inbound message at a time
-(:meth:`Engine.handle`) and runs the timers (:meth:`Engine.tick`)."""
+"""The engine's front door: :class:`Engine` builds the parts, applies one inbound message at a
+time (:meth:`Engine.handle`) by calling the parts that message concerns, in order, and runs the
+timers (:meth:`Engine.tick`)."""
 
 from __future__ import annotations
 
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+
 from pydantic import BaseModel
 
-from allocator.counters import Count
+from allocator import policy
+from allocator.cluster import Cluster, Node
+from allocator.config import AllocatorSettings
+from allocator.counters import Count, Counters
+from allocator.engine.containers import GRACE_ENDS, NodeReconciliation, listing_order
+from allocator.engine.fence import StartFence
+from allocator.engine.gpus import GpuInventory
+from allocator.engine.idle import IdleWatch
+from allocator.engine.leases import LeaseBook
+from allocator.engine.node_truth import NodeTruth
+from allocator.engine.nodes import NodeReports
+from allocator.engine.outbox import CommandOutbox
+from allocator.engine.placement import Placer
 from allocator.engine.reclaim import Reclaimer
-from allocator.engine.state import TIMED_STATES, Sender
+from allocator.engine.requests import LeaseRequests
+from allocator.engine.state import Sender
+from allocator.engine.views import Views
+from allocator.heartbeat_delta import apply_delta
 from allocator.lease import LeaseRecord
-from allocator.ledger import Changes
+from allocator.lease_use import UseBook
+from allocator.ledger import Changes, LoadedState
+from allocator.placement_index import PlacementIndex
 from allocator.protocol import (
     AllocateRequest,
     AnyInbound,
     ContainerEvent,
+    DrainReply,
     DrainRequest,
     ErrorCode,
     Heartbeat,
     HeartbeatDelta,
+    InventoryReply,
     InventoryRequest,
+    LeaseReply,
     LeasesRequest,
     LeaseState,
-    QueueReply,
     QueueRequest,
     QuotaRequest,
-    ReleaseReason,
     ReleaseRequest,
     StatusRequest,
+    StopContainer,
     error_reply,
 )
 from allocator.topology import RPC_EXCHANGE
 
 
-class Engine(Reclaimer):
+class Engine:
     """Nodes, GPUs and leases in memory, and the rules that change them.
 
-    Each room it is built from (see :mod:`allocator.engine`) holds one concept; this class
-    only routes a message to the room that handles it and runs the timers.
+    The state lives in the parts (see :mod:`allocator.engine`); the engine shares with them
+    only ``settings``, ``counters``, ``cluster`` and ``index`` (the same objects for its life:
+    :meth:`load` refills them in place). Each handler below calls the parts a message
+    concerns, in order; a part calls only the parts it was given at construction.
     """
+
+    def __init__(self, settings: AllocatorSettings, started_at: float, *,
+                 new_lease_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> None:
+        self.settings = settings
+        self.counters = Counters()
+        self.cluster = Cluster()
+        self.index = PlacementIndex()
+        counters, cluster, index = self.counters, self.cluster, self.index
+        self.outbox = CommandOutbox(settings, counters)
+        self.idle = IdleWatch(settings, counters)
+        self.start_fence = StartFence(started_at)
+        self.nodes = NodeReports(settings, counters, cluster, index, started_at)
+        self.gpus = GpuInventory(settings, counters, cluster, index, self.nodes)
+        self.placer = Placer(settings, cluster, index, self.nodes, self.start_fence)
+        self.book = LeaseBook(settings, counters, cluster, index, self.idle, self.outbox,
+                              self.placer, new_lease_id)
+        self.requests = LeaseRequests(settings, counters, self.book, self.placer, self.start_fence,
+                                      self.outbox)
+        self.truth = NodeTruth(counters, cluster, index, self.book)
+        self.containers = NodeReconciliation(settings, counters, self.book, self.truth,
+                                             self.idle, self.outbox, self.requests)
+        self.reclaim = Reclaimer(settings, counters, self.book, self.idle, self.placer,
+                                 self.start_fence)
+        self.views = Views(settings, cluster, self.book, self.idle, self.nodes)
+
+    def load(self, state: LoadedState, now: float, *, fenced: bool = False) -> None:
+        """Rebuild memory from the ledger (at start, after a failed commit, on takeover).
+
+        ``fenced``: the ledger may be behind the nodes (a process start: the file may be
+        deleted, restored or another node's): the start fence (:mod:`allocator.engine.fence`)
+        holds every node the ledger knows. A reload of a ledger this process or the active one
+        kept current needs none. What is memory only is kept: counters, lease use and budgets,
+        when containers were seen running, telemetry times, clock skew.
+        """
+        cluster = self.cluster
+        refill_cluster(cluster, state, self.settings)
+        self.nodes.load(state, now)
+        self.start_fence.load(cluster.nodes, now, self.settings.start_fence_s, fenced=fenced)
+        self.truth.load()
+        self.book.load(state)
+        self.gpus.load()
+        self.index.rebuild(cluster)
+        self.placer.inventory_changed()
+        self.outbox.load()
+
+    # ------------------------------------------------------------------ messages
 
     def handle(self, message: AnyInbound, sender: Sender, now: float,
                changes: Changes) -> BaseModel | None:
@@ -47,14 +119,14 @@ class Engine(Reclaimer):
                 self.counters.add(Count.NODE_MESSAGE_WRONG_EXCHANGE)
                 return error_reply(ErrorCode.FORBIDDEN,
                                    "node messages must be published to the nodes exchange")
-            if not self._node_may_report(message.host, sender, now, changes, message.kind):
+            if not self.nodes.may_report(message.host, sender, now, changes, message.kind):
                 return None
             if isinstance(message, Heartbeat):
                 self._heartbeat(message, sender, now, changes)
             elif isinstance(message, HeartbeatDelta):
                 self._heartbeat_delta(message, sender, now, changes)
             else:
-                self._container_event(message, now, changes)
+                self.containers.container_event(message, now, changes)
             return None
         if sender.via_nodes_exchange:
             self.counters.add(Count.REQUEST_FROM_NODE_EXCHANGE)
@@ -66,77 +138,240 @@ class Engine(Reclaimer):
         if isinstance(message, AllocateRequest):
             return self._allocate(message, now, changes)
         if isinstance(message, ReleaseRequest):
-            return self._release_request(message, sender, now, changes)
+            return self.requests.release(message, sender, now, changes)
         if isinstance(message, StatusRequest):
-            return self._status(message)
+            return self.views.status(message)
         if isinstance(message, InventoryRequest):
-            return self.inventory(now, include_leases=message.include_leases)
+            return self.views.inventory(now, include_leases=message.include_leases)
         if isinstance(message, QueueRequest):
-            return QueueReply(leases=[self._view(self.leases[i]) for _, i in self._queue])
+            return self.views.queue()
         if isinstance(message, DrainRequest):
             return self._drain(message, sender, now, changes)
         if isinstance(message, QuotaRequest):
-            return self.quota(message)
+            return self.views.quota(message)
         if isinstance(message, LeasesRequest):
-            return self.leases_reply(message, now)
+            return self.views.leases_reply(message, now)
         raise TypeError(f"unhandled message kind {type(message).__name__}")
 
-    def _never_ran_and_nobody_will_say(self, record: LeaseRecord, now: float) -> bool:
-        """A lease released before any container ran, on a node whose heartbeats cannot list
-        containers: its node will never report it gone, so it ends ``stop_grace_s`` after
-        the release, as a lease of a silent node does."""
-        return (record.state is LeaseState.RELEASING and record.bound_at is None
-                and record.container_id is None and record.host in self._cannot_list
-                and record.releasing_at is not None
-                and now - record.releasing_at > self.settings.stop_grace_s)
+    def _allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
+        """Grant, queue or refuse; a request that queues is planned for at once, not at the
+        next tick, so a reclaim's warning (or, without a grace, its stop) goes out with the
+        reply."""
+        reply = self.requests.allocate(request, now, changes)
+        if isinstance(reply, LeaseReply) and reply.lease.state is LeaseState.QUEUED:
+            self._reclaim(now, changes)
+        return reply
+
+    def _drain(self, request: DrainRequest, sender: Sender, now: float,
+               changes: Changes) -> BaseModel:
+        """An admin's drain; an undrain may let queued requests fit."""
+        reply = self.nodes.drain(request, sender, now, changes)
+        if isinstance(reply, DrainReply) and not reply.drained:
+            self.requests.serve_queue(now, changes)
+        return reply
+
+    def _heartbeat(self, beat: Heartbeat, sender: Sender, now: float, changes: Changes) -> None:
+        """A full report: hold it, upsert the GPUs, liveness and telemetry, reconcile the
+        containers (adoptions first), lift the host's start fence, serve the queue when
+        anything may fit now, and close the start fence once every node has reported."""
+        nodes = self.nodes
+        if nodes.stale(beat):
+            self.counters.add(Count.HEARTBEAT_STALE)  # replayed or reordered: older news
+            return
+        host = beat.host
+        if host not in self.cluster.nodes and not nodes.may_add_host(host, sender, now,
+                                                                     changes):
+            return
+        nodes.hold(beat, now, changes)
+        node = self.cluster.nodes.get(host)
+        new_node = node is None
+        if node is None:
+            node = nodes.join(beat, sender, now, changes)
+            self.start_fence.node_joined(host, now)
+        agent_changed = node.agent_id != beat.agent_id
+        node.agent_id = beat.agent_id
+        inventory_changed = self.gpus.upsert(node, beat, now, changes)
+        if inventory_changed:
+            self.index.refresh(self.cluster, host)
+            self.placer.inventory_changed()
+        nodes.alive_and_telemetry(node, sender, now, changes,
+                                  due=new_node or agent_changed or inventory_changed,
+                                  new_node=new_node)
+        freed = self.containers.reconcile(beat, now, changes)
+        # Adoptions first (above), then the node is placeable.
+        reported = beat.containers_complete and self.start_fence.report_applied(host, now, changes)
+        if inventory_changed or freed or reported:
+            self.requests.serve_queue(now, changes)
+        if reported and self.start_fence.all_reported(now):
+            self.start_fence.close(now, changes)
+            self.requests.end_start_fence_waits(now, changes)
+
+    def _heartbeat_delta(self, delta: HeartbeatDelta, sender: Sender, now: float,
+                         changes: Changes) -> None:
+        """Apply the full report ``delta`` stands for (by :meth:`_liveness_only` when it
+        changes nothing and may); if it does not fit the report held, a sign of life only."""
+        nodes = self.nodes
+        if nodes.stale(delta):
+            self.counters.add(Count.HEARTBEAT_STALE)
+            return
+        base = nodes.reported.get(delta.host)
+        beat = apply_delta(base, delta) if base is not None else None
+        if beat is not None and base is not None:
+            self.counters.add(Count.HEARTBEAT_DELTAS)
+            if not (delta.gpus or delta.containers) and self._liveness_only(base, beat, sender,
+                                                                             now, changes):
+                return
+            self._heartbeat(beat, sender, now, changes)
+            return
+        nodes.delta_unapplied(delta, base, sender, now, changes)
+
+    def _liveness_only(self, base: Heartbeat, beat: Heartbeat, sender: Sender, now: float,
+                       changes: Changes) -> bool:
+        """Apply ``beat``, the report an empty delta onto ``base`` stands for, without the
+        passes that would change nothing; False, having changed nothing, when they might.
+
+        The full path (:meth:`_heartbeat`) would find the GPUs as ``base`` left them (the
+        upsert of ``base`` changed and skipped nothing, and no other report took one since:
+        ``GpuInventory.steady``), every listed container that of a lease bound here, no lease
+        of the host missing from the listing that a grace could end, no conflict to lift
+        (a container event may have recorded one since) and no start fence to lift (implied
+        today: a complete report held has lifted it; checked so that a change to the start
+        fence cannot make this path skip it). What it still does then, this does in the same
+        order: hold the report, liveness, telemetry when it is due, and each listed lease's
+        budget check and use sample (those depend on the time, not on change).
+        ``tests/test_heartbeat_fast_path.py`` holds the two paths equal.
+        """
+        host = beat.host
+        node = self.cluster.nodes.get(host)
+        if (node is None or node.agent_id != beat.agent_id
+                or self.gpus.steady.get(host) is not base or host in self.truth.conflicts
+                or (beat.containers_complete and host in self.start_fence.hosts)):
+            return False
+        listed = sorted(beat.containers, key=listing_order)
+        leases = self.book.leases
+        records: list[LeaseRecord] = []
+        for info in listed:
+            # Bound here: neither adopted nor unexpected, nothing to bind or to stop. (Two
+            # containers of one lease are two samples, as in the full path.)
+            record = leases.get(info.lease_id)
+            if record is None or record.host != host or record.state is not LeaseState.BOUND:
+                return False
+            records.append(record)
+        running = {record.lease_id for record in records}
+        if beat.containers_complete and any(
+                record.lease_id not in running and record.state in GRACE_ENDS
+                for record in self.book.by_host.get(host, {}).values()):
+            return False
+        self.nodes.hold(beat, now, changes)
+        self.gpus.steady[host] = beat
+        self.nodes.alive_and_telemetry(node, sender, now, changes, due=False, new_node=False)
+        clock_bound, idle = self.book.node_clock_bound, self.idle
+        for record, info in zip(records, listed, strict=True):
+            clock_bound.setdefault(record.lease_id, beat.sent_at)
+            idle.check_budget(record, info, now, changes)
+            idle.observe(record, info, now, changes)
+        return True
+
+    # ------------------------------------------------------------------ timers
 
     def tick(self, now: float, changes: Changes) -> None:
         """Run the timers: the start fence, queue waits, bind deadlines, node silence, and
         fair share's reclaim warnings and their deadlines."""
-        if (self._fenced or self._fence_awaits_first_report) and now >= self._fence_until:
-            # start_fence_s ran out with nodes that never reported in full (an agent that
-            # cannot list its containers): they are placed as usual from now on, before the
-            # requests that waited only for the fence expire.
-            changes.event(now, "start_fence_expired", unreported=sorted(self._fenced))
-            self._fenced.clear()
-            self._fence_awaits_first_report = False
-            self._serve_queue(now, changes)
-        freed = False
-        # Only queued, granted and releasing leases have timers: the tick looks at those
-        # alone (_timed), in the order they entered such a state, and forgets the ones that
-        # have left them since (bound, or final: a lease leaves self.leases only as final).
-        timed = []
-        for lease_id, record in list(self._timed.items()):
-            if record.state in TIMED_STATES:
-                timed.append(record)
-            else:
-                del self._timed[lease_id]
-        for record in timed:
-            if record.state is LeaseState.QUEUED and record.wait_until is not None \
-                    and now >= record.wait_until:
-                self._end_lease(record, LeaseState.EXPIRED, ReleaseReason.WAIT_EXPIRED, now,
-                             changes, by="allocator")
-            elif record.state is LeaseState.GRANTED and record.bind_deadline is not None \
-                    and now >= record.bind_deadline:
-                self._end_lease(record, LeaseState.RELEASED, ReleaseReason.BIND_TIMEOUT, now,
-                             changes, by="allocator")
-                freed = True
-            elif (record.state is LeaseState.RELEASING and record.host is not None
-                  and self._silent_for(record.host, now) > self.settings.stop_grace_s):
-                self._end_lease(record, LeaseState.RELEASED, ReleaseReason.NODE_SILENT, now,
-                             changes, by="allocator")
-                freed = True
-            elif self._never_ran_and_nobody_will_say(record, now):
-                self._end_lease(record, LeaseState.RELEASED, ReleaseReason.STOPPED, now,
-                                changes, by="allocator",
-                                note="never bound; its node cannot list containers")
-                freed = True
-        for node in self.cluster.nodes.values():
-            if node.host not in self._down and not node.is_up(now, self.settings.node_down_after_s):
-                self._down.add(node.host)
-                changes.event(now, "node_down", host=node.host,
-                              last_heartbeat=node.last_heartbeat)
-                self.counters.add(Count.NODE_DOWN)
+        if self.start_fence.expired(now):
+            # start_fence_s ran out with nodes that never reported in full: they are placed
+            # as usual from now on, before the requests that waited only for it expire.
+            self.start_fence.expire(now, changes)
+            self.requests.serve_queue(now, changes)
+        freed = self.book.run_timers(now, changes, self.nodes)
+        self.nodes.mark_down(now, changes)
         if freed:
-            self._serve_queue(now, changes)
+            self.requests.serve_queue(now, changes)
         self._reclaim(now, changes)
+
+    def _reclaim(self, now: float, changes: Changes) -> None:
+        """Plan reclaims; GPUs a reclaim freed go to the queue at once."""
+        if self.reclaim.run(now, changes):
+            self.requests.serve_queue(now, changes)
+
+    # ------------------------------------------------------------------ for the service
+
+    def take_commands(self) -> list[StopContainer]:
+        """Empty the outbox and return what was in it (the service, after a commit)."""
+        return self.outbox.take()
+
+    def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
+        """An in-memory lease by id or request key (active first, then recently finished)."""
+        return self.book.find(lease_id, request_key)
+
+    def lease_reply(self, record: LeaseRecord) -> LeaseReply:
+        """A reply carrying one lease."""
+        return self.book.reply(record)
+
+    def inventory(self, now: float, include_leases: bool = False) -> InventoryReply:
+        """The cluster as the inventory reply shows it."""
+        return self.views.inventory(now, include_leases)
+
+    def conflicted_gpus(self) -> dict[str, str]:
+        """GPU uuid -> why it is out of placement (a running container's grant contradicts
+        the ledger on it)."""
+        return self.truth.conflicted_gpus()
+
+    # The parts' state under the names the service, reports, tests and benchmarks read.
+
+    @property
+    def leases(self) -> dict[str, LeaseRecord]:
+        """Leases not yet final, by id."""
+        return self.book.leases
+
+    @property
+    def by_key(self) -> dict[str, str]:
+        """request_key -> id of its active (queued, granted, bound) lease."""
+        return self.book.by_key
+
+    @property
+    def recent(self) -> OrderedDict[str, LeaseRecord]:
+        """The newest finished leases, by id."""
+        return self.book.recent
+
+    @property
+    def _queue(self) -> list[tuple[tuple[object, ...], str]]:
+        """The queue, in order: (order key, lease id)."""
+        return self.book.queue
+
+    @property
+    def commands(self) -> list[StopContainer]:
+        """The outbox: stop commands decided since the last :meth:`take_commands`."""
+        return self.outbox.commands
+
+    @property
+    def use(self) -> UseBook:
+        """Per lease: its processes' GPU use from heartbeats."""
+        return self.idle.use
+
+    @property
+    def new_lease_id(self) -> Callable[[], str]:
+        """Makes lease ids: random by default; tests pass a counter to replay runs exactly."""
+        return self.book.new_lease_id
+
+    @new_lease_id.setter
+    def new_lease_id(self, make: Callable[[], str]) -> None:
+        self.book.new_lease_id = make
+
+
+def refill_cluster(cluster: Cluster, state: LoadedState, settings: AllocatorSettings) -> None:
+    """Replace the cluster's nodes, GPUs and claims, in place, by the ledger's nodes and GPUs
+    (no claims: the lease book claims its leases' GPUs)."""
+    cluster.nodes.clear()
+    cluster.gpus.clear()
+    cluster.claims.clear()
+    for node in state.nodes:
+        cluster.nodes[node.host] = Node(
+            host=node.host, last_heartbeat=node.last_heartbeat, drained=node.drained,
+            agent_id=node.agent_id, gpu_uuids=[],
+        )
+    for gpu in state.gpus:
+        gpu.share_slots = policy.share_slots_for(gpu.model, settings)
+        cluster.gpus[gpu.uuid] = gpu
+        owner = cluster.nodes.get(gpu.host)
+        if owner is not None:
+            owner.gpu_uuids.append(gpu.uuid)

@@ -1,92 +1,157 @@
-"""The lease book: allocate, queue, grant, release and end leases.
+"""The lease book: every lease not yet final, the queue, and the transitions of a lease's life.
 
 Lease life (docs/design.md, flows): ``queued`` -> ``granted`` (GPUs claimed) -> ``bound`` (the
-node saw the container start; :mod:`~allocator.engine.nodes` does that) -> ``releasing`` (the hub
-stopped it) -> ``released`` (the container is gone). Every release records its reason.
+node saw the container start) -> ``releasing`` (the hub stopped it) -> ``released`` (the
+container is gone). Every release records its reason. Requests that create and end leases are
+:mod:`~allocator.engine.requests`; what the nodes report is held against the book by
+:mod:`~allocator.engine.containers`.
 """
 
 from __future__ import annotations
 
-import functools
+import bisect
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from allocator import policy
-from allocator.cluster import GPU, Cluster, Node
-from allocator.counters import Count, Family
+from allocator.cluster import Cluster
+from allocator.config import AllocatorSettings
+from allocator.counters import Count, Counters, Family
+from allocator.engine.idle import IdleWatch
+from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
-from allocator.engine.state import RECENT_FINAL_LEASES, Sender
-from allocator.engine.views import Views
+from allocator.engine.placement import Placer
+from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES
 from allocator.lease import LeaseRecord
-from allocator.ledger import Changes
+from allocator.ledger import Changes, LoadedState
+from allocator.placement_index import PlacementIndex
 from allocator.protocol import (
     AllocateRequest,
-    ErrorCode,
-    ErrorReply,
+    Lease,
+    LeaseReply,
     LeaseState,
     ReleaseReason,
-    ReleaseRequest,
     StopReason,
-    error_reply,
 )
 
-FENCE_WAITS_FOR = frozenset({ErrorCode.NO_CAPACITY, ErrorCode.UNKNOWN_MODEL,
-                             ErrorCode.UNKNOWN_HOST, ErrorCode.UNSATISFIABLE})
-"""Refusals that nodes not yet heard from since a fenced start could turn into a grant."""
 
+class LeaseBook:
+    """Leases by id, key and host, the queue in order, and the timers; the transitions.
 
-class LeaseBook(Views, CommandOutbox):
-    """Requests from the hub and admins that create, queue and end leases."""
+    Invariants: a lease is in ``leases`` until it is final, then in ``recent`` (the newest
+    ``RECENT_FINAL_LEASES``); ``by_key`` maps the key of every queued, granted or bound lease
+    to it; ``by_host`` holds every lease of ``leases`` placed on that host; ``queue`` holds
+    exactly the queued leases, in queue order; ``timed`` holds every lease whose state has a
+    timer (and some that left those states since, dropped by the next :meth:`run_timers`); a
+    lease holding GPUs has its claims in the cluster.
+    """
 
-    def _allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
-        existing_id = self.by_key.get(request.request_key)
-        if existing_id is not None:
-            existing = self.leases[existing_id]
-            if existing.user != request.user:
-                return error_reply(
-                    ErrorCode.CONFLICT,
-                    f"request key {request.request_key!r} belongs to user {existing.user!r}",
-                )
-            asked, held = request.what_is_asked(), self._what_was_asked(existing)
-            if held is not None and asked != held:
-                self.counters.add(Count.REQUEST_KEY_CONFLICT)
-                differs = sorted(name for name in asked if asked[name] != held.get(name))
-                return error_reply(
-                    ErrorCode.CONFLICT,
-                    f"request key {request.request_key!r} is in use by lease "
-                    f"{existing.lease_id} ({existing.state.value}), which asked for other GPUs "
-                    f"({', '.join(differs)} differ). A retry repeats its request exactly; for "
-                    "another request, release that lease first or use another key.",
-                    lease_id=existing.lease_id, state=existing.state.value, differs=differs,
-                    held=held, asked=asked)
-            self.counters.add(Count.ALLOCATE_RETRY)
-            return self.lease_reply(existing)
-        demand = policy.make_demand(request, self._model_catalog(), self.settings)
-        if isinstance(demand, policy.Refusal):
-            if self._fence_holds(now) and demand.code in FENCE_WAITS_FOR:
-                return self._wait_behind_fence(self._new_record(request, now), request, now,
-                                               changes)
-            return self._refuse(demand)
-        placement = self._place(demand, now)
-        record = self._new_record(request, now)
-        if isinstance(placement, policy.Placement):
-            self._grant(record, placement, demand, now, changes, old=None)
-            self._track(record)
-            return self.lease_reply(record)
-        if self._fence_holds(now) and placement.code in FENCE_WAITS_FOR:
-            return self._wait_behind_fence(record, request, now, changes)
-        if placement.code is ErrorCode.NO_CAPACITY and request.wait_s > 0:
-            record.enqueued_at = now
-            record.wait_until = now + request.wait_s
-            self._track(record)
-            changes.transition(record, None, now, "no GPU free; waiting", by=request.user)
-            self.counters.add(Count.QUEUED)
-            return self.lease_reply(record)
-        return self._refuse(placement)
+    def __init__(self, settings: AllocatorSettings, counters: Counters, cluster: Cluster,
+                 index: PlacementIndex, idle: IdleWatch, outbox: CommandOutbox,
+                 placer: Placer, new_lease_id: Callable[[], str]) -> None:
+        self.settings = settings
+        self.counters = counters
+        self.cluster = cluster
+        self.index = index
+        self.idle = idle
+        self.outbox = outbox
+        self.placer = placer
+        self.new_lease_id = new_lease_id
+        """Makes lease ids: random by default; tests pass a counter to replay runs exactly."""
+        self.leases: dict[str, LeaseRecord] = {}
+        """Leases not yet final, by id."""
+        self.by_key: dict[str, str] = {}
+        """request_key -> id of its active (queued, granted, bound) lease."""
+        self.by_host: dict[str, dict[str, LeaseRecord]] = {}
+        """host -> the leases of :attr:`leases` placed there, so that a heartbeat reconciles
+        its own host's leases instead of scanning every lease of the cluster."""
+        self.recent: OrderedDict[str, LeaseRecord] = OrderedDict()
+        self.timed: dict[str, LeaseRecord] = {}
+        """What a tick looks at instead of every lease: most leases are bound and have no
+        timer, and a tick runs twice a second."""
+        self.queue: list[tuple[tuple[Any, ...], str]] = []
+        self.demands: dict[str, tuple[Cluster, policy.Demand | policy.Refusal]] = {}
+        """Queued lease -> (the model catalog it was resolved on, its demand): see
+        :meth:`queued_demand`."""
+        self.node_clock_bound: dict[str, float] = {}
+        """lease id -> node-clock time its container was known to run (start event or
+        listing). Memory only: a reload keeps it."""
 
-    def _new_record(self, request: AllocateRequest, now: float) -> LeaseRecord:
+    def load(self, state: LoadedState) -> None:
+        """A rebuild from the ledger (the cluster's GPUs already loaded): its active leases,
+        their claims, and its finished leases (a container still running for one is a zombie
+        to stop, never a lease the ledger forgot)."""
+        self.leases, self.by_key, self.queue, self.by_host = {}, {}, [], {}
+        self.timed = {}
+        self.demands = {}
+        self.recent = OrderedDict((r.lease_id, r) for r in state.finished[-RECENT_FINAL_LEASES:])
+        for record in state.leases:
+            self.track(record)
+            if record.state.holds_gpus:
+                self.claim_gpus(record)
+
+    # ------------------------------------------------------------------ indexes
+
+    def track(self, record: LeaseRecord) -> None:
+        """Enter a lease that is not final into the book's indexes."""
+        self.leases[record.lease_id] = record
+        self.time(record)
+        if record.host is not None:
+            self.by_host.setdefault(record.host, {})[record.lease_id] = record
+        if record.state.active:
+            self.by_key[record.request_key] = record.lease_id
+        if record.state is LeaseState.QUEUED:
+            key = policy.queue_order_key(record.priority, record.enqueued_at or record.created_at,
+                                         record.lease_id)
+            bisect.insort(self.queue, (key, record.lease_id))
+
+    def time(self, record: LeaseRecord) -> None:
+        """Let the tick look at ``record`` if its state has a timer; called wherever a lease
+        enters such a state (it leaves them only for states without one)."""
+        if record.state in TIMED_STATES:
+            self.timed[record.lease_id] = record
+
+    def claim_gpus(self, record: LeaseRecord) -> None:
+        """Claim the lease's GPUs in the cluster."""
+        policy.claim_gpus(self.cluster, record.lease_id, record.user, record.groups,
+                          record.gpu_uuids, shared=record.shared,
+                          memory_mib=record.memory_mib, units=record.units)
+
+    def dequeue(self, lease_id: str) -> None:
+        self.queue = [entry for entry in self.queue if entry[1] != lease_id]
+        self.demands.pop(lease_id, None)
+
+    def holding(self) -> list[LeaseRecord]:
+        """The leases that hold GPUs (granted, bound, releasing)."""
+        return [r for r in self.leases.values() if r.state.holds_gpus]
+
+    def queued_demand(self, record: LeaseRecord) -> policy.Demand | policy.Refusal | None:
+        """What a queued request asks, resolved against the current models; None when its
+        stored request no longer validates (cannot happen for one that was accepted).
+
+        Kept per lease until the models change (the catalog is then another object): the
+        queue is tried again at every change that could let a request fit, and validating
+        and resolving a waiting request costs far more than trying to place it.
+        """
+        catalog = self.placer.model_catalog()
+        known = self.demands.get(record.lease_id)
+        if known is not None and known[0] is catalog:
+            return known[1]
+        try:
+            request = AllocateRequest.model_validate(record.request)
+        except ValidationError:
+            return None
+        demand = policy.make_demand(request, catalog, self.settings)
+        self.demands[record.lease_id] = (catalog, demand)
+        return demand
+
+    # ------------------------------------------------------------------ transitions
+
+    def new_record(self, request: AllocateRequest, now: float) -> LeaseRecord:
+        """A queued lease for ``request``, not yet tracked."""
         return LeaseRecord(
             lease_id=self.new_lease_id(), request_key=request.request_key, user=request.user,
             groups=tuple(request.groups), state=LeaseState.QUEUED, created_at=now,
@@ -94,131 +159,13 @@ class LeaseBook(Views, CommandOutbox):
             priority=request.priority,
         )
 
-    # ------------------------------------------------------------------ the start fence
-
-    def _fence_holds(self, now: float) -> bool:
-        """Whether requests wait instead of being refused: after a fenced start, until every
-        node the ledger knew has reported (an empty ledger: the first node), or
-        ``start_fence_s`` ran out."""
-        return now < self._fence_until and (bool(self._fenced)
-                                            or self._fence_awaits_first_report)
-
-    def _wait_behind_fence(self, record: LeaseRecord, request: AllocateRequest, now: float,
-                           changes: Changes) -> BaseModel:
-        """Queue a request that may fit once the nodes not heard from yet have reported; a
-        request that asked not to wait waits only for the fence."""
-        record.enqueued_at = now
-        record.wait_until = max(now + request.wait_s, self._fence_until)
-        self._track(record)
-        changes.transition(record, None, now, "waiting for the nodes' first reports",
-                           by=request.user)
-        self.counters.add(Count.QUEUED)
-        self.counters.add(Count.QUEUED_BEHIND_FENCE)
-        return self.lease_reply(record)
-
-    def _close_fence(self, now: float, changes: Changes) -> None:
-        """Every node the ledger knew has reported (an empty ledger: the first node): requests
-        queued only by the fence that still do not fit get the answer they asked for (no
-        waiting beyond their wait_s)."""
-        self._fence_until = now
-        self._fenced.clear()
-        self._fence_awaits_first_report = False
-        changes.event(now, "start_fence_closed")
-        for _, lease_id in list(self._queue):
-            record = self.leases[lease_id]
-            wait_s = float(record.request.get("wait_s") or 0.0)
-            own_end = (record.enqueued_at or record.created_at) + wait_s
-            if own_end <= now:
-                self._end_lease(record, LeaseState.EXPIRED, ReleaseReason.WAIT_EXPIRED, now,
-                                changes, by="allocator",
-                                note="nothing fits now that every node has reported")
-            elif record.wait_until is not None and record.wait_until > own_end:
-                record.wait_until = own_end
-                changes.lease(record)
-
-    @staticmethod
-    def _what_was_asked(record: LeaseRecord) -> dict[str, Any] | None:
-        """What the lease's request asked for (see ``AllocateRequest.what_is_asked``), or None
-        for a lease whose stored request does not say (recorded by another writer)."""
-        if not record.request:
-            return None
-        try:
-            return AllocateRequest.model_validate(record.request).what_is_asked()
-        except ValidationError:
-            return None
-
-    def _model_catalog(self) -> Cluster:
-        """The cluster as model resolution needs it: every node, one GPU per model and size.
-
-        :func:`policy.make_demand` only asks which models, sizes and hosts exist; a catalog of
-        a few GPUs answers that in microseconds where the whole cluster takes milliseconds.
-        It is rebuilt after an inventory change.
-        """
-        if self._catalog is None:
-            representatives: dict[tuple[str, int, bool], GPU] = {}
-            for gpu in self.cluster.gpus.values():
-                representatives.setdefault((gpu.model, gpu.memory_total_mib, gpu.present), gpu)
-            self._catalog = Cluster(nodes=self.cluster.nodes,
-                                    gpus={g.uuid: g for g in representatives.values()})
-        return self._catalog
-
-    def _place(self, demand: policy.Demand, now: float, *, explain: bool = True,
-               view: Callable[[], Cluster] | None = None) -> policy.Placement | policy.Refusal:
-        """Best-fit placement (narrowed by the index when it can be), then the quota.
-
-        Without ``explain`` (serving the queue) a demand that fits nowhere gets a bare
-        refusal: the index's answer where it narrows (exact, as its own placements are), and
-        no account of what is free instead. Each of those looks at every GPU of the cluster;
-        a queue of requests tried again at every change (each node's first report after a
-        start, every release) made that a scan per waiting request per change, seconds per
-        heartbeat at 1,000 hosts. ``view``: gives :meth:`_placement_view` (built once for
-        many calls, and only when one needs it: the index skips down and fenced nodes itself).
-        """
-        down_after = self.settings.node_down_after_s
-        placement: policy.Placement | policy.Refusal | None = None
-        narrowed = self.index.narrow(
-            demand, self.cluster,
-            lambda node: node.host not in self._down and node.host not in self._fenced
-            and not node.drained and node.is_up(now, down_after))
-        if narrowed is not None and narrowed.nodes:
-            placement = policy.place(demand, narrowed, now, down_after, explain=explain)
-        if not isinstance(placement, policy.Placement):
-            if not explain and narrowed is not None:
-                return policy.nothing_fits_now()
-            # Nothing among the candidates (or no narrowing possible): the exact answer, with
-            # the refusal's full explanation, from the whole cluster.
-            whole = view() if view is not None else self._placement_view(now)
-            placement = policy.place(demand, whole, now, down_after, explain=explain)
-        # Quotas need a placement's units; a slice's units depend on the GPU it lands on, so
-        # place first and check the quota of the actual placement.
-        if isinstance(placement, policy.Refusal):
-            return placement
-        refusal = policy.check_quota(placement.units, demand.user, demand.groups,
-                                     self.cluster, self.settings,
-                                     policy.placement_model(placement, self.cluster))
-        return refusal if refusal is not None else placement
-
-    def _placement_view(self, now: float) -> Cluster:
-        """The cluster as placement sees it: nodes not yet heard from since a restart are down,
-        and so are fenced nodes (no complete report applied since a fenced start)."""
-        if not self._down and not self._fenced:
-            return self.cluster
-        view = Cluster(nodes=dict(self.cluster.nodes), gpus=self.cluster.gpus,
-                       claims=self.cluster.claims)
-        for host in self._down | self._fenced:
-            node = view.nodes.get(host)
-            if node is not None:
-                view.nodes[host] = Node(host=node.host, last_heartbeat=None,
-                                        drained=node.drained, agent_id=node.agent_id,
-                                        gpu_uuids=node.gpu_uuids)
-        return view
-
-    def _grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,
-               now: float, changes: Changes, old: LeaseState | None) -> None:
+    def grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,
+              now: float, changes: Changes, old: LeaseState | None) -> None:
+        """Give the lease its placement: claim the GPUs, start the bind deadline."""
         record.state = LeaseState.GRANTED
-        self._time(record)
+        self.time(record)
         record.host = placement.host
-        self._by_host.setdefault(record.host, {})[record.lease_id] = record
+        self.by_host.setdefault(record.host, {})[record.lease_id] = record
         record.gpu_uuids = tuple(placement.gpu_uuids)
         record.model = policy.placement_model(placement, self.cluster)
         record.shared = placement.shared
@@ -236,90 +183,20 @@ class LeaseBook(Views, CommandOutbox):
         changes.transition(record, old, now, "granted", by=record.user)
         self.counters.add(Count.GRANTED)
 
-    def _refuse(self, refusal: policy.Refusal) -> ErrorReply:
-        self.counters.add_to(Family.REFUSED, refusal.code.value)
-        return error_reply(refusal.code, refusal.message, **refusal.details)
+    def bind(self, record: LeaseRecord, container_id: str, node_time: float, now: float,
+             changes: Changes, via: str) -> None:
+        """The node saw the granted lease's container running."""
+        old = record.state
+        record.state = LeaseState.BOUND
+        record.container_id = container_id
+        record.bound_at = now
+        self.node_clock_bound[record.lease_id] = node_time
+        changes.transition(record, old, now, f"container {container_id[:12]} running ({via})",
+                           by=f"node {record.host}")
+        self.counters.add(Count.BOUND)
 
-    def _queued_demand(self, record: LeaseRecord) -> policy.Demand | policy.Refusal | None:
-        """What a queued request asks, resolved against the current models; None when its
-        stored request no longer validates (cannot happen for one that was accepted).
-
-        Kept per lease until the models change: the queue is tried again at every change
-        that could let a request fit, and validating and resolving each waiting request
-        every time was most of that (75 µs each, 48,000 times in 1,000 first reports after
-        a restart with 64 waiting).
-        """
-        catalog = self._model_catalog()
-        known = self._demands.get(record.lease_id)
-        if known is not None and known[0] is catalog:
-            return known[1]
-        try:
-            request = AllocateRequest.model_validate(record.request)
-        except ValidationError:
-            return None
-        demand = policy.make_demand(request, catalog, self.settings)
-        self._demands[record.lease_id] = (catalog, demand)
-        return demand
-
-    def _serve_queue(self, now: float, changes: Changes) -> None:
-        """Grant queued requests that fit now, in queue order (a freed GPU goes to the head)."""
-        if not self._queue:
-            return
-        # Nodes do not change during the pass, only claims (which the view shares): one view
-        # for the whole pass, built if a request needs it.
-        view = functools.cache(lambda: self._placement_view(now))
-        for _, lease_id in list(self._queue):
-            record = self.leases[lease_id]
-            demand = self._queued_demand(record)
-            if demand is None:  # never wedge the queue
-                self._end_lease(record, LeaseState.EXPIRED, ReleaseReason.CANCELLED, now, changes,
-                             by="allocator", note="stored request no longer valid")
-                continue
-            if isinstance(demand, policy.Refusal):
-                continue
-            placement = self._place(demand, now, explain=False, view=view)
-            if isinstance(placement, policy.Placement):
-                self._dequeue(lease_id)
-                self._grant(record, placement, demand, now, changes, old=LeaseState.QUEUED)
-
-    def _dequeue(self, lease_id: str) -> None:
-        self._queue = [entry for entry in self._queue if entry[1] != lease_id]
-        self._demands.pop(lease_id, None)
-
-    def _release_request(self, request: ReleaseRequest, sender: Sender, now: float,
-                         changes: Changes) -> BaseModel:
-        record = self.find(request.lease_id, request.request_key)
-        if record is None:
-            what = (f"lease {request.lease_id!r}" if request.lease_id
-                    else f"request key {request.request_key!r}")
-            return error_reply(ErrorCode.NOT_FOUND, f"no {what} in the ledger")
-        if request.force and sender.user_id not in self.settings.admin_users:
-            return error_reply(ErrorCode.FORBIDDEN,
-                               f"force-release is for admins; broker user {sender.user_id!r} "
-                               "is not in admin_users")
-        by = request.by if sender.user_id is None else f"{request.by} ({sender.user_id})"
-        note = request.reason or None
-        if record.state.final:
-            return self.lease_reply(record)
-        if record.state is LeaseState.QUEUED:
-            self._end_lease(record, LeaseState.RELEASED, ReleaseReason.CANCELLED, now, changes,
-                         by=by, note=note)
-        elif request.force:
-            self._end_lease(record, LeaseState.RELEASED, ReleaseReason.ADMIN, now, changes,
-                         by=by, note=note)
-            changes.event(now, "force_release", lease_id=record.lease_id, user=record.user,
-                          by=by, reason=request.reason)
-            # The GPUs go to someone else now: the old container must not keep using them.
-            self._ask_stop(record.host, record.lease_id, record.container_id,
-                           StopReason.FORCE_RELEASED, now, changes)
-            self._serve_queue(now, changes)
-        elif record.state in (LeaseState.GRANTED, LeaseState.BOUND):
-            self._stop_and_release(record, StopReason.RELEASED, now, changes, by=by, note=note,
-                                   why="stop requested")
-        return self.lease_reply(record)
-
-    def _stop_and_release(self, record: LeaseRecord, stop: StopReason, now: float,
-                          changes: Changes, *, by: str, note: str | None, why: str) -> None:
+    def stop_and_release(self, record: LeaseRecord, stop: StopReason, now: float,
+                         changes: Changes, *, by: str, note: str | None, why: str) -> None:
         """Make a granted or bound lease ``releasing`` and ask its node to stop the container.
 
         The GPU is free when the container is gone, not when someone asks (docs/design.md,
@@ -327,7 +204,7 @@ class LeaseBook(Views, CommandOutbox):
         """
         old = record.state
         record.state = LeaseState.RELEASING
-        self._time(record)
+        self.time(record)
         record.releasing_at = now
         record.released_by = by
         record.release_note = note
@@ -336,11 +213,12 @@ class LeaseBook(Views, CommandOutbox):
         # Swarm stops a removed service's task only seconds later (a 2 s gossip delay
         # comes first); the node agent stops it at once, so the GPU is free in
         # milliseconds. A lease never bound has no container to stop yet: if one starts,
-        # its start is answered with a stop (_container_event).
-        self._ask_stop(record.host, record.lease_id, record.container_id, stop, now, changes)
+        # its start is answered with a stop (a start event of a releasing lease).
+        self.outbox.ask_stop(record.host, record.lease_id, record.container_id, stop, now,
+                             changes)
 
-    def _end_lease(self, record: LeaseRecord, state: LeaseState, reason: ReleaseReason, now: float,
-                changes: Changes, *, by: str, note: str | None = None) -> None:
+    def end(self, record: LeaseRecord, state: LeaseState, reason: ReleaseReason, now: float,
+            changes: Changes, *, by: str, note: str | None = None) -> None:
         """End a lease for good and free what it held."""
         old = record.state
         if record.reclaim_stopped_at is not None and record.reclaim_reason is not None \
@@ -351,14 +229,13 @@ class LeaseBook(Views, CommandOutbox):
         elif record.reclaim_at is not None:
             # Ended otherwise during a warning's grace: the warning did not happen.
             record.reclaim_at = record.reclaim_reason = record.reclaim_for = None
-        self._close_idle_spell(record, now)
-        self.use.forget(record.lease_id)
+        self.idle.lease_ended(record, now)
         if old.holds_gpus:
             self.cluster.drop_claims(record.lease_id, list(record.gpu_uuids))
             if record.host is not None:
                 self.index.refresh(self.cluster, record.host)
         if old is LeaseState.QUEUED:
-            self._dequeue(record.lease_id)
+            self.dequeue(record.lease_id)
         record.state = state
         record.released_at = now
         record.release_reason = reason
@@ -369,11 +246,101 @@ class LeaseBook(Views, CommandOutbox):
             del self.by_key[record.request_key]
         self.leases.pop(record.lease_id, None)
         if record.host is not None:
-            self._by_host.get(record.host, {}).pop(record.lease_id, None)
-        self._node_clock_bound.pop(record.lease_id, None)
-        self._over_budget.discard(record.lease_id)
+            self.by_host.get(record.host, {}).pop(record.lease_id, None)
+        self.node_clock_bound.pop(record.lease_id, None)
         self.recent[record.lease_id] = record
         while len(self.recent) > RECENT_FINAL_LEASES:
             self.recent.popitem(last=False)
         changes.transition(record, old, now, reason.value, by=by)
         self.counters.add_to(Family.RELEASED, reason.value)
+
+    # ------------------------------------------------------------------ timers
+
+    def run_timers(self, now: float, changes: Changes, nodes: NodeReports) -> bool:
+        """End the leases whose timer ran out: a queued request's wait, a grant's bind
+        deadline, a release on a node silent past ``stop_grace_s`` (or one that cannot list
+        containers, for a lease never bound). True when GPUs were freed."""
+        freed = False
+        # Only queued, granted and releasing leases have timers: look at those alone, in the
+        # order they entered such a state, and forget the ones that have left them since
+        # (bound, or final: a lease leaves self.leases only as final).
+        timed = []
+        for lease_id, record in list(self.timed.items()):
+            if record.state in TIMED_STATES:
+                timed.append(record)
+            else:
+                del self.timed[lease_id]
+        stop_grace_s = self.settings.stop_grace_s
+        for record in timed:
+            if record.state is LeaseState.QUEUED and record.wait_until is not None \
+                    and now >= record.wait_until:
+                self.end(record, LeaseState.EXPIRED, ReleaseReason.WAIT_EXPIRED, now,
+                         changes, by="allocator")
+            elif record.state is LeaseState.GRANTED and record.bind_deadline is not None \
+                    and now >= record.bind_deadline:
+                self.end(record, LeaseState.RELEASED, ReleaseReason.BIND_TIMEOUT, now,
+                         changes, by="allocator")
+                freed = True
+            elif (record.state is LeaseState.RELEASING and record.host is not None
+                  and nodes.silent_for(record.host, now) > stop_grace_s):
+                self.end(record, LeaseState.RELEASED, ReleaseReason.NODE_SILENT, now,
+                         changes, by="allocator")
+                freed = True
+            elif self._never_ran_and_nobody_will_say(record, now, nodes):
+                self.end(record, LeaseState.RELEASED, ReleaseReason.STOPPED, now,
+                         changes, by="allocator",
+                         note="never bound; its node cannot list containers")
+                freed = True
+        return freed
+
+    def _never_ran_and_nobody_will_say(self, record: LeaseRecord, now: float,
+                                       nodes: NodeReports) -> bool:
+        """A lease released before any container ran, on a node whose heartbeats cannot list
+        containers: its node will never report it gone, so it ends ``stop_grace_s`` after
+        the release, as a lease of a silent node does."""
+        return (record.state is LeaseState.RELEASING and record.bound_at is None
+                and record.container_id is None and record.host in nodes.cannot_list
+                and record.releasing_at is not None
+                and now - record.releasing_at > self.settings.stop_grace_s)
+
+    # ------------------------------------------------------------------ lookups
+
+    def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
+        """An in-memory lease by id or request key (active first, then recently finished)."""
+        if lease_id is not None:
+            return self.leases.get(lease_id) or self.recent.get(lease_id)
+        assert request_key is not None
+        active = self.by_key.get(request_key)
+        if active is not None:
+            return self.leases[active]
+        newest: LeaseRecord | None = None
+        for record in (*self.leases.values(), *self.recent.values()):
+            if record.request_key == request_key and (
+                newest is None or record.created_at >= newest.created_at
+            ):
+                newest = record
+        return newest
+
+    def queue_position(self, lease_id: str) -> int | None:
+        """1-based position of a queued lease, or None."""
+        for position, (_, queued_id) in enumerate(self.queue, start=1):
+            if queued_id == lease_id:
+                return position
+        return None
+
+    def view(self, record: LeaseRecord) -> Lease:
+        """A lease as the protocol shows it: its queue position, GPU indices and use now."""
+        lease = record.to_protocol(
+            self.queue_position(record.lease_id) if record.state is LeaseState.QUEUED else None
+        )
+        lease.gpu_indices = [
+            self.cluster.gpus[u].index for u in record.gpu_uuids if u in self.cluster.gpus
+        ]
+        latest = self.idle.use_now(record.lease_id)
+        if latest is not None:
+            lease.utilization_pct, lease.gpu_memory_used_mib = latest
+        return lease
+
+    def reply(self, record: LeaseRecord) -> LeaseReply:
+        """A reply carrying one lease."""
+        return LeaseReply(lease=self.view(record))

@@ -1,4 +1,4 @@
-"""Node truth: running containers give the ledger back what it forgot, and a fence at start.
+"""Node truth: running containers give the ledger back what it forgot.
 
 The ledger can be behind the nodes: deleted, restored from last night's backup, or another
 node's volume. The containers still run, and their labels carry their whole grant (see
@@ -6,35 +6,60 @@ node's volume. The containers still run, and their labels carry their whole gran
 knows only as queued) becomes a ``bound`` lease again, its GPUs claimed (event and history reason
 ``adopted``), unless its grant contradicts what the allocator knows: then the GPUs it names
 stay out of placement while the node lists it, an ``adoption_conflict`` event and counter say
-why, and nothing is stopped (see :mod:`allocator.adoption`).
-
-After a fenced load (:meth:`~allocator.engine.state.EngineState.load`), nothing is granted on
-a node before its first complete report has been applied, so the adoptions come first.
+why, and nothing is stopped (see :mod:`allocator.adoption`). Nothing is granted on a node
+before these adoptions (:mod:`allocator.engine.fence`).
 """
 
 from __future__ import annotations
 
 from allocator import adoption
-from allocator.counters import Count
+from allocator.cluster import Cluster
+from allocator.counters import Count, Counters
 from allocator.engine.leases import LeaseBook
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
+from allocator.placement_index import PlacementIndex
 from allocator.protocol import ContainerGrant, LeaseState
 
 
-class NodeTruth(LeaseBook):
-    """Adoption of running containers the ledger does not know, conflicts, and the fence."""
+class NodeTruth:
+    """Adoption of running containers the ledger does not know, and grant conflicts.
 
-    def _adopt_or_flag(self, lease_id: str, container_id: str, grant: ContainerGrant,
-                       host: str, node_time: float, now: float, changes: Changes,
-                       found: dict[str, list[adoption.Conflict]], via: str) -> bool:
+    Invariant: a GPU's ``conflict`` is set exactly while a container that its host lists (as
+    ``conflicts`` records it) names it in a grant that contradicts the ledger.
+    """
+
+    def __init__(self, counters: Counters, cluster: Cluster, index: PlacementIndex,
+                 book: LeaseBook) -> None:
+        self.counters = counters
+        self.cluster = cluster
+        self.index = index
+        self.book = book
+        self.conflicts: dict[str, dict[str, list[adoption.Conflict]]] = {}
+        """host -> container id -> why its grant cannot be adopted; the GPUs named stay out
+        of placement while the node lists the container."""
+
+    def load(self) -> None:
+        """A rebuild from the ledger: conflicts are judged again from the next listings."""
+        self.conflicts = {}
+
+    def forgotten(self, record: LeaseRecord | None, lease_id: str) -> bool:
+        """Whether a running container's lease is one the ledger lost: unknown and not a
+        lease finished here (a zombie), or still queued (a restored ledger)."""
+        if record is None:
+            return lease_id not in self.book.recent
+        return record.state is LeaseState.QUEUED
+
+    def adopt_or_flag(self, lease_id: str, container_id: str, grant: ContainerGrant,
+                      host: str, node_time: float, now: float, changes: Changes,
+                      found: dict[str, list[adoption.Conflict]], via: str) -> bool:
         """Adopt the container's grant, or record why not in ``found`` (container id ->
         conflicts); True when adopted."""
         conflicts = adoption.judge(lease_id, grant, host, self.cluster,
-                                   self.by_key.get(grant.request_key))
+                                   self.book.by_key.get(grant.request_key))
         if conflicts:
             known = {(c.kind, c.gpu_uuid)
-                     for c in self._conflicts.get(host, {}).get(container_id, [])}
+                     for c in self.conflicts.get(host, {}).get(container_id, [])}
             for conflict in conflicts:
                 if (conflict.kind, conflict.gpu_uuid) not in known:
                     self.counters.add(Count.ADOPTION_CONFLICT)
@@ -49,11 +74,12 @@ class NodeTruth(LeaseBook):
 
     def _adopt(self, lease_id: str, container_id: str, grant: ContainerGrant, host: str,
                node_time: float, now: float, changes: Changes, via: str) -> None:
-        queued = self.leases.get(lease_id)
+        book = self.book
+        queued = book.leases.get(lease_id)
         old: LeaseState | None = None
         if queued is not None:  # a restored ledger that still has it waiting
             old = queued.state
-            self._dequeue(lease_id)
+            book.dequeue(lease_id)
             record = queued
         else:
             record = LeaseRecord(lease_id=lease_id, request_key=grant.request_key,
@@ -72,10 +98,10 @@ class NodeTruth(LeaseBook):
         record.bind_deadline = None
         record.bound_at = now
         record.container_id = container_id
-        self._track(record)
-        self._claim(record)
+        book.track(record)
+        book.claim_gpus(record)
         self.index.refresh(self.cluster, host)
-        self._node_clock_bound[lease_id] = node_time
+        book.node_clock_bound[lease_id] = node_time
         changes.transition(record, old, now, "adopted", by=f"node {host}")
         changes.event(now, "adopted", host=host, lease_id=lease_id, user=grant.user,
                       container_id=container_id, gpu_uuids=list(grant.gpu_uuids),
@@ -83,12 +109,12 @@ class NodeTruth(LeaseBook):
                       was=old.value if old else None)
         self.counters.add(Count.ADOPTED)
 
-    def _record_conflicts(self, host: str, found: dict[str, list[adoption.Conflict]], *,
-                          complete: bool, gone: set[str] | None = None) -> bool:
+    def record_conflicts(self, host: str, found: dict[str, list[adoption.Conflict]], *,
+                         complete: bool, gone: set[str] | None = None) -> bool:
         """Update the host's conflicts: a complete listing replaces them, anything else adds
         ``found`` and drops the containers in ``gone``; then mark the host's GPUs. True when
         a GPU left its conflict (it may fit a queued request now)."""
-        current = {} if complete else dict(self._conflicts.get(host, {}))
+        current = {} if complete else dict(self.conflicts.get(host, {}))
         current.update(found)
         for container_id in gone or ():
             current.pop(container_id, None)
@@ -98,9 +124,9 @@ class NodeTruth(LeaseBook):
                   if (gpu := self.cluster.gpus.get(u)) is not None and gpu.host == host
                   and gpu.conflict}
         if current:
-            self._conflicts[host] = current
+            self.conflicts[host] = current
         else:
-            self._conflicts.pop(host, None)
+            self.conflicts.pop(host, None)
         messages: dict[str, str] = {}
         for conflicts in current.values():
             for conflict in conflicts:
@@ -124,12 +150,3 @@ class NodeTruth(LeaseBook):
         """GPU uuid -> why it is out of placement (a running container's grant contradicts
         the ledger on it)."""
         return {u: g.conflict for u, g in self.cluster.gpus.items() if g.conflict is not None}
-
-    def _report_applied(self, host: str, now: float, changes: Changes) -> bool:
-        """A complete report of ``host`` is applied: lift its fence; True if it was fenced."""
-        if host not in self._fenced:
-            return False
-        self._fenced.discard(host)
-        self._fence_awaits_first_report = False
-        changes.event(now, "node_reported", host=host, fenced_left=len(self._fenced))
-        return True

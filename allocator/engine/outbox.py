@@ -1,33 +1,52 @@
 """The stop-command outbox: commands to node agents, decided by the engine, sent by the service.
 
 The engine only appends :class:`~allocator.protocol.StopContainer` commands to
-:attr:`~allocator.engine.state.EngineState.commands`; the service takes them with
-:meth:`CommandOutbox.take_commands` once the batch that decided them is committed, and a reload
-(a failed commit) forgets them.
+:attr:`CommandOutbox.commands`; the service takes them (``Engine.take_commands``) once the
+batch that decided them is committed, and a reload (a failed commit) forgets them.
 """
 
 from __future__ import annotations
 
-from allocator.counters import Family
-from allocator.engine.state import RECENT_FINAL_LEASES, EngineState
+from collections import OrderedDict
+
+from allocator.config import AllocatorSettings
+from allocator.counters import Counters, Family
+from allocator.engine.state import RECENT_FINAL_LEASES
 from allocator.ledger import Changes
-from allocator.protocol import (
-    StopContainer,
-    StopReason,
-)
+from allocator.protocol import StopContainer, StopReason
 
 
-class CommandOutbox(EngineState):
-    """Decides which containers a node agent is asked to stop, and when to ask again."""
+class CommandOutbox:
+    """Decides which containers a node agent is asked to stop, and when to ask again.
 
-    def take_commands(self) -> list[StopContainer]:
+    Invariants: ``commands`` holds only commands decided since the last :meth:`take` or
+    :meth:`load`; ``stops_asked`` holds at most ``RECENT_FINAL_LEASES`` entries, oldest ask
+    first.
+    """
+
+    def __init__(self, settings: AllocatorSettings, counters: Counters) -> None:
+        self.settings = settings
+        self.counters = counters
+        self.commands: list[StopContainer] = []
+        """Commands to node agents decided since the last :meth:`take`."""
+        self.stops_asked: OrderedDict[tuple[str, str], float] = OrderedDict()
+        """(lease id, container id) -> when its stop was last asked, so that a container that
+        heartbeats keep listing is not asked again every heartbeat."""
+
+    def load(self) -> None:
+        """A rebuild from the ledger: commands of a batch that was not committed must not go
+        out; containers still running are asked again when the next heartbeat lists them."""
+        self.commands = []
+        self.stops_asked.clear()
+
+    def take(self) -> list[StopContainer]:
         """Empty the outbox and return what was in it (the service, after a commit)."""
         commands, self.commands = self.commands, []
         return commands
 
-    def _ask_stop(self, host: str | None, lease_id: str, container_id: str | None,
-                  reason: StopReason, now: float, changes: Changes, *,
-                  observed: bool = False) -> None:
+    def ask_stop(self, host: str | None, lease_id: str, container_id: str | None,
+                 reason: StopReason, now: float, changes: Changes, *,
+                 observed: bool = False) -> None:
         """Put a :class:`StopContainer` for the node agent of ``host`` into the outbox.
 
         ``observed``: asked because a listing or a start event showed the container running,
@@ -38,14 +57,14 @@ class CommandOutbox(EngineState):
         if not self.settings.stop_containers or host is None or container_id is None:
             return
         key = (lease_id, container_id)
-        last = self._stops_asked.get(key)
+        last = self.stops_asked.get(key)
         if observed and last is not None and now - last < (
                 self.settings.container_stop_grace_s + self.settings.container_stop_retry_s):
             return
-        self._stops_asked[key] = now
-        self._stops_asked.move_to_end(key)
-        while len(self._stops_asked) > RECENT_FINAL_LEASES:
-            self._stops_asked.popitem(last=False)
+        self.stops_asked[key] = now
+        self.stops_asked.move_to_end(key)
+        while len(self.stops_asked) > RECENT_FINAL_LEASES:
+            self.stops_asked.popitem(last=False)
         self.commands.append(StopContainer(
             host=host, lease_id=lease_id, container_id=container_id,
             grace_s=self.settings.container_stop_grace_s, reason=reason))

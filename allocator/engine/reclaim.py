@@ -1,24 +1,24 @@
 """Reclaim and idle release: the engine acts on :func:`allocator.fairshare.plan_reclaims`.
 
-On every tick while requests wait, and when a request queues: leases the plan names are warned
-(``reclaim_at``, an event ``reclaim_warning``), warnings the plan no longer needs are withdrawn,
-and a warned lease whose grace is over has its container stopped with the command the agents
-already obey; the lease then ends with its reason (``reclaimed`` or ``idle``) however its end
-is noticed.
+On every tick while requests wait, and when a request queues (the dispatcher calls
+:meth:`Reclaimer.run` then): leases the plan names are warned (``reclaim_at``, an event
+``reclaim_warning``), warnings the plan no longer needs are withdrawn, and a warned lease whose
+grace is over has its container stopped with the command the agents already obey; the lease
+then ends with its reason (``reclaimed`` or ``idle``) however its end is noticed.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel
-
 from allocator import fairshare, policy
-from allocator.counters import Family
-from allocator.engine.nodes import NodeReconciliation
+from allocator.config import AllocatorSettings
+from allocator.counters import Counters, Family
+from allocator.engine.fence import StartFence
+from allocator.engine.idle import IdleWatch
+from allocator.engine.leases import LeaseBook
+from allocator.engine.placement import Placer
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
 from allocator.protocol import (
-    AllocateRequest,
-    LeaseReply,
     LeaseState,
     ReclaimReason,
     ReleaseReason,
@@ -26,8 +26,23 @@ from allocator.protocol import (
 )
 
 
-class Reclaimer(NodeReconciliation):
-    """Warns, withdraws and carries out reclaims of borrowed and idle leases."""
+class Reclaimer:
+    """Warns, withdraws and carries out reclaims of borrowed and idle leases.
+
+    Its state is on the leases (``borrowed``, ``reclaim_at``, ``reclaim_reason``,
+    ``reclaim_for``, ``reclaim_stopped_at``: in the ledger, so a warning survives a restart).
+    Invariant: a lease within its owner's guarantee is never warned; nothing is planned while
+    the start fence holds.
+    """
+
+    def __init__(self, settings: AllocatorSettings, counters: Counters, book: LeaseBook,
+                 idle: IdleWatch, placer: Placer, start_fence: StartFence) -> None:
+        self.settings = settings
+        self.counters = counters
+        self.book = book
+        self.idle = idle
+        self.placer = placer
+        self.start_fence = start_fence
 
     def _fair_share_active(self) -> bool:
         """Whether anything could ever be reclaimed: a borrow limit above a guarantee, or
@@ -38,13 +53,43 @@ class Reclaimer(NodeReconciliation):
                     or s.default_user_borrow_limit is not None
                     or s.idle_release_after_s is not None)
 
-    def _holding(self) -> list[LeaseRecord]:
-        return [r for r in self.leases.values() if r.state.holds_gpus]
+    def run(self, now: float, changes: Changes) -> bool:
+        """Plan, warn, withdraw and stop (see the module). True when GPUs were freed (the
+        caller serves the queue)."""
+        if not self._fair_share_active() or self.start_fence.holds(now):
+            return False
+        self._restand_borrowed(changes)
+        book = self.book
+        warned = [r for r in book.holding() if r.reclaim_at is not None
+                  and r.reclaim_stopped_at is None]
+        if not book.queue and not warned:
+            return False
+        candidates = self._candidates(now)
+        if not candidates and not warned:
+            return False  # nothing could go: no need to simulate the queue
+        leaving = {r.lease_id: r.gpu_uuids for r in book.holding()
+                   if r.state is LeaseState.RELEASING or r.reclaim_stopped_at is not None}
+        plan = fairshare.plan_reclaims(
+            self._waiters() if book.queue else [], candidates,
+            self.placer.view(now), self.settings, now=now,
+            down_after_s=self.settings.node_down_after_s,
+            idle_window_s=self.settings.idle_window_s, leaving=leaving)
+        for record in warned:
+            if record.lease_id not in plan:
+                self._withdraw(record, now, changes)
+        freed = False
+        for lease_id, reclaim in plan.items():
+            record = book.leases[lease_id]
+            if record.reclaim_at is None or record.reclaim_reason is not reclaim.reason:
+                self._warn(record, reclaim, now, changes)
+            if record.reclaim_at is not None and now >= record.reclaim_at:
+                freed = self._carry_out(record, now, changes) or freed
+        return freed
 
-    def _restand_borrowed(self, now: float, changes: Changes) -> None:
+    def _restand_borrowed(self, changes: Changes) -> None:
         """Recompute which holding leases are borrowed (an older lease of the same scope may
         have ended); a lease moved within its guarantee loses a pending reclaim warning."""
-        holding = self._holding()
+        holding = self.book.holding()
         borrowed = fairshare.borrowed_leases(
             [fairshare.Holding(r.lease_id, r.user, r.groups, r.units, r.granted_at or 0.0,
                                r.borrowed, r.model) for r in holding], self.settings)
@@ -56,8 +101,8 @@ class Reclaimer(NodeReconciliation):
 
     def _waiters(self) -> list[fairshare.Waiter]:
         waiters = []
-        for _, lease_id in self._queue:
-            demand = self._queued_demand(self.leases[lease_id])
+        for _, lease_id in self.book.queue:
+            demand = self.book.queued_demand(self.book.leases[lease_id])
             if isinstance(demand, policy.Demand):
                 waiters.append(fairshare.Waiter(lease_id, demand))
         return waiters
@@ -65,10 +110,10 @@ class Reclaimer(NodeReconciliation):
     def _candidates(self, now: float) -> list[fairshare.Candidate]:
         release_after = self.settings.idle_release_after_s
         candidates = []
-        for record in self._holding():
+        for record in self.book.holding():
             if record.state is LeaseState.RELEASING or record.reclaim_stopped_at is not None:
                 continue
-            idle_s = self.idle_for(record, now)
+            idle_s = self.idle.idle_for(record, now)
             releasable = release_after is not None and idle_s >= release_after
             if record.borrowed or releasable:
                 candidates.append(fairshare.Candidate(
@@ -77,47 +122,6 @@ class Reclaimer(NodeReconciliation):
                     warned=record.reclaim_at is not None, borrowed=record.borrowed,
                     idle_releasable=releasable))
         return candidates
-
-    def _allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
-        """Allocate as the lease book does; a request that queues is planned for at once,
-        not at the next tick, so a reclaim's warning (or, without a grace, its stop) goes
-        out with the reply."""
-        reply = super()._allocate(request, now, changes)
-        if isinstance(reply, LeaseReply) and reply.lease.state is LeaseState.QUEUED:
-            self._reclaim(now, changes)
-        return reply
-
-    def _reclaim(self, now: float, changes: Changes) -> None:
-        """Plan, warn, withdraw and stop (see the module)."""
-        if not self._fair_share_active() or self._fence_holds(now):
-            return
-        self._restand_borrowed(now, changes)
-        warned = [r for r in self._holding() if r.reclaim_at is not None
-                  and r.reclaim_stopped_at is None]
-        if not self._queue and not warned:
-            return
-        candidates = self._candidates(now)
-        if not candidates and not warned:
-            return  # nothing could go: no need to simulate the queue
-        leaving = {r.lease_id: r.gpu_uuids for r in self._holding()
-                   if r.state is LeaseState.RELEASING or r.reclaim_stopped_at is not None}
-        plan = fairshare.plan_reclaims(
-            self._waiters() if self._queue else [], candidates,
-            self._placement_view(now), self.settings, now=now,
-            down_after_s=self.settings.node_down_after_s,
-            idle_window_s=self.settings.idle_window_s, leaving=leaving)
-        for record in warned:
-            if record.lease_id not in plan:
-                self._withdraw(record, now, changes)
-        freed = False
-        for lease_id, reclaim in plan.items():
-            record = self.leases[lease_id]
-            if record.reclaim_at is None or record.reclaim_reason is not reclaim.reason:
-                self._warn(record, reclaim, now, changes)
-            if record.reclaim_at is not None and now >= record.reclaim_at:
-                freed = self._carry_out(record, now, changes) or freed
-        if freed:
-            self._serve_queue(now, changes)
 
     def _warn(self, record: LeaseRecord, reclaim: fairshare.Reclaim, now: float,
               changes: Changes) -> None:
@@ -150,9 +154,9 @@ class Reclaimer(NodeReconciliation):
         if record.container_id is None:
             # Granted, never bound: nothing runs to stop; a container starting later is a
             # zombie and is stopped as one.
-            self._end_lease(record, LeaseState.RELEASED, ReleaseReason(reason.value), now,
-                            changes, by=by, note=note)
+            self.book.end(record, LeaseState.RELEASED, ReleaseReason(reason.value), now,
+                          changes, by=by, note=note)
             return True
-        self._stop_and_release(record, StopReason(reason.value), now, changes, by=by, note=note,
-                               why=f"{reason.value}: stop requested")
+        self.book.stop_and_release(record, StopReason(reason.value), now, changes, by=by,
+                                   note=note, why=f"{reason.value}: stop requested")
         return False

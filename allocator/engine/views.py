@@ -1,5 +1,5 @@
-"""Read-only views of the engine's memory: a lease as the protocol shows it, lookups, the
-inventory."""
+"""Read-only answers from the engine's memory: the inventory, quotas, the ``leases`` listing,
+a lease's status. Nothing here changes state."""
 
 from __future__ import annotations
 
@@ -8,19 +8,21 @@ from fractions import Fraction
 from pydantic import BaseModel
 
 from allocator import policy
-from allocator.cluster import Node
+from allocator.cluster import Cluster
+from allocator.config import AllocatorSettings
 from allocator.engine.idle import IdleWatch
+from allocator.engine.leases import LeaseBook
+from allocator.engine.nodes import NodeReports
 from allocator.lease import LeaseRecord
 from allocator.protocol import (
     ErrorCode,
     GPUView,
     InventoryReply,
-    Lease,
-    LeaseReply,
     LeasesReply,
     LeasesRequest,
     LeaseState,
     NodeView,
+    QueueReply,
     QuotaReply,
     QuotaRequest,
     QuotaView,
@@ -29,8 +31,16 @@ from allocator.protocol import (
 )
 
 
-class Views(IdleWatch):
-    """Answers built from memory without changing it."""
+class Views:
+    """Answers built from the cluster, the lease book, node liveness and lease use."""
+
+    def __init__(self, settings: AllocatorSettings, cluster: Cluster, book: LeaseBook,
+                 idle: IdleWatch, nodes: NodeReports) -> None:
+        self.settings = settings
+        self.cluster = cluster
+        self.book = book
+        self.idle = idle
+        self.nodes = nodes
 
     def quota(self, request: QuotaRequest) -> QuotaReply:
         """The user's quotas and what they and their groups hold now; with a count, whether
@@ -56,75 +66,42 @@ class Views(IdleWatch):
                 units, [s for s in standings if s.model in (None, model)])
         return QuotaReply(user=request.user, quotas=views, would_borrow=would_borrow)
 
+    def queue(self) -> QueueReply:
+        """The queued leases in queue order."""
+        return QueueReply(leases=[self.book.view(self.book.leases[i])
+                                  for _, i in self.book.queue])
+
     def leases_reply(self, request: LeasesRequest, now: float) -> LeasesReply:
         """Leases of one user (or everyone's): queued in queue order, then holding ones by
         newest grant, then those ended within ``include_finished_s`` by newest end."""
         def wanted(record: LeaseRecord) -> bool:
             return request.user is None or record.user == request.user
 
-        queued = [self.leases[i] for _, i in self._queue if wanted(self.leases[i])]
-        holding = sorted((r for r in self.leases.values()
+        book = self.book
+        queued = [book.leases[i] for _, i in book.queue if wanted(book.leases[i])]
+        holding = sorted((r for r in book.leases.values()
                           if r.state is not LeaseState.QUEUED and wanted(r)),
                          key=lambda r: (-(r.granted_at or r.created_at), r.lease_id))
         finished: list[LeaseRecord] = []
         if request.include_finished_s > 0:
             since = now - request.include_finished_s
-            finished = sorted((r for r in self.recent.values()
+            finished = sorted((r for r in book.recent.values()
                                if wanted(r) and (r.released_at or 0.0) >= since),
                               key=lambda r: (-(r.released_at or 0.0), r.lease_id))
         views = []
         for record in (*queued, *holding, *finished):
-            lease = self._view(record)
+            lease = book.view(record)
             if request.include_usage:
-                lease.usage = self.usage_of(record.lease_id)
+                lease.usage = self.idle.usage_of(record.lease_id)
             views.append(lease)
         return LeasesReply(at=now, leases=views, idle_window_s=self.settings.idle_window_s,
                            reclaim_grace_s=self.settings.reclaim_grace_s)
-
-    def queue_position(self, lease_id: str) -> int | None:
-        """1-based position of a queued lease, or None."""
-        for position, (_, queued_id) in enumerate(self._queue, start=1):
-            if queued_id == lease_id:
-                return position
-        return None
-
-    def _view(self, record: LeaseRecord) -> Lease:
-        lease = record.to_protocol(
-            self.queue_position(record.lease_id) if record.state is LeaseState.QUEUED else None
-        )
-        lease.gpu_indices = [
-            self.cluster.gpus[u].index for u in record.gpu_uuids if u in self.cluster.gpus
-        ]
-        latest = self.use_now(record.lease_id)
-        if latest is not None:
-            lease.utilization_pct, lease.gpu_memory_used_mib = latest
-        return lease
-
-    def lease_reply(self, record: LeaseRecord) -> LeaseReply:
-        """A reply carrying one lease."""
-        return LeaseReply(lease=self._view(record))
-
-    def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
-        """An in-memory lease by id or request key (active first, then recently finished)."""
-        if lease_id is not None:
-            return self.leases.get(lease_id) or self.recent.get(lease_id)
-        assert request_key is not None
-        active = self.by_key.get(request_key)
-        if active is not None:
-            return self.leases[active]
-        newest: LeaseRecord | None = None
-        for record in (*self.leases.values(), *self.recent.values()):
-            if record.request_key == request_key and (
-                newest is None or record.created_at >= newest.created_at
-            ):
-                newest = record
-        return newest
 
     def inventory(self, now: float, include_leases: bool = False) -> InventoryReply:
         """The cluster as the inventory reply shows it."""
         down_after = self.settings.node_down_after_s
         nodes = [
-            NodeView(host=n.host, up=self._up(n, now), drained=n.drained,
+            NodeView(host=n.host, up=self.nodes.up(n, now), drained=n.drained,
                      last_heartbeat=n.last_heartbeat, gpus=len(n.gpu_uuids))
             for n in sorted(self.cluster.nodes.values(), key=lambda n: n.host)
         ]
@@ -149,17 +126,15 @@ class Views(IdleWatch):
         models = policy.summarize_models(self.cluster, self.settings, now, down_after)
         leases = None
         if include_leases:
-            leases = [self._view(r) for r in self.leases.values()]
+            leases = [self.book.view(r) for r in self.book.leases.values()]
         return InventoryReply(at=now, nodes=nodes, gpus=gpus, models=models,
-                              queued=len(self._queue), leases=leases)
+                              queued=len(self.book.queue), leases=leases)
 
-    def _up(self, node: Node, now: float) -> bool:
-        return node.host not in self._down and node.is_up(now, self.settings.node_down_after_s)
-
-    def _status(self, request: StatusRequest) -> BaseModel:
-        record = self.find(request.lease_id, request.request_key)
+    def status(self, request: StatusRequest) -> BaseModel:
+        """One lease, by id or request key."""
+        record = self.book.find(request.lease_id, request.request_key)
         if record is None:
             what = (f"lease {request.lease_id!r}" if request.lease_id
                     else f"request key {request.request_key!r}")
             return error_reply(ErrorCode.NOT_FOUND, f"no {what} in the ledger")
-        return self.lease_reply(record)
+        return self.book.reply(record)
