@@ -34,6 +34,17 @@ from yarl import URL
 
 log = logging.getLogger(__name__)
 
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+"""The broker URL every part uses when none is configured: RabbitMQ's own default user on
+this machine (development and tests; a deployment names its broker and user)."""
+
+
+def broker_user(amqp_url: str) -> str:
+    """The broker user name in an AMQP URL (``guest`` when the URL names none): the
+    ``user_id`` a publisher stamps on its messages, which RabbitMQ checks against the
+    connection's user."""
+    return urllib.parse.unquote(urllib.parse.urlparse(amqp_url).username or "guest")
+
 
 def broker_urls(amqp_url: str) -> list[str]:
     """One URL per broker node named in ``amqp_url`` (``host1:port1,host2:port2``), in order.

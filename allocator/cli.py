@@ -9,7 +9,9 @@
 
 Settings come from ``SWARM_GPU_*`` environment variables over the TOML file
 (see :mod:`allocator.config`; bad settings: exit status 1 and one line that says why); the
-client commands take ``--amqp`` or ``SWARM_GPU_AMQP_URL``.
+client commands take ``--amqp``, ``SWARM_GPU_AMQP_URL`` or, to keep the broker password
+out of the environment and the command line, ``SWARM_GPU_AMQP_URL_FILE`` (a file holding
+the URL).
 """
 
 from __future__ import annotations
@@ -27,13 +29,12 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from allocator.broker import DEFAULT_AMQP_URL
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.config import ConfigurationError, load_settings
 from allocator.ledger import LedgerError
 from allocator.protocol import AllocateRequest, Lease, ShareRequest
-from allocator.settings_files import settings_error_line
-
-DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+from allocator.settings_files import environ_secret, settings_error_line
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,8 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--ledger", help="ledger file (overrides the settings)")
 
     def client_options(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--amqp", default=os.environ.get("SWARM_GPU_AMQP_URL", DEFAULT_AMQP_URL),
-                         help="broker URL (default: $SWARM_GPU_AMQP_URL)")
+        # None: from the environment (read in main, so that a bad file is one error line)
+        sub.add_argument("--amqp", default=None,
+                         help="broker URL (default: $SWARM_GPU_AMQP_URL, or the content of "
+                              "$SWARM_GPU_AMQP_URL_FILE)")
         sub.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
         sub.add_argument("--json", action="store_true", help="print the raw reply as JSON")
 
@@ -90,6 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return asyncio.run(_serve(args))
+        if args.amqp is None:
+            try:
+                args.amqp = environ_secret("SWARM_GPU_AMQP_URL") or DEFAULT_AMQP_URL
+            except ValueError as exc:  # both set, or a file that cannot be read
+                print(f"gpu-allocator: {exc}", file=sys.stderr)
+                return 1
         return asyncio.run(_client_command(args))
     except (AllocatorError, LedgerError, ValidationError, ConfigurationError, OSError) as exc:
         print(f"gpu-allocator: {_one_line(exc)}", file=sys.stderr)

@@ -28,15 +28,15 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
-from urllib.parse import unquote, urlparse
 
 import aio_pika
 import aio_pika.abc
 from pydantic import BaseModel, ValidationError
 
 from allocator import broker
-from allocator.broker import redact
+from allocator.broker import broker_user, redact
 from allocator.protocol import (
+    READ_EXTRA,
     REPLY_ADAPTER,
     AllocateRequest,
     DrainReply,
@@ -57,6 +57,7 @@ from allocator.protocol import (
     ReleaseRequest,
     Reply,
     StatusRequest,
+    describe_validation_error,
     encode,
 )
 from allocator.topology import DIRECT_REPLY_TO, RPC_EXCHANGE, RPC_ROUTING_KEY
@@ -74,6 +75,14 @@ class AllocatorError(Exception):
         self.code = code
         self.message = message
         self.details = details or {}
+
+
+class UnreadableReply(AllocatorError):
+    """The allocator answered, but this client cannot read the answer (an allocator of a newer,
+    incompatible protocol, or a bug): ``internal_error``. Whatever the request did was done."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.INTERNAL_ERROR, message)
 
 
 class AllocatorTimeout(AllocatorError):
@@ -112,11 +121,6 @@ QueuedCallback = Callable[[Lease], Awaitable[None] | None]
 DEFAULT_RECHECK_S = 15.0
 """How long a wait in the queue goes without news before it asks ``status`` once: the grant
 is pushed, so this only bounds how late an answer comes after an allocator restart."""
-
-
-def broker_user(amqp_url: str) -> str:
-    """The broker user name in an AMQP URL (``guest`` when the URL names none)."""
-    return unquote(urlparse(amqp_url).username or "guest")
 
 
 class AllocatorClient:
@@ -372,8 +376,39 @@ class AllocatorClient:
         return reply
 
     async def allocate(self, request: AllocateRequest, *, timeout_s: float | None = None) -> Lease:
-        """Ask for GPUs. Returns a ``granted`` lease, or a ``queued`` one when it waits."""
-        return (await self._expect(request, LeaseReply, timeout_s)).lease
+        """Ask for GPUs. Returns a ``granted`` lease, or a ``queued`` one when it waits.
+
+        A reply this client cannot read may be a grant it will never use: the request key is
+        released at once and :class:`UnreadableReply` raised (:meth:`_give_back`).
+        """
+        try:
+            return (await self._expect(request, LeaseReply, timeout_s)).lease
+        except UnreadableReply as exc:
+            raise await self._give_back(request.request_key, exc) from exc
+
+    async def _give_back(self, request_key: str, unreadable: UnreadableReply) -> UnreadableReply:
+        """Release ``request_key`` after an answer to its allocate could not be read, and say
+        so in one line (the error to raise).
+
+        The allocator may have granted (or queued) the request: left alone, the GPUs would stay
+        held until the bind timeout with nobody to use them. A release by request key is
+        harmless when nothing was granted (``not_found``), and an allocator whose grant was
+        unreadable has applied the release even when its answer to that is unreadable too.
+        """
+        try:
+            await self.release(request_key=request_key, by="client",
+                               reason="the client could not read the allocator's answer")
+            outcome = "released it"
+        except UnreadableReply:
+            outcome = "released it (that answer was unreadable too)"
+        except AllocatorError as exc:
+            outcome = ("nothing to release" if exc.code is ErrorCode.NOT_FOUND
+                       else f"could not release it ({exc}): it is held until its bind timeout")
+        log.warning("allocate %s: unreadable answer, %s", request_key, outcome)
+        return UnreadableReply(
+            f"the allocator's answer to allocate {request_key!r} cannot be read by this client "
+            f"({unreadable}); {outcome}; an allocator of a newer protocol? see "
+            "docs/protocol.md#compatibility")
 
     async def release(
         self,
@@ -525,7 +560,10 @@ class AllocatorClient:
                     await self._ask_again(ask, request_key, give_up)
                     wake_at = time.monotonic() + recheck_s
                     continue
-                reply = _read_reply(item)
+                try:
+                    reply = _read_reply(item)
+                except UnreadableReply as exc:
+                    raise await self._give_back(request_key, exc) from exc
                 if isinstance(reply, ErrorReply):
                     raise AllocatorError(reply.error.code, reply.error.message,
                                          reply.error.details)
@@ -576,12 +614,13 @@ def _no_answer(timeout: float) -> AllocatorTimeout:
 
 
 def _read_reply(body: bytes) -> Reply:
+    """A reply, fields this client does not know ignored (a newer allocator may add some:
+    docs/protocol.md, "Compatibility"); :class:`UnreadableReply` when it still cannot be read."""
     try:
-        return REPLY_ADAPTER.validate_json(body)
+        return REPLY_ADAPTER.validate_json(body, extra=READ_EXTRA)
     except ValidationError as exc:
-        raise AllocatorError(
-            ErrorCode.INTERNAL_ERROR,
-            f"the allocator sent a reply this client cannot read: {exc}",
-        ) from exc
+        raise UnreadableReply(
+            f"the allocator sent a reply this client cannot read: "
+            f"{describe_validation_error(exc)}") from exc
 
 

@@ -22,8 +22,11 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeInt, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from allocator.broker import DEFAULT_AMQP_URL
+from allocator.log_snapshot import SNAPSHOT_BYTES
 from allocator.model_names import ModelNames, unbranded
-from allocator.settings_files import FileSettings
+from allocator.settings_files import FileSettings, secret_file_field
+from allocator.topology import ALLOCATOR_QUEUE, LEDGER_LOG_STREAM, RABBITMQ_SEGMENT_BYTES
 
 ENV_PREFIX = "SWARM_GPU_"
 
@@ -132,11 +135,12 @@ class AllocatorSettings(PolicySettings, FileSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     amqp_url: str = Field(
-        default="amqp://guest:guest@127.0.0.1:5672/",
+        default=DEFAULT_AMQP_URL,
         description="Broker URL; a broker cluster's nodes may all be named in it "
         "(amqp://user:pw@node1:5672,node2:5672,node3:5672/vhost): the allocator connects to "
         "the first that answers and, after a drop, to the next (allocator/broker.py).",
     )
+    amqp_url_file: Path | None = secret_file_field("amqp_url")
     broker_wait_s: float = Field(
         default=180.0, ge=0,
         description="At start, how long to keep trying to reach the broker before exiting: "
@@ -146,7 +150,7 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "node of amqp_url to answer before the log's stream is declared, and the search "
         "for a node holding a replica of the stream.",
     )
-    queue_name: str = Field(default="swarm-gpu.allocator", description="Inbound queue name.")
+    queue_name: str = Field(default=ALLOCATOR_QUEUE, description="Inbound queue name.")
     ledger_path: Path = Path("swarm-gpu-ledger.sqlite")
     ledger_synchronous: Literal["full", "normal"] = Field(
         default="full",
@@ -269,7 +273,7 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "shared by the replicas (one node).",
     )
     ledger_log_stream: str = Field(
-        default="swarm-gpu.ledger-log", min_length=1, max_length=200,
+        default=LEDGER_LOG_STREAM, min_length=1, max_length=200,
         description="The stream queue of the replicated ledger log.",
     )
     ledger_log_max_bytes: int = Field(
@@ -280,14 +284,14 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "(ledger_log_snapshot_bytes). Fixed when the stream is first declared.",
     )
     ledger_log_segment_bytes: int = Field(
-        default=500_000_000, ge=4096, le=3_000_000_000,
+        default=RABBITMQ_SEGMENT_BYTES, ge=4096, le=3_000_000_000,
         description="Segment size of the log stream (its x-stream-max-segment-size-bytes; "
         "the default is RabbitMQ's). Retention drops whole segments, so the stream keeps at "
         "least ledger_log_max_bytes less about one segment. Fixed when the stream is first "
         "declared.",
     )
     ledger_log_snapshot_bytes: int = Field(
-        default=256 * 1024**2, ge=1024,
+        default=SNAPSHOT_BYTES, ge=1024,
         description="The active allocator appends a snapshot of the ledger's state (nodes, "
         "GPUs, leases; not the lease history and events) each time the log has grown by this "
         "many bytes since the last one. A replica that is new, empty or was offline longer "

@@ -14,7 +14,8 @@
 
 Reading commands open the ledger read-only (``--ledger``, default ``$SWARM_GPU_LEDGER_PATH``);
 in WAL mode that works while the allocator runs and never disturbs it. Admin actions and the
-live status go through the running allocator (``--amqp``, default ``$SWARM_GPU_AMQP_URL``),
+live status go through the running allocator (``--amqp``, default ``$SWARM_GPU_AMQP_URL`` or
+the content of the file ``$SWARM_GPU_AMQP_URL_FILE`` names),
 which records who did what and why. Times (``T``) are ISO 8601 (UTC unless an offset is
 given), epoch seconds, or ``now``. ``backup`` reads the ledger as the reading commands do;
 ``restore`` replaces it, and refuses while an allocator has it open.
@@ -46,15 +47,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from allocator import backup, broker, exports, reports
+from allocator.broker import DEFAULT_AMQP_URL
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.heartbeat_delta import apply_delta
 from allocator.invariants import NodeReport, Violation, check_ledger
 from allocator.ledger import LedgerError, LogPosition
-from allocator.protocol import NODE_MESSAGE_ADAPTER, Heartbeat, HeartbeatDelta
+from allocator.protocol import NODE_MESSAGE_ADAPTER, READ_EXTRA, Heartbeat, HeartbeatDelta
+from allocator.settings_files import environ_secret
 from allocator.topology import NODES_EXCHANGE
 
 PROG = "gpu-ledger"
-DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 EXIT_OK, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 
 
@@ -103,7 +105,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--model", help="only models containing this (e.g. 1070)")
         sub.add_argument("--host", help="only this host")
 
-    env_amqp = os.environ.get("SWARM_GPU_AMQP_URL")
+    # $SWARM_GPU_AMQP_URL, or the file $SWARM_GPU_AMQP_URL_FILE names (ValueError: main)
+    env_amqp = environ_secret("SWARM_GPU_AMQP_URL")
+    # read once: the file may be a pipe (docker exec -i ... SWARM_GPU_AMQP_URL_FILE=/dev/stdin)
+    parser.set_defaults(env_amqp=env_amqp)
     status = commands.add_parser(
         "status", help="hosts, GPUs, holders and the queue",
         description="From the ledger file (--ledger, or $SWARM_GPU_LEDGER_PATH) or from the "
@@ -244,7 +249,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.amqp is None and args.ledger is None and os.environ.get("SWARM_GPU_LEDGER_PATH"):
         args.ledger = Path(os.environ["SWARM_GPU_LEDGER_PATH"])
     if args.ledger is None:
-        url = args.amqp or os.environ.get("SWARM_GPU_AMQP_URL") or DEFAULT_AMQP_URL
+        url = args.amqp or args.env_amqp or DEFAULT_AMQP_URL
         status = _run_async(lambda: _live_status(url, args.timeout))
     else:
         with _open_ledger(args) as conn:
@@ -507,7 +512,7 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             try:
-                beat = NODE_MESSAGE_ADAPTER.validate_json(message.body)
+                beat = NODE_MESSAGE_ADAPTER.validate_json(message.body, extra=READ_EXTRA)
             except ValidationError:
                 return
             if isinstance(beat, HeartbeatDelta):
@@ -606,7 +611,12 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpu-ledger`` console script."""
-    args = _parser().parse_args(argv)
+    try:
+        parser = _parser()
+    except ValueError as exc:  # SWARM_GPU_AMQP_URL and _FILE both set, or an unreadable file
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    args = parser.parse_args(argv)
     # The broker client logs every failed connection attempt; the error it ends in is printed
     # below in one line, so its log stays quiet unless asked for.
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.CRITICAL,

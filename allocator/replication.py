@@ -73,12 +73,15 @@ from allocator.log_entries import (
     decode_entry,
 )
 from allocator.log_snapshot import (
+    SNAPSHOT_BYTES,
     AsOf,
     PartHeader,
     SnapshotAssembly,
     decode_parts,
     encode_parts,
 )
+from allocator.topology import RABBITMQ_SEGMENT_BYTES
+from allocator.topology import stream_arguments as stream_arguments  # re-exported: tests use it
 
 log = logging.getLogger(__name__)
 
@@ -92,24 +95,11 @@ ENTRY_OVERHEAD_BYTES = 300
 of a chunk header): 257 bytes measured on RabbitMQ 3.10.8. The log's growth is counted with
 it, so that many small entries cannot make retention drop more than the settings allow for."""
 
-RABBITMQ_SEGMENT_BYTES = 500_000_000
-"""RabbitMQ's default ``x-stream-max-segment-size-bytes``."""
-
 FOLLOW_RETRY_S = 1.0
 """Pause before consuming the stream again after a broker error while catching up."""
 
 
 RETENTION_ARGUMENTS = ("x-max-length-bytes", "x-stream-max-segment-size-bytes")
-
-
-def stream_arguments(max_bytes: int, segment_bytes: int) -> dict[str, Any]:
-    """The ledger log's queue arguments: a stream, its retention and its segment size."""
-    arguments: dict[str, Any] = {"x-queue-type": "stream", "x-max-length-bytes": max_bytes}
-    if segment_bytes != RABBITMQ_SEGMENT_BYTES:
-        # Left out at RabbitMQ's default: a stream declared before this setting existed has
-        # no such argument, and declaring it with one would be refused as inequivalent.
-        arguments["x-stream-max-segment-size-bytes"] = segment_bytes
-    return arguments
 
 
 class LogFenced(LedgerError):
@@ -164,7 +154,8 @@ class ReplicatedLog:
 
     def __init__(self, ledger: Ledger, stream: str, *, max_bytes: int, timeout_s: float,
                  segment_bytes: int = RABBITMQ_SEGMENT_BYTES,
-                 snapshot_bytes: int = 256 << 20, snapshot_part_bytes: int = SNAPSHOT_PART_BYTES,
+                 snapshot_bytes: int = SNAPSHOT_BYTES,
+                 snapshot_part_bytes: int = SNAPSHOT_PART_BYTES,
                  writer_id: str | None = None) -> None:
         self.ledger = ledger
         self.stream = stream
@@ -191,6 +182,9 @@ class ReplicatedLog:
         self._ledger_had_data = False
         self._verify: str | None = None
         """Entry id expected at the position the consumer starts from (already applied)."""
+        self._verified = asyncio.Event()
+        """Set once the consumer has read the entry at this ledger's position (or the log
+        turned out not to be its history): until then a claim checks the stream first."""
         self._claimed_epoch: int | None = None
         """The epoch of the claim :meth:`claim` saw accepted; a claim of this process that is
         accepted after its wait ended makes it no writer (its engine was not rebuilt)."""
@@ -261,9 +255,11 @@ class ReplicatedLog:
             self._queue = await self._channel.declare_queue(self.stream, passive=True)
         self._publish_channel = await connection.channel(publisher_confirms=False)
         start: int | str = "first"
+        self._verified.set()  # an empty ledger has no place in the log to check
         if self.position is not None:
             start = self.position.offset
             self._verify = self.position.entry_id
+            self._verified.clear()
             # The log's genesis claim is its offset 0: a snapshot right after it seeds it.
             self._assembly = SnapshotAssembly(
                 (self.position.offset, self.position.entry_id, self.position.log_id,
@@ -358,6 +354,7 @@ class ReplicatedLog:
         attempt claims on the current picture. A replica loading a snapshot does not claim
         (:class:`LogUnavailable` if it has not caught up within the timeout).
         """
+        await self._check_the_stream_is_the_log()
         for attempt in range(attempts):
             self._raise_if_mismatched()
             if not self.caught_up.is_set():
@@ -400,6 +397,79 @@ class ReplicatedLog:
                      "follows its claim)", self.stream, taken.payload_bytes)
         log.info("ledger log %s: this allocator is the writer (epoch %d)", self.stream, epoch)
         return genesis
+
+    async def _check_the_stream_is_the_log(self) -> None:
+        """Before this ledger's first claim, while the entry at its position has not come
+        back: raise :class:`LogMismatch` (nothing appended) if the stream is not its log.
+
+        A ledger restored from a backup without ``gpu-ledger restore --new-log`` onto a stream
+        that was lost and declared again follows a position the stream never reaches; its
+        claim would time out and still land on that stream, under the old log's id. The
+        stream is not its log when its first entry is of another log, when its offset 0 is
+        no genesis claim (the first entry of a log is always its genesis: such a stream was
+        started by a claim of exactly this kind), or when it holds no entry at all (within
+        the timeout; the ledger's position is then beyond its end).
+        """
+        position = self.position
+        if position is None or self._verified.is_set():
+            return
+        assert self._connection is not None, "start() first"
+        first: asyncio.Future[tuple[int, Entry | None]] = \
+            asyncio.get_running_loop().create_future()
+
+        # Never acknowledged: with a prefetch of one, one entry is all this channel receives,
+        # and an ack racing the channel's close would close the whole connection (a frame on
+        # a closed channel is a connection error).
+        async def oldest(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            if first.done():
+                return
+            offset = int((message.headers or {}).get("x-stream-offset", -1))  # type: ignore[arg-type]
+            try:
+                first.set_result((offset, decode_entry(message.body)))
+            except BrokenEntry:  # the applier stops on it in its turn
+                first.set_result((offset, None))
+
+        verified = asyncio.ensure_future(self._verified.wait())
+        channel = await self._connection.channel()
+        try:
+            await channel.set_qos(prefetch_count=1)
+            queue = await channel.declare_queue(self.stream, passive=True)
+            await queue.consume(oldest, arguments={"x-stream-offset": "first"})
+            async with asyncio.timeout(self.timeout_s):
+                either: list[asyncio.Future[Any]] = [first, verified]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            pass
+        except (aio_pika.exceptions.AMQPError, OSError) as exc:
+            log.warning("ledger log %s: cannot read its oldest entry (%s); claiming anyway",
+                        self.stream, exc or type(exc).__name__)
+            return
+        finally:
+            verified.cancel()
+            with contextlib.suppress(Exception):
+                await channel.close()
+        if self._verified.is_set():
+            return  # the consumer read this ledger's entry (or found the mismatch itself)
+        why = None
+        if not first.done():
+            why = (f"the stream holds no entry (none came within {self.timeout_s:g} s), this "
+                   f"ledger applied offset {position.offset}")
+        else:
+            offset, entry = first.result()
+            if entry is not None and entry.log_id != position.log_id:
+                why = (f"the stream's oldest entry is of log {entry.log_id}, this ledger "
+                       f"follows log {position.log_id}")
+            elif entry is not None and offset == 0 and not entry.genesis:
+                why = (f"the stream was started by a claim of a ledger that was not its log "
+                       f"(offset 0 is no genesis), this ledger applied offset "
+                       f"{position.offset}")
+        if why is not None:
+            mismatch = LogMismatch(
+                f"the ledger {self.ledger.path} is not the history of the ledger log "
+                f"{self.stream} ({why}): a backup restored onto a new stream must be restored "
+                "with `gpu-ledger restore --new-log` (docs/operations.md, Back up and restore)")
+            self._mismatched(mismatch)
+            raise mismatch
 
     async def append(self, changes: Changes) -> None:
         """Append one batch and wait until it is applied to this ledger.
@@ -550,6 +620,7 @@ class ReplicatedLog:
         self.is_writer = False
         self.mismatch_event.set()
         self.caught_up.set()  # nothing to wait for: claim() raises the mismatch
+        self._verified.set()
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(exc)
@@ -570,6 +641,7 @@ class ReplicatedLog:
         if self._verify is not None:
             # The first entry read must be the one this ledger applied last.
             expected, self._verify = self._verify, None
+            self._verified.set()
             assert position is not None
             if offset == position.offset and entry.entry_id == expected:
                 self._assembly = SnapshotAssembly(

@@ -22,7 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
-from allocator.ledger import SCHEMA_VERSION, LedgerError
+from allocator.ledger import COLUMNS, JSON_COLUMNS, SCHEMA_VERSION, LedgerError
 from allocator.policy import queue_order_key
 from allocator.protocol import InventoryReply, Lease, LeaseState
 
@@ -206,16 +206,20 @@ EVENT_COLUMNS: tuple[Column, ...] = (
     Column("lease_id"), Column("user"), Column("gpu_uuid"), Column("detail", "json"),
 )
 
-GPU_COLUMNS: tuple[Column, ...] = (
-    Column("uuid"), Column("host"), Column("idx", "number"), Column("model"),
-    Column("memory_total_mib", "number"), Column("memory_used_mib", "number"),
-    Column("utilization_pct", "number"), Column("temperature_c", "number"),
-    Column("power_w", "number"), Column("health"), Column("health_reasons", "json"),
-    Column("drained", "bool"), Column("present", "bool"), Column("share_slots", "number"),
-    Column("first_seen", "time"), Column("updated_at", "time"),
-    Column("compute_capability"), Column("architecture"), Column("mig_enabled", "bool"),
-    Column("mig_parent_uuid"), Column("mig_profile"), Column("mig_index", "number"),
-)
+_GPU_KINDS: dict[str, Literal["time", "bool"]] = {
+    "first_seen": "time", "updated_at": "time",
+    "drained": "bool", "present": "bool", "mig_enabled": "bool",
+}
+"""The GPU columns whose SQLite type does not say what they mean (times are REAL, flags
+INTEGER)."""
+
+GPU_COLUMNS: tuple[Column, ...] = tuple(
+    Column(name, _GPU_KINDS.get(name)
+           or ("json" if name in JSON_COLUMNS["gpus"]
+               else "number" if kind in (int, float) else "text"))
+    for name, kind in COLUMNS["gpus"].items())
+"""The GPU export: every column of the ``gpus`` table (:data:`allocator.ledger.COLUMNS`), in
+the schema's order, so a new column is exported without being listed twice."""
 
 
 def usage_columns(by: UsageBy) -> tuple[Column, ...]:

@@ -1,6 +1,7 @@
-"""Stopping background tasks, bounded: the allocator's service and the node agent alike.
+"""Background tasks: stopping them, bounded, and the doubling pause of their retry loops;
+the allocator's service and the node agent alike.
 
-Part of the allocator's public surface, so the node agent uses the same rule.
+Part of the allocator's public surface, so the node agent uses the same rules.
 """
 
 from __future__ import annotations
@@ -11,6 +12,26 @@ from collections.abc import Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+class Backoff:
+    """The pause of a retry loop: ``first`` after the first failure, doubled after each
+    further one up to ``cap``; :meth:`reset` starts over (after a success)."""
+
+    def __init__(self, first: float, cap: float) -> None:
+        self.first = first
+        self.cap = cap
+        self._pause = first
+
+    def next(self) -> float:
+        """The pause to wait now; the next one is twice it, at most ``cap``."""
+        pause = self._pause
+        self._pause = min(pause * 2, self.cap)
+        return pause
+
+    def reset(self) -> None:
+        """The next pause is ``first`` again."""
+        self._pause = self.first
 
 STOP_WITHIN_S = 10.0
 """How long stopping waits for cancelled tasks before it gives up on them."""

@@ -59,6 +59,13 @@ broker's disk."""
 DELIVERY_LIMIT = 5
 """A message redelivered this often (it crashed the allocator each time) is dead-lettered."""
 
+LEDGER_LOG_STREAM = "swarm-gpu.ledger-log"
+"""The stream of the replicated ledger log (the allocator's ``ledger_log_stream`` default)."""
+
+RABBITMQ_SEGMENT_BYTES = 500_000_000
+"""RabbitMQ's default ``x-stream-max-segment-size-bytes`` (the allocator's
+``ledger_log_segment_bytes`` default)."""
+
 
 HEARTBEAT_ROUTING_PREFIX = "heartbeat."
 """What every heartbeat's routing key starts with (full reports and deltas alike)."""
@@ -108,6 +115,16 @@ def allocator_queue_spec(name: str = ALLOCATOR_QUEUE) -> QueueSpec:
             "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
         },
     )
+
+
+def stream_arguments(max_bytes: int, segment_bytes: int) -> dict[str, Any]:
+    """The ledger log's queue arguments: a stream, its retention and its segment size."""
+    arguments: dict[str, Any] = {"x-queue-type": "stream", "x-max-length-bytes": max_bytes}
+    if segment_bytes != RABBITMQ_SEGMENT_BYTES:
+        # Left out at RabbitMQ's default: a stream declared before this setting existed has
+        # no such argument, and declaring it with one would be refused as inequivalent.
+        arguments["x-stream-max-segment-size-bytes"] = segment_bytes
+    return arguments
 
 
 def is_direct_reply_to(address: str) -> bool:

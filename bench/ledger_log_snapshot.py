@@ -43,8 +43,9 @@ from allocator.ledger import Changes, Ledger
 from allocator.log_snapshot import encode_parts
 from allocator.protocol import LeaseState, ReleaseReason
 from allocator.replication import ENTRY_OVERHEAD_BYTES, SNAPSHOT_PART_BYTES, ReplicatedLog
+from allocator.topology import LEDGER_LOG_STREAM
 
-STREAM = "swarm-gpu.ledger-log"
+STREAM = LEDGER_LOG_STREAM
 MODEL = "NVIDIA A100-SXM4-80GB"
 SEGMENT_BYTES = 4 << 20
 

@@ -14,7 +14,8 @@
 - :mod:`hubplugin.spawner`: the spawner (entry point ``gpu-swarm``).
 
 It imports only the allocator's public surface, these modules exactly:
-:mod:`allocator.capacity`, :mod:`allocator.client`, :mod:`allocator.lease_container`,
+:mod:`allocator.broker`, :mod:`allocator.capacity`, :mod:`allocator.client`,
+:mod:`allocator.lease_container`,
 :mod:`allocator.model_names`, :mod:`allocator.protocol`, :mod:`allocator.settings_files` and
 :mod:`allocator.tasks`
 (``tests/test_design_map.py`` holds this list to the code).

@@ -26,7 +26,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from allocator.settings_files import FileSettings, list_from_text
+from allocator.broker import DEFAULT_AMQP_URL
+from allocator.settings_files import FileSettings, list_from_text, secret_file_field
 
 ENV_PREFIX = "SWARM_GPU_AGENT_"
 
@@ -80,10 +81,11 @@ class AgentSettings(FileSettings):
         "answers, else socket.gethostname().",
     )
     amqp_url: str = Field(
-        default="amqp://guest:guest@127.0.0.1:5672/",
+        default=DEFAULT_AMQP_URL,
         description="Broker URL (several nodes of a broker cluster: host1:port1,host2:port2; "
         "allocator/broker.py). Its user is sent as the AMQP user_id of every message.",
     )
+    amqp_url_file: Path | None = secret_file_field("amqp_url")
     interval_s: float = Field(default=5.0, gt=0, le=3600, description="Heartbeat period.")
     full_report_s: float = Field(
         default=20.0, ge=0, le=3600,

@@ -52,7 +52,7 @@ from aiodocker.events import DockerEvents
 from allocator.lease_container import LEASE_LABEL as LEASE_LABEL  # re-exported: the agent's label
 from allocator.lease_container import grant_from_labels
 from allocator.protocol import ContainerGrant
-from allocator.tasks import cancel_and_wait
+from allocator.tasks import Backoff, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ class ContainerWatcher:
     # ------------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
-        backoff = self.backoff_s
+        backoff = Backoff(self.backoff_s, self.backoff_max_s)
         while True:
             attempt_started = time.monotonic()
             try:
@@ -412,11 +412,11 @@ class ContainerWatcher:
             self._first_attempt.set()
             self._complete = False
             if time.monotonic() - attempt_started > self.backoff_max_s:
-                backoff = self.backoff_s  # the stream ran for a while: a fresh failure
+                backoff.reset()  # the stream ran for a while: a fresh failure
             self.last_error = error
-            log.warning("docker (%s): %s; retrying in %.1fs", self.docker_url, error, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.backoff_max_s)
+            pause = backoff.next()
+            log.warning("docker (%s): %s; retrying in %.1fs", self.docker_url, error, pause)
+            await asyncio.sleep(pause)
 
     async def _connect_and_stream(self) -> None:
         assert self._docker is not None

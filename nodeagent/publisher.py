@@ -35,7 +35,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
 
 from allocator import broker
-from allocator.client import broker_user
+from allocator.broker import broker_user
 from allocator.protocol import ContainerEvent, Heartbeat, HeartbeatDelta, encode
 from allocator.tasks import cancel_and_wait
 from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key

@@ -31,8 +31,9 @@ from allocator.cluster import Node
 from allocator.invariants import check_ledger
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes, Ledger, LedgerInUse, LedgerLock
+from allocator.log_entries import Claim
 from allocator.protocol import LeaseState
-from allocator.replication import LogMismatch, LogUnavailable, ReplicatedLog
+from allocator.replication import LogMismatch, ReplicatedLog
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -217,7 +218,11 @@ def test_an_allocator_waits_for_a_restore_in_progress(tmp_path: Path) -> None:
     lock = LedgerLock.take(path, exclusive=True)
     opened = threading.Event()
     ledger = Ledger(path)
-    thread = threading.Thread(target=lambda: (ledger.open(), opened.set()))
+    def open_ledger() -> None:
+        ledger.open()
+        opened.set()
+
+    thread = threading.Thread(target=open_ledger)
     thread.start()
     time.sleep(0.5)
     assert not opened.is_set(), "it opened a ledger being replaced"
@@ -328,6 +333,54 @@ async def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return await asyncio.to_thread(gpu_ledger, *args)
 
 
+async def stream_bodies(url: str, stream: str, within: float = 1.0) -> list[bytes]:
+    """What ``stream`` holds, read from its start for ``within`` seconds."""
+    bodies: list[bytes] = []
+    connection = await aio_pika.connect(url, timeout=10)
+    try:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=100)
+        queue = await channel.declare_queue(stream, passive=True)
+
+        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            bodies.append(message.body)
+            await message.ack()
+
+        await queue.consume(take, arguments={"x-stream-offset": "first"})
+        await asyncio.sleep(within)
+    finally:
+        await connection.close()
+    return bodies
+
+
+async def test_a_claim_on_a_stream_started_by_a_stranger_is_refused(
+        amqp_vhost: Any, tmp_path: Path) -> None:
+    """A stream whose offset 0 is no genesis claim was started by a ledger that was not its
+    log (a backup restored without --new-log, before such claims were refused): a ledger of
+    that log id is refused there too, before anything is appended."""
+    url = amqp_vhost.url
+    path = tmp_path / "ledger.sqlite"
+    async with replica(url, path) as log:
+        await log.claim()
+        await log.append(batch(1))
+        assert log.position is not None
+        log_id = log.position.log_id
+    connection = await aio_pika.connect(url, timeout=10)
+    try:
+        channel = await connection.channel()
+        other = "swarm-gpu.ledger-log-other"
+        await channel.declare_queue(other, durable=True, arguments={"x-queue-type": "stream",
+                                                                  "x-max-length-bytes": 64 << 20})
+        await channel.default_exchange.publish(aio_pika.Message(body=Claim(
+            log_id=log_id, entry_id="e1", epoch=9, writer="w").encode()), routing_key=other)
+    finally:
+        await connection.close()
+    async with replica(url, path, stream=other, timeout_s=2) as stranger:
+        with pytest.raises(LogMismatch, match="offset 0 is no genesis"):
+            await stranger.claim()
+    assert len(await stream_bodies(url, other)) == 1
+
+
 @pytest.mark.slow
 async def test_a_restored_replica_catches_up_from_the_backups_log_position(
         amqp_vhost: Any, tmp_path: Path) -> None:
@@ -356,20 +409,21 @@ async def test_a_restored_replica_catches_up_from_the_backups_log_position(
     assert lease_ids(restored) == ["lease-000001", "lease-000002", "lease-000003"]
     assert (await run_cli("check", "--ledger", restored)).returncode == 0
 
-    # The stream lost too (here: another stream, empty). Without --new-log the backup waits
-    # for entries after its position in a log that has none: it can never claim the log.
-    # With --new-log it starts the new log, with its own data.
+    # The stream lost too (here: another stream, empty). Without --new-log the backup's
+    # position is beyond the stream's end: its claim is refused before anything is appended,
+    # with a message naming --new-log. With --new-log it starts the new log, with its own data.
     kept = tmp_path / "kept.sqlite"
     assert (await run_cli("restore", backup, "--ledger", kept)).returncode == 0
     async with replica(url, kept, stream="swarm-gpu.ledger-log-new", timeout_s=2) as stranger:
-        with pytest.raises((LogMismatch, LogUnavailable)):
+        with pytest.raises(LogMismatch, match="--new-log") as refused:
             await stranger.claim()
+        assert "\n" not in str(refused.value)
         assert not stranger.is_writer
+    assert await stream_bodies(url, "swarm-gpu.ledger-log-new") == []
     fresh = tmp_path / "fresh.sqlite"
     cleared = await run_cli("restore", backup, "--ledger", fresh, "--new-log")
     assert cleared.returncode == 0, cleared
-    # (Another stream again: the refused claim above landed on that one.)
-    async with replica(url, fresh, stream="swarm-gpu.ledger-log-newer") as new_log:
+    async with replica(url, fresh, stream="swarm-gpu.ledger-log-new") as new_log:
         assert await new_log.claim() is True  # the new log's first entry
         await new_log.append(batch(4))
     assert lease_ids(fresh) == ["lease-000001", "lease-000004"]

@@ -97,7 +97,7 @@ def test_pythons_default_isolation_commits_ddl_by_itself(tmp_path: Path) -> None
     statement opens no transaction, so ``with conn:`` around it commits nothing and rolls
     back nothing; each statement is committed on its own (the old migrations' bug)."""
     with contextlib.closing(sqlite3.connect(tmp_path / "l.sqlite")) as conn:
-        assert conn.isolation_level == ""  # the default the ledger's connection has
+        assert str(conn.isolation_level) == ""  # the default the ledger's connection has
         conn.execute("CREATE TABLE t (a TEXT)")
         with pytest.raises(RuntimeError), conn:
             conn.execute("ALTER TABLE t ADD COLUMN b TEXT")

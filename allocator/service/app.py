@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from allocator import metrics
-from allocator.client import broker_user
+from allocator.broker import broker_user
 from allocator.config import AllocatorSettings, ConfigurationError, guarantee_problem
 from allocator.counters import ServiceStats
 from allocator.engine import Engine

@@ -22,6 +22,7 @@ from allocator.config import AllocatorSettings
 from allocator.ledger import Ledger
 from allocator.replication import LogNotHere, ReplicatedLog
 from allocator.service.declare import declare_agents_exchange, declare_topology
+from allocator.tasks import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ async def connect(settings: AllocatorSettings, first_node: int = 0
     timeout = settings.request_timeout_s
     url = broker.rotate_nodes(settings.amqp_url, first_node)
     deadline = time.monotonic() + settings.broker_wait_s
-    pause = BROKER_RETRY_FIRST_S
+    backoff = Backoff(BROKER_RETRY_FIRST_S, BROKER_RETRY_MAX_S)
     attempt = 1
     while True:
         try:
@@ -59,12 +60,11 @@ async def connect(settings: AllocatorSettings, first_node: int = 0
             left = deadline - time.monotonic()
             if left <= 0:
                 raise
-            pause = min(pause, left)
+            pause = min(backoff.next(), left)
             log.warning("broker %s not reachable (attempt %d: %s); retrying in %.0f s",
                         broker_address(settings.amqp_url), attempt,
                         str(exc) or type(exc).__name__, pause)
             await asyncio.sleep(pause)
-            pause = min(pause * 2, BROKER_RETRY_MAX_S)
             attempt += 1
     async with asyncio.timeout(timeout):
         return await broker.connect_robust(url, timeout=timeout)
@@ -86,7 +86,7 @@ async def await_broker_nodes(settings: AllocatorSettings, deadline: float) -> No
     url = settings.amqp_url
     if len(broker.broker_urls(url)) == 1:
         return
-    pause = BROKER_RETRY_FIRST_S
+    backoff = Backoff(BROKER_RETRY_FIRST_S, BROKER_RETRY_MAX_S)
     while silent := await broker.silent_nodes(url, timeout=settings.request_timeout_s):
         left = deadline - time.monotonic()
         if left <= 0:
@@ -97,8 +97,7 @@ async def await_broker_nodes(settings: AllocatorSettings, deadline: float) -> No
         log.info("ledger log: the stream %s is new; waiting for broker node(s) %s to "
                  "answer before declaring it, so that it has a replica on each",
                  settings.ledger_log_stream, ", ".join(silent))
-        await asyncio.sleep(min(pause, left))
-        pause = min(pause * 2, BROKER_RETRY_MAX_S)
+        await asyncio.sleep(min(backoff.next(), left))
 
 
 async def close_within(connection: aio_pika.abc.AbstractConnection) -> None:
