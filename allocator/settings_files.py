@@ -14,17 +14,27 @@ first, is the order of the sources :class:`FileSettings` gives pydantic-settings
 file that does not exist is an error, not an empty file. :func:`settings_error_line` says
 what is wrong with bad settings in one line; :func:`list_from_text` reads a list setting
 given as text (fields marked ``NoDecode``).
+
+Secrets from files: a setting that holds a password (or a URL with one) has a companion
+``<name>_file`` (:func:`secret_file_field`), e.g. ``amqp_url_file`` /
+``SWARM_GPU_AMQP_URL_FILE=/run/secrets/allocator-amqp-url``. :class:`SecretFiles` reads it:
+the file's content with its trailing newline stripped becomes the setting, so the secret
+never sits in an environment variable, a command line or ``docker inspect``. Setting both
+is an error, as is a file that cannot be read (:func:`secret_from_file`). The GPU page's
+settings and the spawner's ``allocator_url_file`` use the same functions.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -32,7 +42,91 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-__all__ = ["FileSettings", "NamedTomlFile", "list_from_text", "settings_error_line"]
+__all__ = [
+    "FileSettings",
+    "NamedTomlFile",
+    "SecretFiles",
+    "environ_secret",
+    "list_from_text",
+    "secret_file_field",
+    "secret_from_file",
+    "setting_or_file",
+    "settings_error_line",
+]
+
+SECRET_FILE_OF = "secret_file_of"
+"""Key in a ``*_file`` field's ``json_schema_extra``: the name of the setting it holds."""
+
+
+def secret_from_file(path: str | Path, name: str) -> str:
+    """The content of ``path`` with its trailing newline stripped: the value of ``name``.
+
+    Raises :class:`ValueError` with one line naming the setting and the file when it cannot
+    be read or is empty; the content is never part of a message.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ValueError(f"{name}: cannot read {path}: {why}") from None
+    # Only the newline an editor or `echo` adds: other whitespace may be part of a password.
+    value = text.removesuffix("\n").removesuffix("\r")
+    if not value:
+        raise ValueError(f"{name}: {path} is empty")
+    return value
+
+
+def setting_or_file(name: str, value: str | None, path: str | Path | None) -> str | None:
+    """``value``, or the content of ``path`` (one of them, never both: that is an error)."""
+    if path is None or path == "":
+        return value
+    if value is not None and value != "":
+        raise ValueError(f"set {name} or {name}_file, not both")
+    return secret_from_file(path, f"{name}_file")
+
+
+def environ_secret(variable: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The environment variable ``variable``, or the content of the file that
+    ``<variable>_FILE`` names (the command-line clients' ``SWARM_GPU_AMQP_URL_FILE``);
+    None when neither is set. Both set, or a file that cannot be read: :class:`ValueError`."""
+    env = os.environ if environ is None else environ
+    value, path = env.get(variable) or None, env.get(f"{variable}_FILE") or None
+    if path is None:
+        return value
+    if value is not None:
+        raise ValueError(f"set {variable} or {variable}_FILE, not both")
+    return secret_from_file(path, f"{variable}_FILE")
+
+
+def secret_file_field(of: str) -> Any:
+    """The field ``<of>_file``: a file holding the setting ``of`` (a password or a URL with
+    one), read by :class:`SecretFiles`."""
+    return Field(
+        default=None,
+        exclude=True,
+        json_schema_extra={SECRET_FILE_OF: of},
+        description=f"A file holding {of} (a Docker secret, e.g. /run/secrets/...), its "
+        f"trailing newline stripped: keeps the secret out of the environment and the "
+        f"command line. Not together with {of}.",
+    )
+
+
+class SecretFiles(BaseSettings):
+    """Settings with ``*_file`` companions (:func:`secret_file_field`): each file is read
+    in place of its setting, whichever source (argument, environment, TOML) named it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets_from_files(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for field_name, info in cls.model_fields.items():
+            extra = info.json_schema_extra
+            of = extra.get(SECRET_FILE_OF) if isinstance(extra, dict) else None
+            if not isinstance(of, str) or data.get(field_name) in (None, ""):
+                continue
+            data = {**data, of: setting_or_file(of, data.get(of), data[field_name])}
+        return data
 
 
 class NamedTomlFile(PydanticBaseSettingsSource):
@@ -65,7 +159,7 @@ class NamedTomlFile(PydanticBaseSettingsSource):
         return TomlConfigSettingsSource(self.settings_cls, toml_file=path)()
 
 
-class FileSettings(BaseSettings):
+class FileSettings(SecretFiles):
     """Settings read from arguments, then the environment, then a TOML file, then defaults."""
 
     config: Path | None = Field(

@@ -4,7 +4,8 @@ Runs the hub as a Swarm service next to RabbitMQ and the allocator (see the stac
 folder). Everything site-specific comes from environment variables and secret files, so the
 same file serves a laptop demo and a cluster:
 
-    SWARM_GPU_AMQP_URL     broker URL with the hub's own broker user
+    SWARM_GPU_AMQP_URL_FILE  a file (Docker secret) holding the broker URL with the hub's
+                           own broker user and its password (or SWARM_GPU_AMQP_URL: the URL)
     SWARM_GPU_HUB_ID       names this hub in lease request keys (unique per hub)
     NOTEBOOK_IMAGE         the single-user image (with CUDA libraries for GPU work)
     SWARM_GPU_NETWORK      network shared by the hub and the notebook services: the stack's
@@ -86,11 +87,17 @@ if (api_token := secret("swarm-gpu-hub-api-token")) is not None:
 
 # -------------------------------------------------------------------------- the allocator
 # The broker user `hub` of compose/rabbitmq-definitions.json (vhost `swarm-gpu`): it may only
-# publish requests to the allocator and read its own replies. Keep the password in a secret,
-# e.g. SWARM_GPU_AMQP_URL=amqp://hub:$(cat /run/secrets/hub-password)@rabbitmq:5672/swarm-gpu
-c.GPUSwarmSpawner.allocator_url = os.environ.get(
-    "SWARM_GPU_AMQP_URL", "amqp://hub:CHANGE-ME@rabbitmq:5672/swarm-gpu"
-)
+# publish requests to the allocator and read its own replies. Keep its URL (with the
+# password) in a file, a Docker secret: SWARM_GPU_AMQP_URL_FILE=/run/secrets/hub-amqp-url.
+# The spawner and the GPU page read that file themselves, so the password is in no
+# environment variable of the hub or the page. SWARM_GPU_AMQP_URL (the URL itself) still
+# works, for a hub whose start script builds the URL from a password file.
+if amqp_url_file := os.environ.get("SWARM_GPU_AMQP_URL_FILE"):
+    c.GPUSwarmSpawner.allocator_url_file = amqp_url_file
+else:
+    c.GPUSwarmSpawner.allocator_url = os.environ.get(
+        "SWARM_GPU_AMQP_URL", "amqp://hub:CHANGE-ME@rabbitmq:5672/swarm-gpu"
+    )
 c.GPUSwarmSpawner.hub_id = os.environ.get("SWARM_GPU_HUB_ID", "hub")
 c.GPUSwarmSpawner.allocator_timeout = 10.0  # one RPC call
 c.GPUSwarmSpawner.allocator_form_timeout = 3.0  # the spawn form renders without GPUs after this
@@ -111,7 +118,9 @@ services.append({
     "command": [sys.executable, "-m", "hubplugin.page"],
     "oauth_no_confirm": True,  # a page of the hub itself: no "authorize this service" step
     "environment": {
-        "SWARM_GPU_PAGE_AMQP_URL": c.GPUSwarmSpawner.allocator_url,
+        # the same broker URL as the spawner's: the file's name, else the URL itself
+        **({"SWARM_GPU_PAGE_AMQP_URL_FILE": amqp_url_file} if amqp_url_file
+           else {"SWARM_GPU_PAGE_AMQP_URL": c.GPUSwarmSpawner.allocator_url}),
         "SWARM_GPU_PAGE_HUB_ID": c.GPUSwarmSpawner.hub_id,
         "SWARM_GPU_PAGE_ADMIN_GROUPS": "staff",
         **{k: v for k, v in os.environ.items() if k.startswith("SWARM_GPU_PAGE_")},

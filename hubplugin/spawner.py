@@ -56,8 +56,10 @@ from traitlets import (
     Callable as CallableTrait,
 )
 
+from allocator.broker import DEFAULT_AMQP_URL
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.protocol import ErrorCode, InventoryReply, Lease, LeaseState
+from allocator.settings_files import setting_or_file
 
 from .borrowing import amounts_offered, borrow_outlook
 from .builders import BuildError, build_service_spec, describe_lease
@@ -94,11 +96,24 @@ class GPUSwarmSpawner(SwarmSpawner):
     # ------------------------------------------------------------------ configuration
 
     allocator_url = Unicode(
-        "amqp://guest:guest@127.0.0.1:5672/",
+        DEFAULT_AMQP_URL,
         config=True,
         help="""AMQP URL of the broker the allocator listens on.
 
         Use the broker user made for hubs, e.g. ``amqp://hub:SECRET@rabbitmq:5672/swarm-gpu``.
+        """,
+    )
+
+    allocator_url_file = Unicode(
+        "",
+        config=True,
+        help="""A file holding ``allocator_url`` (a Docker secret, e.g.
+        ``/run/secrets/swarm-gpu-hub-amqp-url``), its trailing newline stripped.
+
+        Keeps the hub's broker password out of the hub's environment, command line and
+        configuration file. Set this or ``allocator_url``, not both; the file is read when
+        the first spawner asks the allocator, and a file that cannot be read is one clear
+        error naming it.
         """,
     )
 
@@ -438,10 +453,24 @@ class GPUSwarmSpawner(SwarmSpawner):
 
     # ------------------------------------------------------------------ the allocator
 
+    def allocator_broker_url(self) -> str:
+        """``allocator_url``, or the content of ``allocator_url_file``.
+
+        ``allocator_url`` counts as set only when it differs from its default: traitlets
+        cannot tell a default from a configured value, and the default has no password.
+        """
+        default = type(self).class_traits()["allocator_url"].default_value
+        url = self.allocator_url if self.allocator_url != default else None
+        try:
+            from_file = setting_or_file("allocator_url", url, self.allocator_url_file or None)
+        except ValueError as exc:  # the hub's configuration: say so, not a traceback
+            raise user_error(500, f"the hub's GPU settings: {exc}") from None
+        return from_file if from_file is not None else self.allocator_url
+
     def allocator_client(self) -> AllocatorClient:
         """The hub's shared RPC client (one per event loop and URL)."""
         return shared_client(
-            self.allocator_url, self.allocator_timeout, self.allocator_connect_timeout
+            self.allocator_broker_url(), self.allocator_timeout, self.allocator_connect_timeout
         )
 
     def _emit(self, message: str, progress: int | None = None) -> None:

@@ -330,3 +330,67 @@ def test_on_one_machine_every_broker_name_resolves_and_no_two_nodes_share_a_sock
             sockets.add(socket)
     # None of the machine's own broker's ports (5672, 15672, 25672, epmd 4369).
     assert not {port for _, port in sockets} & {"5672", "15672", "25672", "4369"}
+
+
+# ------------------------------------------------------------------- secrets
+
+SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|COOKIE|CREDENTIAL", re.IGNORECASE)
+URL_WITH_PASSWORD = re.compile(r"[a-z][\w+.-]*://[^\s/:@]+:([^\s@]+)@", re.IGNORECASE)
+PASSWORD_FROM_A_FILE = re.compile(
+    r"\$+\(cat (/run/secrets/[\w.-]+|/etc/swarm-gpu/agent-password)\)")
+"""How a command may put a password into a URL: read from a Docker secret, or from the
+node's own agent password file, when the task starts (never in the service spec)."""
+
+
+def secret_problems(services: dict[str, Any]) -> list[str]:
+    """What in these services shows a secret: an environment variable holding a URL with a
+    password or named like a secret (a ``*_FILE`` variable names a file, which is fine), or
+    a command whose URL has a password that is not read from a file."""
+    problems = []
+    for name, service in services.items():
+        environment = service.get("environment") or {}
+        if isinstance(environment, list):
+            environment = dict(item.partition("=")[::2] for item in environment)
+        for key, value in environment.items():
+            if URL_WITH_PASSWORD.search(str(value or "")):
+                problems.append(f"{name}: {key} holds a URL with a password")
+            if SECRET_NAME.search(key) and not key.endswith("_FILE") and value:
+                problems.append(f"{name}: {key} holds a secret")
+        for part in service.get("command") or []:
+            for password in URL_WITH_PASSWORD.findall(str(part)):
+                if not PASSWORD_FROM_A_FILE.fullmatch(password):
+                    problems.append(f"{name}: its command has the password {password!r}")
+    return problems
+
+
+def test_no_service_shows_a_password(stack, cluster_stack, docker_engine):
+    """Passwords reach the services as secret files only: no environment variable of a
+    service (what `docker service inspect` shows to whoever may use the Docker API) holds
+    one, and the commands read them from files. For every way the stack is deployed."""
+    one_machine = merged_config(docker_engine, STACK, ONE_MACHINE, BROKER_CLUSTER,
+                                ONE_MACHINE_BROKER_CLUSTER, env=ONE_MACHINE_ENV)
+    for config in (stack, cluster_stack, one_machine):
+        assert secret_problems(config["services"]) == []
+    # and the check sees what it is for
+    leaky = {"hub": {"environment": {"SWARM_GPU_AMQP_URL": "amqp://hub:pw@rabbitmq/x",
+                                     "HUB_ADMIN_PASSWORD": "pw", "HUB_TOKEN_FILE": "/run/x"},
+                     "command": ["sh", "-c", "X=amqp://a:hunter2@rabbitmq/x exec a",
+                                 "Y=amqp://a:$$(cat /run/secrets/a)@rabbitmq/x exec a"]}}
+    assert secret_problems(leaky) == [
+        "hub: SWARM_GPU_AMQP_URL holds a URL with a password",
+        "hub: HUB_ADMIN_PASSWORD holds a secret",
+        "hub: its command has the password 'hunter2'"]
+
+
+def test_the_hub_config_reads_its_secrets_from_files():
+    """compose/jupyterhub_config.py: the login passwords and the API token come from secret
+    files, the broker URL from SWARM_GPU_AMQP_URL_FILE (or the URL its start command built);
+    no password is written into the file."""
+    text = (COMPOSE / "jupyterhub_config.py").read_text()
+    assert 'os.environ.get("SWARM_GPU_AMQP_URL_FILE")' in text
+    assert "allocator_url_file" in text and "SWARM_GPU_PAGE_AMQP_URL_FILE" in text
+    for name in ("swarm-gpu-hub-login-password", "swarm-gpu-hub-admin-password",
+                 "swarm-gpu-hub-api-token"):
+        assert f'secret("{name}")' in text, name
+    passwords = {m for m in URL_WITH_PASSWORD.findall(text)}
+    assert passwords <= {"CHANGE-ME", "$(cat"}, passwords

@@ -395,3 +395,117 @@ async def test_the_page_ends_with_a_hub_that_dies(page_hub: Hub) -> None:
         await writer.wait_closed()
         return False
     await wait_until(page_gone, within=60, interval=0.5)
+
+
+# ------------------------------------------------------------------- security
+
+PAGE_CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
+            "frame-ancestors 'self'; form-action 'none'; base-uri 'none'")
+"""The page's policy, written out here on purpose (not imported from the page): a change to
+it must be a change to this test too. Nothing loads from elsewhere and no script runs; its
+one stylesheet is the template's inline <style> (an admin's template may replace it, so no
+hash), its charts inline SVG."""
+
+
+async def page_as(hub: Hub, user: str) -> tuple[int, dict[str, str], str]:
+    """Log in through the hub's login form, then open the page (through the hub's OAuth,
+    as a browser does); the page's status, headers and HTML."""
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:
+        async with session.get(f"{hub.url}/hub/login") as response:
+            await response.text()
+        xsrf = next((c.value for c in session.cookie_jar if c.key == "_xsrf"), "")
+        async with session.post(f"{hub.url}/hub/login?next=",
+                                data={"username": user, "password": "x", "_xsrf": xsrf},
+                                allow_redirects=False) as response:
+            assert response.status in (302, 303), f"login as {user}: {response.status}"
+        async with session.get(hub.page_url) as response:
+            assert str(response.url) == hub.page_url, "ended elsewhere than the page"
+            return response.status, dict(response.headers), await response.text()
+
+
+async def test_the_page_sets_a_strict_content_security_policy_that_chromium_enforces(
+    page_hub: Hub, chromium_path: Path, tmp_path: Path,
+) -> None:
+    """The policy is on the real answer, and Chromium holds the page to it: a script put
+    into the page does not run, and the page's own styles still apply."""
+    async with asyncio.timeout(TEST_BUDGET_S):
+        await page_answers(page_hub)
+        status, headers, html = await page_as(page_hub, "alice")
+        assert status == 200, html
+        assert headers["Content-Security-Policy"] == PAGE_CSP
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        assert headers["Cache-Control"] == "no-store", "one user's page in no shared cache"
+        assert "<script" not in html, "the page is server-rendered: it needs no script"
+
+        def look() -> dict[str, Any]:
+            with Browser(chromium_path, tmp_path / "chromium-csp") as browser:
+                tab = open_page(browser, page_hub, "alice",
+                                until="!!document.querySelector('header.sg-top')")
+                seen: dict[str, Any] = browser.evaluate(tab, """new Promise(resolve => {
+                    const layout = getComputedStyle(document.querySelector('header.sg-top'))
+                        .display;
+                    document.addEventListener('securitypolicyviolation',
+                        e => resolve({layout, violated: e.violatedDirective}), {once: true});
+                    const script = document.createElement('script');
+                    script.textContent = 'window.sgInjected = true';
+                    document.body.append(script);
+                    setTimeout(() => resolve({layout, violated: null,
+                                              ran: window.sgInjected === true}), 3000);
+                })""")
+                return seen
+
+        seen = await asyncio.to_thread(look)
+        assert seen["layout"] == "flex", "the template's inline <style> must still apply"
+        assert seen["violated"] in ("script-src-elem", "script-src"), seen
+
+
+async def test_a_hub_identity_without_the_page_scope_gets_403(page_hub: Hub) -> None:
+    """The page lets in only identities with access:services!service=gpu: a token of alice
+    that does not carry that scope, and the hub service e2e (admin rights over users, but
+    not this scope), are refused; alice's full token is let in."""
+    async with asyncio.timeout(TEST_BUDGET_S):
+        await page_answers(page_hub)
+        status, body = await page_hub.api(
+            "POST", "/users/alice/tokens",
+            {"note": "no page", "expires_in": 600, "scopes": ["read:users!user=alice"]},
+            user="alice")
+        assert status == 201, body
+        narrow = body["token"]
+        async with aiohttp.ClientSession() as session:
+            async def get(token: str) -> tuple[int, str]:
+                async with session.get(page_hub.page_url, allow_redirects=False,
+                                       headers={"Authorization": f"token {token}"}) as response:
+                    return response.status, await response.text()
+
+            status, html = await get(narrow)
+            assert status == 403, (status, html[:300])
+            assert "sg-page" not in html and "alice" not in html
+            status, html = await get(page_hub.admin_token)
+            assert status == 403, (status, html[:300])
+            status, html = await get(page_hub.tokens["alice"])
+            assert status == 200 and 'id="sg-page"' in html, (status, html[:300])
+
+
+async def test_every_gpu_and_its_holder_is_for_admins_only(
+    cluster: Cluster, client: AllocatorClient, page_hub: Hub,
+) -> None:
+    """The cluster table (every GPU and who holds it) is in the answer to a hub admin and
+    to a member of an admin group (staff), and not in the answer to anyone else: not even
+    a trace of another user's lease."""
+    async with asyncio.timeout(TEST_BUDGET_S):
+        bobs = await lease_for(client, page_hub, "bob", "1070")
+        alices = await lease_for(client, page_hub, "alice", "1070")
+        await page_answers(page_hub)
+
+        pages = {user: await page_as(page_hub, user) for user in ("alice", "admin", "dave")}
+        for user, (status, _, html) in pages.items():
+            assert status == 200, (user, html[:300])
+
+        _, _, alice = pages["alice"]
+        assert 'id="sg-cluster"' not in alice and "(admin)" not in alice
+        assert alices.lease_id in alice
+        assert bobs.lease_id not in alice and ">bob" not in alice and "gpu-b" not in alice
+        for user in ("admin", "dave"):  # the hub's admin; dave is in the admin group staff
+            _, _, html = pages[user]
+            assert 'id="sg-cluster"' in html and "(admin)" in html, user
+            assert "gpu-b" in html and ">bob" in html, user

@@ -7,6 +7,8 @@ service needs to talk to it: ``JUPYTERHUB_API_TOKEN``, ``JUPYTERHUB_API_URL``,
 and the OAuth client settings, read by :class:`jupyterhub.services.auth.HubOAuth`.
 
 List settings may be JSON or comma separated: ``SWARM_GPU_PAGE_ADMIN_GROUPS=gpu-admins,staff``.
+The broker URL holds the hub's broker password: give it as a file,
+``SWARM_GPU_PAGE_AMQP_URL_FILE`` (:class:`allocator.settings_files.SecretFiles`).
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
-from allocator.settings_files import list_from_text
+from allocator.settings_files import SecretFiles, list_from_text, secret_file_field
 
 ENV_PREFIX = "SWARM_GPU_PAGE_"
 
 
-class PageSettings(BaseSettings):
+class PageSettings(SecretFiles):
     """Where the allocator is, what the page keeps, who counts as an admin."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
@@ -31,6 +33,7 @@ class PageSettings(BaseSettings):
         default="amqp://guest:guest@127.0.0.1:5672/",
         description="Broker URL with a user that may send requests to the allocator (the "
         "hub's own broker user does).")
+    amqp_url_file: Path | None = secret_file_field("amqp_url")
     hub_id: str | None = Field(
         default=None, description="Show only leases this hub asked for (its spawner's hub_id); "
         "unset: every lease of the user, whichever hub asked.")
