@@ -218,7 +218,12 @@ def test_a_taken_port_is_named_and_the_cli_demo_offered(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = int(taken.getsockname()[1])
-        demo = run_demo([], demo_env(tmp_path / "demo", port), timeout=60)
+        env = demo_env(tmp_path / "demo", port)
+        try:
+            demo = run_demo([], env, timeout=60)
+        finally:  # a demo that did not refuse must not outlive the test
+            if (tmp_path / "demo").exists():
+                run_demo(["stop"], env, timeout=120)
     assert demo.returncode == 1
     lines = demo.stderr.strip().splitlines()
     assert f"port {port} on 127.0.0.1 is taken" in lines[0]
