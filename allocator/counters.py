@@ -61,6 +61,10 @@ class Count(StrEnum):
     start): the report is dropped until the next full one."""
     HEARTBEAT_DELTAS_UNAPPLIED = "heartbeat_deltas_unapplied"
     """Deltas taken as liveness only, their host awaiting its next full report."""
+    HEARTBEATS_UNREADABLE = "heartbeats_unreadable"
+    """Heartbeats (full or delta) that did not decode but named a host its sender reports
+    for: refused, yet taken as a sign of life (an agent of a newer protocol, say), so the
+    host does not go down for it."""
     NODE_DOWN = "node_down"
     DUPLICATE_GPU = "duplicate_gpu"
     OVER_BUDGET = "over_budget"
@@ -137,6 +141,9 @@ COUNT_EXPORTED: Final[Mapping[Count, Exported]] = MappingProxyType({
     Count.HEARTBEAT_DELTAS_UNAPPLIED: Exported("swarm_gpu_heartbeat_deltas_unapplied",
                                                "Heartbeat deltas taken as liveness only while "
                                                "their host awaited a full report"),
+    Count.HEARTBEATS_UNREADABLE: Exported("swarm_gpu_heartbeats_unreadable", "Heartbeats that "
+                                          "did not decode (refused) but whose host and sender "
+                                          "could be read: taken as liveness only"),
     Count.NODE_DOWN: Exported("swarm_gpu_node_down_events", "Times a node was marked down"),
     Count.DUPLICATE_GPU: _ANOMALY,
     Count.OVER_BUDGET: _ANOMALY,

@@ -74,6 +74,15 @@ WIRE: Final = {"wire": True}
 ``"yes"`` not a boolean), and it makes ``"v"`` required. Messages built in Python get ``v``
 by default."""
 
+READ_EXTRA: Final = "ignore"
+"""What a reader does with a field it does not know, in every body it reads off the wire
+(requests, node messages, replies, agent commands): it ignores it, at any depth, while every
+field it knows is checked as strictly as ever. The models themselves forbid unknown fields, so
+a message built in Python with a misspelt field is still an error. This is the compatibility
+rule of ``docs/protocol.md`` ("Compatibility"): an added field must never make an older reader
+refuse a message (0.1.0 forbade them, and a new field took hosts down and made grants
+unreadable); ``v`` changes only for a change an older reader must not take."""
+
 MAX_MIB = 1 << 30
 """The largest memory size in MiB a message may carry (1 PiB)."""
 
@@ -213,7 +222,9 @@ def speaks_this_version(body: dict[str, Any]) -> bool:
 
 
 class _Message(BaseModel):
-    """Base of every message: strict about unknown fields so typos are reported, not ignored."""
+    """Base of every message: built in Python, an unknown field is an error (a typo in this
+    code); read off the wire, unknown fields are ignored (:data:`READ_EXTRA`), so that a
+    newer sender's added field does not make an older reader refuse the message."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -780,7 +791,8 @@ def decode_agent_command(body: bytes) -> AgentCommand | str:
     if len(body) > MAX_BODY_BYTES:
         return f"the message is {len(body)} bytes; the limit is {MAX_BODY_BYTES}"
     try:
-        return AGENT_COMMAND_ADAPTER.validate_json(body, strict=True, context=WIRE)
+        return AGENT_COMMAND_ADAPTER.validate_json(body, strict=True, extra=READ_EXTRA,
+                                                   context=WIRE)
     except ValidationError as exc:
         return describe_validation_error(exc)
     except RecursionError:  # pydantic's JSON parser limits nesting; belt and braces
@@ -1064,7 +1076,7 @@ def decode_inbound(body: bytes) -> AnyInbound | ErrorReply:
             limit=MAX_BODY_BYTES,
         )
     try:
-        return INBOUND_ADAPTER.validate_json(body, strict=True, context=WIRE)
+        return INBOUND_ADAPTER.validate_json(body, strict=True, extra=READ_EXTRA, context=WIRE)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         if first["type"] == "json_invalid":

@@ -29,6 +29,7 @@ PUBLISHED = {
     "swarm_gpu_fenced_batches", "swarm_gpu_grants", "swarm_gpu_heartbeat_clock_skew",
     "swarm_gpu_heartbeat_delta_gaps", "swarm_gpu_heartbeat_deltas",
     "swarm_gpu_heartbeat_deltas_unapplied", "swarm_gpu_heartbeats",
+    "swarm_gpu_heartbeats_unreadable",
     "swarm_gpu_heartbeats_stale", "swarm_gpu_invalid_messages", "swarm_gpu_messages_received",
     "swarm_gpu_node_down_events", "swarm_gpu_node_messages_rejected",
     "swarm_gpu_poisoned_messages", "swarm_gpu_push_failures", "swarm_gpu_pushes",

@@ -25,7 +25,7 @@ from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.reclaim import Reclaimer
 from allocator.engine.requests import LeaseRequests
-from allocator.engine.state import Sender
+from allocator.engine.state import Sender, count_anomaly, log
 from allocator.engine.views import Views
 from allocator.heartbeat_delta import apply_delta
 from allocator.lease import LeaseRecord
@@ -152,6 +152,28 @@ class Engine:
         if isinstance(message, LeasesRequest):
             return self.views.leases_reply(message, now)
         raise TypeError(f"unhandled message kind {type(message).__name__}")
+
+    def unreadable_heartbeat(self, host: str, sender: Sender, now: float,
+                             changes: Changes) -> bool:
+        """A heartbeat for ``host`` that did not decode (its host and sender could be read):
+        True when it was taken as a sign of life.
+
+        An agent of a newer protocol may send what this allocator cannot read; its node is
+        still alive, and marking it down would stop placements there and, after the stop
+        grace, release leases whose containers run. Only liveness is taken: nothing it says
+        about GPUs or containers is believed, it cannot bring a host in, and only the broker
+        user that reports for the host may send it, as for any heartbeat.
+        """
+        node = self.cluster.nodes.get(host)
+        # An unreadable message from another user is refused only as undecodable (counted and
+        # dead-lettered by the caller), not also as a report for a host it does not own.
+        if node is None or not self.nodes.owns(host, sender):
+            return False
+        if count_anomaly(self.counters, Count.HEARTBEATS_UNREADABLE):
+            log.warning("heartbeat of %s does not decode; taken as liveness only (an agent "
+                        "of a newer protocol? docs/protocol.md#compatibility)", host)
+        self.nodes.alive(node, sender, now, changes)
+        return True
 
     def _allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
         """Grant, queue or refuse; a request that queues is planned for at once, not at the

@@ -82,19 +82,26 @@ class NodeReports:
 
     def may_report(self, host: str, sender: Sender, now: float, changes: Changes,
                    kind: str) -> bool:
-        """Whether ``sender`` is the broker user that reports for ``host``."""
-        if self.settings.allow_any_node_user:
+        """Whether ``sender`` is the broker user that reports for ``host``; a refusal is
+        counted, logged and recorded."""
+        if self.owns(host, sender):
             return True
         expected = self.settings.node_users.get(host) or self.settings.node_user_template.format(
             host=host)
-        if sender.user_id == expected:
-            return True
         self.counters.add_to(Family.NODE_MESSAGE_REJECTED, kind)
         log.warning("refused %s for host %r from broker user %r (expected %r)",
                     kind, host, sender.user_id, expected)
         changes.event(now, f"{kind}_rejected", host=host, from_user=sender.user_id,
                       expected_user=expected)
         return False
+
+    def owns(self, host: str, sender: Sender) -> bool:
+        """Whether ``sender`` is the broker user that reports for ``host`` (no side effect)."""
+        if self.settings.allow_any_node_user:
+            return True
+        expected = self.settings.node_users.get(host) or self.settings.node_user_template.format(
+            host=host)
+        return sender.user_id == expected
 
     def stale(self, beat: Heartbeat | HeartbeatDelta) -> bool:
         """Whether ``beat`` is older news than the newest heartbeat accepted for its host.

@@ -11,7 +11,9 @@ answers sent, by :mod:`allocator.service.batch`.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable
 
 import aio_pika.abc
@@ -21,6 +23,9 @@ from allocator.counters import Count, Family, ServiceStats
 from allocator.engine import Engine, Sender
 from allocator.ledger import Changes
 from allocator.protocol import (
+    MAX_BODY_BYTES,
+    MAX_NAME,
+    PRINTABLE,
     AllocateRequest,
     ErrorCode,
     ErrorReply,
@@ -49,6 +54,25 @@ def request_id(message: aio_pika.abc.AbstractIncomingMessage) -> RequestId:
 def wants_reply(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
     """Whether the sender waits for an answer (it gave a reply address and correlation id)."""
     return bool(message.reply_to and message.correlation_id)
+
+
+def heartbeat_host(body: bytes) -> str | None:
+    """The host a heartbeat (full or delta) that did not decode names, if that much can be
+    read: a JSON object whose ``kind`` is a heartbeat's and whose ``host`` is a printable
+    name. None otherwise (the message is refused as before)."""
+    if len(body) > MAX_BODY_BYTES:
+        return None  # a heartbeat is never this large; not worth parsing
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or data.get("kind") not in ("heartbeat", "heartbeat_delta"):
+        return None
+    host = data.get("host")
+    if (not isinstance(host, str) or not 0 < len(host) <= MAX_NAME
+            or not re.fullmatch(PRINTABLE, host)):
+        return None
+    return host
 
 
 class Poisoned(Exception):
@@ -145,6 +169,16 @@ class Decider:
         decoded = decode_inbound(message.body)
         if isinstance(decoded, ErrorReply):
             self._stats.counters.add_to(Family.INVALID_MESSAGE, decoded.error.code.value)
+            if not replies and message.exchange == NODES_EXCHANGE:
+                host = heartbeat_host(message.body)
+                sender = Sender(user_id=message.user_id, via_nodes_exchange=True)
+                if host is not None and self._engine.unreadable_heartbeat(host, sender, now,
+                                                                         changes):
+                    # A sign of life, yet refused as before: dead-lettered for a person to
+                    # read (that queue is bounded, drop-head), counted and logged (first and
+                    # every 1000th) by the engine.
+                    log.debug("refused a heartbeat of %s: %s", host, decoded.error.message)
+                    return Pending(message, None, dead_letter=True)
             log.info("refused a message: %s", decoded.error.message)
             if not replies:
                 return Pending(message, None, dead_letter=True)
