@@ -226,9 +226,22 @@ class Hub:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 await asyncio.to_thread(proc.wait, 10)
-        # the proxy runs in the hub's session; make sure it is gone too
+        # Whatever else is left of the hub's session goes too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        # JupyterHub starts its proxy in a session of its own (so that a hub restart keeps
+        # it) and stops it only on a clean shutdown: a killed hub leaves it running.
+        self._stop_proxy()
+
+    def _stop_proxy(self) -> None:
+        try:
+            pid = int((self.dir / "proxy.pid").read_text().strip())
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return  # no proxy left, or none was started
+        if b"configurable-http-proxy" in command:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
