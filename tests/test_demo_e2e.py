@@ -234,7 +234,7 @@ def test_a_taken_port_is_named_and_the_cli_demo_offered(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_without_root_the_hub_demo_says_so_and_offers_the_cli_demo(tmp_path: Path) -> None:
     if os.geteuid() != 0:
-        pytest.skip("needs root to run the demo as another user")
+        require_service("another user (setpriv)", "running the demo as another user needs root")
     state = tmp_path / "demo"
     demo = run_demo([], demo_env(state, free_port()), timeout=60, user="65534")
     assert demo.returncode == 1
