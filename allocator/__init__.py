@@ -9,7 +9,9 @@ addresses: one URL naming several broker nodes), :mod:`allocator.client` (the RP
 :mod:`allocator.tasks` (bounded shutdown of background tasks),
 :mod:`allocator.settings_files` (how a process reads its settings: sources, the TOML file),
 :mod:`allocator.capacity` (how many GPUs of one request one host can give, the rule the
-hub's form checks and the policy share).
+hub's form checks and the policy share), :mod:`allocator.metrics_http` (the HTTP endpoint of a
+Prometheus registry, and its token), :mod:`allocator.logs` (how every process logs: text
+or JSON lines, passwords hidden).
 The node agent and the hub plugin import nothing else of the allocator.
 """
 
@@ -26,5 +28,7 @@ PUBLIC_SURFACE = frozenset({
     "allocator.tasks",
     "allocator.settings_files",
     "allocator.capacity",
+    "allocator.metrics_http",
+    "allocator.logs",
 })
 """The modules other parts may import."""

@@ -15,24 +15,44 @@ reachable from every node of the cluster, so any node that answers will do.
 One trap of a three-node RabbitMQ 3.10 comes with it (:func:`is_refused`): a channel opened on
 a surviving node while a quorum queue is electing a new leader can never publish to that
 queue; the publisher must see the refusal (publisher confirms) and open another channel.
+
+TLS is one rule here too (docs/operations.md, "TLS to the broker"): an ``amqps://`` URL (port
+5671 by default) and the CA that signed the broker's certificate, and a client certificate
+where the broker asks for one. Every process takes them as the settings ``amqp_ca_file``,
+``amqp_cert_file`` and ``amqp_key_file`` (:class:`BrokerTLSSettings`) or as the URL's own
+query parameters ``cafile``, ``certfile``, ``keyfile`` (which aiormq reads); :func:`with_tls`
+puts the one into the other, so a URL naming several nodes carries them to each. A plain
+``amqp://`` URL to a host off this machine logs a warning when the process first connects
+(:func:`plaintext_warning`), and a connection that TLS refused says why in one line
+(:func:`connection_failure`).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import os
+import ssl
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import aio_pika
 import aio_pika.abc
 from aio_pika.abc import TimeoutType
 from aiormq.exceptions import AMQPError, DeliveryError, PublishError
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings
 from yarl import URL
 
 log = logging.getLogger(__name__)
+security_log = logging.getLogger(f"{__name__}.security")
+"""Where the warning about a plain URL goes: its own logger, so that a command-line client
+that keeps the broker's connection log quiet (``gpu-ledger``) can still show it."""
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 """The broker URL every part uses when none is configured: RabbitMQ's own default user on
@@ -97,6 +117,7 @@ async def silent_nodes(amqp_url: str, timeout: float) -> list[str]:  # noqa: ASY
         except (OSError, TimeoutError, AMQPError, aio_pika.exceptions.AMQPError):
             return False
 
+    warn_if_plaintext(amqp_url)
     urls = broker_urls(amqp_url)
     answered = await asyncio.gather(*(answers(url) for url in urls))
     return [broker_address(url).partition("/")[0]
@@ -113,11 +134,203 @@ def redact(amqp_url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
+DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671}
+"""The port of a node a URL names without one, by scheme (aiormq's own defaults)."""
+
+
 def broker_address(amqp_url: str) -> str:
     """``host:port[,host:port...]/vhost`` of an AMQP URL, without credentials."""
     urls = [urllib.parse.urlsplit(url) for url in broker_urls(amqp_url)]
-    hosts = ",".join(f"{url.hostname}:{url.port or 5672}" for url in urls)
+    default_port = DEFAULT_PORTS.get(urls[0].scheme, DEFAULT_PORTS["amqp"])
+    hosts = ",".join(f"{url.hostname}:{url.port or default_port}" for url in urls)
     return f"{hosts}{urls[0].path or '/'}"
+
+
+# ------------------------------------------------------------------------------------ TLS
+
+TLS_QUERY = {"cafile": "amqp_ca_file", "certfile": "amqp_cert_file", "keyfile": "amqp_key_file"}
+"""The URL's TLS query parameters (what aiormq reads), each with the setting that names it."""
+
+
+def with_tls(amqp_url: str, *, ca_file: str | Path | None = None,
+             cert_file: str | Path | None = None, key_file: str | Path | None = None) -> str:
+    """``amqp_url`` with the TLS files as its query parameters ``cafile``, ``certfile`` and
+    ``keyfile``: one query, so every node of a URL naming several gets them.
+
+    Without any file it is ``amqp_url`` as it is. Raises ValueError, in one line, when a file
+    is given for a plain ``amqp://`` URL (its traffic would not be encrypted at all), or when
+    the URL names another file for the same parameter. Giving the same file twice is fine (a
+    setting read again).
+    """
+    given = {key: str(value) for key, value in
+             (("cafile", ca_file), ("certfile", cert_file), ("keyfile", key_file))
+             if value is not None and str(value) != ""}
+    if not given:
+        return amqp_url
+    parts = urllib.parse.urlsplit(amqp_url)
+    if parts.scheme != "amqps":
+        settings = ", ".join(TLS_QUERY[key] for key in given)
+        raise ValueError(f"{settings} set, but the broker URL {redact(amqp_url)} is not "
+                         f"amqps://: TLS needs an amqps:// URL (the broker's TLS port, 5671)")
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    in_url = dict(query)
+    for key, value in given.items():
+        if key not in in_url:
+            query.append((key, value))
+        elif in_url[key] != value:
+            raise ValueError(f"{TLS_QUERY[key]} is {value} but the broker URL's {key} is "
+                             f"{in_url[key]}: set one of them")
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, safe="/")))
+
+
+class BrokerTLSSettings(BaseSettings):
+    """The broker URL of a process and its TLS files, one setting each; a settings class of
+    a process that connects (allocator, node agent, GPU page) takes these from here.
+
+    After validation ``amqp_url`` carries the files (:func:`with_tls`), so whatever takes the
+    URL connects with them.
+    """
+
+    amqp_url: str = Field(default=DEFAULT_AMQP_URL, description="Broker URL.")
+    amqp_ca_file: Path | None = Field(
+        default=None,
+        description="The CA certificate (PEM) that signed the broker's certificate, for an "
+        "amqps:// amqp_url (the URL's cafile parameter does the same). Unset: the system's "
+        "trusted CAs.")
+    amqp_cert_file: Path | None = Field(
+        default=None,
+        description="This client's own certificate (PEM), where the broker asks for one "
+        "(ssl_options.verify = verify_peer with fail_if_no_peer_cert); the URL's certfile.")
+    amqp_key_file: Path | None = Field(
+        default=None,
+        description="The private key (PEM) of amqp_cert_file, unless that file holds it too; "
+        "the URL's keyfile.")
+
+    @model_validator(mode="after")
+    def _tls_into_url(self) -> Any:
+        # A missing file is found now, in one line naming the setting, rather than at every
+        # connection attempt as an OSError that names no file.
+        for name in TLS_QUERY.values():
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name}: {path} does not exist or is not a file")
+        self.amqp_url = with_tls(self.amqp_url, ca_file=self.amqp_ca_file,
+                                 cert_file=self.amqp_cert_file, key_file=self.amqp_key_file)
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback."""
+    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(
+            ".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def plaintext_warning(amqp_url: str) -> str | None:
+    """The warning a plain ``amqp://`` URL deserves when it names a node off this machine
+    (its password and every message would cross the network in clear); None for an
+    ``amqps://`` URL or one to loopback only. Pure: reads no network."""
+    if urllib.parse.urlsplit(amqp_url).scheme != "amqp":
+        return None
+    remote = [host for host in (urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+                                for url in broker_urls(amqp_url)) if not is_loopback(host)]
+    if not remote:
+        return None
+    return (f"the broker URL {redact(amqp_url)} is plain amqp:// to {', '.join(remote)}: "
+            "the broker password and every message cross the network unencrypted; use "
+            "amqps:// with amqp_ca_file (docs/operations.md, TLS to the broker)")
+
+
+_warned_plaintext: set[str] = set()
+
+
+def warn_if_plaintext(amqp_url: str) -> None:
+    """Log :func:`plaintext_warning` once per process and broker address (the first
+    connection of each process that connects, through :func:`connect` and
+    :func:`connect_robust`)."""
+    warning = plaintext_warning(amqp_url)
+    address = broker_address(amqp_url)
+    if warning is not None and address not in _warned_plaintext:
+        _warned_plaintext.add(address)
+        security_log.warning("%s", warning)
+
+
+TLS_ENVIRONMENT = {"cafile": "SWARM_GPU_AMQP_CA_FILE", "certfile": "SWARM_GPU_AMQP_CERT_FILE",
+                   "keyfile": "SWARM_GPU_AMQP_KEY_FILE"}
+"""The environment variables of the command-line clients' TLS files (the allocator's own
+settings of the same names)."""
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line clients' TLS options (``gpu-allocator``, ``gpu-ledger``):
+    ``--amqp-ca-file``, ``--amqp-cert-file``, ``--amqp-key-file``."""
+    group = parser.add_argument_group("TLS to the broker (an amqps:// URL)")
+    for key, setting in TLS_QUERY.items():
+        what = {"cafile": "the CA that signed the broker's certificate",
+                "certfile": "this client's certificate, where the broker asks for one",
+                "keyfile": "the key of --amqp-cert-file"}[key]
+        group.add_argument(f"--{setting.replace('_', '-')}", dest=setting, default=None,
+                           metavar="PEM", help=f"{what} (default: ${TLS_ENVIRONMENT[key]})")
+
+
+def url_with_tls_arguments(amqp_url: str, args: argparse.Namespace,
+                           environ: Mapping[str, str] | None = None) -> str:
+    """``amqp_url`` with the TLS files of :func:`add_tls_arguments` (or their environment
+    variables); ValueError as :func:`with_tls`."""
+    env = os.environ if environ is None else environ
+    files = {key: getattr(args, setting, None) or env.get(TLS_ENVIRONMENT[key]) or None
+             for key, setting in TLS_QUERY.items()}
+    return with_tls(amqp_url, ca_file=files["cafile"], cert_file=files["certfile"],
+                    key_file=files["keyfile"])
+
+
+def connection_failure(exc: BaseException, amqp_url: str = "") -> str:
+    """Why a connection attempt to ``amqp_url`` failed, in one line a person understands:
+    TLS refusals (:func:`tls_failure`) in words, anything else as its own message."""
+    return tls_failure(exc, amqp_url) or str(exc) or type(exc).__name__
+
+
+def tls_failure(exc: BaseException, amqp_url: str = "") -> str | None:
+    """What TLS refused, in words, when that is why ``exc`` (a failed connection attempt to
+    ``amqp_url``, or what it was raised from) happened: the broker's certificate not
+    trusted, this client's certificate refused or missing, TLS against a port that does not
+    speak it; else None."""
+    seen: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in seen:
+        seen.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for error in seen:
+        if isinstance(error, ssl.SSLCertVerificationError):
+            return (f"the broker's TLS certificate is not trusted ({error.verify_message}): "
+                    "amqp_ca_file must be the CA that signed it, and the certificate must "
+                    "name the host of the URL")
+        if isinstance(error, ssl.SSLError):
+            reason = (error.reason or "").upper()
+            if "CERTIFICATE_REQUIRED" in reason or "BAD_CERTIFICATE" in reason \
+                    or "UNKNOWN_CA" in reason:
+                return ("the broker refused this client's TLS certificate (or got none): set "
+                        "amqp_cert_file and amqp_key_file to a certificate its CA signed")
+            if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
+                return ("the broker did not answer TLS on that port: amqps:// needs the "
+                        "broker's TLS port (5671 by default)")
+            return f"TLS with the broker failed: {error.reason or error}"
+    parts = urllib.parse.urlsplit(amqp_url)
+    if parts.scheme == "amqps" and "certfile" not in urllib.parse.parse_qs(parts.query) \
+            and any(isinstance(error, ConnectionResetError | asyncio.IncompleteReadError)
+                    for error in seen):
+        # A broker that asks for a client certificate (fail_if_no_peer_cert) and got none
+        # ends the connection over TLS 1.3 after the client's side of the handshake is done:
+        # the client sees a reset, not the alert that says why.
+        return ("the broker ended the TLS connection before AMQP began: it may ask for a "
+                "client certificate (set amqp_cert_file and amqp_key_file)")
+    return None
 
 
 FAILOVER_RECONNECT_S = 1.0
@@ -194,6 +407,7 @@ def is_refused(exc: BaseException) -> bool:
 async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractRobustConnection:
     """A robust connection to the first node of ``amqp_url`` that answers; on a drop it
     reconnects to the next node, round the list (one-node URLs: aio-pika's own)."""
+    warn_if_plaintext(amqp_url)
     urls = broker_urls(amqp_url)
     if len(urls) > 1:
         kwargs.setdefault("reconnect_interval", FAILOVER_RECONNECT_S)
@@ -212,7 +426,7 @@ async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractR
             with contextlib.suppress(Exception):
                 await connection.close()
             log.warning("broker node %s not reachable: %s", broker_address(ordered[0]),
-                        str(exc) or type(exc).__name__)
+                        connection_failure(exc, amqp_url))
             continue
         connection.arm()
         return connection
@@ -241,6 +455,7 @@ async def open_connection(url: str, timeout: TimeoutType = None,  # noqa: ASYNC1
 
 async def connect(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractConnection:
     """A plain connection to the first node of ``amqp_url`` that answers."""
+    warn_if_plaintext(amqp_url)
     last: BaseException | None = None
     urls = broker_urls(amqp_url)
     for url in urls:
@@ -250,7 +465,7 @@ async def connect(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractConnecti
             last = exc
             if len(urls) > 1:  # the caller says why when no node answers
                 log.info("broker node %s not reachable: %s", broker_address(url),
-                         str(exc) or type(exc).__name__)
+                         connection_failure(exc, amqp_url))
     assert last is not None
     raise last
 

@@ -8,8 +8,11 @@
     gpu-allocator leases [--user alice] [--finished 3600]
 
 Settings come from ``SWARM_GPU_*`` environment variables over the TOML file
-(see :mod:`allocator.config`; bad settings: exit status 1 and one line that says why); the
-client commands take ``--amqp``, ``SWARM_GPU_AMQP_URL`` or, to keep the broker password
+(``gpu-allocator serve --help`` lists them all, from :class:`allocator.config.AllocatorSettings`);
+a start that cannot work (bad settings, a broker that cannot be reached or refuses the user or
+the vhost, an unreadable ledger) exits with status 1 and one line that says what to fix. The
+client commands log as ``SWARM_GPU_LOG_LEVEL`` and ``SWARM_GPU_LOG_FORMAT`` say, and take
+``--amqp``, ``SWARM_GPU_AMQP_URL`` or, to keep the broker password
 out of the environment and the command line, ``SWARM_GPU_AMQP_URL_FILE`` (a file holding
 the URL).
 """
@@ -20,29 +23,50 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import os
+import shutil
 import signal
+import socket
 import sqlite3
 import sys
+import textwrap
+import urllib.parse
 from collections.abc import Sequence
 
+import aio_pika
+from aiormq.exceptions import (
+    AMQPError,
+    ChannelAccessRefused,
+    InvalidFrameError,
+    ProbableAuthenticationError,
+)
 from pydantic import ValidationError
 
-from allocator.broker import DEFAULT_AMQP_URL
+from allocator import broker
+from allocator.broker import DEFAULT_AMQP_URL, broker_address, broker_user
 from allocator.client import AllocatorClient, AllocatorError
-from allocator.config import ConfigurationError, load_settings
+from allocator.config import AllocatorSettings, ConfigurationError, load_settings
 from allocator.ledger import LedgerError
+from allocator.logs import configure_logging, log_settings_from_environment
 from allocator.protocol import AllocateRequest, Lease, ShareRequest
-from allocator.settings_files import environ_secret, settings_error_line
+from allocator.settings_files import environ_secret, settings_error_line, settings_help
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-allocator", description=__doc__.split("\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging (overrides the log_level setting)")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the allocator until SIGTERM")
+    serve = commands.add_parser(
+        "serve", help="run the allocator until SIGTERM",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(
+            "Run the allocator until SIGTERM. Its settings, below, are the keys of the TOML "
+            "file (--config), each overridden by its environment variable; a dict or list "
+            "setting is JSON in the environment. docs/operations.md has examples.",
+            width=_help_width()),
+        epilog="settings:\n" + settings_help(AllocatorSettings, width=_help_width()))
     serve.add_argument("--config", help="TOML settings file (default: $SWARM_GPU_CONFIG)")
     serve.add_argument("--ledger", help="ledger file (overrides the settings)")
 
@@ -51,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--amqp", default=None,
                          help="broker URL (default: $SWARM_GPU_AMQP_URL, or the content of "
                               "$SWARM_GPU_AMQP_URL_FILE)")
+        broker.add_tls_arguments(sub)
         sub.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
         sub.add_argument("--json", action="store_true", help="print the raw reply as JSON")
 
@@ -85,20 +110,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _help_width() -> int:
+    """Columns for the settings in ``--help``: the terminal's, as argparse's own text."""
+    return max(min(shutil.get_terminal_size().columns - 2, 100), 40)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``gpu-allocator``."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
             return asyncio.run(_serve(args))
+        logs = log_settings_from_environment("SWARM_GPU_")
+        configure_logging("DEBUG" if args.verbose else logs.log_level, logs.log_format)
         if args.amqp is None:
             try:
                 args.amqp = environ_secret("SWARM_GPU_AMQP_URL") or DEFAULT_AMQP_URL
             except ValueError as exc:  # both set, or a file that cannot be read
                 print(f"gpu-allocator: {exc}", file=sys.stderr)
                 return 1
+        try:
+            args.amqp = broker.url_with_tls_arguments(args.amqp, args)
+        except ValueError as exc:  # a TLS file for a plain amqp:// URL
+            print(f"gpu-allocator: {exc}", file=sys.stderr)
+            return 1
         return asyncio.run(_client_command(args))
     except (AllocatorError, LedgerError, ValidationError, ConfigurationError, OSError) as exc:
         print(f"gpu-allocator: {_one_line(exc)}", file=sys.stderr)
@@ -127,12 +162,19 @@ async def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
         print(f"gpu-allocator: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
         return 1
+    configure_logging("DEBUG" if args.verbose else settings.log_level, settings.log_format)
     service = AllocatorService(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await service.start()
+    try:
+        await service.start()
+    except BROKER_START_ERRORS as exc:
+        with contextlib.suppress(Exception):
+            await service.stop()
+        print(f"gpu-allocator: {broker_failure(exc, settings)}", file=sys.stderr)
+        return 1
     try:
         stopping = asyncio.create_task(stop.wait())
         failing = asyncio.create_task(service.failed.wait())
@@ -146,6 +188,43 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"gpu-allocator: {service.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+BROKER_START_ERRORS = (AMQPError, aio_pika.exceptions.AMQPError, ConnectionError,
+                       socket.gaierror, TimeoutError)
+"""What the broker, or the way to it, makes the start fail with (refused, unreachable, a name
+that does not resolve); any other OSError (a port in use, say) is one line of its own."""
+
+
+def broker_failure(exc: BaseException, settings: AllocatorSettings) -> str:
+    """Why the allocator could not start on the broker, in one line that says what to fix."""
+    where = broker_address(settings.amqp_url)
+    user = broker_user(settings.amqp_url)
+    tls = broker.tls_failure(exc)
+    if tls is not None:
+        return f"cannot connect to the broker at {where}: {tls}"
+    if isinstance(exc, ProbableAuthenticationError):
+        return (f"the broker at {where} refused the login of user {user!r}: check the user "
+                "and password of amqp_url (or of the file amqp_url_file names)")
+    if isinstance(exc, InvalidFrameError) and "Connection.Close" in str(exc):
+        # RabbitMQ closes the connection at its open when the vhost does not exist or the user
+        # has no permissions on it; aiormq keeps neither the code nor the text of that close.
+        vhost = urllib.parse.unquote(urllib.parse.urlsplit(settings.amqp_url).path[1:]) or "/"
+        return (f"the broker at {where} refused to open vhost {vhost!r} for user {user!r}: "
+                "the vhost does not exist or the user has no permissions on it; check the "
+                "vhost in amqp_url (the path after the host) or create it and grant the user "
+                "(rabbitmqctl add_vhost, set_permissions)")
+    if isinstance(exc, ChannelAccessRefused):
+        text = next((arg for arg in reversed(exc.args) if isinstance(arg, str)), str(exc))
+        return (f"the broker at {where} refused user {user!r}: {text}; give it the "
+                "allocator's permissions of compose/rabbitmq-definitions.json "
+                "(docs/operations.md, broker users and what each may do)")
+    if isinstance(exc, ConnectionError | socket.gaierror | TimeoutError):
+        return (f"cannot reach the broker at {where} within broker_wait_s = "
+                f"{settings.broker_wait_s:g} s ({broker.connection_failure(exc)}): check the "
+                "host and port of amqp_url and that RabbitMQ runs there, or raise "
+                "broker_wait_s")
+    return f"the broker at {where} failed the start: {broker.connection_failure(exc)}"
 
 
 async def _client_command(args: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ from allocator.protocol import (
     describe_validation_error,
     encode,
 )
-from allocator.topology import DIRECT_REPLY_TO, RPC_EXCHANGE, RPC_ROUTING_KEY
+from allocator.topology import ALLOCATOR_QUEUE, DIRECT_REPLY_TO, RPC_EXCHANGE, RPC_ROUTING_KEY
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,19 @@ class AllocatorUnavailable(AllocatorError):
         super().__init__(ErrorCode.UNAVAILABLE, message)
 
 
+class AllocatorQueueFull(AllocatorUnavailable):
+    """The broker refuses requests because the allocator's inbound queue is at its bound
+    (the broker policy's ``max-length``, ``overflow: reject-publish``): the allocator is far
+    behind or stopped. Nothing was enqueued; a later call may go through."""
+
+    def __init__(self, queue: str, waiting: int):
+        super().__init__(
+            f"the allocator's queue {queue} is full ({waiting} messages wait in it): the "
+            "broker refuses new requests until the allocator catches up (it is far behind or "
+            "stopped); try again later")
+        self.waiting = waiting
+
+
 class ClientClosed(AllocatorUnavailable):
     """The client was closed while a call or a wait was under way."""
 
@@ -134,8 +147,11 @@ class AllocatorClient:
         connect_timeout_s: float = 5.0,
         exchange: str = RPC_EXCHANGE,
         routing_key: str = RPC_ROUTING_KEY,
+        queue_name: str = ALLOCATOR_QUEUE,
     ) -> None:
         self.amqp_url = amqp_url
+        self.queue_name = queue_name
+        """The allocator's inbound queue, asked how full it is when requests are refused."""
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.exchange_name = exchange
@@ -176,7 +192,7 @@ class AllocatorClient:
                 await self._open_channel(self._connection)
             except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
                 await self._close_quietly()
-                reason = str(exc) or type(exc).__name__
+                reason = broker.connection_failure(exc, self.amqp_url)
                 raise AllocatorUnavailable(
                     f"cannot reach the broker at {redact(self.amqp_url)}: {reason}"
                 ) from exc
@@ -333,6 +349,7 @@ class AllocatorClient:
         )
         if not self.connected:
             await self.connect()
+        refusals = 0
         while True:
             channel, exchange = self._channel, self._exchange
             if channel is None or exchange is None or channel.is_closed:
@@ -354,6 +371,13 @@ class AllocatorClient:
                 if not broker.is_refused(exc):
                     await self._close_quietly()
                     raise AllocatorUnavailable(f"the broker refused the request: {exc}") from exc
+                refusals += 1
+                if refusals > 1:
+                    # Refused on a new channel too: a queue at its bound refuses every
+                    # channel, while a lost leader's refusal ends with a new channel.
+                    waiting = await self._messages_waiting()
+                    if waiting:
+                        raise AllocatorQueueFull(self.queue_name, waiting) from exc
                 if time.monotonic() + broker.REFUSED_RETRY_S >= give_up:
                     raise AllocatorUnavailable(
                         f"the broker refused the request for {bound_s:g} s (the allocator's "
@@ -361,6 +385,28 @@ class AllocatorClient:
                 self.requests_refused += 1
             await self._replace_channel(channel)
             await asyncio.sleep(broker.REFUSED_RETRY_S)
+
+    async def _messages_waiting(self) -> int | None:
+        """How many messages wait in the allocator's queue, by a passive declaration (which
+        needs no permission) on a channel of its own; None when the broker does not say.
+
+        A quorum queue without a leader it can reach counts 0, so a count is also the sign
+        that the queue has a leader: refusals then mean it is full."""
+        connection = self._connection
+        if connection is None or connection.is_closed:
+            return None
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                channel = await connection.channel(publisher_confirms=False)
+                try:
+                    underlay = await channel.get_underlay_channel()
+                    declared = await underlay.queue_declare(self.queue_name, passive=True)
+                    return int(declared.message_count or 0)
+                finally:
+                    with contextlib.suppress(Exception):  # closed by a refusal already
+                        await channel.close()
+        except (TimeoutError, OSError, aio_pika.exceptions.AMQPError):
+            return None
 
     async def _expect(
         self, request: BaseModel, expected: type[ReplyT], timeout_s: float | None

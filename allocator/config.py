@@ -22,8 +22,9 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeInt, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from allocator.broker import DEFAULT_AMQP_URL
+from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
 from allocator.log_snapshot import SNAPSHOT_BYTES
+from allocator.logs import LogSettings
 from allocator.model_names import ModelNames, unbranded
 from allocator.settings_files import FileSettings, secret_file_field
 from allocator.topology import ALLOCATOR_QUEUE, LEDGER_LOG_STREAM, RABBITMQ_SEGMENT_BYTES
@@ -44,7 +45,9 @@ class PolicySettings(BaseSettings):
         default_factory=dict,
         description="Share slots per GPU, by canonical model name. 1 or absent = exclusive only.",
     )
-    default_share_slots: int = Field(default=1, ge=1, le=64)
+    default_share_slots: int = Field(
+        default=1, ge=1, le=64,
+        description="Share slots per GPU of a model not in share_slots. 1: exclusive only.")
     aliases: dict[str, str] = Field(
         default_factory=dict, description="Extra model aliases: alias -> canonical NVML name."
     )
@@ -129,8 +132,10 @@ def borrow_limit_problems(settings: PolicySettings) -> list[str]:
     return problems
 
 
-class AllocatorSettings(PolicySettings, FileSettings):
-    """Everything the allocator process reads at start (``config``: the TOML file)."""
+class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSettings):
+    """Everything the allocator process reads at start (``config``: the TOML file); the
+    broker's TLS files: :class:`allocator.broker.BrokerTLSSettings`; ``log_level`` and
+    ``log_format``: :class:`allocator.logs.LogSettings`."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
@@ -151,7 +156,9 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "for a node holding a replica of the stream.",
     )
     queue_name: str = Field(default=ALLOCATOR_QUEUE, description="Inbound queue name.")
-    ledger_path: Path = Path("swarm-gpu-ledger.sqlite")
+    ledger_path: Path = Field(
+        default=Path("swarm-gpu-ledger.sqlite"),
+        description="The ledger, a SQLite file (WAL mode: keep it on a local disk, not NFS).")
     ledger_synchronous: Literal["full", "normal"] = Field(
         default="full",
         description="SQLite's synchronous mode. 'full': every decision is fsynced before it is "
@@ -163,6 +170,14 @@ class AllocatorSettings(PolicySettings, FileSettings):
     )
     node_down_after_s: float = Field(
         default=15.0, gt=0, description="A node with no heartbeat for this long is down."
+    )
+    gpu_move_after_s: float = Field(
+        default=600.0, ge=0,
+        description="A GPU that another host reports while its own host does not hold it "
+        "(down, or no longer listing it) moves to that host only once the claim has stood "
+        "this long and the claiming host's report is complete; until then it is a conflict "
+        "and placed on neither. Longer than a reboot, so a host that comes back keeps its "
+        "GPUs; short against how long a card or a disk takes to move.",
     )
     stop_grace_s: float = Field(
         default=60.0, gt=0,
@@ -221,7 +236,8 @@ class AllocatorSettings(PolicySettings, FileSettings):
     )
     admin_users: list[str] = Field(
         default_factory=lambda: ["admin"],
-        description="Broker users (AMQP user_id) allowed to drain and force-release.",
+        description="Broker users (AMQP user_id) allowed to drain and force-release, and "
+        "to release, look up and list every hub's leases (a hub acts on its own only).",
     )
     node_users: dict[str, str] = Field(
         default_factory=dict, description="host -> broker user that may report for it."
@@ -245,6 +261,32 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "on record); past it, further new GPU uuids of that host are ignored and counted "
         "(anomaly gpu_limit).",
     )
+    refused_events_per_minute: int = Field(
+        default=10, ge=0, le=10_000,
+        description="Ledger events a refused node message writes (heartbeat_rejected, "
+        "request_refused...), at most this many per minute for one sender: per broker user "
+        "for hosts it does not report for, per broker user and host otherwise. The rest are "
+        "only counted (swarm_gpu_node_events_unrecorded), so that one agent credential "
+        "cannot fill the ledger's disk. 0: counted only.",
+    )
+    history_retention_days: float = Field(
+        default=400.0, ge=0,
+        description="Events, and finished leases with their state history, older than this "
+        "are deleted from the ledger (allocator/retention.py); active leases are kept however "
+        "old. 0 keeps everything forever. Export first what must be kept longer "
+        "(gpu-ledger export; docs/operations.md, Retention).",
+    )
+    history_prune_interval_s: float = Field(
+        default=3600.0, gt=0,
+        description="How often the allocator deletes what history_retention_days no longer "
+        "keeps (the first time a minute after start, or sooner when this is shorter).",
+    )
+    history_prune_batch: int = Field(
+        default=1000, ge=1, le=100_000,
+        description="Events, or finished leases with their history, deleted per transaction "
+        "while pruning (about 10 ms each at 1000, measured): the longest a prune holds the "
+        "ledger's writer is one such transaction.",
+    )
     reply_to_prefix: str | None = Field(
         default=None, min_length=1,
         description="Besides RabbitMQ direct reply-to addresses, accept reply_to queues whose "
@@ -253,6 +295,14 @@ class AllocatorSettings(PolicySettings, FileSettings):
         "can make the allocator publish into a queue of its choice.",
     )
     metrics_port: int | None = Field(default=None, description="Prometheus port; None = off.")
+    metrics_token: str | None = Field(
+        default=None, min_length=16, repr=False,
+        description="A token Prometheus must send (Authorization: Bearer <token>) to read "
+        "the metrics; any other request is answered 401. None: anyone who reaches "
+        "metrics_port reads them (they name every user, group, host and GPU). Prefer "
+        "metrics_token_file.",
+    )
+    metrics_token_file: Path | None = secret_file_field("metrics_token")
     request_timeout_s: float = Field(default=10.0, gt=0, description="Bound on broker calls.")
     start_fence_s: float = Field(
         default=30.0, ge=0, le=3600,

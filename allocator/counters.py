@@ -73,14 +73,22 @@ class Count(StrEnum):
     NODE_MESSAGE_WRONG_EXCHANGE = "node_message_wrong_exchange"
     REQUEST_FROM_NODE_EXCHANGE = "request_from_node_exchange"
     REQUEST_KEY_CONFLICT = "request_key_conflict"
+    FOREIGN_LEASE = "foreign_lease"
+    """Requests refused ``forbidden`` because they named another broker user's lease."""
     HOST_LIMIT = "host_limit"
     GPU_LIMIT = "gpu_limit"
     ADOPTED = "adopted"
     """A lease the ledger did not know, taken back from a running container's grant labels."""
     ADOPTION_CONFLICT = "adoption_conflict"
     """A running container's grant that contradicts the ledger (not adopted)."""
+    GPU_MOVE_CONFLICT = "gpu_move_conflict"
+    """A host reports a GPU on record for another host that does not hold it: the GPU is
+    placed on neither until it moves (``gpu_move_after_s``) or the claim ends."""
     QUEUED_BEHIND_FENCE = "queued_behind_fence"
     """A request that waited for the nodes' first reports after a start (the start fence)."""
+    NODE_EVENTS_UNRECORDED = "node_events_unrecorded"
+    """Refused node messages (and requests through the nodes exchange) past
+    ``refused_events_per_minute`` for their sender and host: counted, no ledger event."""
     # the service
     RECEIVED = "received"
     BATCHES = "batches"
@@ -109,6 +117,9 @@ class Count(StrEnum):
     REDELIVERED_DECIDED = "redelivered_decided"
     """Redeliveries of requests this allocator had decided and committed already (their
     acknowledgement was lost with a broker node): dropped, not decided twice."""
+    LEDGER_ROWS_PRUNED = "ledger_rows_pruned"
+    """Events, finished leases and lease history rows deleted by retention
+    (``history_retention_days``)."""
 
 
     @property
@@ -152,15 +163,21 @@ COUNT_EXPORTED: Final[Mapping[Count, Exported]] = MappingProxyType({
     Count.NODE_MESSAGE_WRONG_EXCHANGE: _ANOMALY,
     Count.REQUEST_FROM_NODE_EXCHANGE: _ANOMALY,
     Count.REQUEST_KEY_CONFLICT: _ANOMALY,
+    Count.FOREIGN_LEASE: _ANOMALY,
     Count.HOST_LIMIT: _ANOMALY,
     Count.GPU_LIMIT: _ANOMALY,
     Count.ADOPTED: Exported("swarm_gpu_adoptions", "Leases the ledger did not know, taken back "
                             "from a running container's grant labels"),
     Count.ADOPTION_CONFLICT: _ANOMALY,
+    Count.GPU_MOVE_CONFLICT: _ANOMALY,
     Count.QUEUED_BEHIND_FENCE: Exported("swarm_gpu_queued_behind_fence", "Requests that waited "
                                         "for the nodes' first reports after an allocator "
                                         "start (the start fence); each also counts in "
                                         "swarm_gpu_queued"),
+    Count.NODE_EVENTS_UNRECORDED: Exported("swarm_gpu_node_events_unrecorded", "Refused node "
+                                           "messages past refused_events_per_minute for their "
+                                           "sender and host: counted in their own counter, "
+                                           "no ledger event"),
     Count.RECEIVED: Exported("swarm_gpu_messages_received", "Messages taken off the inbound "
                              "queue"),
     Count.BATCHES: Exported("swarm_gpu_batches", "Batches of messages applied and committed to "
@@ -200,6 +217,9 @@ COUNT_EXPORTED: Final[Mapping[Count, Exported]] = MappingProxyType({
     Count.REDELIVERED_DECIDED: Exported("swarm_gpu_redelivered_decided", "Redeliveries of "
                                         "requests decided already (their acknowledgement was "
                                         "lost with a broker node), dropped"),
+    Count.LEDGER_ROWS_PRUNED: Exported("swarm_gpu_ledger_rows_pruned", "Ledger rows (events, "
+                                       "finished leases, lease history) deleted as older "
+                                       "than history_retention_days"),
 })
 """How each :class:`Count` is exported; every member has its entry."""
 

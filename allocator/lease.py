@@ -58,6 +58,12 @@ class LeaseRecord:
     """Since when its processes have stayed under the idle thresholds; None: busy or unmeasured."""
     idle_gpu_s: float = 0.0
     """GPU-seconds spent idle in finished idle spells (units x seconds), for accounting."""
+    owner: str | None = None
+    """The broker user (AMQP ``user_id``, which the broker verifies) whose request made the
+    lease: its hub. Only that user and ``admin_users`` may release it or see it
+    (:func:`allocator.engine.leases.may_act_on`). None: not known (a lease from before owners
+    were recorded, one adopted from its container's labels, or a request that carried no
+    user_id), and then any broker user that may send requests may, as before."""
 
     def to_row(self) -> dict[str, Any]:
         """The ledger row (JSON-able scalars only)."""

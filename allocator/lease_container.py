@@ -11,7 +11,10 @@ Why the whole grant and not only the lease id: the ledger can be lost (a deleted
 restored backup, an allocator started on an empty volume). A node then still runs the
 containers, and their labels say which GPUs each one was given, so the allocator claims them
 again (``adopted``) instead of handing them out a second time. The labels are set through the
-Docker API when the service is created; a process inside the container cannot change them.
+Docker API when the service is created; a process inside the container cannot change them,
+but whoever may use a node's Docker API can put them on any container, so the allocator lets
+a label do little (it never binds a queued lease; a conflict lasts while its container runs
+and names it): see :mod:`allocator.adoption`.
 
 The builders return new dicts, so a new label or variable is one more entry here.
 """

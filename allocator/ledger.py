@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 import sqlite_utils
 from pydantic import (
@@ -34,10 +34,13 @@ from pydantic import (
     ConfigDict,
     Field,
     JsonValue,
+    SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
     create_model,
     field_validator,
+    model_serializer,
+    model_validator,
 )
 
 from allocator.cluster import GPU, Node
@@ -47,7 +50,7 @@ from allocator.protocol import Health, LeaseState
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
 
 LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
@@ -206,6 +209,7 @@ _LEASES_V4: dict[str, type] = {
     "borrowed": int, "reclaim_at": float, "reclaim_reason": str, "reclaim_for": str,
     "reclaim_stopped_at": float, "idle_since": float, "idle_gpu_s": float,
 }
+_LEASES_V6: dict[str, type] = {"owner": str}
 _HISTORY_V1: dict[str, type] = {
     "id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str, "reason": str,
     "by": str,
@@ -222,7 +226,7 @@ _LOG_POSITION_V5: dict[str, type] = {"snapshot_from": int, "bytes_since_snapshot
 COLUMNS: dict[str, dict[str, type]] = {
     "nodes": _NODES_V1,
     "gpus": {**_GPUS_V1, **_GPUS_V2},
-    "leases": {**_LEASES_V1, **_LEASES_V4},
+    "leases": {**_LEASES_V1, **_LEASES_V4, **_LEASES_V6},
     "lease_history": _HISTORY_V1,
     "events": _EVENTS_V1,
     "log_position": {**_LOG_POSITION_V3, **_LOG_POSITION_V5},
@@ -335,9 +339,16 @@ def _migrate_v5(db: sqlite_utils.Database) -> None:
     _add_columns(db, "log_position", _LOG_POSITION_V5)
 
 
+def _migrate_v6(db: sqlite_utils.Database) -> None:
+    """Each lease's owner: the broker user whose request made it (NULL for every lease
+    made before: owner unknown, releasable by any broker user as before, so that an
+    upgrade strands no lease)."""
+    _add_columns(db, "leases", _LEASES_V6)
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
                                                              _migrate_v3, _migrate_v4,
-                                                             _migrate_v5]
+                                                             _migrate_v5, _migrate_v6]
 """``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
 
 
@@ -431,16 +442,40 @@ class Changes:
         return bool(self.leases or self.nodes or self.gpus or self.history or self.events)
 
     def to_json(self) -> dict[str, Any]:
-        """The batch as plain JSON (rows are JSON-able already), for the replicated log."""
-        return {"leases": list(self.leases.values()), "nodes": list(self.nodes.values()),
-                "gpus": list(self.gpus.values()), "history": self.history,
-                "events": self.events}
+        """The batch as plain JSON (rows are JSON-able already), for the replicated log: a
+        lease's owner beside its row (:data:`LEASE_OWNERS`), never in it."""
+        leases, owners = [], {}
+        for row in self.leases.values():
+            if OWNER_COLUMN in row:
+                row = dict(row)
+                owner = row.pop(OWNER_COLUMN)
+                if owner is not None:  # an owner is set once, at the lease's making
+                    owners[row["lease_id"]] = owner
+            leases.append(row)
+        data: dict[str, Any] = {"leases": leases, "nodes": list(self.nodes.values()),
+                                "gpus": list(self.gpus.values()), "history": self.history,
+                                "events": self.events}
+        if owners:
+            data[LEASE_OWNERS] = owners
+        return data
 
     @classmethod
     def from_json(cls, data: object) -> Changes:
         """The batch :meth:`to_json` made, checked against the schema (:class:`ChangeSet`);
         :class:`BrokenChanges` if it is not one this ledger can write."""
         return ChangeSet.parse(data).to_changes()
+
+
+OWNER_COLUMN = "owner"
+"""The lease column that travels beside the lease rows in the replicated log."""
+
+LEASE_OWNERS = "lease_owners"
+"""Where a lease's owner travels in the replicated log: beside the lease rows, not in them
+(a change set's ``lease_owners``, lease id -> owner; a snapshot's table of that name,
+columns ``lease_id`` and ``owner``). Release 0.1.0 writes every key of a lease row as a
+column, and a column its schema lacks stops it; it reads only the lists of a change set and
+the tables of a snapshot it knows. So a 0.1.0 replica follows a log this release writes,
+with no owner in its ledger (owner unknown: any hub may release, as in 0.1.0)."""
 
 
 class BrokenChanges(ValueError):
@@ -478,7 +513,8 @@ _INSERTED = ("lease_history", "events")
 """Tables a change set appends to: their rows get every column (row ids are each ledger's
 own, never written)."""
 
-_ROW_MODELS = {table: _row_model(table, skip=("id",) if table in _INSERTED else ())
+_ROW_MODELS = {table: _row_model(table, skip=("id",) if table in _INSERTED
+                                  else (OWNER_COLUMN,) if table == "leases" else ())
                for table in _CHANGE_TABLES.values()}
 
 
@@ -498,6 +534,10 @@ class ChangeSet(BaseModel):
     gpus: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
+    lease_owners: dict[Annotated[str, Field(min_length=1)],
+                       Annotated[str, Field(min_length=1)]] = {}
+    """Lease id -> its owner, for lease rows of this set (:data:`LEASE_OWNERS`); written
+    only when there is one."""
 
     @field_validator("leases", "nodes", "gpus", "history", "events")
     @classmethod
@@ -516,6 +556,22 @@ class ChangeSet(BaseModel):
             checked.append(valid.model_dump(exclude_unset=table not in _INSERTED))
         return checked
 
+    @model_validator(mode="after")
+    def _owners_of_leases_written(self) -> Self:
+        written = {row["lease_id"] for row in self.leases}
+        stray = sorted(set(self.lease_owners) - written)
+        if stray:  # an owner alone would make a lease row of nothing but its owner
+            raise ValueError(f"lease_owners names leases the change set does not write: "
+                             f"{', '.join(stray[:5])}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _owners_only_when_any(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = write(self)
+        if not self.lease_owners:
+            data.pop(LEASE_OWNERS, None)  # a batch without owners is written as before
+        return data
+
     @classmethod
     def parse(cls, data: object) -> ChangeSet:
         """The change set in ``data`` (plain JSON); :class:`BrokenChanges` if it is none."""
@@ -531,7 +587,10 @@ class ChangeSet(BaseModel):
 
     def to_changes(self) -> Changes:
         """The batch to commit."""
-        return Changes(leases={row["lease_id"]: row for row in self.leases},
+        owners = self.lease_owners
+        return Changes(leases={row["lease_id"]: ({**row, OWNER_COLUMN: owners[row["lease_id"]]}
+                                                 if row["lease_id"] in owners else row)
+                               for row in self.leases},
                        nodes={row["host"]: row for row in self.nodes},
                        gpus={row["uuid"]: row for row in self.gpus},
                        history=list(self.history), events=list(self.events))
@@ -806,8 +865,9 @@ class Ledger:
         """Make the ledger's state the snapshot's, in one transaction with its position (on
         the ledger thread).
 
-        Every node, GPU and lease row is replaced by the snapshot's. The audit trail is kept
-        and gets the snapshot's trail tables if it carries them (a log seeded from a ledger
+        Every node, GPU and lease row is replaced by the snapshot's, with the leases' owners
+        from its table :data:`LEASE_OWNERS` (none in a snapshot of 0.1.0). The audit trail
+        is kept and gets the snapshot's trail tables if it carries them (a log seeded from a ledger
         with data); without them and with ``loaded_at``, one event ``log_snapshot_loaded``
         says from where on this ledger's trail is whole.
         """
@@ -832,6 +892,13 @@ class Ledger:
                     marks = ", ".join("?" for _ in table.columns)
                     conn.executemany(f'INSERT INTO "{name}" ({names}) VALUES ({marks})',
                                      table.rows)
+                owners = tables.get(LEASE_OWNERS)
+                if owners is not None and owners.rows:
+                    if owners.columns != ["lease_id", OWNER_COLUMN]:
+                        raise LedgerError(f"the snapshot's table {LEASE_OWNERS} has the "
+                                          f"columns {owners.columns}, not lease_id and owner")
+                    conn.executemany('UPDATE leases SET "owner" = ? WHERE lease_id = ?',
+                                     [(owner, lease_id) for lease_id, owner in owners.rows])
                 if loaded_at is not None and not any(t in tables for t in TRAIL_TABLES):
                     conn.execute(
                         "INSERT INTO events (at, kind, detail) VALUES (?, ?, ?)",
@@ -935,9 +1002,10 @@ class Ledger:
                        for table in ("nodes", "gpus", "leases"))
 
     def snapshot_tables(self, *, trail: bool) -> tuple[LogPosition | None, Tables]:
-        """The ledger's tables as stored (JSON columns stay text), and its position, read in
-        one go on the ledger thread, so the tables are the state at that position: a snapshot
-        for the replicated log. With ``trail``, the lease history and events too (without
+        """The ledger's tables as stored (JSON columns stay text; the leases' owners in a
+        table beside them, :data:`LEASE_OWNERS`), and its position, read in one go on the
+        ledger thread, so the tables are the state at that position: a snapshot for the
+        replicated log. With ``trail``, the lease history and events too (without
         their row ids, which are each ledger's own)."""
         tables: Tables = {}
         for name in (*STATE_TABLES, *(TRAIL_TABLES if trail else ())):
@@ -949,7 +1017,17 @@ class Ledger:
                 keep = [i for i, column in enumerate(columns) if column != "id"]
                 rows = [[row[i] for i in keep] for row in rows]
                 columns = [columns[i] for i in keep]
+            owners = None
+            if name == "leases":
+                # The owners beside the leases (LEASE_OWNERS), so that 0.1.0 loads it.
+                at, key = columns.index(OWNER_COLUMN), columns.index("lease_id")
+                owners = Table(["lease_id", OWNER_COLUMN],
+                               [[row[key], row[at]] for row in rows if row[at] is not None])
+                rows = [row[:at] + row[at + 1:] for row in rows]
+                columns = columns[:at] + columns[at + 1:]
             tables[name] = Table(columns, rows)
+            if owners is not None:
+                tables[LEASE_OWNERS] = owners
         return self.log_position(), tables
 
     def find_lease(self, lease_id: str) -> LeaseRecord | None:

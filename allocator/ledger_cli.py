@@ -52,8 +52,9 @@ from allocator.client import AllocatorClient, AllocatorError
 from allocator.heartbeat_delta import apply_delta
 from allocator.invariants import NodeReport, Violation, check_ledger
 from allocator.ledger import LedgerError, LogPosition
+from allocator.logs import configure_logging, log_settings_from_environment
 from allocator.protocol import NODE_MESSAGE_ADAPTER, READ_EXTRA, Heartbeat, HeartbeatDelta
-from allocator.settings_files import environ_secret
+from allocator.settings_files import environ_secret, settings_error_line
 from allocator.topology import NODES_EXCHANGE
 
 PROG = "gpu-ledger"
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
             help="broker URL of the running allocator (default: $SWARM_GPU_AMQP_URL)")
         sub.add_argument("--timeout", type=float, default=10.0, metavar="S",
                          help="seconds to wait for the allocator")
+        broker.add_tls_arguments(sub)
 
     def filter_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--since", type=_time_arg, metavar="T", help="start of the period")
@@ -249,7 +251,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.amqp is None and args.ledger is None and os.environ.get("SWARM_GPU_LEDGER_PATH"):
         args.ledger = Path(os.environ["SWARM_GPU_LEDGER_PATH"])
     if args.ledger is None:
-        url = args.amqp or args.env_amqp or DEFAULT_AMQP_URL
+        url = _with_tls(args.amqp or args.env_amqp or DEFAULT_AMQP_URL, args)
         status = _run_async(lambda: _live_status(url, args.timeout))
     else:
         with _open_ledger(args) as conn:
@@ -260,6 +262,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     render_status(status, _console())
     return EXIT_OK
+
+
+def _with_tls(url: str, args: argparse.Namespace) -> str:
+    """``url`` with the TLS options (:func:`allocator.broker.url_with_tls_arguments`)."""
+    try:
+        return broker.url_with_tls_arguments(url, args)
+    except ValueError as exc:  # a TLS file for a plain amqp:// URL
+        raise CommandError(str(exc)) from None
 
 
 async def _live_status(url: str, call_timeout_s: float) -> reports.ClusterStatus:
@@ -501,7 +511,7 @@ async def collect_node_reports(amqp_url: str, listen_s: float,
             connection = await broker.connect(amqp_url, timeout=timeout_s)
     except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
         raise CommandError(f"cannot reach the broker to listen to heartbeats: "
-                           f"{exc or type(exc).__name__}") from exc
+                           f"{broker.connection_failure(exc, amqp_url)}") from exc
     try:
         channel = await connection.channel()
         queue = await channel.declare_queue("", exclusive=True, auto_delete=True)
@@ -618,10 +628,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     args = parser.parse_args(argv)
     # The broker client logs every failed connection attempt; the error it ends in is printed
-    # below in one line, so its log stays quiet unless asked for.
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.CRITICAL,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # below in one line, so its log stays quiet unless asked for. A plain amqp:// URL to
+    # another host is still said (allocator.broker.security_log). The format is
+    # SWARM_GPU_LOG_FORMAT's, as the allocator's.
     try:
+        log_format = log_settings_from_environment("SWARM_GPU_").log_format
+    except ValidationError as exc:
+        print(f"{PROG}: error: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    configure_logging(logging.DEBUG if args.verbose else logging.CRITICAL, log_format)
+    broker.security_log.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    try:
+        if getattr(args, "amqp", None) is not None:
+            args.amqp = _with_tls(args.amqp, args)
         return COMMANDS[args.command](args)
     except (CommandError, LedgerError, AllocatorError) as exc:
         message = str(exc)

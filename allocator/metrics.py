@@ -29,12 +29,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from allocator import metrics_http
 from allocator.counters import (
     COUNT_EXPORTED,
     FAMILY_EXPORTED,
@@ -438,27 +438,27 @@ class AllocatorCollector(Collector):
 class MetricsServer:
     """The HTTP endpoint serving one service's registry; :meth:`close` stops it."""
 
-    server: WSGIServer
-    thread: threading.Thread
+    endpoint: metrics_http.MetricsServer
     metrics: AllocatorMetrics
     collector: AllocatorCollector
 
     @property
     def port(self) -> int:
         """The port it listens on (useful when started on port 0)."""
-        return int(self.server.server_address[1])
+        return self.endpoint.port
 
     def close(self) -> None:
         """Stop serving and unregister the collector."""
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        self.endpoint.close()
         self.metrics.uninstall(self.collector)
 
 
 def serve(service: Observed, port: int, addr: str = "0.0.0.0",
-          loop: asyncio.AbstractEventLoop | None = None) -> MetricsServer:
-    """Serve the allocator's metrics on ``addr:port`` (``/metrics``) from a daemon thread.
+          loop: asyncio.AbstractEventLoop | None = None, *,
+          token: str | None = None) -> MetricsServer:
+    """Serve the allocator's metrics on ``addr:port`` (``/metrics``) from a daemon thread;
+    with ``token`` (``metrics_token``), only to requests that send it
+    (:func:`allocator.metrics_http.serve_registry`).
 
     Call it from the allocator's event loop (or pass ``loop``): the collector reads the
     engine there.
@@ -467,9 +467,10 @@ def serve(service: Observed, port: int, addr: str = "0.0.0.0",
         loop = asyncio.get_running_loop()
     collector = service.metrics.install(service, loop)
     try:
-        server, thread = start_http_server(port, addr, registry=service.metrics.registry)
+        endpoint = metrics_http.serve_registry(service.metrics.registry, port, addr, token)
     except OSError:
         service.metrics.uninstall(collector)
         raise
-    log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])
-    return MetricsServer(server, thread, service.metrics, collector)
+    log.info("metrics on http://%s:%d/metrics%s", addr, endpoint.port,
+             " (token required)" if token is not None else "")
+    return MetricsServer(endpoint, service.metrics, collector)

@@ -13,7 +13,9 @@ first, is the order of the sources :class:`FileSettings` gives pydantic-settings
 (``--config``) or the environment (``SWARM_GPU_CONFIG``, ``SWARM_GPU_AGENT_CONFIG``). A named
 file that does not exist is an error, not an empty file. :func:`settings_error_line` says
 what is wrong with bad settings in one line; :func:`list_from_text` reads a list setting
-given as text (fields marked ``NoDecode``).
+given as text (fields marked ``NoDecode``). :func:`settings_help` and :func:`setting_help` are
+the ``--help`` of the settings: each one's description, default and environment variable,
+from the fields themselves, so the help cannot drift from the code.
 
 Secrets from files: a setting that holds a password (or a URL with one) has a companion
 ``<name>_file`` (:func:`secret_file_field`), e.g. ``amqp_url_file`` /
@@ -29,6 +31,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import textwrap
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,8 +53,10 @@ __all__ = [
     "list_from_text",
     "secret_file_field",
     "secret_from_file",
+    "setting_help",
     "setting_or_file",
     "settings_error_line",
+    "settings_help",
 ]
 
 SECRET_FILE_OF = "secret_file_of"
@@ -211,3 +216,43 @@ def settings_error_line(exc: Exception) -> str:
     if isinstance(exc, OSError) and exc.filename:
         return f"{exc.strerror or exc}: {exc.filename}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def setting_environment(settings_cls: type[BaseSettings], name: str) -> str:
+    """The environment variable of the setting ``name`` (the class's prefix, upper case)."""
+    return f"{settings_cls.model_config.get('env_prefix', '')}{name}".upper()
+
+
+def _default_text(info: FieldInfo) -> str:
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list | dict | tuple):
+        return json.dumps(value)
+    text = str(value)
+    return text if text else '""'
+
+
+def setting_help(settings_cls: type[BaseSettings], name: str) -> str:
+    """One setting's help: its description, default and environment variable."""
+    info = settings_cls.model_fields[name]
+    description = " ".join((info.description or "").split())
+    return (f"{description} (default: {_default_text(info)}; environment: "
+            f"{setting_environment(settings_cls, name)})")
+
+
+def settings_help(settings_cls: type[BaseSettings], width: int = 79) -> str:
+    """Every setting of ``settings_cls`` with its description, default and environment
+    variable, wrapped to ``width`` columns: the ``--help`` of a process whose settings are
+    not flags (``gpu-allocator serve``)."""
+    lines = []
+    for name in settings_cls.model_fields:
+        lines.append(f"  {name}")
+        lines.extend(textwrap.wrap(setting_help(settings_cls, name), width=width,
+                                   initial_indent="      ", subsequent_indent="      ",
+                                   break_on_hyphens=False))
+    return "\n".join(lines)

@@ -56,6 +56,30 @@ DEAD_LETTER_MAX_BYTES = 64 * 1024 * 1024
 beyond this the oldest are dropped, so a flood of large refused messages cannot fill the
 broker's disk."""
 
+ALLOCATOR_QUEUE_POLICY = "swarm-gpu-allocator-bounded"
+"""The broker policy that bounds the inbound queue (in ``compose/rabbitmq-definitions.json``):
+a policy, not a queue argument, because RabbitMQ refuses to redeclare a queue with arguments
+other than those it was declared with, so a new argument would stop every allocator of an
+existing cluster at start (PRECONDITION_FAILED); a policy applies to the queue as it is."""
+
+ALLOCATOR_QUEUE_MAX_LENGTH = 100_000
+"""Messages ready in the inbound queue (those handed to the allocator not counted) beyond
+which the broker refuses publishes (``overflow: reject-publish``: a nack to the publisher,
+which says so): far more than a cluster sends while the allocator restarts, since heartbeats
+expire after two intervals."""
+
+ALLOCATOR_QUEUE_MAX_BYTES = 512 * 1024 * 1024
+"""Bytes of message bodies ready in the inbound queue beyond which publishes are refused."""
+
+
+def allocator_queue_policy() -> dict[str, Any]:
+    """The definition of :data:`ALLOCATOR_QUEUE_POLICY`: the inbound queue's bounds, past
+    which the broker refuses publishes rather than fill its disk (keys quorum queues take)."""
+    return {"max-length": ALLOCATOR_QUEUE_MAX_LENGTH,
+            "max-length-bytes": ALLOCATOR_QUEUE_MAX_BYTES,
+            "overflow": "reject-publish"}
+
+
 DELIVERY_LIMIT = 5
 """A message redelivered this often (it crashed the allocator each time) is dead-lettered."""
 

@@ -2,7 +2,7 @@
 
     python bench/rpc.py [--hosts 1000] [--gpus-per-host 8] [--calls 600] [--clients 64]
                         [--ledger-synchronous full|normal] [--ledger-log off|stream]
-                        [--broker-cluster]
+                        [--broker-cluster | --tls]
 
 Starts, each in its own process on a fresh vhost of the local broker (``--broker-cluster``:
 of three local RabbitMQ nodes clustered for the run, so the inbound queue, the echo queue and
@@ -17,6 +17,12 @@ Then the same client code (:class:`allocator.client.AllocatorClient`) makes allo
 calls, first with one client, then with ``--clients`` concurrent clients (one connection
 each), against each server. Prints one JSON object: calls/s, p50 and p99 per case, and the
 allocator/floor ratios.
+
+``--tls``: the cost of TLS to the broker. A RabbitMQ node of the run's own (tests/services.py)
+with a plain and a TLS listener and certificates made for the run (tests/tls_certs.py); the
+whole benchmark once over ``amqp://`` and once over ``amqps://`` (every connection: the
+allocator's, the echo server's, the clients'), each on a fresh vhost, and the ratios
+TLS/plain of the allocator's and the floor's figures.
 
 It also times one ``fsync`` of a 4 KiB write on the ledger's own disk (the folder the ledger
 file is in), ``--fsyncs`` times, in the same run: a grant is on disk before its reply, so
@@ -269,9 +275,50 @@ def broker_vhost(cluster: bool) -> Iterator[str]:
         yield f"{nodes.url}bench"
 
 
+@contextlib.contextmanager
+def tls_broker() -> Iterator[tuple[str, str]]:
+    """(plain URL, TLS URL) of two fresh vhosts of a RabbitMQ node of this run's own that
+    listens for both, its certificates made for the run."""
+    from tls_certs import issue, make_ca
+
+    with tempfile.TemporaryDirectory() as base:
+        folder = Path(base)
+        ca, ca_key, ca_cert = make_ca(folder, "bench-ca")
+        server = issue(folder, "broker", ca_key, ca_cert, server=True)
+        port = free_port()
+        config = (f"listeners.ssl.1 = 127.0.0.1:{port}\n"
+                  f"ssl_options.cacertfile = {ca.cert}\nssl_options.certfile = {server.cert}\n"
+                  f"ssl_options.keyfile = {server.key}\n")
+        with services.private_rabbitmq(folder / "rabbitmq", config=config) as node:
+            for vhost in ("plain", "tls"):
+                node.ctl("add_vhost", vhost)
+                node.ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+            yield (node.vhost_url("plain"), broker.with_tls(
+                f"amqps://guest:guest@127.0.0.1:{port}/tls", ca_file=ca.cert))
+
+
 async def bench(args: argparse.Namespace) -> dict[str, object]:
+    if not args.tls:
+        with broker_vhost(args.broker_cluster) as url:
+            return await bench_on(url, args)
+    with tls_broker() as (plain_url, tls_url):
+        plain = await bench_on(plain_url, args)
+        tls = await bench_on(tls_url, args)
+    many = f"{args.clients}_clients"
+    ratios = {}
+    for server in ("allocator", "floor"):
+        ratios[f"{server}_p50_1_client_tls_vs_plain"] = round(
+            tls[f"{server}_1_client"]["p50_ms"] / plain[f"{server}_1_client"]["p50_ms"], 3)
+        ratios[f"{server}_throughput_{many}_tls_vs_plain"] = round(
+            tls[f"{server}_{many}"]["calls_per_s"] / plain[f"{server}_{many}"]["calls_per_s"], 3)
+    return {"benchmark": "rpc --tls", "broker": "one private node, plain and TLS listeners",
+            "plain": plain, "tls": tls, "ratios_tls_vs_plain": ratios}
+
+
+async def bench_on(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The whole benchmark against the broker of ``url``."""
     metrics_port = free_port()
-    with broker_vhost(args.broker_cluster) as url, tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         allocator_env = {
             "SWARM_GPU_AMQP_URL": url,
             "SWARM_GPU_LEDGER_PATH": str(Path(tmp) / "ledger.sqlite"),
@@ -370,8 +417,13 @@ def main() -> None:
                         help="run on three local RabbitMQ nodes clustered for the run (their "
                         "quorum queues and the log's stream replicated by Raft), not on the "
                         "local broker")
+    parser.add_argument("--tls", action="store_true",
+                        help="once over amqp:// and once over amqps:// on a private broker "
+                        "node: the cost of TLS (ratios_tls_vs_plain)")
     parser.add_argument("--echo-server", metavar="AMQP_URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tls and args.broker_cluster:
+        parser.error("--tls and --broker-cluster: one at a time")
     if args.echo_server:
         asyncio.run(echo_server(args.echo_server))
         return

@@ -18,7 +18,10 @@ its own host name: write on ``swarm-gpu.nodes`` only, with routing keys
 heartbeats only for that host; for the allocator's commands, its own queue
 ``swarm-gpu.agent.<host>`` only (declare, bind, consume), bound from ``swarm-gpu.agents`` with
 the routing key ``stop.<host>`` only (a topic permission on read, which RabbitMQ checks when a
-queue is bound to a topic exchange).
+queue is bound to a topic exchange); and the example agent's connection and channel limits
+(``limits``: ``max-connections``, ``max-channels``), so that one agent's credential cannot
+hold the broker's memory with connections. The policies (the bounds of the allocator's queue
+and of the dead letters) move to the vhost with everything else.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@
 - :mod:`hubplugin.progress`: the spawn page's progress events (the request, its queue place).
 - :mod:`hubplugin.errors`: allocator errors as HTTP errors with a message for people.
 - :mod:`hubplugin.spawner`: the spawner (entry point ``gpu-swarm``).
+- :mod:`hubplugin.login`: who may log in: NativeAuthenticator accounts an admin authorized.
 
 It imports only the allocator's public surface, these modules exactly:
 :mod:`allocator.broker`, :mod:`allocator.capacity`, :mod:`allocator.client`,
-:mod:`allocator.lease_container`,
+:mod:`allocator.lease_container`, :mod:`allocator.logs`,
 :mod:`allocator.model_names`, :mod:`allocator.protocol`, :mod:`allocator.settings_files` and
 :mod:`allocator.tasks`
 (``tests/test_design_map.py`` holds this list to the code).

@@ -56,7 +56,7 @@ from traitlets import (
     Callable as CallableTrait,
 )
 
-from allocator.broker import DEFAULT_AMQP_URL
+from allocator.broker import DEFAULT_AMQP_URL, with_tls
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.protocol import ErrorCode, InventoryReply, Lease, LeaseState
 from allocator.settings_files import setting_or_file
@@ -115,6 +115,27 @@ class GPUSwarmSpawner(SwarmSpawner):
         the first spawner asks the allocator, and a file that cannot be read is one clear
         error naming it.
         """,
+    )
+
+    allocator_ca_file = Unicode(
+        "",
+        config=True,
+        help="""The CA certificate (PEM) that signed the broker's certificate, for an
+        ``amqps://`` ``allocator_url`` (its ``cafile`` query parameter does the same; the
+        GPU page's ``SWARM_GPU_PAGE_AMQP_CA_FILE``). Empty: the system's trusted CAs.
+        """,
+    )
+
+    allocator_cert_file = Unicode(
+        "",
+        config=True,
+        help="""The hub's own client certificate (PEM), where the broker asks for one.""",
+    )
+
+    allocator_key_file = Unicode(
+        "",
+        config=True,
+        help="""The private key (PEM) of ``allocator_cert_file``, unless that file holds it.""",
     )
 
     allocator_timeout = Float(
@@ -454,7 +475,8 @@ class GPUSwarmSpawner(SwarmSpawner):
     # ------------------------------------------------------------------ the allocator
 
     def allocator_broker_url(self) -> str:
-        """``allocator_url``, or the content of ``allocator_url_file``.
+        """``allocator_url``, or the content of ``allocator_url_file``, with the TLS files
+        (``allocator_ca_file``...: :func:`allocator.broker.with_tls`).
 
         ``allocator_url`` counts as set only when it differs from its default: traitlets
         cannot tell a default from a configured value, and the default has no password.
@@ -463,9 +485,11 @@ class GPUSwarmSpawner(SwarmSpawner):
         url = self.allocator_url if self.allocator_url != default else None
         try:
             from_file = setting_or_file("allocator_url", url, self.allocator_url_file or None)
+            return with_tls(from_file if from_file is not None else self.allocator_url,
+                            ca_file=self.allocator_ca_file, cert_file=self.allocator_cert_file,
+                            key_file=self.allocator_key_file)
         except ValueError as exc:  # the hub's configuration: say so, not a traceback
             raise user_error(500, f"the hub's GPU settings: {exc}") from None
-        return from_file if from_file is not None else self.allocator_url
 
     def allocator_client(self) -> AllocatorClient:
         """The hub's shared RPC client (one per event loop and URL)."""

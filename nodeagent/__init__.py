@@ -5,10 +5,10 @@ GPUs), judges their health, watches the Docker engine for containers that carry 
 label, and publishes heartbeats and container events to the broker.
 
 It imports only the allocator's public surface, these modules exactly: :mod:`allocator.broker`,
-:mod:`allocator.heartbeat_delta`, :mod:`allocator.lease_container`,
-:mod:`allocator.model_names`, :mod:`allocator.protocol`, :mod:`allocator.settings_files`,
-:mod:`allocator.tasks` and :mod:`allocator.topology` (``tests/test_design_map.py`` holds this
-list to the code).
+:mod:`allocator.heartbeat_delta`, :mod:`allocator.lease_container`, :mod:`allocator.logs`,
+:mod:`allocator.metrics_http`, :mod:`allocator.model_names`, :mod:`allocator.protocol`,
+:mod:`allocator.settings_files`, :mod:`allocator.tasks` and :mod:`allocator.topology`
+(``tests/test_design_map.py`` holds this list to the code).
 
 Modules, one concept each:
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from allocator.heartbeat_delta import Thresholds, apply_delta, delta_between
+from allocator.metrics_http import MetricsServer
 from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
@@ -47,7 +48,7 @@ from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
 from nodeagent.health import HealthRules, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
-from nodeagent.metrics import AgentMetrics, MetricsServer, serve
+from nodeagent.metrics import AgentMetrics, serve
 from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
 from nodeagent.simulated import SimulatedLeaseUse, SimulatedSource
@@ -276,7 +277,7 @@ class NodeAgent:
             self.source = await asyncio.to_thread(open_source, settings, self.host)
         if settings.metrics_port and self.metrics_server is None:
             self.metrics_server = serve(self, self.metrics, settings.metrics_port,
-                                        settings.metrics_addr)
+                                        settings.metrics_addr, settings.metrics_token)
         self.publisher = Publisher(
             settings.amqp_url,
             self.host,
@@ -544,7 +545,8 @@ class NodeAgent:
         log.info("container %s (lease %s): %s%s%s", change.container_id[:12], change.lease_id,
                  change.action,
                  f" exit {change.exit_code}" if change.exit_code is not None else "",
-                 " (inferred after a gap in the event stream)" if change.synthesized else "")
+                 " (inferred after a gap in the event stream)" if change.synthesized else "",
+                 extra={"lease_id": change.lease_id, "host": self.host})
         self.publisher.submit_event(event)
         if change.action != "start":
             # The heartbeat's container list changed too: send it now, not in an interval.

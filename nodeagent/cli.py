@@ -3,16 +3,18 @@
     gpu-nodeagent [--config FILE] [--host NAME] [--amqp-url URL]
                   [--inventory nvml|simulated] [--simulated-file FILE] [--no-docker]
                   [--no-docker-events] [--interval SECONDS] ... [--log-level LEVEL]
+                  [--log-format text|json]
 
 Every setting of :class:`~nodeagent.config.AgentSettings` is a flag, made by pydantic-settings
 from the field (``interval_s`` is ``--interval-s``, or ``--interval``; a boolean ``docker`` is
 ``--docker`` / ``--no-docker``; a list is comma separated: ``--command-users a,b``), with the
-field's description as its help. Options override the environment (``SWARM_GPU_AGENT_*``),
-which overrides the TOML file. Exit status: 0 after a clean stop, 2 when the settings or the
-inventory cannot work (one line says what to change, e.g. ``--inventory simulated`` on a host
-without NVIDIA GPUs) or when the ``agent`` extra is not installed (one line naming it:
-``pip install 'swarm-gpu[agent]'``). ``--help`` works without that extra: it needs only the
-settings.
+field's description, default and environment variable as its help
+(:func:`allocator.settings_files.setting_help`). Options override the environment
+(``SWARM_GPU_AGENT_*``), which overrides the TOML file. Exit status: 0 after a clean stop, 2
+when the settings or the inventory cannot work (one line says what to change, e.g.
+``--inventory simulated`` on a host without NVIDIA GPUs) or when the ``agent`` extra is not
+installed (one line naming it: ``pip install 'swarm-gpu[agent]'``). ``--help`` works
+without that extra: it needs only the settings.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_settings import CliSettingsSource
 
-from allocator.settings_files import settings_error_line
+from allocator.logs import configure_logging
+from allocator.settings_files import setting_help, settings_error_line
 from nodeagent.config import AgentSettings, load_settings
 from nodeagent.inventory import InventoryUnavailable
 
@@ -63,15 +66,24 @@ def import_agent() -> type[NodeAgent]:
                            f"extra installs: pip install '{AGENT_EXTRA}'") from None
     return NodeAgent
 
+def _add_setting_flag(parser: Any, *names: str, **options: Any) -> Any:
+    """``add_argument`` for the flags of the settings, with the help of each setting."""
+    dest = options.get("dest")
+    if dest in AgentSettings.model_fields and options.get("help") != argparse.SUPPRESS:
+        options["help"] = setting_help(AgentSettings, dest).replace("%", "%%")
+    return parser.add_argument(*names, **options)
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, Any]]:
     """The command line: the options that are not settings, and the settings it gives."""
     parser = argparse.ArgumentParser(
         prog="gpu-nodeagent",
         description="swarm-gpu node agent: reports this host's GPUs and lease containers.",
     )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    # The flags' shape (kebab case, --no-X for booleans, short names) is AgentSettings' config.
-    flags: CliSettingsSource[AgentSettings] = CliSettingsSource(AgentSettings, root_parser=parser)
+    # The flags' shape (kebab case, --no-X for booleans, short names) is AgentSettings' config;
+    # each flag's help is its setting's (description, default, environment variable).
+    flags: CliSettingsSource[AgentSettings] = CliSettingsSource(
+        AgentSettings, root_parser=parser, add_argument_method=_add_setting_flag)
     args = parser.parse_args(argv)
     return args, flags(parsed_args=args)()
 
@@ -99,16 +111,13 @@ async def run(settings: AgentSettings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console script entry point."""
-    args, given = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _, given = parse_args(argv)
     try:
         settings = load_settings(**given)
     except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
         print(f"gpu-nodeagent: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
         return 2
+    configure_logging(settings.log_level, settings.log_format)
     try:
         import_agent()  # before the event loop: a missing extra is one line, not a traceback
     except MissingExtra as exc:

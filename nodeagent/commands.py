@@ -217,7 +217,8 @@ class CommandConsumer:
                     await connection.close()
 
     def _note_error(self, exc: BaseException) -> None:
-        message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        message = broker.tls_failure(exc, self.amqp_url) or (
+            f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         if message != self.last_error:
             log.warning("commands: %s; retrying every %g s", message, self.reconnect_s)
         self.last_error = message
@@ -260,8 +261,9 @@ class CommandConsumer:
 
     async def _stop(self, command: StopContainer) -> None:
         short = command.container_id[:12]
+        context = {"lease_id": command.lease_id, "host": command.host}  # JSON logs' fields
         log.info("commands: stopping container %s of lease %s (%s, grace %g s)", short,
-                 command.lease_id, command.reason.value, command.grace_s)
+                 command.lease_id, command.reason.value, command.grace_s, extra=context)
         started = time.monotonic()
         try:
             outcome = await self.stopper(command.container_id, command.lease_id,
@@ -271,16 +273,16 @@ class CommandConsumer:
         except Exception as exc:
             self.counters["failed"] += 1
             log.error("commands: could not stop container %s of lease %s: %s", short,
-                      command.lease_id, f"{type(exc).__name__}: {exc}")
+                      command.lease_id, f"{type(exc).__name__}: {exc}", extra=context)
             return
         self.counters[f"outcome_{outcome.value}"] += 1
         took = time.monotonic() - started
         if outcome is StopOutcome.WRONG_LEASE:
             log.warning("commands: left container %s alone: it is not a container of lease %s",
-                        short, command.lease_id)
+                        short, command.lease_id, extra=context)
         elif outcome is StopOutcome.STOPPED:
             log.info("commands: container %s of lease %s stopped in %.2f s", short,
-                     command.lease_id, took)
+                     command.lease_id, took, extra=context)
         else:
             log.info("commands: container %s of lease %s: %s (nothing to do)", short,
-                     command.lease_id, outcome.value.replace("_", " "))
+                     command.lease_id, outcome.value.replace("_", " "), extra=context)

@@ -26,7 +26,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from allocator.broker import DEFAULT_AMQP_URL
+from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
+from allocator.logs import LogSettings
 from allocator.settings_files import FileSettings, list_from_text, secret_file_field
 
 ENV_PREFIX = "SWARM_GPU_AGENT_"
@@ -60,8 +61,10 @@ def docker_host_or_standard_socket() -> str:
     return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_URL
 
 
-class AgentSettings(FileSettings):
-    """Everything the node agent reads at start (``config``: the TOML file)."""
+class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings):
+    """Everything the node agent reads at start (``config``: the TOML file); the broker's
+    TLS files: :class:`allocator.broker.BrokerTLSSettings`; ``log_level`` and ``log_format``:
+    :class:`allocator.logs.LogSettings`."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -162,6 +165,13 @@ class AgentSettings(FileSettings):
         "metrics to nobody else; set 0.0.0.0 (or the address of the network Prometheus "
         "scrapes from) to let Prometheus reach them.",
     )
+    metrics_token: str | None = Field(
+        default=None, min_length=16, repr=False,
+        description="A token Prometheus must send (Authorization: Bearer <token>) to read "
+        "the metrics; any other request is answered 401. None: whoever reaches metrics_addr "
+        "reads them. Prefer metrics_token_file.",
+    )
+    metrics_token_file: Path | None = secret_file_field("metrics_token")
     proc_root: Path = Field(
         default=Path("/proc"),
         description="Where the host's /proc is visible, to map GPU processes to containers. "
@@ -183,7 +193,8 @@ class AgentSettings(FileSettings):
         description="This many fatal XIDs within xid_repeat_window_s keep the GPU unhealthy "
         "until the agent restarts (after the GPU was reset or the host rebooted).",
     )
-    xid_repeat_window_s: float = Field(default=3600.0, gt=0)
+    xid_repeat_window_s: float = Field(
+        default=3600.0, gt=0, description="The window of xid_repeat_count.")
     recent_xid_s: float = Field(
         default=3600.0, gt=0, description="How long an XID is listed in recent_xids."
     )

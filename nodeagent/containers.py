@@ -532,7 +532,8 @@ class ContainerWatcher:
             self.deaths_inferred += 1
             log.warning("docker: container %s (lease %s) ended while the event stream was "
                         "down and no event said so; reporting it dead",
-                        container.container_id[:12], container.lease_id)
+                        container.container_id[:12], container.lease_id,
+                        extra={"lease_id": container.lease_id})
             change = ContainerChange(
                 container_id=container.container_id,
                 lease_id=container.lease_id,

@@ -33,12 +33,12 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from allocator.metrics_http import MetricsServer, serve_registry
 from allocator.protocol import Health, Heartbeat
 
 if TYPE_CHECKING:
@@ -375,27 +375,11 @@ class AgentCollector(Collector):
         yield from agent_families(read_figures(self.agent, self.metrics))
 
 
-@dataclass
-class MetricsServer:
-    """The HTTP endpoint serving one agent's registry; :meth:`close` stops it."""
-
-    server: WSGIServer
-    thread: threading.Thread
-
-    @property
-    def port(self) -> int:
-        """The port it listens on."""
-        return int(self.server.server_address[1])
-
-    def close(self) -> None:
-        """Stop serving."""
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
-
-
-def serve(agent: Observed, metrics: AgentMetrics, port: int, addr: str) -> MetricsServer | None:
-    """Serve the agent's metrics on ``addr:port`` (``/metrics``) from a daemon thread.
+def serve(agent: Observed, metrics: AgentMetrics, port: int, addr: str,
+          token: str | None = None) -> MetricsServer | None:
+    """Serve the agent's metrics on ``addr:port`` (``/metrics``) from a daemon thread; with
+    ``token`` (``metrics_token``), only to requests that send it
+    (:func:`allocator.metrics_http.serve_registry`).
 
     None when the port cannot be bound (in use, or an address this host does not have): the
     error is logged and the agent runs on, since its heartbeats matter more than its metrics
@@ -403,10 +387,11 @@ def serve(agent: Observed, metrics: AgentMetrics, port: int, addr: str) -> Metri
     """
     metrics.install(agent)
     try:
-        server, thread = start_http_server(port, addr, registry=metrics.registry)
+        server = serve_registry(metrics.registry, port, addr, token)
     except OSError as exc:
         log.error("metrics: cannot listen on %s:%d (%s); running without metrics (set "
                   "metrics_port to a free port, or 0 for none)", addr, port, exc)
         return None
-    log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])
-    return MetricsServer(server, thread)
+    log.info("metrics on http://%s:%d/metrics%s", addr, server.port,
+             " (token required)" if token is not None else "")
+    return server

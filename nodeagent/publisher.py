@@ -13,6 +13,9 @@ can trust it to tell which agent sent a heartbeat).
   in order until it goes through (the order matters: a ``die`` must not overtake its
   ``start``). When the buffer is full the oldest event is dropped, logged and counted —
   never silently.
+- **A publish the broker refuses** (the allocator's queue at its bound, or its leader lost)
+  fails like any other, is counted in ``publishes_refused``, and all refusals are logged in
+  one line at most every :data:`REFUSED_LOG_S`.
 
 Every broker call is bounded by ``timeout_s``: aio-pika's publish on a robust connection
 waits for the connection to come back, which during an outage would block the agent's
@@ -43,6 +46,19 @@ from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_rout
 log = logging.getLogger(__name__)
 
 APP_ID = "swarm-gpu-nodeagent"
+
+REFUSED_LOG_S = 60.0
+"""While the broker refuses publishes, one log line at most this often says how many."""
+
+
+class PublishRefused(ConnectionError):
+    """The broker refused a publish (a ``basic.nack``): nothing was enqueued."""
+
+    WHY = ("the allocator's queue is full (at its bound: the allocator is far behind or "
+           "stopped) or a broker node holding its leader was lost")
+
+    def __init__(self) -> None:
+        super().__init__(f"the broker refused the publish: {self.WHY}")
 
 
 class Publisher:
@@ -79,6 +95,12 @@ class Publisher:
         """Event publish attempts that failed (the event stayed buffered)."""
         self.events_dropped = 0
         """Events lost because the buffer was full (each one logged)."""
+        self.publishes_refused = 0
+        """Publishes the broker refused (each also counts as a heartbeat or event failure)."""
+        self._refused_unlogged = 0
+        self._refused_logged_at: float | None = None
+        """When refused publishes were last logged (monotonic); None: none since the last
+        publish that went through."""
         self.last_error: str | None = None
         self._failing: dict[str, str] = {}
         """What is failing now (connect, heartbeat, event) → the last error, so an outage is
@@ -155,7 +177,9 @@ class Publisher:
                 NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
             )
         except aiormq.exceptions.ChannelAccessRefused:
-            log.info("broker: may not declare %s; checking that it exists", NODES_EXCHANGE)
+            # Said once, not at every new channel (one per refused publish).
+            log.log(logging.INFO if self._channel is None else logging.DEBUG,
+                    "broker: may not declare %s; checking that it exists", NODES_EXCHANGE)
             channel = await connection.channel(on_return_raises=True)
             exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=True)
         self._channel = channel
@@ -176,7 +200,8 @@ class Publisher:
         self._kick.set()
 
     def _note_error(self, what: str, exc: BaseException, detail: str = "") -> None:
-        message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        message = broker.tls_failure(exc, self.amqp_url) or (
+            f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         if self._failing.get(what) != message:
             log.warning("broker: %s failed%s: %s", what, detail, message)
         self._failing[what] = message
@@ -217,10 +242,31 @@ class Publisher:
             raise
         except aiormq.exceptions.AMQPError as exc:
             if broker.is_refused(exc):
-                await self._renew_channel(exchange)
+                self._note_refused()
+                await self._renew_channel(exchange, quiet=True)
+                raise PublishRefused() from exc
             raise
+        if self._refused_unlogged or self._refused_logged_at is not None:
+            log.info("broker: publishes go through again (%d refused since the last line)",
+                     self._refused_unlogged)
+            self._refused_unlogged, self._refused_logged_at = 0, None
 
-    async def _renew_channel(self, refused: AbstractExchange) -> None:
+    def _note_refused(self) -> None:
+        """Count a refused publish; log at most one line per :data:`REFUSED_LOG_S` for all
+        the refusals meanwhile (a queue at its bound refuses every publish, heartbeats
+        included, for as long as it stays full)."""
+        self.publishes_refused += 1
+        self._refused_unlogged += 1
+        now = time.monotonic()
+        if self._refused_logged_at is None or now - self._refused_logged_at >= REFUSED_LOG_S:
+            log.warning("broker: %d publish(es) refused%s: %s; heartbeats are dropped, "
+                        "container events kept and sent again", self._refused_unlogged,
+                        "" if self._refused_logged_at is None
+                        else f" in the last {now - self._refused_logged_at:.0f} s",
+                        PublishRefused.WHY)
+            self._refused_unlogged, self._refused_logged_at = 0, now
+
+    async def _renew_channel(self, refused: AbstractExchange, *, quiet: bool = False) -> None:
         """Publish on a new channel from now on: the broker refused a publish of the one
         ``refused`` is on, or did not confirm it in time. A refusal means the channel refuses
         every publish for as long as it lives (a quorum queue's leader lost just before that
@@ -230,8 +276,9 @@ class Publisher:
         connection, channel = self._connection, self._channel
         if self._exchange is not refused or connection is None or connection.is_closed:
             return
-        log.warning("broker: a publish was refused or not confirmed in time; publishing on a "
-                    "new channel from now on")
+        if not quiet:  # a refusal has its own line (_note_refused)
+            log.warning("broker: a publish was not confirmed in time; publishing on a new "
+                        "channel from now on")
         try:
             async with asyncio.timeout(self.timeout_s):
                 self._exchange = await self._declare(connection)
@@ -256,6 +303,9 @@ class Publisher:
             )
         except asyncio.CancelledError:
             raise
+        except PublishRefused:
+            self.heartbeat_failures += 1  # logged by _note_refused, at most once a minute
+            return False
         except Exception as exc:
             self.heartbeat_failures += 1
             self._note_error("heartbeat publish", exc)
@@ -302,6 +352,9 @@ class Publisher:
                 )
             except asyncio.CancelledError:
                 raise
+            except PublishRefused:
+                self.event_failures += 1  # logged by _note_refused, at most once a minute
+                return
             except Exception as exc:
                 self.event_failures += 1
                 self._note_error("event publish", exc, f" ({len(self._buffer)} buffered)")

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -388,3 +389,32 @@ def test_running_without_the_agent_extra_says_which_extra_in_one_line(tmp_path: 
     lines = done.stderr.splitlines()
     assert lines == ["gpu-nodeagent: the node agent needs the aiodocker package, which the "
                      "'agent' extra installs: pip install 'swarm-gpu[agent]'"]
+
+
+async def test_with_a_token_the_agents_metrics_answer_only_to_whoever_sends_it(
+        amqp_vhost: Any, host: str, inventory: Path, tmp_path: Path) -> None:
+    token = uuid.uuid4().hex
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text(token)
+    settings = settings_for(host, amqp_vhost.url, inventory, metrics_token_file=token_file)
+    assert settings.metrics_token == token and token not in repr(settings)
+    url = f"http://127.0.0.1:{settings.metrics_port}/metrics"
+
+    def status(authorization: str | None) -> tuple[int, str]:
+        request = urllib.request.Request(url)
+        if authorization is not None:
+            request.add_header("Authorization", authorization)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            with error:
+                return error.code, error.read().decode()
+
+    async with running(settings) as agent:
+        await wait_until(lambda: _sent(agent))
+        for refused in (None, f"Bearer {token}x", f"Basic {token}", token):
+            code, body = await asyncio.to_thread(status, refused)
+            assert code == 401 and "swarm_gpu_agent" not in body, refused
+        code, body = await asyncio.to_thread(status, f"Bearer {token}")
+        assert code == 200 and "swarm_gpu_agent_heartbeats_sent_total" in body

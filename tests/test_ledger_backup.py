@@ -30,7 +30,7 @@ from allocator.backup import BACKUP_EVENT, RESTORE_EVENT
 from allocator.cluster import Node
 from allocator.invariants import check_ledger
 from allocator.lease import LeaseRecord
-from allocator.ledger import Changes, Ledger, LedgerInUse, LedgerLock
+from allocator.ledger import SCHEMA_VERSION, Changes, Ledger, LedgerInUse, LedgerLock
 from allocator.log_entries import Claim
 from allocator.protocol import LeaseState
 from allocator.replication import LogMismatch, ReplicatedLog
@@ -157,7 +157,7 @@ def test_a_backup_goes_into_a_folder_and_never_over_a_file(tmp_path: Path) -> No
     assert taken.returncode == 0, taken
     (made,) = folder.iterdir()
     assert made.name.startswith("ledger-") and made.suffix == ".sqlite"
-    assert "3 leases (3 active), schema 5, no ledger log position" in taken.stdout
+    assert f"3 leases (3 active), schema {SCHEMA_VERSION}, no ledger log position" in taken.stdout
     again = gpu_ledger("backup", made, "--ledger", path)
     one_line_error(again, str(made), "exists", "--force")
     assert gpu_ledger("backup", made, "--ledger", path, "--force").returncode == 0

@@ -19,26 +19,41 @@ from pathlib import Path
 
 import pytest
 
+from allocator.config import AllocatorSettings
+from allocator.engine import Engine, Sender
 from allocator.invariants import check_ledger
 from allocator.ledger import (
     MIGRATIONS,
     SCHEMA_VERSION,
+    Changes,
     Ledger,
     LedgerCorrupt,
     LedgerError,
     LogPosition,
+)
+from allocator.protocol import (
+    ErrorCode,
+    ErrorReply,
+    LeaseReply,
+    LeaseState,
+    ReleaseRequest,
+    StatusRequest,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 BIN = Path(sys.executable).parent
 UNREACHABLE = "amqp://guest:guest@127.0.0.1:1/"
+T0 = 1_750_000_100.0
+"""The fixtures' clock (``tests/data/make_ledger_fixture.py``: its T0 plus 100)."""
 
-FIXTURES = {1: "93c7617", 2: "40bfd06", 3: "25e3269", 4: "712b0e4", 5: "de14dc7"}
+FIXTURES = {1: "93c7617", 2: "40bfd06", 3: "25e3269", 4: "712b0e4", 5: "de14dc7",
+            6: "lease owners"}
 """Schema version -> the commit whose code wrote ``tests/data/ledger-v<version>.db`` (with
 ``tests/data/make_ledger_fixture.py``): the last commit before schema 2 (MIG), the MIG commit,
-the merge that put the log position after MIG as schema 3, fair share, and the last commit
-before migrations became atomic (schema 5 as release 0.1.0 writes it)."""
+the merge that put the log position after MIG as schema 3, fair share, the last commit
+before migrations became atomic (schema 5 as release 0.1.0 writes it), and the change that
+recorded each lease's owner (schema 6, 0.2.0)."""
 
 
 def fixture(version: int, tmp_path: Path) -> Path:
@@ -274,6 +289,9 @@ def test_a_ledger_of_every_schema_is_migrated_whole_and_sound(version: int,
     assert {node.host for node in loaded.nodes} == {"gpu-a", "gpu-b"}
     slice_ = next(lease for lease in loaded.leases if lease.lease_id == "L-slice")
     assert slice_.shared and slice_.memory_mib == 4096 and slice_.gpu_uuids == ("GPU-a0",)
+    # Before schema 6 nobody recorded who asked: the owner is unknown, never made up.
+    owners = {lease.owner for lease in (*loaded.leases, *loaded.finished)}
+    assert owners == ({"hub"} if version >= 6 else {None})
     if version >= 3:
         assert position == LogPosition("log-fixture", 41, "entry-41", 2, "allocator-1")
     else:
@@ -281,6 +299,45 @@ def test_a_ledger_of_every_schema_is_migrated_whole_and_sound(version: int,
     checked = gpu_ledger("check", "--ledger", path)
     assert checked.returncode == 0, checked
     assert checked.stdout.startswith("ok: ")
+
+
+@pytest.mark.parametrize("version", [1, 5, 6])
+def test_leases_of_a_ledger_from_before_owners_stay_releasable_by_any_hub(
+        version: int, tmp_path: Path) -> None:
+    """No upgrade strands a lease: the leases a ledger of schema 1 or 5 (0.1.0) holds have
+    no owner recorded, and after the migration any hub's broker user may see and release
+    them, as before. The leases of schema 6 are the ``hub`` user's: another hub is refused
+    ``forbidden`` and changes nothing; their own hub releases them."""
+    path = fixture(version, tmp_path)
+    ledger = Ledger(path)
+    ledger.open()
+    try:
+        loaded = ledger.call(ledger.load)
+    finally:
+        ledger.close()
+    engine = Engine(AllocatorSettings(ledger_path=path, allow_any_node_user=True,
+                                      admin_users=["admin"]), started_at=T0)
+    engine.load(loaded, T0)
+    other_hub = Sender(user_id="hub-b", via_nodes_exchange=False)
+    changes = Changes()
+    for lease_id, after in (("L-bound", LeaseState.RELEASING),
+                            ("L-queued", LeaseState.RELEASED)):
+        seen = engine.handle(StatusRequest(lease_id=lease_id), other_hub, T0, changes)
+        released = engine.handle(ReleaseRequest(lease_id=lease_id), other_hub, T0, changes)
+        if version < 6:
+            assert isinstance(seen, LeaseReply) and seen.lease.lease_id == lease_id
+            assert isinstance(released, LeaseReply) and released.lease.state is after
+            continue
+        for refused in (seen, released):
+            assert isinstance(refused, ErrorReply), refused
+            assert refused.error.code is ErrorCode.FORBIDDEN
+            assert "'hub'" in refused.error.message and "'hub-b'" in refused.error.message
+        assert engine.leases[lease_id].state in (LeaseState.BOUND, LeaseState.QUEUED)
+        assert engine.commands == [], "nothing stopped"
+        own_hub = Sender(user_id="hub", via_nodes_exchange=False)
+        released = engine.handle(ReleaseRequest(lease_id=lease_id), own_hub, T0, changes)
+        assert isinstance(released, LeaseReply) and released.lease.state is after
+        engine.take_commands()
 
 
 def test_the_migrations_write_the_schema_the_releases_wrote(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import aio_pika
@@ -222,3 +223,58 @@ async def test_the_replicated_ledger_log_is_reported(amqp_vhost, ledger_path, no
         assert samples["swarm_gpu_ledger_log_entries_fenced_total"] == 0
         assert samples["swarm_gpu_ledger_log_snapshots_taken_total"] == 0
         assert "swarm_gpu_ledger_log_last_snapshot_seconds" not in samples
+
+
+def get(port: int, token: str | None = None) -> tuple[int, str, str | None]:
+    """GET /metrics, with ``Authorization: Bearer <token>`` when given: (status, body, the
+    WWW-Authenticate header)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode(), None
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, error.read().decode(), error.headers.get("WWW-Authenticate")
+
+
+async def test_with_a_token_the_metrics_answer_only_to_whoever_sends_it(
+        amqp_vhost, ledger_path, tmp_path):
+    from allocator.config import AllocatorSettings
+    from allocator.service import AllocatorService
+
+    token = "t0ken-" + "x" * 26
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text(token + "\n")  # as `echo ... > file` writes it
+    settings = AllocatorSettings(amqp_url=amqp_vhost.url, ledger_path=ledger_path,
+                                 metrics_port=0, metrics_token_file=token_file)
+    assert settings.metrics_token == token
+    assert token not in repr(settings)
+    service = AllocatorService(settings)
+    await service.start()
+    try:
+        assert service.metrics_server is not None
+        port = service.metrics_server.port
+        status, body, challenge = await asyncio.to_thread(get, port)
+        assert (status, challenge) == (401, 'Bearer realm="swarm-gpu metrics"')
+        assert "swarm_gpu_" not in body and "need a token" in body
+        status, body, _ = await asyncio.to_thread(get, port, token[:-1] + "y")
+        assert status == 401 and "swarm_gpu_" not in body and "wrong metrics token" in body
+        status, body, _ = await asyncio.to_thread(get, port, token)
+        assert status == 200 and "swarm_gpu_metrics_ok 1.0" in body
+    finally:
+        await service.stop()
+
+
+def test_a_metrics_token_is_given_once_and_not_too_short(tmp_path):
+    from allocator.config import AllocatorSettings
+    from allocator.settings_files import settings_error_line
+
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text("a" * 32)
+    with pytest.raises(ValueError, match="set metrics_token or metrics_token_file, not both"):
+        AllocatorSettings(metrics_token="b" * 32, metrics_token_file=token_file)
+    with pytest.raises(ValueError) as short:
+        AllocatorSettings(metrics_token="short")
+    assert "metrics_token" in settings_error_line(short.value)

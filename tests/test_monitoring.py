@@ -104,9 +104,18 @@ def test_alert_unit_tests_pass(promtool: Path) -> None:
     assert "SUCCESS" in done.stdout
 
 
-def test_the_prometheus_config_is_valid(promtool: Path) -> None:
-    done = run_promtool(promtool, "check", "config", PROMETHEUS_CONFIG.name)
+def test_the_prometheus_config_is_valid(promtool: Path, tmp_path: Path) -> None:
+    # As deployed: the folder with the metrics token beside the config (promtool checks the
+    # credentials file exists).
+    deployed = tmp_path / "prometheus"
+    shutil.copytree(PROMETHEUS_DIR, deployed)
+    (deployed / "metrics-token").write_text("a-token-of-the-site\n")
+    done = run_promtool(promtool, "check", "config", PROMETHEUS_CONFIG.name, cwd=deployed)
     assert done.returncode == 0, done.stdout + done.stderr
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    for job in config["scrape_configs"]:
+        if job["job_name"] in ("swarm-gpu-allocator", "swarm-gpu-nodeagent"):
+            assert job["authorization"] == {"credentials_file": "metrics-token"}, job
 
 
 # --------------------------------------------------------------------------- the alerts

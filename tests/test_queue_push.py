@@ -13,6 +13,7 @@ import json
 import pytest
 from support import RTX3090, RawRPC, gpus, wait_until
 
+from allocator.broker import broker_user
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.counters import Count
@@ -136,8 +137,11 @@ async def test_another_callers_status_does_not_take_the_push_away(client, two_gp
         waiting = asyncio.create_task(hub.allocate_and_wait(
             ask("bob", wait_s=60), recheck_s=NO_RECHECK_S, on_queued=queued))
         await asyncio.wait_for(queued.seen.wait(), 10)
+        # Its own broker user, as every caller sends (the allocator's admin here): a status
+        # without one would be refused another's lease.
         await admin.send(json.dumps({"v": 1, "kind": "status",
-                                     "request_key": "hub/bob/"}).encode())
+                                     "request_key": "hub/bob/"}).encode(),
+                         user_id=broker_user(amqp_vhost.url))
         assert json.loads((await admin.reply_message()).body)["lease"]["state"] == "queued"
         await client.release(lease_id=two_gpus.lease_id, force=True)
         granted = await asyncio.wait_for(waiting, 30)

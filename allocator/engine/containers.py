@@ -3,13 +3,14 @@ events), held against the lease book.
 
 A listed container binds its lease, a missing one ends it after ``container_gone_grace_s``
 (node clock); a start event binds at once, a die event ends the lease at once. A container of
-a lease the ledger forgot is adopted (:mod:`~allocator.engine.node_truth`); one of a lease
-finished here is a zombie and is asked to stop.
+a lease the ledger forgot is adopted (:mod:`~allocator.engine.node_truth`), one of a lease
+still queued is a conflict (never a bind); one of a lease finished here is a zombie and is
+asked to stop.
 """
 
 from __future__ import annotations
 
-from allocator.adoption import Conflict
+from allocator.adoption import Conflict, LabelHolder
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, Counters, Family
 from allocator.engine.idle import IdleWatch
@@ -64,8 +65,9 @@ class NodeReconciliation:
             if self.truth.forgotten(record, info.lease_id) and info.grant is not None:
                 # Oldest first: of two containers claiming one GPU, the one that ran first
                 # is adopted and the other is the conflict.
-                if not self.truth.adopt_or_flag(info.lease_id, info.container_id, info.grant,
-                                                beat.host, beat.sent_at, now, changes, found,
+                holder = LabelHolder(info.container_id, info.name, info.started_at)
+                if not self.truth.adopt_or_flag(info.lease_id, holder, info.grant, beat.host,
+                                                beat.sent_at, now, changes, found,
                                                 "heartbeat"):
                     continue
                 record = book.leases[info.lease_id]
@@ -132,9 +134,9 @@ class NodeReconciliation:
         if event.action is ContainerAction.START and event.grant is not None \
                 and self.truth.forgotten(record, event.lease_id):
             found: dict[str, list[Conflict]] = {}
-            if self.truth.adopt_or_flag(event.lease_id, event.container_id, event.grant,
-                                        event.host, event.at, now, changes, found,
-                                        "start event"):
+            holder = LabelHolder(event.container_id, started_at=event.at)
+            if self.truth.adopt_or_flag(event.lease_id, holder, event.grant, event.host,
+                                        event.at, now, changes, found, "start event"):
                 return
             self.truth.record_conflicts(event.host, found, complete=False)
             return

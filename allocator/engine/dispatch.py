@@ -4,6 +4,7 @@ timers (:meth:`Engine.tick`)."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from allocator.engine.containers import GRACE_ENDS, NodeReconciliation, listing_
 from allocator.engine.fence import StartFence
 from allocator.engine.gpus import GpuInventory
 from allocator.engine.idle import IdleWatch
-from allocator.engine.leases import LeaseBook
+from allocator.engine.leases import LeaseBook, may_act_on
 from allocator.engine.node_truth import NodeTruth
 from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
@@ -130,27 +131,31 @@ class Engine:
             return None
         if sender.via_nodes_exchange:
             self.counters.add(Count.REQUEST_FROM_NODE_EXCHANGE)
-            changes.event(now, "request_refused", reason="request on the nodes exchange",
-                          user=sender.user_id)
+            if self.nodes.may_record(sender, None, now):  # an agent's credential: bounded
+                changes.event(now, "request_refused", reason="request on the nodes exchange",
+                              user=sender.user_id)
             return error_reply(ErrorCode.FORBIDDEN,
                                "requests must be published to the RPC exchange "
                                f"{RPC_EXCHANGE!r}, not to the nodes exchange")
         if isinstance(message, AllocateRequest):
-            return self._allocate(message, now, changes)
+            return self._allocate(message, sender, now, changes)
         if isinstance(message, ReleaseRequest):
             return self.requests.release(message, sender, now, changes)
         if isinstance(message, StatusRequest):
-            return self.views.status(message)
+            return self.requests.status(message, sender)
+        visible = functools.partial(may_act_on, sender=sender,
+                                    admin_users=self.settings.admin_users)
         if isinstance(message, InventoryRequest):
-            return self.views.inventory(now, include_leases=message.include_leases)
+            return self.views.inventory(now, include_leases=message.include_leases,
+                                        visible=visible)
         if isinstance(message, QueueRequest):
-            return self.views.queue()
+            return self.views.queue(visible)
         if isinstance(message, DrainRequest):
             return self._drain(message, sender, now, changes)
         if isinstance(message, QuotaRequest):
             return self.views.quota(message)
         if isinstance(message, LeasesRequest):
-            return self.views.leases_reply(message, now)
+            return self.views.leases_reply(message, now, visible)
         raise TypeError(f"unhandled message kind {type(message).__name__}")
 
     def unreadable_heartbeat(self, host: str, sender: Sender, now: float,
@@ -175,11 +180,12 @@ class Engine:
         self.nodes.alive(node, sender, now, changes)
         return True
 
-    def _allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
+    def _allocate(self, request: AllocateRequest, sender: Sender, now: float,
+                  changes: Changes) -> BaseModel:
         """Grant, queue or refuse; a request that queues is planned for at once, not at the
         next tick, so a reclaim's warning (or, without a grace, its stop) goes out with the
         reply."""
-        reply = self.requests.allocate(request, now, changes)
+        reply = self.requests.allocate(request, sender, now, changes)
         if isinstance(reply, LeaseReply) and reply.lease.state is LeaseState.QUEUED:
             self._reclaim(now, changes)
         return reply
@@ -328,6 +334,11 @@ class Engine:
     def lease_reply(self, record: LeaseRecord) -> LeaseReply:
         """A reply carrying one lease."""
         return self.book.reply(record)
+
+    def lease_reply_for(self, record: LeaseRecord, sender: Sender, doing: str) -> BaseModel:
+        """The reply to ``sender``'s request about ``record`` (a lease finished long ago,
+        read from the ledger): the lease, or ``forbidden`` if it is another's."""
+        return self.requests.refuse_foreign(record, sender, doing) or self.book.reply(record)
 
     def inventory(self, now: float, include_leases: bool = False) -> InventoryReply:
         """The cluster as the inventory reply shows it."""

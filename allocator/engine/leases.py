@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,7 +24,7 @@ from allocator.engine.idle import IdleWatch
 from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
-from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES
+from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES, Sender
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes, LoadedState
 from allocator.placement_index import PlacementIndex
@@ -36,6 +36,15 @@ from allocator.protocol import (
     ReleaseReason,
     StopReason,
 )
+
+
+def may_act_on(record: LeaseRecord, sender: Sender, admin_users: Collection[str]) -> bool:
+    """Whether ``sender`` may release ``record``, ask for it, or see it in a listing: the
+    broker user that asked for it (its hub), an admin, or anyone when its owner is not known
+    (a lease from before owners were recorded, or adopted from its container's labels: an
+    upgrade or a lost ledger strands no lease). The one rule of lease ownership."""
+    return (record.owner is None or sender.user_id in admin_users
+            or (sender.user_id is not None and sender.user_id == record.owner))
 
 
 class LeaseBook:
@@ -150,13 +159,14 @@ class LeaseBook:
 
     # ------------------------------------------------------------------ transitions
 
-    def new_record(self, request: AllocateRequest, now: float) -> LeaseRecord:
-        """A queued lease for ``request``, not yet tracked."""
+    def new_record(self, request: AllocateRequest, sender: Sender, now: float) -> LeaseRecord:
+        """A queued lease for ``request``, owned by its sender's broker user, not yet
+        tracked."""
         return LeaseRecord(
             lease_id=self.new_lease_id(), request_key=request.request_key, user=request.user,
             groups=tuple(request.groups), state=LeaseState.QUEUED, created_at=now,
             request=request.model_dump(mode="json", exclude={"deadline"}),
-            priority=request.priority,
+            priority=request.priority, owner=sender.user_id,
         )
 
     def grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,

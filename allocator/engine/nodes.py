@@ -27,6 +27,44 @@ from allocator.protocol import (
     error_reply,
 )
 
+REFUSAL_WINDOW_S = 60.0
+"""The window of ``refused_events_per_minute``: whole minutes of the allocator's clock."""
+
+
+class EventBudget:
+    """Pure: how many ledger events each key (a sender and a host) may still write in the
+    current minute; no clock of its own (the time is passed in).
+
+    The minute is the allocator's clock's (``now // 60``), the same for every key; a new
+    minute forgets the last one's keys, so memory holds only the keys of one minute.
+    """
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._minute: int | None = None
+        self._used: Counter[tuple[str | None, str | None]] = Counter()
+
+    def take(self, key: tuple[str | None, str | None], now: float) -> bool:
+        """Use one of ``key``'s events of the minute of ``now``; False when none is left."""
+        minute = int(now // REFUSAL_WINDOW_S)
+        if minute != self._minute:
+            self._minute = minute
+            self._used.clear()
+        if self._used[key] >= self.per_minute:
+            return False
+        self._used[key] += 1
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        # Two budgets are the same state when they allow the same events from now on (the
+        # heartbeat fast path is checked against the full path by comparing engine state).
+        if not isinstance(other, EventBudget):
+            return NotImplemented
+        return (self.per_minute, self._minute, self._used) == (
+            other.per_minute, other._minute, other._used)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: compared by value, never hashed
+
 
 class NodeReports:
     """Per host: the newest report, liveness, the broker users reporting, clock skew.
@@ -63,6 +101,8 @@ class NodeReports:
         false: no Docker engine): no heartbeat of theirs will ever free a lease."""
         self.skewed: set[str] = set()
         """Hosts whose clock skew was logged (once until it is back within bounds)."""
+        self.refusal_budget = EventBudget(settings.refused_events_per_minute)
+        """The ledger events refused node messages may still write this minute."""
 
     def load(self, state: LoadedState, now: float) -> None:
         """A rebuild from the ledger (the cluster's nodes already loaded). A node whose last
@@ -89,10 +129,22 @@ class NodeReports:
         expected = self.settings.node_users.get(host) or self.settings.node_user_template.format(
             host=host)
         self.counters.add_to(Family.NODE_MESSAGE_REJECTED, kind)
-        log.warning("refused %s for host %r from broker user %r (expected %r)",
-                    kind, host, sender.user_id, expected)
-        changes.event(now, f"{kind}_rejected", host=host, from_user=sender.user_id,
-                      expected_user=expected)
+        # The host named is the sender's claim: its refusals share the sender's budget for
+        # hosts it does not report for, whatever host each names.
+        if self.may_record(sender, None, now):
+            log.warning("refused %s for host %r from broker user %r (expected %r)",
+                        kind, host, sender.user_id, expected)
+            changes.event(now, f"{kind}_rejected", host=host, from_user=sender.user_id,
+                          expected_user=expected)
+        return False
+
+    def may_record(self, sender: Sender, host: str | None, now: float) -> bool:
+        """Whether a refusal of ``sender``'s message may write a ledger event (and a log
+        line): within ``refused_events_per_minute`` for the sender and ``host`` (None: any
+        host it does not report for). Else it is counted as unrecorded."""
+        if self.refusal_budget.take((sender.user_id, host), now):
+            return True
+        self.counters.add(Count.NODE_EVENTS_UNRECORDED)
         return False
 
     def owns(self, host: str, sender: Sender) -> bool:

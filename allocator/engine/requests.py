@@ -1,5 +1,9 @@
-"""The hub's and admins' requests on leases: allocate (grant, queue or refuse), release, and the
-queue served again whenever GPUs may have come free.
+"""The hub's and admins' requests on leases: allocate (grant, queue or refuse), release, status,
+and the queue served again whenever GPUs may have come free.
+
+A lease belongs to the broker user that asked for it (:func:`~allocator.engine.leases.may_act_on`):
+a request that names another's lease (a release, a status, an allocate retry under its key)
+is answered ``forbidden`` and changes nothing.
 
 Planning a reclaim for a request that queues is the dispatcher's
 (:class:`~allocator.engine.dispatch.Engine`), after :meth:`LeaseRequests.allocate`.
@@ -16,10 +20,10 @@ from allocator import policy
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, Counters, Family
 from allocator.engine.fence import StartFence
-from allocator.engine.leases import LeaseBook
+from allocator.engine.leases import LeaseBook, may_act_on
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
-from allocator.engine.state import Sender
+from allocator.engine.state import Sender, count_anomaly, log
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
 from allocator.protocol import (
@@ -29,6 +33,7 @@ from allocator.protocol import (
     LeaseState,
     ReleaseReason,
     ReleaseRequest,
+    StatusRequest,
     StopReason,
     error_reply,
 )
@@ -54,19 +59,21 @@ class LeaseRequests:
         self.start_fence = start_fence
         self.outbox = outbox
 
-    def allocate(self, request: AllocateRequest, now: float, changes: Changes) -> BaseModel:
-        """Grant now, queue (``wait_s``, or behind the start fence), or refuse."""
+    def allocate(self, request: AllocateRequest, sender: Sender, now: float,
+                 changes: Changes) -> BaseModel:
+        """Grant now, queue (``wait_s``, or behind the start fence), or refuse. The lease
+        belongs to ``sender``'s broker user."""
         existing_id = self.book.by_key.get(request.request_key)
         if existing_id is not None:
-            return self._retry(request, self.book.leases[existing_id])
+            return self._retry(request, sender, self.book.leases[existing_id])
         demand = policy.make_demand(request, self.placer.model_catalog(), self.settings)
         if isinstance(demand, policy.Refusal):
             if self.start_fence.holds(now) and demand.code in START_FENCE_WAITS_FOR:
-                return self._wait_behind_start_fence(self.book.new_record(request, now),
+                return self._wait_behind_start_fence(self.book.new_record(request, sender, now),
                                                      request, now, changes)
             return self._refuse(demand)
         placement = self.placer.place(demand, now)
-        record = self.book.new_record(request, now)
+        record = self.book.new_record(request, sender, now)
         if isinstance(placement, policy.Placement):
             self.book.grant(record, placement, demand, now, changes, old=None)
             self.book.track(record)
@@ -82,8 +89,13 @@ class LeaseRequests:
             return self.book.reply(record)
         return self._refuse(placement)
 
-    def _retry(self, request: AllocateRequest, existing: LeaseRecord) -> BaseModel:
-        """A request under a key that has an active lease: that lease if it asks the same."""
+    def _retry(self, request: AllocateRequest, sender: Sender,
+               existing: LeaseRecord) -> BaseModel:
+        """A request under a key that has an active lease: that lease if it asks the same
+        and the lease is the sender's."""
+        foreign = self.refuse_foreign(existing, sender, "retry an allocate under the key of")
+        if foreign is not None:
+            return foreign
         if existing.user != request.user:
             return error_reply(
                 ErrorCode.CONFLICT,
@@ -114,6 +126,32 @@ class LeaseRequests:
             return AllocateRequest.model_validate(record.request).what_is_asked()
         except ValidationError:
             return None
+
+    def refuse_foreign(self, record: LeaseRecord, sender: Sender, doing: str) -> ErrorReply | None:
+        """``forbidden`` when ``record`` is another broker user's lease (``doing``: what the
+        sender tried, in words: "release", "see"...); None when the sender may act on it."""
+        if may_act_on(record, sender, self.settings.admin_users):
+            return None
+        if count_anomaly(self.counters, Count.FOREIGN_LEASE):
+            log.warning("refused broker user %r: it tried to %s lease %s of broker user %r",
+                        sender.user_id, doing, record.lease_id, record.owner)
+        asker = (f"broker user {sender.user_id!r}" if sender.user_id is not None
+                 else "a request without a broker user (AMQP user_id)")
+        return error_reply(
+            ErrorCode.FORBIDDEN,
+            f"lease {record.lease_id} (request key {record.request_key!r}) belongs to another "
+            f"hub, broker user {record.owner!r}: {asker} may not {doing} it. A hub acts only "
+            "on the leases it asked for (and each hub needs request keys of its own); "
+            "admins (admin_users) act on any.",
+            owner=record.owner)
+
+    def status(self, request: StatusRequest, sender: Sender) -> BaseModel:
+        """One lease, by id or request key (the newest of that key), if the sender may see
+        it."""
+        record = self.book.find(request.lease_id, request.request_key)
+        if record is None:
+            return not_found(request.lease_id, request.request_key)
+        return self.refuse_foreign(record, sender, "see") or self.book.reply(record)
 
     def _refuse(self, refusal: policy.Refusal) -> ErrorReply:
         self.counters.add_to(Family.REFUSED, refusal.code.value)
@@ -182,9 +220,10 @@ class LeaseRequests:
         gone), or, forced by an admin, end it at once and give its GPUs to the queue."""
         record = self.book.find(request.lease_id, request.request_key)
         if record is None:
-            what = (f"lease {request.lease_id!r}" if request.lease_id
-                    else f"request key {request.request_key!r}")
-            return error_reply(ErrorCode.NOT_FOUND, f"no {what} in the ledger")
+            return not_found(request.lease_id, request.request_key)
+        foreign = self.refuse_foreign(record, sender, "release")
+        if foreign is not None:
+            return foreign
         if request.force and sender.user_id not in self.settings.admin_users:
             return error_reply(ErrorCode.FORBIDDEN,
                                f"force-release is for admins; broker user {sender.user_id!r} "
@@ -209,3 +248,10 @@ class LeaseRequests:
             self.book.stop_and_release(record, StopReason.RELEASED, now, changes, by=by,
                                        note=note, why="stop requested")
         return self.book.reply(record)
+
+
+def not_found(lease_id: str | None, request_key: str | None) -> ErrorReply:
+    """``not_found`` for a release or status of a lease the engine does not hold (the
+    service then looks in the ledger for one that finished long ago)."""
+    what = f"lease {lease_id!r}" if lease_id else f"request key {request_key!r}"
+    return error_reply(ErrorCode.NOT_FOUND, f"no {what} in the ledger")

@@ -1,11 +1,15 @@
 """Read-only answers from the engine's memory: the inventory, quotas, the ``leases`` listing,
-a lease's status. Nothing here changes state."""
+the queue. Nothing here changes state.
+
+The listings show a lease only to whom :func:`~allocator.engine.leases.may_act_on` lets act
+on it (``visible``): a hub sees its own leases, admins every lease; the GPUs, their holders'
+lease ids and the counts stay whole, since every hub places on the same GPUs.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
-
-from pydantic import BaseModel
 
 from allocator import policy
 from allocator.cluster import Cluster
@@ -15,7 +19,6 @@ from allocator.engine.leases import LeaseBook
 from allocator.engine.nodes import NodeReports
 from allocator.lease import LeaseRecord
 from allocator.protocol import (
-    ErrorCode,
     GPUView,
     InventoryReply,
     LeasesReply,
@@ -26,9 +29,15 @@ from allocator.protocol import (
     QuotaReply,
     QuotaRequest,
     QuotaView,
-    StatusRequest,
-    error_reply,
 )
+
+Visible = Callable[[LeaseRecord], bool]
+"""Whether the asker may see a lease in a listing."""
+
+
+def everything(record: LeaseRecord) -> bool:
+    """Every lease (the engine's own readers: metrics, tests)."""
+    return True
 
 
 class Views:
@@ -66,16 +75,19 @@ class Views:
                 units, [s for s in standings if s.model in (None, model)])
         return QuotaReply(user=request.user, quotas=views, would_borrow=would_borrow)
 
-    def queue(self) -> QueueReply:
-        """The queued leases in queue order."""
-        return QueueReply(leases=[self.book.view(self.book.leases[i])
-                                  for _, i in self.book.queue])
+    def queue(self, visible: Visible = everything) -> QueueReply:
+        """The queued leases in queue order (those ``visible``; positions count them all)."""
+        book = self.book
+        return QueueReply(leases=[book.view(book.leases[i]) for _, i in book.queue
+                                  if visible(book.leases[i])])
 
-    def leases_reply(self, request: LeasesRequest, now: float) -> LeasesReply:
-        """Leases of one user (or everyone's): queued in queue order, then holding ones by
-        newest grant, then those ended within ``include_finished_s`` by newest end."""
+    def leases_reply(self, request: LeasesRequest, now: float,
+                     visible: Visible = everything) -> LeasesReply:
+        """Leases of one user (or everyone's) that are ``visible``: queued in queue order,
+        then holding ones by newest grant, then those ended within ``include_finished_s`` by
+        newest end."""
         def wanted(record: LeaseRecord) -> bool:
-            return request.user is None or record.user == request.user
+            return (request.user is None or record.user == request.user) and visible(record)
 
         book = self.book
         queued = [book.leases[i] for _, i in book.queue if wanted(book.leases[i])]
@@ -97,8 +109,10 @@ class Views:
         return LeasesReply(at=now, leases=views, idle_window_s=self.settings.idle_window_s,
                            reclaim_grace_s=self.settings.reclaim_grace_s)
 
-    def inventory(self, now: float, include_leases: bool = False) -> InventoryReply:
-        """The cluster as the inventory reply shows it."""
+    def inventory(self, now: float, include_leases: bool = False,
+                  visible: Visible = everything) -> InventoryReply:
+        """The cluster as the inventory reply shows it (with ``include_leases``, the active
+        leases that are ``visible``)."""
         down_after = self.settings.node_down_after_s
         nodes = [
             NodeView(host=n.host, up=self.nodes.up(n, now), drained=n.drained,
@@ -121,20 +135,13 @@ class Views:
                 conflict=g.conflict,
             )
             for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.order))
-            if g.present
+            # A GPU its host no longer lists is left out, unless it is in conflict (another
+            # host reports it): an admin must see that.
+            if g.present or g.conflict is not None
         ]
         models = policy.summarize_models(self.cluster, self.settings, now, down_after)
         leases = None
         if include_leases:
-            leases = [self.book.view(r) for r in self.book.leases.values()]
+            leases = [self.book.view(r) for r in self.book.leases.values() if visible(r)]
         return InventoryReply(at=now, nodes=nodes, gpus=gpus, models=models,
                               queued=len(self.book.queue), leases=leases)
-
-    def status(self, request: StatusRequest) -> BaseModel:
-        """One lease, by id or request key."""
-        record = self.book.find(request.lease_id, request.request_key)
-        if record is None:
-            what = (f"lease {request.lease_id!r}" if request.lease_id
-                    else f"request key {request.request_key!r}")
-            return error_reply(ErrorCode.NOT_FOUND, f"no {what} in the ledger")
-        return self.book.reply(record)

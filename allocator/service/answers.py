@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, ServiceStats
-from allocator.engine import Engine
+from allocator.engine import Engine, Sender
 from allocator.ledger import Ledger
 from allocator.protocol import LeaseState, encode
 from allocator.service.inbox import acknowledgements
@@ -83,7 +83,10 @@ class Answers:
                      else functools.partial(ledger.latest_lease_for_key, request_key or ""))
             record = await ledger.run(fetch)
             if record is not None and entry.reply is not None:
-                entry.reply = self._engine.lease_reply(record)
+                # Another hub's lease stays another's when it is read from the ledger.
+                sender = Sender(user_id=entry.message.user_id, via_nodes_exchange=False)
+                entry.reply = self._engine.lease_reply_for(
+                    record, sender, "release" if entry.kind == "release" else "see")
 
     def remember_waiters(self, pending: list[Pending]) -> None:
         """Each queued answer of the batch names where the lease's outcome is pushed."""

@@ -21,6 +21,7 @@ from allocator.counters import ServiceStats
 from allocator.engine import Engine
 from allocator.ledger import Ledger
 from allocator.replication import ReplicatedLog
+from allocator.retention import Pruner
 from allocator.service.answers import Answers
 from allocator.service.batch import Batches
 from allocator.service.commands import Commands
@@ -72,6 +73,12 @@ class AllocatorService:
                               after_reload=self._answers.push_waiting)
         self._decider = Decider(settings, self.engine, self.stats, clock)
         self._link = BrokerLink(settings, self.ledger)
+        self.pruner = Pruner(self.ledger, self.stats.counters,
+                             retention_days=settings.history_retention_days,
+                             interval_s=settings.history_prune_interval_s,
+                             batch=settings.history_prune_batch, clock=clock,
+                             may_prune=self._may_prune)
+        """Deletes what ``history_retention_days`` no longer keeps (allocator/retention.py)."""
         # The parts that depend on whether a log is followed are made once start knows.
         self._standby: Standby | None = None
         self._batches: Batches | None = None
@@ -107,11 +114,13 @@ class AllocatorService:
         self._tasks = [
             asyncio.create_task(self._batches.run(), name="allocator-apply"),
             asyncio.create_task(self._tick_loop(), name="allocator-tick"),
+            asyncio.create_task(self.pruner.run(), name="allocator-prune"),
         ]
         await self._link.consume(self._intake.on_message)
         self.started.set()
         if self.settings.metrics_port is not None:
-            self.metrics_server = metrics.serve(self, self.settings.metrics_port)
+            self.metrics_server = metrics.serve(self, self.settings.metrics_port,
+                                                token=self.settings.metrics_token)
         log.info("allocator consuming %s; ledger %s", self.settings.queue_name,
                  self.settings.ledger_path)
 
@@ -172,6 +181,14 @@ class AllocatorService:
             await asyncio.sleep(self.settings.tick_s)
             if not await standby.is_standby():
                 self._intake.put_tick()
+
+    async def _may_prune(self) -> bool:
+        """Whether this process prunes its ledger now: with the replicated log every replica
+        prunes its own file (docs/design.md, "Retention"); on a shared file only the active
+        one, for the reason a standby runs no timers."""
+        if self.log is not None:
+            return True
+        return not await self._running_standby().is_standby()
 
     async def _watch_log(self, replicated: ReplicatedLog) -> None:
         """Stop serving for good when the log turns out not to be this ledger's history."""

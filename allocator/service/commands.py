@@ -75,12 +75,14 @@ class Commands:
                 counters.add(Count.COMMAND_FAILURES)
                 log.warning("could not ask %s to stop container %s (lease %s): %s",
                             command.host, command.container_id[:12], command.lease_id,
-                            exc or type(exc).__name__)
+                            exc or type(exc).__name__,
+                            extra={"lease_id": command.lease_id, "host": command.host})
                 continue
             counters.add(Count.COMMANDS_SENT)
             log.info("asked %s to stop container %s of lease %s (%s, grace %g s)",
                      command.host, command.container_id[:12], command.lease_id,
-                     command.reason.value, command.grace_s)
+                     command.reason.value, command.grace_s,
+                     extra={"lease_id": command.lease_id, "host": command.host})
 
     def _message(self, command: StopContainer) -> aio_pika.Message:
         return aio_pika.Message(

@@ -63,7 +63,7 @@ async def connect(settings: AllocatorSettings, first_node: int = 0
             pause = min(backoff.next(), left)
             log.warning("broker %s not reachable (attempt %d: %s); retrying in %.0f s",
                         broker_address(settings.amqp_url), attempt,
-                        str(exc) or type(exc).__name__, pause)
+                        broker.connection_failure(exc, url), pause)
             await asyncio.sleep(pause)
             attempt += 1
     async with asyncio.timeout(timeout):

@@ -11,7 +11,8 @@ The commits each fixture was made with are in ``tests/test_ledger_migrations.py`
 ``Changes``, ``LeaseRecord``, ``GPU`` and ``Node``), so the rows are what that release wrote;
 only features the release has are used (a log position from schema 3 on). The contents, for
 the tests to check after the migration: two hosts, four GPUs, five leases (bound, a bound
-slice, granted, queued, released), their history and three events; all times fixed.
+slice, granted, queued, released; owned by the broker user ``hub`` from schema 6 on), their
+history and three events; all times fixed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def lease(lease_id: str, user: str, state: LeaseState, **fields: object) -> Leas
     values: dict[str, object] = {
         "lease_id": lease_id, "request_key": f"hub/{user}/", "user": user, "groups": ("lab",),
         "state": state, "created_at": T0 + 10, "request": {"user": user, "count": 1},
+        "owner": "hub",  # the broker user that asked (schema 6 on)
     }
     values.update(fields)
     return LeaseRecord(**{k: v for k, v in values.items() if k in known})  # type: ignore[arg-type]

@@ -1,0 +1,114 @@
+"""Refused node messages write at most ``refused_events_per_minute`` ledger events per sender
+(and host): one agent's credential flooding the allocator leaves the ledger bounded, and
+every refusal is still counted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aio_pika
+import pytest
+import services
+from support import wait_until
+from test_broker_permissions import TEMPLATE, Broker, agent_beat, load
+
+from allocator.counters import Count
+from allocator.engine.nodes import EventBudget
+from allocator.ledger import Ledger
+from allocator.protocol import AllocateRequest, encode
+from allocator.service import AllocatorService
+from allocator.topology import NODES_EXCHANGE, heartbeat_routing_key
+
+PER_MINUTE = 5
+
+
+def test_the_budget_is_per_key_and_per_minute() -> None:
+    budget = EventBudget(3)
+    minute = 60 * 31_666_000 + 20.0  # 20 s into a minute
+    assert [budget.take(("agent-a", None), minute + i) for i in range(5)] == [
+        True, True, True, False, False]
+    assert budget.take(("agent-a", "gpu-a"), minute), "another host has its own budget"
+    assert budget.take(("agent-b", None), minute), "another sender has its own budget"
+    assert budget.take(("agent-a", None), minute + 40), "the next minute starts afresh"
+    assert not EventBudget(0).take(("agent-a", None), minute), "0: counted only"
+
+
+@pytest.fixture
+def broker(rabbitmq: services.RabbitMQ) -> Iterator[Broker]:
+    tag = uuid.uuid4().hex[:8]
+    vhost = f"{services.VHOST_PREFIX}{os.getpid()}-flood-{tag}"
+    prefix = f"t{tag}-"
+    users = ["admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b"]
+    passwords = {user: uuid.uuid4().hex for user in users}
+    try:
+        load(rabbitmq, TEMPLATE, vhost, prefix, passwords)
+        yield Broker(rabbitmq, vhost, prefix, passwords)
+    finally:
+        services.delete_vhost(rabbitmq, vhost)
+        rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
+
+
+@pytest.fixture
+async def running(broker: Broker, ledger_path: Path) -> AsyncIterator[AllocatorService]:
+    service = AllocatorService(broker.settings(ledger_path).model_copy(
+        update={"refused_events_per_minute": PER_MINUTE}))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+def ledger_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*")
+               if not p.name.endswith(".lock"))
+
+
+async def test_one_agent_credential_flooding_refused_messages_keeps_the_ledger_bounded(
+        broker: Broker, running: AllocatorService, ledger_path: Path) -> None:
+    agent = broker.prefix + "agent-gpu-a"
+    beats, requests = 1000, 100
+    counters = running.engine.counters
+    size_before = ledger_bytes(ledger_path)
+    connection = await aio_pika.connect(broker.url("agent-gpu-a"), timeout=10)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=False)
+        # Its own routing key (the broker lets that through), other hosts in the body, and
+        # requests through the nodes exchange: every one refused by the allocator.
+        bodies = [agent_beat(f"gpu-b{i % 50}") for i in range(beats)]
+        bodies += [encode(AllocateRequest(request_key=f"x/{i}/", user="x"))
+                   for i in range(requests)]
+        for start in range(0, len(bodies), 100):  # 100 confirms awaited at a time
+            await asyncio.gather(*(
+                exchange.publish(aio_pika.Message(body, user_id=agent),
+                                 routing_key=heartbeat_routing_key("gpu-a"))
+                for body in bodies[start:start + 100]))
+
+    async def all_refused() -> bool:
+        return (counters["heartbeat_rejected"] == beats
+                and counters[Count.REQUEST_FROM_NODE_EXCHANGE.value] == requests)
+    await wait_until(all_refused, within=60)
+
+    reader = Ledger(ledger_path)
+    reader.open()
+    try:
+        events = reader.call(lambda: reader.db.conn.execute(
+            "SELECT kind, at FROM events WHERE kind IN ('heartbeat_rejected', "
+            "'request_refused')").fetchall())
+    finally:
+        reader.close()
+    per_minute = Counter(int(at // 60) for _, at in events)
+    # Both kinds share the sender's budget for hosts it does not report for.
+    assert events and max(per_minute.values()) <= PER_MINUTE, per_minute
+    assert len(events) <= PER_MINUTE * len(per_minute)
+    assert len(events) + counters[Count.NODE_EVENTS_UNRECORDED.value] == beats + requests
+    # Without the budget each refusal wrote a row (about 200 bytes with its indexes): the
+    # flood would have added over 200 KiB; the file grew by a few pages at most.
+    assert ledger_bytes(ledger_path) - size_before < 64 * 1024, (size_before,
+                                                                 ledger_bytes(ledger_path))
