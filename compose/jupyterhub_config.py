@@ -14,16 +14,16 @@ same file serves a laptop demo and a cluster:
                            address of the hub's node under host networking)
     NOTEBOOK_PORT_BASE     host networking only: a user's server listens on this + user id
     SWARM_GPU_WAIT_S       how long a GPU request may wait in the queue (seconds)
-    HUB_STAFF, HUB_STUDENTS  comma-separated user names of the two groups (default: staff
-                           "admin", students none)
 
-A first login works with the stack as it is: the authenticator is JupyterHub's
-``shared-password`` (one password for every user, from the secret
-``swarm-gpu-hub-login-password``; the ``admin`` user logs in with the longer one in
-``swarm-gpu-hub-admin-password``), and ``admin`` is in ``staff``, so it may take any GPU.
-Replace it with your site's authenticator (``c.JupyterHub.authenticator_class``) and fill
-the groups from it (``manage_groups``) or from ``HUB_STAFF``/``HUB_STUDENTS``. Automation gets
-an admin API token from the secret ``swarm-gpu-hub-api-token`` (the service ``admin-api``).
+Log in: accounts of JupyterHub's NativeAuthenticator (``hubplugin.login``). People sign up
+at /hub/signup; an account lets its person in only once an admin has authorized it at
+/hub/authorize, whatever its name. The first admin, ``admin``, gets an account at the hub's
+first start with the password in the secret ``swarm-gpu-hub-admin-password``. Who is in
+``staff`` (every GPU) or ``students`` is the admins' choice in the admin page (/hub/admin,
+Groups) or the REST API, never a name in this file. A site with its own identity provider
+replaces the authenticator (``c.JupyterHub.authenticator_class``) and may fill the groups
+from it (``manage_groups``). Automation gets an admin API token from the secret
+``swarm-gpu-hub-api-token`` (the service ``admin-api``).
 
 GPU nodes need the NVIDIA container runtime as Docker's *default* runtime
 (``"default-runtime": "nvidia"`` in /etc/docker/daemon.json): Swarm services cannot ask for
@@ -31,6 +31,7 @@ GPU nodes need the NVIDIA container runtime as Docker's *default* runtime
 the spawner sets from the lease (``void`` = none for servers without a GPU).
 """
 
+import logging
 import os
 import sys
 
@@ -44,33 +45,50 @@ c.JupyterHub.cleanup_servers = False  # a hub restart leaves notebooks (and thei
 
 
 
+def secret_file(name: str) -> str | None:
+    """The path of the Docker secret ``name``, if mounted."""
+    path = os.path.join(os.environ.get("SECRETS_DIR", "/run/secrets"), name)
+    return path if os.path.isfile(path) else None
+
+
 def secret(name: str) -> str | None:
     """The content of the Docker secret ``name`` (trailing newline stripped), if mounted."""
-    path = os.path.join(os.environ.get("SECRETS_DIR", "/run/secrets"), name)
-    try:
-        with open(path) as file:
-            return file.read().rstrip("\r\n") or None
-    except FileNotFoundError:
+    if (path := secret_file(name)) is None:
         return None
-
-
-def user_list(variable: str, default: str = "") -> list[str]:
-    return [name.strip() for name in os.environ.get(variable, default).split(",") if name.strip()]
+    with open(path) as file:
+        return file.read().rstrip("\r\n") or None
 
 
 # ------------------------------------------------------------------------------- log in
-c.JupyterHub.authenticator_class = "shared-password"
-c.Authenticator.admin_users = {"admin"}
-c.Authenticator.allow_all = True  # whoever knows the shared password: replace for real users
-if (login_password := secret("swarm-gpu-hub-login-password")) is not None:
-    c.SharedPasswordAuthenticator.user_password = login_password
-if (admin_password := secret("swarm-gpu-hub-admin-password")) is not None:
-    c.SharedPasswordAuthenticator.admin_password = admin_password  # at least 32 characters
+# NativeAuthenticator's accounts (hubplugin/login.py): a signup waits until an admin
+# authorizes it at /hub/authorize; only an authorized account may log in. Its name grants
+# nothing: an account is never authorized because its name is a hub user, an admin or a
+# member of a group already.
+c.JupyterHub.authenticator_class = "hubplugin.login.AdminAuthorizedAuthenticator"
+c.NativeAuthenticator.open_signup = False  # True would let in everyone who signs up
+c.NativeAuthenticator.minimum_password_length = 10
+c.NativeAuthenticator.check_common_password = True
+c.NativeAuthenticator.allowed_failed_logins = 10  # then a name is refused for a minute
+c.NativeAuthenticator.seconds_before_next_try = 60
+# The first admin: an authorized account, made at the hub's first start (before anyone can
+# sign up) with the password in this secret; the admin may change it at
+# /hub/change-password. Further admins: an admin ticks "admin" on a user in /hub/admin.
+first_admin = "admin"
+first_admins = []  # those with an account: in staff from the start
+c.AdminAuthorizedAuthenticator.first_admin = first_admin
+if (admin_password_file := secret_file("swarm-gpu-hub-admin-password")) is not None:
+    c.AdminAuthorizedAuthenticator.first_admin_password_file = admin_password_file
+    first_admins.append(first_admin)
 
-c.JupyterHub.load_groups = {
-    "students": {"users": user_list("HUB_STUDENTS")},
-    "staff": {"users": user_list("HUB_STAFF", "admin")},
-}
+# The two groups exist from the start; their members are the admins' to set (/hub/admin,
+# Groups, or the REST API). Names of people in this file would make hub users before their
+# people sign up, and an admin who authorizes such a signup cannot tell who made it.
+c.JupyterHub.load_groups = {"students": {"users": []}, "staff": {"users": first_admins}}
+for _variable in ("HUB_STAFF", "HUB_STUDENTS"):
+    if os.environ.get(_variable):
+        logging.getLogger("JupyterHub").warning(
+            "%s is no longer read: put users into the groups in the admin page (/hub/admin, "
+            "Groups) after authorizing their accounts", _variable)
 
 # Hub services and roles; the GPU page below adds its own.
 services: list[dict] = []
@@ -193,7 +211,7 @@ c.GPUSwarmSpawner.gpu_profiles = [
 c.GPUSwarmSpawner.image = os.environ.get(
     "NOTEBOOK_IMAGE", "quay.io/jupyter/pytorch-notebook:cuda12-latest"
 )
-c.GPUSwarmSpawner.network_name = os.environ.get("SWARM_GPU_NETWORK", "swarm-gpu_default")
+c.GPUSwarmSpawner.network_name = os.environ.get("SWARM_GPU_NETWORK", "swarm-gpu_notebooks")
 if c.GPUSwarmSpawner.network_name == "host":
     # A Swarm without overlay networks: notebook services share their node's network, so
     # no address comes from Swarm and each user's server needs a port of its own.

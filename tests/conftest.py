@@ -48,14 +48,45 @@ UNIT_TIMEOUT_S = 60
 generous on a loaded machine, yet a hang or a slow unit test is found in a minute, not five."""
 
 
+# ------------------------------------------------------------------ parallel runs (xdist)
+
+SHARED_ENGINE_GROUP = "shared-docker-engine"
+"""The one ``xdist_group`` of every test that uses the suite's Docker engine, or engines of
+``scripts/cluster``'s (one ``.cluster/`` per checkout, fixed loopback addresses): a node agent
+reports every lease-labelled container of its engine, so two such tests at once would see
+each other's notebooks; they run one after another, on one worker."""
+
+SHARED_ENGINE_FIXTURES = frozenset({"docker_engine", "busybox_image"})
+SHARED_ENGINE_MODULES = frozenset({"test_demo_e2e.py", "test_stack_e2e.py",
+                                   "test_stack_broker_cluster_e2e.py"})
+"""Modules that use a shared engine without asking for the fixture (scripts they run do)."""
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The group a test runs in under ``pytest -n N --dist loadgroup`` (.ci/run): the shared
+    engine's, or else its module's (so a module's fixtures are set up once, on one worker)."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if fixtures & SHARED_ENGINE_FIXTURES or item.path.name in SHARED_ENGINE_MODULES:
+        return SHARED_ENGINE_GROUP
+    return item.path.name
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give every test without its own timeout the bound of its markers."""
+    """Give every test without its own timeout the bound of its markers, and its xdist group.
+
+    The shared engine's tests are the longest chain that cannot be split: they are moved to
+    the front (in their own order), so that under xdist one worker starts them at once while
+    the others take every other module.
+    """
     for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
         if item.get_closest_marker("timeout") is not None:
             continue
         limit = max((seconds for marker, seconds in MARKER_TIMEOUTS_S.items()
                      if item.get_closest_marker(marker) is not None), default=UNIT_TIMEOUT_S)
         item.add_marker(pytest.mark.timeout(limit))
+    items.sort(key=lambda item: xdist_group_of(item) != SHARED_ENGINE_GROUP)
 
 # ----------------------------------------------------------------------------- RabbitMQ
 

@@ -196,7 +196,7 @@ class Browser:
         self.evaluate(session, expression)
         self.wait_event("Page.loadEventFired", session=session)
 
-    def log_in(self, session: str, hub_url: str, user: str, password: str = "x") -> None:
+    def log_in(self, session: str, hub_url: str, user: str, password: str) -> None:
         """Log in to the hub at ``hub_url`` through its login form, as a person does."""
         self.navigate(session, f"{hub_url}/hub/login")
         self.submit(session, f"""

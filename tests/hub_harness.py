@@ -3,6 +3,9 @@
 The example configuration is loaded first (so the tests prove it works), then the overrides
 TEST-INFRA.md verified for this machine: host networking, ``use_internal_ip``, 127.0.0.1,
 one fixed port per user, busybox ``httpd`` as the server, ``get_ip_and_port`` overridden.
+The example's authenticator stays: the test users and their groups are made through the
+hub's REST API with an admin token, as an admin would, and a user who logs in through the
+login form first signs up and is authorized by that admin (:meth:`Hub.login_password`).
 Users talk to the hub over its REST API with their own tokens, as they would in real life.
 """
 
@@ -62,9 +65,6 @@ c.JupyterHub.log_level = "DEBUG"
 c.ConfigurableHTTPProxy.command = [SETTINGS["chp"]]
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:%d" % SETTINGS["proxy_api_port"]
 c.ConfigurableHTTPProxy.pid_file = SETTINGS["dir"] + "/proxy.pid"
-c.JupyterHub.authenticator_class = "dummy"
-c.Authenticator.allowed_users = set(SETTINGS["users"])
-c.JupyterHub.load_groups = {g: {"users": u} for g, u in SETTINGS["groups"].items()}
 # The example's GPU page service (and the user role that may open it) only where a test
 # asks for it: every other hub test runs without that process.
 page_services = [s for s in c.JupyterHub.services if SETTINGS["page"] and s["name"] == "gpu"]
@@ -72,7 +72,8 @@ page_roles = [r for r in c.JupyterHub.load_roles if SETTINGS["page"] and r["name
 c.JupyterHub.services = [*page_services, {"name": "e2e", "api_token": SETTINGS["admin_token"]}]
 c.JupyterHub.load_roles = [*page_roles, {
     "name": "e2e-admin",
-    "scopes": ["admin:users", "admin:servers", "tokens", "list:users", "read:users"],
+    "scopes": ["admin:users", "admin:servers", "admin:groups", "tokens", "list:users",
+               "read:users"],
     "services": ["e2e"],
 }]
 
@@ -126,9 +127,14 @@ class Hub:
         extra: dict[str, Any] | None = None,
         cleanup_servers: bool = True,
         page: dict[str, str] | None = None,
+        first_admin: bool = False,
     ) -> None:
-        """``page``: run the example's GPU page service too, with these ``SWARM_GPU_PAGE_*``
-        settings over the test defaults (its own port, history file in ``directory``)."""
+        """``users``: each test user's groups, made through the REST API at each start.
+        ``page``: run the example's GPU page service too, with these ``SWARM_GPU_PAGE_*``
+        settings over the test defaults (its own port, history file in ``directory``).
+        ``first_admin``: give the hub the secret ``swarm-gpu-hub-admin-password`` (in
+        ``admin_password``), so the example makes the first admin's account from it (a bcrypt
+        hash: a fraction of a second at the first start, so only where a test asks)."""
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -138,19 +144,24 @@ class Hub:
         self.hub_id = hub_id
         self.users = users
         self.ports = {user: free_port() for user in users}
-        groups: dict[str, list[str]] = {}
-        for user, user_groups in users.items():
-            for group in user_groups:
-                groups.setdefault(group, []).append(user)
         self.settings = {
             "dir": str(self.dir), "hub_port": self.port, "hub_api_port": free_port(),
-            "proxy_api_port": free_port(), "chp": str(chp), "users": sorted(users),
-            "groups": groups, "admin_token": self.admin_token, "image": image,
+            "proxy_api_port": free_port(), "chp": str(chp),
+            "admin_token": self.admin_token, "image": image,
             "prefix": self.prefix, "amqp_url": amqp_url, "hub_id": hub_id,
             "allocator_timeout": allocator_timeout, "wait_s": wait_s, "ports": self.ports,
             "extra": extra or {}, "cleanup_servers": cleanup_servers, "page": page is not None,
         }
-        self.env = {**os.environ, "DOCKER_HOST": docker_host, "PYTHONUNBUFFERED": "1"}
+        # The example reads its secrets from SECRETS_DIR: the hub's own folder, never the
+        # machine's /run/secrets.
+        secrets_dir = self.dir / "secrets"
+        secrets_dir.mkdir(exist_ok=True)
+        self.admin_password = ""
+        if first_admin:
+            self.admin_password = secrets.token_hex(24)
+            (secrets_dir / "swarm-gpu-hub-admin-password").write_text(self.admin_password + "\n")
+        self.env = {**os.environ, "DOCKER_HOST": docker_host, "PYTHONUNBUFFERED": "1",
+                    "SECRETS_DIR": str(secrets_dir)}
         self.page_url = f"{self.url}/services/gpu/"
         if page is not None:
             self.env.update({
@@ -166,6 +177,8 @@ class Hub:
         self.proc: subprocess.Popen[bytes] | None = None
         self.session: aiohttp.ClientSession | None = None
         self.tokens: dict[str, str] = {}
+        self.passwords: dict[str, str] = {"admin": self.admin_password} if first_admin else {}
+        self._admin_jar: aiohttp.CookieJar | None = None
 
     def service_name(self, user: str, server: str = "") -> str:
         return f"{self.prefix}-{user}" + (f"--{server}" if server else "")
@@ -202,6 +215,7 @@ class Hub:
             if time.monotonic() > deadline:
                 raise HubError(f"JupyterHub did not answer within {timeout} s:\n{self.log_tail()}")
             await asyncio.sleep(0.3)
+        await self._make_users()
         for user in self.users:
             status, body = await self.api("POST", f"/users/{user}/tokens",
                                           {"note": "e2e", "expires_in": 3600},
@@ -209,6 +223,26 @@ class Hub:
             if status != 201:
                 raise HubError(f"token for {user}: {status} {body}")
             self.tokens[user] = body["token"]
+
+    async def _make_users(self) -> None:
+        """The test users and their groups, through the REST API as an admin makes them
+        (again after a restart: what exists already stays)."""
+        if self.users:
+            status, body = await self.api("POST", "/users", {"usernames": sorted(self.users)})
+            if status not in (201, 409):  # 409: all of them exist (a restart)
+                raise HubError(f"creating the users: {status} {body}")
+        groups: dict[str, list[str]] = {}
+        for user, user_groups in self.users.items():
+            for group in user_groups:
+                groups.setdefault(group, []).append(user)
+        for group, members in sorted(groups.items()):
+            status, body = await self.api("POST", f"/groups/{group}")
+            if status not in (201, 409):  # 409: the example's groups, or a restart
+                raise HubError(f"creating the group {group}: {status} {body}")
+            status, body = await self.api("POST", f"/groups/{group}/users",
+                                          {"users": sorted(members)})
+            if status != 200:
+                raise HubError(f"adding {members} to {group}: {status} {body}")
 
     async def stop(self, within: float = 40.0) -> None:
         if self.session is not None:
@@ -350,18 +384,71 @@ class Hub:
 
     # ---------------------------------------------------------------- browser login
 
+    async def form_post(self, path: str, fields: dict[str, str],
+                        jar: aiohttp.CookieJar | None = None) -> tuple[int, str]:
+        """GET the hub's page ``path`` for its XSRF cookie, then POST its form with
+        ``fields``, as a browser does; the status (redirects not followed) and the page."""
+        jar = jar if jar is not None else aiohttp.CookieJar(unsafe=True)
+        async with aiohttp.ClientSession(cookie_jar=jar) as session:
+            async with session.get(f"{self.url}{path}") as response:
+                await response.text()
+            xsrf = next((c.value for c in jar if c.key == "_xsrf"), "")
+            async with session.post(f"{self.url}{path}", data={**fields, "_xsrf": xsrf},
+                                    allow_redirects=False) as response:
+                return response.status, await response.text()
+
+    async def sign_up(self, user: str, password: str) -> str:
+        """Sign up at /hub/signup as a person does; the page's message."""
+        status, page = await self.form_post("/hub/signup", {
+            "username": user, "signup_password": password,
+            "signup_password_confirmation": password})
+        if status != 200:
+            raise HubError(f"signup of {user}: {status}\n{self.log_tail()}")
+        return page
+
+    async def toggle_authorization(self, user: str) -> None:
+        """What the first admin's click in /hub/authorize does: authorize ``user``'s account
+        (or take the authorization back). The admin logs in once, in a session of its own:
+        the hub's pages take no API token."""
+        if not self.admin_password:
+            raise HubError("this hub has no admin to authorize a signup: Hub(first_admin=True)")
+        if self._admin_jar is None:
+            jar = aiohttp.CookieJar(unsafe=True)
+            if await self.log_in("admin", self.admin_password, jar) != 302:
+                raise HubError(f"the first admin cannot log in:\n{self.log_tail()}")
+            self._admin_jar = jar
+        from_the_list = {"Referer": f"{self.url}/hub/authorize"}  # as a click there sends
+        async with (
+            aiohttp.ClientSession(cookie_jar=self._admin_jar) as session,
+            session.get(f"{self.url}/hub/authorize/{user}", allow_redirects=False,
+                        headers=from_the_list) as response,
+        ):
+            if response.status != 302:
+                raise HubError(f"authorizing {user}: {response.status}\n{self.log_tail()}")
+
+    async def login_password(self, user: str) -> str:
+        """``user``'s password for the login form (the first admin's is the secret's): at the
+        first call the user signs up with a new random one and the first admin authorizes the
+        account (so only on a hub started with ``first_admin``)."""
+        if user not in self.passwords:
+            password = secrets.token_urlsafe(16)
+            await self.sign_up(user, password)
+            await self.toggle_authorization(user)
+            self.passwords[user] = password
+        return self.passwords[user]
+
+    async def log_in(self, user: str, password: str,
+                     jar: aiohttp.CookieJar | None = None) -> int:
+        """Post the login form as ``user``; the status: 302 when let in, 403 (the form again,
+        with its error) when not."""
+        status, _ = await self.form_post("/hub/login?next=", {"username": user,
+                                                              "password": password}, jar)
+        return status
+
     async def login_cookies(self, user: str) -> dict[str, str]:
         """Log in through the login form (as a browser does) and return the session cookies."""
         jar = aiohttp.CookieJar(unsafe=True)
-        async with aiohttp.ClientSession(cookie_jar=jar) as session:
-            async with session.get(f"{self.url}/hub/login") as response:
-                await response.text()
-            xsrf = next((c.value for c in jar if c.key == "_xsrf"), "")
-            async with session.post(
-                f"{self.url}/hub/login?next=", data={"username": user, "password": "x",
-                                                     "_xsrf": xsrf},
-                allow_redirects=False,
-            ) as response:
-                if response.status not in (302, 303):
-                    raise HubError(f"login as {user}: {response.status}")
-            return {c.key: c.value for c in jar}
+        status = await self.log_in(user, await self.login_password(user), jar)
+        if status not in (302, 303):
+            raise HubError(f"login as {user}: {status}")
+        return {c.key: c.value for c in jar}

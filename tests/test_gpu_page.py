@@ -43,7 +43,7 @@ TEST_BUDGET_S = 240
 UPDATE_DOCS = os.environ.get("SWARM_GPU_UPDATE_DOCS") == "1"
 """Refresh docs/gpu-page.png from a demo state: ``SWARM_GPU_UPDATE_DOCS=1 scripts/test ...``."""
 USERS = {"alice": ["students"], "bob": ["students"], "admin": ["staff"], "dave": ["staff"]}
-"""``admin`` is the example configuration's hub admin."""
+"""``admin`` is the example configuration's first admin (its password from the secret)."""
 
 
 class Cluster:
@@ -126,7 +126,7 @@ async def page_hub(tmp_path: Path, chp_path: Path, amqp_vhost: Any) -> AsyncIter
         page["SWARM_GPU_PAGE_HISTORY_HOURS"] = "0.05"
     hub = Hub(tmp_path / "hub", chp=chp_path, amqp_url=amqp_vhost.url,
               docker_host="unix:///nonexistent/docker.sock", image="unused:never-pulled",
-              users=USERS, page=page)
+              users=USERS, page=page, first_admin=True)
     try:
         await hub.start()
         yield hub
@@ -157,10 +157,10 @@ async def page_answers(hub: Hub) -> str:
 
 
 def open_page(browser: Browser, hub: Hub, user: str, *, until: str) -> str:
-    """Log in as ``user`` in a fresh tab and open the page until ``until`` (a script) is true;
-    returns the tab's session."""
+    """Log in as ``user`` (its account made first: ``await hub.login_password(user)``) in a
+    fresh tab and open the page until ``until`` (a script) is true; returns the tab's session."""
     page = browser.page()
-    browser.log_in(page, hub.url, user)
+    browser.log_in(page, hub.url, user, hub.passwords[user])
     deadline = time.monotonic() + 60
     while True:
         browser.navigate(page, hub.page_url)
@@ -219,6 +219,9 @@ async def test_users_see_their_own_gpus_and_admins_every_gpu(
         assert "/hub/login" in landed, landed
 
 
+        for user in ("alice", "admin"):
+            await page_hub.login_password(user)
+
         def drive() -> tuple[dict[str, Any], dict[str, Any]]:
             # one browser (its own cookies) per user, as two people would have
             with Browser(chromium_path, tmp_path / "chromium-alice") as browser:
@@ -272,6 +275,9 @@ async def test_users_see_their_own_gpus_and_admins_every_gpu(
         warning = await wait_until(warned, within=60, interval=0.2)
         assert warning.reclaim_at is not None
 
+        for user in ("alice", "dave"):
+            await page_hub.login_password(user)
+
         def look_again() -> tuple[dict[str, Any], dict[str, Any]]:
             with Browser(chromium_path, tmp_path / "chromium-alice-again") as browser:
                 tab = open_page(browser, page_hub, "alice",
@@ -316,6 +322,8 @@ async def demo_screenshot(cluster: Cluster, hub: Hub, chromium_path: Path, tmp_p
                              gpu.memory_used_mib)
         await asyncio.sleep(1.0)
     shots = {"alice": tmp_path / "gpu-page.png", "admin": tmp_path / "gpu-page-admin.png"}
+    for user in shots:
+        await hub.login_password(user)
 
     def take() -> None:
         for user, shot in shots.items():
@@ -339,10 +347,12 @@ async def test_the_spawn_form_says_which_choices_would_be_borrowed(
     more, and holds none: one GPU is within his guarantee, two would be borrowed, three would
     be refused."""
     async with asyncio.timeout(TEST_BUDGET_S):
+        await page_hub.login_password("dave")
+
         def drive(profile: str) -> dict[str, Any]:
             with Browser(chromium_path, tmp_path / profile) as browser:
                 tab = browser.page()
-                browser.log_in(tab, page_hub.url, "dave")
+                browser.log_in(tab, page_hub.url, "dave", page_hub.passwords["dave"])
                 browser.navigate(tab, f"{page_hub.url}/hub/spawn")
                 note = "!document.getElementById('sg-borrowed-note').hidden"
                 seen: dict[str, Any] = {"cards": browser.evaluate(tab, """
@@ -415,7 +425,8 @@ async def page_as(hub: Hub, user: str) -> tuple[int, dict[str, str], str]:
             await response.text()
         xsrf = next((c.value for c in session.cookie_jar if c.key == "_xsrf"), "")
         async with session.post(f"{hub.url}/hub/login?next=",
-                                data={"username": user, "password": "x", "_xsrf": xsrf},
+                                data={"username": user, "_xsrf": xsrf,
+                                      "password": await hub.login_password(user)},
                                 allow_redirects=False) as response:
             assert response.status in (302, 303), f"login as {user}: {response.status}"
         async with session.get(hub.page_url) as response:
@@ -436,6 +447,8 @@ async def test_the_page_sets_a_strict_content_security_policy_that_chromium_enfo
         assert headers["X-Content-Type-Options"] == "nosniff"
         assert headers["Cache-Control"] == "no-store", "one user's page in no shared cache"
         assert "<script" not in html, "the page is server-rendered: it needs no script"
+
+        await page_hub.login_password("alice")
 
         def look() -> dict[str, Any]:
             with Browser(chromium_path, tmp_path / "chromium-csp") as browser:

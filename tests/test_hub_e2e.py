@@ -314,7 +314,7 @@ async def test_allocator_unreachable_fails_clearly_and_cpu_servers_still_start(
 ) -> None:
     async with asyncio.timeout(TEST_BUDGET_S):
         # nothing listens on port 1: the broker is unreachable
-        hub = await hub_factory(amqp_url="amqp://guest:guest@127.0.0.1:1/")
+        hub = await hub_factory(amqp_url="amqp://guest:guest@127.0.0.1:1/", first_admin=True)
         started = time.monotonic()
         status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})
         assert status == 503, body
@@ -480,13 +480,14 @@ async def test_spawn_form_in_chromium(
     from hub_browser import Browser
 
     async with asyncio.timeout(TEST_BUDGET_S):
-        hub = await hub_factory()
+        hub = await hub_factory(first_admin=True)  # it authorizes carol's signup
         shot = tmp_path / "spawn-form.png"
+        password = await hub.login_password("carol")
 
         def drive() -> dict[str, Any]:
             with Browser(chromium_path, tmp_path / "chromium") as browser:
                 page = browser.page()
-                browser.log_in(page, hub.url, "carol")
+                browser.log_in(page, hub.url, "carol", password)
                 browser.navigate(page, f"{hub.url}/hub/spawn")
                 seen = browser.evaluate(page, """({
                     profiles: [...document.querySelectorAll('input[name=profile]')]

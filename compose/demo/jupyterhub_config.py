@@ -7,7 +7,8 @@ machine without a cluster needs:
   Swarm services of this machine's engine on the host network, each on a port of its own;
 - the one Swarm node is a manager, so the example's ``node.role == worker`` constraint goes;
 - log in with a password per user, made at random by ``scripts/demo`` into a file that only
-  root may read (a site uses its own authenticator instead);
+  root may read, so its three users can log in at once (the example's own login, which a site
+  keeps, is NativeAuthenticator's accounts: people sign up and an admin authorizes each);
 - the demo's users: ``admin`` (staff: every GPU), ``alice`` and ``bob`` (the group ``lab``).
 
 Settings come from ``scripts/demo`` through the environment: ``SWARM_GPU_DEMO_DIR`` (state),
