@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
 from allocator.log_snapshot import SNAPSHOT_BYTES
 from allocator.logs import LogSettings
+from allocator.metrics_http import MetricsTokenSettings
 from allocator.model_names import ModelNames, unbranded
 from allocator.settings_files import FileSettings, secret_file_field
 from allocator.topology import ALLOCATOR_QUEUE, LEDGER_LOG_STREAM, RABBITMQ_SEGMENT_BYTES
@@ -132,7 +133,8 @@ def borrow_limit_problems(settings: PolicySettings) -> list[str]:
     return problems
 
 
-class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSettings):
+class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSettings,
+                        MetricsTokenSettings):
     """Everything the allocator process reads at start (``config``: the TOML file); the
     broker's TLS files: :class:`allocator.broker.BrokerTLSSettings`; ``log_level`` and
     ``log_format``: :class:`allocator.logs.LogSettings`."""
@@ -295,14 +297,6 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         "can make the allocator publish into a queue of its choice.",
     )
     metrics_port: int | None = Field(default=None, description="Prometheus port; None = off.")
-    metrics_token: str | None = Field(
-        default=None, min_length=16, repr=False,
-        description="A token Prometheus must send (Authorization: Bearer <token>) to read "
-        "the metrics; any other request is answered 401. None: anyone who reaches "
-        "metrics_port reads them (they name every user, group, host and GPU). Prefer "
-        "metrics_token_file.",
-    )
-    metrics_token_file: Path | None = secret_file_field("metrics_token")
     request_timeout_s: float = Field(default=10.0, gt=0, description="Bound on broker calls.")
     start_fence_s: float = Field(
         default=30.0, ge=0, le=3600,

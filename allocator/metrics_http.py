@@ -12,7 +12,8 @@ it is on (docs/reliability.md, "Networks"). Prometheus sends the token with
 anyone who reaches the port reads the metrics, as in 0.1.0; :func:`serve_registry` then logs
 a warning unless the address is a loopback one.
 
-It imports prometheus_client and the standard library only.
+It imports prometheus_client, pydantic(-settings), :mod:`allocator.settings_files` and the
+standard library.
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.registry import Collector
+from pydantic import Field
+from pydantic_settings import BaseSettings
 
-__all__ = ["TOKEN_REALM", "MetricsServer", "serve_registry", "token_guard"]
+from allocator.settings_files import secret_file_field
+
+__all__ = ["TOKEN_REALM", "MetricsServer", "MetricsTokenSettings", "serve_registry", "token_guard"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,20 @@ def token_guard(app: WsgiApp, token: str) -> WsgiApp:
         return [reason.encode() + b"\n"]
 
     return guarded
+
+
+class MetricsTokenSettings(BaseSettings):
+    """The token of a process's metrics port, one setting for every process that serves
+    metrics (allocator, node agent): its settings class takes it from here."""
+
+    metrics_token: str | None = Field(
+        default=None, min_length=16, repr=False,
+        description="A token Prometheus must send (Authorization: Bearer <token>) to read "
+        "the metrics; any other request is answered 401. None: whoever reaches the metrics "
+        "port reads them (they name every user, group, host and GPU). Prefer "
+        "metrics_token_file.",
+    )
+    metrics_token_file: Path | None = secret_file_field("metrics_token")
 
 
 class _Quiet(WSGIRequestHandler):

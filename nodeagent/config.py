@@ -28,6 +28,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
 from allocator.logs import LogSettings
+from allocator.metrics_http import MetricsTokenSettings
 from allocator.settings_files import FileSettings, list_from_text, secret_file_field
 
 ENV_PREFIX = "SWARM_GPU_AGENT_"
@@ -61,7 +62,7 @@ def docker_host_or_standard_socket() -> str:
     return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_URL
 
 
-class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings):
+class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings, MetricsTokenSettings):
     """Everything the node agent reads at start (``config``: the TOML file); the broker's
     TLS files: :class:`allocator.broker.BrokerTLSSettings`; ``log_level`` and ``log_format``:
     :class:`allocator.logs.LogSettings`."""
@@ -165,13 +166,6 @@ class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings):
         "metrics to nobody else; set 0.0.0.0 (or the address of the network Prometheus "
         "scrapes from) to let Prometheus reach them.",
     )
-    metrics_token: str | None = Field(
-        default=None, min_length=16, repr=False,
-        description="A token Prometheus must send (Authorization: Bearer <token>) to read "
-        "the metrics; any other request is answered 401. None: whoever reaches metrics_addr "
-        "reads them. Prefer metrics_token_file.",
-    )
-    metrics_token_file: Path | None = secret_file_field("metrics_token")
     proc_root: Path = Field(
         default=Path("/proc"),
         description="Where the host's /proc is visible, to map GPU processes to containers. "
