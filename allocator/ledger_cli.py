@@ -639,7 +639,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(logging.DEBUG if args.verbose else logging.CRITICAL, log_format)
     broker.security_log.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
-        if getattr(args, "amqp", None) is not None:
+        # `check` without --live reads the ledger file only: its broker URL (often the plain
+        # default) is never used, so TLS files in the environment are no error there.
+        if getattr(args, "amqp", None) is not None and getattr(args, "live", True):
             args.amqp = _with_tls(args.amqp, args)
         return COMMANDS[args.command](args)
     except (CommandError, LedgerError, AllocatorError) as exc:

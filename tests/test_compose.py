@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import ssl
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,9 @@ def test_the_cli_accepts_the_stack(stack):
     assert set(stack["services"]) == {"rabbitmq", "allocator", "nodeagent", "jupyterhub"}
     assert set(stack["secrets"]) == {"swarm-gpu-rabbitmq-definitions",
                                      "swarm-gpu-allocator-password", "swarm-gpu-hub-password",
-                                     "swarm-gpu-hub-login-password",
-                                     "swarm-gpu-hub-admin-password", "swarm-gpu-hub-api-token"}
+                                     "swarm-gpu-hub-admin-password", "swarm-gpu-hub-api-token",
+                                     "swarm-gpu-metrics-token", "swarm-gpu-broker-ca",
+                                     "swarm-gpu-broker-cert", "swarm-gpu-broker-key"}
     assert all(secret.get("external") for secret in stack["secrets"].values())
 
 
@@ -102,7 +104,7 @@ def test_allocator_replicas_run_on_different_nodes_with_the_replicated_log(stack
 
 def test_rabbitmq_loads_the_definitions(stack):
     rabbitmq = stack["services"]["rabbitmq"]
-    (secret,) = rabbitmq["secrets"]
+    (secret,) = [s for s in rabbitmq["secrets"] if s["source"] == "swarm-gpu-rabbitmq-definitions"]
     conf = (COMPOSE / "rabbitmq.conf").read_text()
     (path,) = re.findall(r"^load_definitions\s*=\s*(\S+)", conf, re.MULTILINE)
     assert secret["target"] == path
@@ -117,7 +119,7 @@ def test_every_broker_url_names_a_defined_user_and_the_vhost(stack):
     found = {}
     for name, service in stack["services"].items():
         command = " ".join(service.get("command") or [])
-        for user, url_vhost in re.findall(r"amqp://([^:]+):[^@]+@rabbitmq:5672/([\w.-]+)",
+        for user, url_vhost in re.findall(r"amqps://([^:]+):[^@]+@rabbitmq:5671/([\w.-]+)",
                                           command):
             found[name] = user
             assert url_vhost == vhost
@@ -173,7 +175,7 @@ ONE_MACHINE_ENV = {
     "SWARM_GPU_BROKER_ADDRS": "127.0.0.21,127.0.0.22,127.0.0.23",
     "SWARM_GPU_BROKER_PORT": "5682", "SWARM_GPU_CLUSTER_DIR": "/srv/cluster",
 }
-AMQP_URL = re.compile(r"amqp://([^:]+):[^@]+@([^/]+)/([\w.-]+)")
+AMQP_URL = re.compile(r"(amqps?)://([^:]+):[^@]+@([^/?\"]+)/([\w.-]+)")
 
 
 def merged_config(docker_engine: str, *files: Path,
@@ -197,9 +199,12 @@ def merged_config(docker_engine: str, *files: Path,
 
 
 def broker_urls_of(service: dict[str, Any]) -> list[tuple[str, list[str], str]]:
-    """(user, [host:port, ...], vhost) of every AMQP URL in a service's command."""
+    """(user, [host:port, ...], vhost) of every AMQP URL in a service's command; a plain
+    ``amqp://`` one fails the test (the broker has no plain listener)."""
     command = " ".join(service.get("command") or [])
-    return [(user, hosts.split(","), vhost) for user, hosts, vhost in AMQP_URL.findall(command)]
+    urls = AMQP_URL.findall(command)
+    assert all(scheme == "amqps" for scheme, *_ in urls), command
+    return [(user, hosts.split(","), vhost) for _, user, hosts, vhost in urls]
 
 
 def cluster_conf_nodes() -> list[str]:
@@ -291,7 +296,7 @@ def test_every_part_names_the_three_broker_nodes(cluster_stack):
         for user, hosts, url_vhost in broker_urls_of(service):
             users[name] = user
             assert url_vhost == vhost
-            assert sorted(hosts) == sorted(f"{node}:5672" for node in BROKER_NODES), name
+            assert sorted(hosts) == sorted(f"{node}:5671" for node in BROKER_NODES), name
     assert users == {"allocator": "allocator", "nodeagent": "agent-${SWARM_GPU_AGENT_HOST}",
                      "jupyterhub": "hub"}
 
@@ -319,13 +324,13 @@ def test_on_one_machine_every_broker_name_resolves_and_no_two_nodes_share_a_sock
     for name in BROKER_NODES:
         env = services[name]["environment"]
         address = addresses[name][name]
-        assert env["RABBITMQ_NODE_IP_ADDRESS"] == address, "AMQP on the node's own address"
-        assert f'{{ip,"{address}"}}' in env["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"]
+        amqps, https = one_machine_listeners(env["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"])
+        assert amqps == https[0] == address, "AMQP and HTTPS on the node's own address"
         # One epmd for the machine, on every node's address (scripts/cluster runs it).
         assert env["ERL_EPMD_PORT"] == "4379"
         assert env["ERL_EPMD_ADDRESS"] == ONE_MACHINE_ENV["SWARM_GPU_BROKER_ADDRS"]
-        for socket in ((address, env["RABBITMQ_NODE_PORT"]), ("*", env["RABBITMQ_DIST_PORT"]),
-                       (address, "15682")):
+        for socket in ((address, ONE_MACHINE_ENV["SWARM_GPU_BROKER_PORT"]),
+                       ("*", env["RABBITMQ_DIST_PORT"]), https):
             assert socket not in sockets, f"{name}: {socket} taken by another node"
             sockets.add(socket)
     # None of the machine's own broker's ports (5672, 15672, 25672, epmd 4369).
@@ -383,14 +388,305 @@ def test_no_service_shows_a_password(stack, cluster_stack, docker_engine):
 
 
 def test_the_hub_config_reads_its_secrets_from_files():
-    """compose/jupyterhub_config.py: the login passwords and the API token come from secret
-    files, the broker URL from SWARM_GPU_AMQP_URL_FILE (or the URL its start command built);
-    no password is written into the file."""
+    """compose/jupyterhub_config.py: the first admin's password and the API token come from
+    secret files, the broker URL from SWARM_GPU_AMQP_URL_FILE (or the URL its start command
+    built); no password is written into the file."""
     text = (COMPOSE / "jupyterhub_config.py").read_text()
     assert 'os.environ.get("SWARM_GPU_AMQP_URL_FILE")' in text
     assert "allocator_url_file" in text and "SWARM_GPU_PAGE_AMQP_URL_FILE" in text
-    for name in ("swarm-gpu-hub-login-password", "swarm-gpu-hub-admin-password",
-                 "swarm-gpu-hub-api-token"):
-        assert f'secret("{name}")' in text, name
+    assert 'secret_file("swarm-gpu-hub-admin-password")' in text
+    assert 'secret("swarm-gpu-hub-api-token")' in text
     passwords = {m for m in URL_WITH_PASSWORD.findall(text)}
     assert passwords <= {"CHANGE-ME", "$(cat"}, passwords
+
+
+def hub_config(monkeypatch: pytest.MonkeyPatch, secrets_dir: Path, **env: str) -> Any:
+    """compose/jupyterhub_config.py as JupyterHub loads it, with these secrets and variables."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    monkeypatch.setenv("SECRETS_DIR", str(secrets_dir))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return PyFileConfigLoader("jupyterhub_config.py", path=str(COMPOSE)).load_config()
+
+
+def test_the_hub_config_lets_in_only_accounts_an_admin_authorized(monkeypatch, tmp_path):
+    """No shared password and no allow-everyone: NativeAuthenticator's accounts, signups
+    waiting for an admin, the first admin's account from its secret, and group members from
+    no name in the configuration (HUB_STAFF is not read)."""
+    from nativeauthenticator import NativeAuthenticator
+    from traitlets.utils.importstring import import_item
+
+    from hubplugin.login import AdminAuthorizedAuthenticator
+
+    (tmp_path / "swarm-gpu-hub-admin-password").write_text("first-admin-password\n")
+    config = hub_config(monkeypatch, tmp_path, HUB_STAFF="mallory", HUB_STUDENTS="eve")
+    authenticator = import_item(config.JupyterHub.authenticator_class)
+    assert authenticator is AdminAuthorizedAuthenticator
+    assert issubclass(authenticator, NativeAuthenticator)
+    assert "SharedPasswordAuthenticator" not in config and "DummyAuthenticator" not in config
+    for section in ("Authenticator", "NativeAuthenticator", "AdminAuthorizedAuthenticator"):
+        for allow in ("allow_all", "allowed_users", "allow_existing_users", "admin_users"):
+            assert allow not in config[section], f"{section}.{allow} is set"
+    assert config.NativeAuthenticator.open_signup is False
+    assert config.NativeAuthenticator.minimum_password_length >= 10
+    first_admin = config.AdminAuthorizedAuthenticator
+    assert first_admin.first_admin == "admin"
+    assert first_admin.first_admin_password_file == str(tmp_path / "swarm-gpu-hub-admin-password")
+    assert config.JupyterHub.load_groups == {"students": {"users": []},
+                                             "staff": {"users": ["admin"]}}
+
+    # Without the secret: no first admin, and nobody in staff.
+    (tmp_path / "swarm-gpu-hub-admin-password").unlink()
+    config = hub_config(monkeypatch, tmp_path)
+    assert "first_admin_password_file" not in config.AdminAuthorizedAuthenticator
+    assert config.JupyterHub.load_groups == {"students": {"users": []}, "staff": {"users": []}}
+
+
+def test_the_overlay_networks_are_encrypted(stack):
+    """Swarm's overlay networks carry the control plane between nodes (broker, allocator,
+    agents, hub) and the notebooks' traffic: IPsec on each, as the stack ships."""
+    networks = {name: network for name, network in stack["networks"].items()
+                if network.get("driver") == "overlay"}
+    assert "default" in networks
+    for name, network in networks.items():
+        assert network.get("driver_opts", {}).get("encrypted") == "true", name
+
+
+# ------------------------------------------------------------------------ the networks
+
+CONTROL_PLANE = ("rabbitmq", "rabbitmq-2", "rabbitmq-3", "allocator", "nodeagent")
+
+
+def networks_of(service: dict[str, Any]) -> set[str]:
+    """The stack's networks a service joins (none named: the stack's default)."""
+    return set(service.get("networks") or {"default": None})
+
+
+def test_notebooks_have_a_network_only_the_hub_shares(stack, cluster_stack):
+    """The spawner puts notebooks on the stack's notebooks network; the hub alone joins it
+    besides them, and no control-plane service does (tests/test_notebook_network.py deploys
+    this layout and tries every port from a notebook)."""
+    hub = stack["services"]["jupyterhub"]
+    assert hub["environment"]["SWARM_GPU_NETWORK"] == "swarm-gpu_notebooks"
+    assert stack["networks"]["notebooks"]["driver"] == "overlay"
+    assert not stack["networks"]["notebooks"].get("attachable")
+    assert networks_of(hub) == {"default", "notebooks"}
+    for config in (stack, cluster_stack):
+        on_notebooks = {name for name, service in config["services"].items()
+                        if "notebooks" in networks_of(service)}
+        assert on_notebooks == {"jupyterhub"}
+        for name in CONTROL_PLANE:
+            if name in config["services"]:
+                assert networks_of(config["services"][name]) == {"default"}, name
+
+
+def test_the_broker_publishes_no_port_unless_the_site_adds_the_management_file(
+        stack, cluster_stack, docker_engine):
+    """A published port answers on its node's addresses, which notebooks reach through their
+    gateway: only compose/stack.management.yml publishes the management UI. The metrics
+    answer only with the metrics token (the allocator's health check sends it)."""
+    for config in (stack, cluster_stack):
+        for name in CONTROL_PLANE:
+            if name in config["services"]:
+                assert not config["services"][name].get("ports"), name
+    managed = merged_config(docker_engine, STACK, COMPOSE / "stack.management.yml")
+    assert [p["published"] for p in managed["services"]["rabbitmq"]["ports"]] == [15671]
+    assert [p["target"] for p in managed["services"]["rabbitmq"]["ports"]] == [
+        int(rabbitmq_conf()["management.ssl.port"])]
+    assert [p["mode"] for p in managed["services"]["rabbitmq"]["ports"]] == ["host"]
+    for name, prefix in (("allocator", "SWARM_GPU_"), ("nodeagent", "SWARM_GPU_AGENT_")):
+        service = stack["services"][name]
+        path = service["environment"][f"{prefix}METRICS_TOKEN_FILE"]
+        assert path == "/run/secrets/swarm-gpu-metrics-token"
+        assert "swarm-gpu-metrics-token" in [
+            s if isinstance(s, str) else s["source"] for s in service["secrets"]]
+    health = " ".join(stack["services"]["allocator"]["healthcheck"]["test"])
+    assert "SWARM_GPU_METRICS_TOKEN_FILE" in health and "Bearer" in health
+
+
+def test_on_one_machine_the_notebooks_network_is_the_host_network(docker_engine):
+    """No overlay networks there: both of the stack's networks are the host network, so the
+    hub's two attachments are one (measured: Swarm runs such a task)."""
+    one_machine = merged_config(docker_engine, STACK, ONE_MACHINE, env=ONE_MACHINE_ENV)
+    for name in ("default", "notebooks"):
+        assert one_machine["networks"][name] == {"external": True, "name": "host"}
+    assert one_machine["services"]["jupyterhub"]["environment"]["SWARM_GPU_NETWORK"] == "host"
+
+
+
+# --------------------------------------------------------------------------------- TLS
+
+BROKER_CA_SECRET = "swarm-gpu-broker-ca"
+ERL_SSL_LISTENERS = re.compile(r'-rabbit ssl_listeners \[\{"([\d.]+)",(\d+)\}\]')
+ERL_MANAGEMENT_SSL = re.compile(r"-rabbitmq_management ssl_config \[(.*?)\](?:\s|$)")
+ERL_TERM = re.compile(r'\{(\w+),"?([^"{}]*)"?\}')
+CLIENT_URL = re.compile(r'(\w+)="([a-z]+)://[^"]*"')
+"""``VARIABLE="scheme://..."`` in a service's start command: the URL it connects with."""
+
+
+def rabbitmq_conf() -> dict[str, str]:
+    """compose/rabbitmq.conf's settings (``key = value`` lines), each set once."""
+    conf: dict[str, str] = {}
+    for line in (COMPOSE / "rabbitmq.conf").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = (part.strip() for part in line.partition("="))
+            assert key not in conf, f"{key} set twice"
+            conf[key] = value
+    return conf
+
+
+def one_machine_listeners(erl_args: str) -> tuple[str, tuple[str, str]]:
+    """(the AMQP-over-TLS address, (the HTTPS address, port)) that a one-machine broker
+    node's Erlang arguments set in place of rabbitmq.conf's listeners; fails unless the
+    management UI gets the conf's TLS files and nothing sets a plain listener."""
+    assert "tcp_listeners" not in erl_args and "tcp_config" not in erl_args, erl_args
+    ((amqps, _),) = ERL_SSL_LISTENERS.findall(erl_args)
+    (management,) = ERL_MANAGEMENT_SSL.findall(erl_args)
+    options = dict(ERL_TERM.findall(management))
+    conf = rabbitmq_conf()
+    for key in ("cacertfile", "certfile", "keyfile"):
+        assert options[key] == conf[f"management.ssl.{key}"], key
+    return amqps, (options["ip"], options["port"])
+
+
+def all_deployments(docker_engine: str, stack: dict[str, Any],
+                    cluster_stack: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every way the stack is deployed, merged as ``docker stack deploy`` merges it."""
+    return {
+        "stack.yml": stack,
+        "broker-cluster": cluster_stack,
+        "one-machine": merged_config(docker_engine, STACK, ONE_MACHINE, env=ONE_MACHINE_ENV),
+        "one-machine broker-cluster": merged_config(
+            docker_engine, STACK, ONE_MACHINE, BROKER_CLUSTER, ONE_MACHINE_BROKER_CLUSTER,
+            env=ONE_MACHINE_ENV),
+    }
+
+
+def test_the_broker_listens_over_tls_only(stack: dict[str, Any], cluster_stack: dict[str, Any],
+                                          docker_engine: str) -> None:
+    """compose/rabbitmq.conf: AMQP over TLS, no plain AMQP listener (``listeners.tcp = none``
+    also wins over a RABBITMQ_NODE_PORT), the management UI on HTTPS only (no
+    ``management.tcp.*``); every broker node of every deployment mounts the TLS secrets
+    where the conf reads them (the key for the rabbitmq user only), and the one-machine
+    files move the listeners to their own addresses without adding a plain one."""
+    conf = rabbitmq_conf()
+    assert conf["listeners.tcp"] == "none"
+    assert int(conf["listeners.ssl.default"]) == 5671
+    assert int(conf["management.ssl.port"]) == 15671
+    assert not [key for key in conf if key.startswith(("management.tcp", "management.listener",
+                                                       "listeners.tcp."))]
+    assert conf["ssl_options.verify"] == "verify_peer"
+    files = {"ca.pem": conf["ssl_options.cacertfile"], "cert.pem": conf["ssl_options.certfile"],
+             "key.pem": conf["ssl_options.keyfile"]}
+    for key in ("cacertfile", "certfile", "keyfile"):
+        assert conf[f"management.ssl.{key}"] == conf[f"ssl_options.{key}"]
+    wanted = {files["ca.pem"]: "swarm-gpu-broker-ca", files["cert.pem"]: "swarm-gpu-broker-cert",
+              files["key.pem"]: "swarm-gpu-broker-key"}
+    for deployment, config in all_deployments(docker_engine, stack, cluster_stack).items():
+        brokers = [name for name in BROKER_NODES if name in config["services"]]
+        assert brokers, deployment
+        for name in brokers:
+            service = config["services"][name]
+            mounted = {s["target"]: s for s in service["secrets"]}
+            for target, source in wanted.items():
+                assert mounted[target]["source"] == source, (deployment, name, target)
+            key = mounted[files["key.pem"]]
+            assert (key["uid"], key["gid"], key["mode"]) == ("999", "999", 0o400), name
+            erl_args = (service.get("environment") or {}).get(
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS", "")
+            if deployment.startswith("one-machine"):
+                one_machine_listeners(erl_args)
+            else:
+                assert erl_args == "", (deployment, name)
+    # and the checks see what they are for
+    with pytest.raises(AssertionError):
+        one_machine_listeners('-rabbit ssl_listeners [{"127.0.0.21",5682}] '
+                              '-rabbitmq_management tcp_config [{ip,"127.0.0.21"},{port,15682}]')
+
+
+def test_every_client_connects_over_tls_and_checks_the_broker_with_its_ca(
+        stack: dict[str, Any], cluster_stack: dict[str, Any], docker_engine: str) -> None:
+    """In every deployment the allocator, the agents and the hub (its spawner and GPU page
+    share its URL) connect with amqps:// and check the broker's certificate against the CA
+    of the secret swarm-gpu-broker-ca: the URL's cafile, or the setting named as the URL's
+    variable with CA_FILE for URL (SWARM_GPU_AMQP_CA_FILE, SWARM_GPU_AGENT_AMQP_CA_FILE)."""
+    ca = f"/run/secrets/{BROKER_CA_SECRET}"
+    for deployment, config in all_deployments(docker_engine, stack, cluster_stack).items():
+        clients = {}
+        for name, service in config["services"].items():
+            command = " ".join(service.get("command") or [])
+            environment = service.get("environment") or {}
+            assert "amqp://" not in command + json.dumps(environment), (deployment, name)
+            for variable, scheme in CLIENT_URL.findall(command):
+                assert scheme == "amqps", (deployment, name, variable)
+                url = re.search(rf'{variable}="([^"]*)"', command)
+                assert url is not None
+                ca_setting = variable.removesuffix("URL") + "CA_FILE"
+                assert f"cafile={ca}" in url.group(1) or environment.get(ca_setting) == ca, \
+                    (deployment, name, "no CA")
+                secrets = [s if isinstance(s, str) else s["source"] for s in service["secrets"]]
+                assert BROKER_CA_SECRET in secrets, (deployment, name)
+                clients[name] = variable
+        assert clients == {"allocator": "SWARM_GPU_AMQP_URL",
+                           "nodeagent": "SWARM_GPU_AGENT_AMQP_URL",
+                           "jupyterhub": "SWARM_GPU_AMQP_URL"}, deployment
+
+
+CERTS = COMPOSE.parent / "scripts" / "certs"
+
+
+def tls_handshake(folder: Path, host: str) -> None:
+    """A TLS handshake in memory: a server with scripts/certs' broker certificate, a client
+    that trusts only its CA and checks the certificate for ``host`` (ssl.SSLError if not)."""
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(folder / "broker.pem", folder / "broker.key")
+    client_context = ssl.create_default_context(cafile=str(folder / "ca.pem"))
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    from_server, from_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = client_context.wrap_bio(to_client, from_client, server_hostname=host)
+    server = server_context.wrap_bio(to_server, from_server, server_side=True)
+    done = {"client": False, "server": False}
+    for _ in range(10):
+        for name, end in (("client", client), ("server", server)):
+            if not done[name]:
+                try:
+                    end.do_handshake()
+                    done[name] = True
+                except ssl.SSLWantReadError:
+                    pass
+        to_server.write(from_client.read())
+        to_client.write(from_server.read())
+        if all(done.values()):
+            return
+    raise AssertionError("the handshake did not finish")
+
+
+def test_scripts_certs_makes_a_ca_and_a_broker_certificate_for_every_name(
+        tmp_path: Path) -> None:
+    """scripts/certs: a CA and the broker's certificate that a client trusting only that CA
+    accepts for every name given (and for no other); run again it keeps both, and with a new
+    name it keeps the CA (the clients trust it already) and makes the certificate again."""
+    folder = tmp_path / "tls"
+
+    def certs(*names: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(CERTS), str(folder), *names], capture_output=True,
+                              text=True, timeout=60)
+
+    made = certs("rabbitmq", "localhost", "127.0.0.21")
+    assert made.returncode == 0, made.stderr
+    for host in ("rabbitmq", "localhost", "127.0.0.21"):
+        tls_handshake(folder, host)
+    with pytest.raises(ssl.SSLCertVerificationError):
+        tls_handshake(folder, "rabbitmq-2")
+    assert (folder / "broker.key").stat().st_mode & 0o777 == 0o400
+    assert (folder / "ca.key").stat().st_mode & 0o777 == 0o400
+    first = {name: (folder / name).read_bytes() for name in ("ca.pem", "broker.pem")}
+    assert certs("rabbitmq", "localhost", "127.0.0.21").returncode == 0
+    assert {name: (folder / name).read_bytes() for name in first} == first
+    assert certs("rabbitmq", "rabbitmq-2", "localhost", "127.0.0.21").returncode == 0
+    assert (folder / "ca.pem").read_bytes() == first["ca.pem"]
+    assert (folder / "broker.pem").read_bytes() != first["broker.pem"]
+    tls_handshake(folder, "rabbitmq-2")
+    refused = certs("rabbitmq", "not a name")
+    assert refused.returncode != 0 and "not a host name or IPv4 address" in refused.stderr

@@ -56,7 +56,7 @@ STACK = REPO / "compose" / "stack.yml"
 STACK_NAME = "swarm-gpu"
 
 CONTROL_PORTS: dict[str, tuple[int, ...]] = {
-    "rabbitmq": (5672, 15672, 4369, 25672),
+    "rabbitmq": (5671, 15671, 4369, 25672),  # AMQP over TLS, management over HTTPS, epmd, Erlang
     "allocator": (9464,),
     "nodeagent": (9465,),
 }
@@ -267,8 +267,8 @@ def test_a_notebook_reaches_the_hub_and_nothing_of_the_control_plane(tmp_path: P
             f"the notebook reaches {sorted(from_notebook - set(hub_ports))}"
 
         broker = addresses(containers["rabbitmq"])[f"{STACK_NAME}_default"]
-        from_hub = reachable(engine, hub, [(notebook_address, NOTEBOOK_PORT), (broker, 5672)])
-        assert from_hub == {(notebook_address, NOTEBOOK_PORT), (broker, 5672)}
+        from_hub = reachable(engine, hub, [(notebook_address, NOTEBOOK_PORT), (broker, 5671)])
+        assert from_hub == {(notebook_address, NOTEBOOK_PORT), (broker, 5671)}
 
 
 def management_status(api_url: str, user: str | None, password: str) -> int:

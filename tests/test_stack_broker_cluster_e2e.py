@@ -25,6 +25,7 @@ import asyncio
 import base64
 import itertools
 import json
+import ssl
 import threading
 import time
 import urllib.parse
@@ -145,20 +146,24 @@ class Poller:
 
 
 def admin_url(cluster: Cluster) -> str:
+    """The admin's URL over TLS (the only way in), naming the three nodes, checking their
+    certificate with the cluster's CA (scripts/certs)."""
     port = cluster.env["SWARM_GPU_BROKER_PORT"]
     addresses = [cluster.env["SWARM_GPU_MANAGER_ADDR"], cluster.env["SWARM_GPU_BROKER_2_ADDR"],
                  cluster.env["SWARM_GPU_BROKER_3_ADDR"]]
     password = cluster.secret("broker-passwords/admin")
-    return f"amqp://admin:{password}@" + ",".join(f"{a}:{port}" for a in addresses) + f"/{VHOST}"
+    return (f"amqps://admin:{password}@" + ",".join(f"{a}:{port}" for a in addresses)
+            + f"/{VHOST}?cafile={cluster.broker_ca}")
 
 
 def management(cluster: Cluster, method: str, path: str) -> Any:
-    """RabbitMQ's HTTP API on the manager's broker node, as the admin user."""
+    """RabbitMQ's HTTP API (HTTPS only) on the manager's broker node, as the admin user."""
     address = cluster.env["SWARM_GPU_MANAGER_ADDR"]
-    request = urllib.request.Request(f"http://{address}:15682/api{path}", method=method)
+    request = urllib.request.Request(f"https://{address}:15682/api{path}", method=method)
     token = base64.b64encode(f"admin:{cluster.secret('broker-passwords/admin')}".encode())
     request.add_header("Authorization", f"Basic {token.decode()}")
-    with urllib.request.urlopen(request, timeout=30) as response:
+    tls = ssl.create_default_context(cafile=str(cluster.broker_ca))
+    with urllib.request.urlopen(request, timeout=30, context=tls) as response:
         body = response.read()
     return json.loads(body) if body else None
 

@@ -17,12 +17,16 @@ ends with ``scripts/cluster down`` unless SWARM_GPU_CLUSTER_KEEP=1 (then the nex
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
+import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -93,6 +97,22 @@ class Cluster:
 
     def secret(self, name: str) -> str:
         return (self.dir / "secrets" / name).read_text().strip()
+
+    @property
+    def broker_ca(self) -> Path:
+        """The CA that signed the broker's certificate (scripts/certs, secret
+        swarm-gpu-broker-ca): what an admin's client checks the broker with."""
+        return self.dir / "secrets" / "tls" / "ca.pem"
+
+    def broker_api(self, path: str) -> Any:
+        """RabbitMQ's HTTP API (HTTPS only) on the manager's broker node, as the admin."""
+        address = self.env["SWARM_GPU_MANAGER_ADDR"]
+        request = urllib.request.Request(f"https://{address}:15682/api{path}")
+        login = base64.b64encode(f"admin:{self.secret('broker-passwords/admin')}".encode())
+        request.add_header("Authorization", f"Basic {login.decode()}")
+        tls = ssl.create_default_context(cafile=str(self.broker_ca))
+        with urllib.request.urlopen(request, timeout=30, context=tls) as response:
+            return json.loads(response.read())
 
     def script(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(CLUSTER_SCRIPT), *args], capture_output=True, text=True,
@@ -346,6 +366,42 @@ def test_every_service_runs_and_is_healthy(cluster: Cluster) -> None:
     assert status == 200 and "version" in body
 
 
+def plain_answer(address: str, port: int, hello: bytes) -> bytes:
+    """What a port answers to ``hello`` sent in plain text (b"" when it closes or says
+    nothing within 10 s)."""
+    with socket.create_connection((address, port), timeout=30) as conn:
+        conn.settimeout(10)
+        conn.sendall(hello)
+        try:
+            return conn.recv(64)
+        except (TimeoutError, ConnectionResetError):
+            return b""
+
+
+AMQP_HEADER = b"AMQP\x00\x00\x09\x01"
+
+
+def test_the_broker_answers_over_tls_only(cluster: Cluster) -> None:
+    """The broker listens for AMQP over TLS and serves its HTTP API on HTTPS, with the
+    certificate scripts/certs made (checked against the cluster's CA for the node's address);
+    by its own account it has no other listener, and neither port answers in plain text."""
+    address = cluster.env["SWARM_GPU_MANAGER_ADDR"]
+    port = int(cluster.env["SWARM_GPU_BROKER_PORT"])
+    overview = cluster.broker_api("/overview")
+    listeners = {(listener["protocol"], listener["port"]) for listener in overview["listeners"]}
+    assert listeners == {("amqp/ssl", port), ("https", 15682), ("clustering", 25682)}, listeners
+    # AMQP over TLS: the handshake checks the certificate, then the broker starts AMQP.
+    tls = ssl.create_default_context(cafile=str(cluster.broker_ca))
+    with socket.create_connection((address, port), timeout=30) as raw, \
+            tls.wrap_socket(raw, server_hostname=address) as conn:
+        conn.sendall(AMQP_HEADER)
+        assert conn.recv(1) == b"\x01", "a connection.start method frame"
+    # In plain text the same ports speak neither AMQP nor HTTP (a TLS alert, or nothing).
+    assert not plain_answer(address, port, AMQP_HEADER).startswith((b"\x01", b"AMQP"))
+    assert not plain_answer(address, 15682, b"GET /api/overview HTTP/1.0\r\n\r\n"
+                            ).startswith(b"HTTP/")
+
+
 def test_every_gpu_node_is_up_in_gpu_ledger_status(cluster: Cluster) -> None:
     def both_up() -> dict[str, Any] | None:
         status = cluster.ledger_status()
@@ -415,11 +471,29 @@ def test_the_spawn_form_in_chromium(cluster: Cluster, chromium_path: Path,
     from hub_browser import Browser
 
     cluster.user("carol", "students")
-    password = cluster.secret("hub-login-password")
+    password = secrets.token_urlsafe(16)
     hub_host = urllib.parse.urlsplit(cluster.hub_url).hostname or ""
     with Browser(chromium_path, tmp_path / "chromium", timeout=60,
                  hosts=(hub_host,)) as browser:
+        # carol signs up; the first admin, logged in with the password scripts/cluster made,
+        # authorizes her from the list at /hub/authorize; then she logs in.
         page = browser.page()
+        browser.navigate(page, f"{cluster.hub_url}/hub/signup")
+        browser.submit(page, f"""
+            document.querySelector('#username_input').value = 'carol';
+            document.querySelector('#password_input').value = {json.dumps(password)};
+            document.querySelector('#password_confirmation_input').value =
+                {json.dumps(password)};
+            document.querySelector('form').submit();
+        """)
+        with Browser(chromium_path, tmp_path / "chromium-admin", timeout=60,
+                     hosts=(hub_host,)) as admins_browser:  # cookies of its own
+            admin = admins_browser.page()
+            admins_browser.log_in(admin, cluster.hub_url, "admin",
+                                  cluster.secret("hub-admin-password"))
+            admins_browser.navigate(admin, f"{cluster.hub_url}/hub/authorize")
+            admins_browser.submit(
+                admin, "document.querySelector('a[href$=\"/authorize/carol\"]').click()")
         browser.navigate(page, f"{cluster.hub_url}/hub/login")
         browser.submit(page, f"""
             document.querySelector('#username_input').value = 'carol';
