@@ -266,8 +266,10 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
     refused_events_per_minute: int = Field(
         default=10, ge=0, le=10_000,
         description="Ledger events a refused node message writes (heartbeat_rejected, "
-        "request_refused...), at most this many per minute for one sender: per broker user "
-        "for hosts it does not report for, per broker user and host otherwise. The rest are "
+        "request_refused...), or an anomaly a host's own reports repeat (duplicate_gpu, "
+        "unknown_lease_container, zombie_container), at most this many per minute for one "
+        "sender: per broker user for hosts it does not report for, per broker user and host "
+        "otherwise. The rest are "
         "only counted (swarm_gpu_node_events_unrecorded), so that one agent credential "
         "cannot fill the ledger's disk. 0: counted only.",
     )

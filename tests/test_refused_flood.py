@@ -14,13 +14,15 @@ from pathlib import Path
 import aio_pika
 import pytest
 import services
-from support import wait_until
+from support import GTX1070, NODE, gpus, heartbeat, wait_until
 from test_broker_permissions import TEMPLATE, Broker, agent_beat, load
 
+from allocator.config import AllocatorSettings
 from allocator.counters import Count
+from allocator.engine import Engine
 from allocator.engine.nodes import EventBudget
-from allocator.ledger import Ledger
-from allocator.protocol import AllocateRequest, encode
+from allocator.ledger import Changes, Ledger
+from allocator.protocol import AllocateRequest, ContainerInfo, encode
 from allocator.service import AllocatorService
 from allocator.topology import NODES_EXCHANGE, heartbeat_routing_key
 
@@ -36,6 +38,32 @@ def test_the_budget_is_per_key_and_per_minute() -> None:
     assert budget.take(("agent-b", None), minute), "another sender has its own budget"
     assert budget.take(("agent-a", None), minute + 40), "the next minute starts afresh"
     assert not EventBudget(0).take(("agent-a", None), minute), "0: counted only"
+
+
+def test_an_anomaly_a_host_repeats_in_every_report_writes_a_bounded_number_of_events(
+        tmp_path: Path) -> None:
+    """A host that lists another up host's GPU, and a container of a lease nobody holds, in
+    every heartbeat: each repetition is counted, but the ledger gets at most the budget's
+    events a minute for that host, and the next minute again."""
+    settings = AllocatorSettings(ledger_path=tmp_path / "ledger.sqlite",
+                                 allow_any_node_user=True, refused_events_per_minute=PER_MINUTE)
+    engine = Engine(settings, started_at=0.0)
+    owner_gpus, own_gpus = gpus("owner", GTX1070, 1), gpus("noisy", GTX1070, 1)
+    stolen = owner_gpus[0].model_copy(update={"index": 1})
+    stranger = ContainerInfo(container_id="c" * 12, lease_id="lease-nobody-holds")
+    events: Counter[str] = Counter()
+    for second in range(120):  # two minutes, a report of each host every second
+        changes = Changes()
+        engine.handle(heartbeat("owner", owner_gpus, agent_id="agent-owner",
+                                sent_at=float(second)), NODE, float(second), changes)
+        engine.handle(heartbeat("noisy", [*own_gpus, stolen], [stranger], agent_id="agent-noisy",
+                                sent_at=float(second), containers_complete=True),
+                      NODE, float(second), changes)
+        events.update(str(event["kind"]) for event in changes.events)
+    assert engine.counters[Count.DUPLICATE_GPU] == 120
+    assert engine.counters[Count.UNKNOWN_LEASE_CONTAINER] == 120
+    assert events["duplicate_gpu"] + events["unknown_lease_container"] == 2 * PER_MINUTE
+    assert engine.counters[Count.NODE_EVENTS_UNRECORDED] == 240 - 2 * PER_MINUTE
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from allocator.counters import Count, Counters, Family
 from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.node_truth import NodeTruth
+from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.requests import LeaseRequests
 from allocator.lease import LeaseRecord
@@ -44,7 +45,7 @@ class NodeReconciliation:
 
     def __init__(self, settings: AllocatorSettings, counters: Counters, book: LeaseBook,
                  truth: NodeTruth, idle: IdleWatch, outbox: CommandOutbox,
-                 requests: LeaseRequests) -> None:
+                 requests: LeaseRequests, nodes: NodeReports) -> None:
         self.settings = settings
         self.counters = counters
         self.book = book
@@ -52,6 +53,7 @@ class NodeReconciliation:
         self.idle = idle
         self.outbox = outbox
         self.requests = requests
+        self.nodes = nodes
 
     def reconcile(self, beat: Heartbeat, now: float, changes: Changes) -> bool:
         """Bind leases whose containers run; release those whose containers are gone.
@@ -118,7 +120,9 @@ class NodeReconciliation:
         finished = self.book.recent.get(lease_id)
         kind = Count.ZOMBIE_CONTAINER if finished is not None else Count.UNKNOWN_LEASE_CONTAINER
         self.counters.add(kind)
-        changes.event(now, kind.value, host=host, lease_id=lease_id, container_id=container_id)
+        if self.nodes.may_record_report_anomaly(host, now):
+            changes.event(now, kind.value, host=host, lease_id=lease_id,
+                          container_id=container_id)
         if finished is not None and finished.host in (None, host):
             # A container of a lease this allocator finished (e.g. a start after the bind
             # deadline reclaimed it): it would use GPUs the ledger gave away. A lease the

@@ -85,7 +85,7 @@ class Engine:
                                       self.outbox)
         self.truth = NodeTruth(counters, cluster, index, self.book)
         self.containers = NodeReconciliation(settings, counters, self.book, self.truth,
-                                             self.idle, self.outbox, self.requests)
+                                             self.idle, self.outbox, self.requests, self.nodes)
         self.reclaim = Reclaimer(settings, counters, self.book, self.idle, self.placer,
                                  self.start_fence)
         self.views = Views(settings, cluster, self.book, self.idle, self.nodes)

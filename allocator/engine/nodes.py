@@ -147,6 +147,18 @@ class NodeReports:
         self.counters.add(Count.NODE_EVENTS_UNRECORDED)
         return False
 
+    def may_record_report_anomaly(self, host: str, now: float) -> bool:
+        """Whether an anomaly in ``host``'s own report (a GPU another host holds, a container
+        of a lease this allocator does not hold) may write a ledger event: within
+        ``refused_events_per_minute`` for the host. Else it is counted as unrecorded.
+
+        An agent repeats such an anomaly in every heartbeat, for as long as it lasts: unbounded,
+        one agent credential could fill the ledger's disk with the same event."""
+        if self.refusal_budget.take((self.agent_users.get(host), host), now):
+            return True
+        self.counters.add(Count.NODE_EVENTS_UNRECORDED)
+        return False
+
     def owns(self, host: str, sender: Sender) -> bool:
         """Whether ``sender`` is the broker user that reports for ``host`` (no side effect)."""
         if self.settings.allow_any_node_user:
