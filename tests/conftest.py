@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,42 +52,70 @@ generous on a loaded machine, yet a hang or a slow unit test is found in a minut
 # ------------------------------------------------------------------ parallel runs (xdist)
 
 SHARED_ENGINE_GROUP = "shared-docker-engine"
-"""The one ``xdist_group`` of every test that uses the suite's Docker engine, or engines of
-``scripts/cluster``'s (one ``.cluster/`` per checkout, fixed loopback addresses): a node agent
-reports every lease-labelled container of its engine, so two such tests at once would see
-each other's notebooks; they run one after another, on one worker."""
+"""The one work unit, under ``pytest -n N`` (.ci/run), of every module that uses the suite's
+Docker engine, or engines of ``scripts/cluster``'s (one ``.cluster/`` per checkout, fixed
+loopback addresses): a node agent reports every lease-labelled container of its engine, so
+two such tests at once would see each other's notebooks. They run one after another, on one
+worker, while the other workers take every other module, a module at a time."""
 
 SHARED_ENGINE_FIXTURES = frozenset({"docker_engine", "busybox_image"})
-SHARED_ENGINE_MODULES = frozenset({"test_demo_e2e.py", "test_stack_e2e.py",
-                                   "test_stack_broker_cluster_e2e.py"})
-"""Modules that use a shared engine without asking for the fixture (scripts they run do)."""
+
+SHARED_ENGINE_MODULES = frozenset({
+    "test_agent_metrics.py", "test_compose.py", "test_demo_e2e.py", "test_fairshare_e2e.py",
+    "test_fault_node_truth.py", "test_fault_node_truth_labels.py", "test_fault_nodes.py",
+    "test_hub_e2e.py", "test_infra.py", "test_mig_hub.py", "test_monitoring.py",
+    "test_nodeagent.py", "test_nodeagent_listing.py", "test_release_e2e.py",
+    "test_spawner_task_wait.py", "test_stop_on_release.py",
+    # These use the engines through scripts they run, not through the fixtures.
+    "test_stack_e2e.py", "test_stack_broker_cluster_e2e.py",
+})
+"""Listed by name because xdist's scheduler sees test ids only, not fixtures; collection
+fails if a test with one of :data:`SHARED_ENGINE_FIXTURES` is in a module not listed."""
 
 
-def xdist_group_of(item: pytest.Item) -> str:
-    """The group a test runs in under ``pytest -n N --dist loadgroup`` (.ci/run): the shared
-    engine's, or else its module's (so a module's fixtures are set up once, on one worker)."""
-    fixtures = set(getattr(item, "fixturenames", ()))
-    if fixtures & SHARED_ENGINE_FIXTURES or item.path.name in SHARED_ENGINE_MODULES:
-        return SHARED_ENGINE_GROUP
-    return item.path.name
+def work_unit_of(nodeid: str) -> str:
+    """The work unit of a test under xdist: the shared engine's, or else its module's (so a
+    module's fixtures are set up once, on one worker)."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_ENGINE_GROUP if Path(module).name in SHARED_ENGINE_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Schedule by :func:`work_unit_of`, in collection order (the shared engine's first).
+
+    xdist's own ``--dist loadgroup`` cannot do this with pytest 9.2, whose test ids no longer
+    take the group suffix xdist appends.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedEngineScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # the longest unit, the engine's, must start first
+    return SharedEngineScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give every test without its own timeout the bound of its markers, and its xdist group.
+    """Give every test without its own timeout the bound of its markers.
 
-    The shared engine's tests are the longest chain that cannot be split: they are moved to
-    the front (in their own order), so that under xdist one worker starts them at once while
-    the others take every other module.
+    Tests of the shared engine's modules are moved to the front (in their own order), so
+    that under xdist one worker starts them at once while the others take every other module.
     """
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+        if SHARED_ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) \
+                and item.path.name not in SHARED_ENGINE_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the shared Docker engine: add {item.path.name} to "
+                "SHARED_ENGINE_MODULES in tests/conftest.py, or parallel runs would put it "
+                "beside the engine's other tests")
         if item.get_closest_marker("timeout") is not None:
             continue
         limit = max((seconds for marker, seconds in MARKER_TIMEOUTS_S.items()
                      if item.get_closest_marker(marker) is not None), default=UNIT_TIMEOUT_S)
         item.add_marker(pytest.mark.timeout(limit))
-    items.sort(key=lambda item: xdist_group_of(item) != SHARED_ENGINE_GROUP)
+    items.sort(key=lambda item: work_unit_of(item.nodeid) != SHARED_ENGINE_GROUP)
 
 # ----------------------------------------------------------------------------- RabbitMQ
 
