@@ -89,7 +89,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """
     from xdist.scheduler import LoadScopeScheduling
 
-    class SharedEngineScheduling(LoadScopeScheduling):
+    class SharedEngineScheduling(LoadScopeScheduling):  # type: ignore[misc]  # untyped
         def _split_scope(self, nodeid: str) -> str:
             return work_unit_of(nodeid)
 

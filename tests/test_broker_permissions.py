@@ -10,6 +10,7 @@ may not do. Users are deleted afterwards.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import importlib.util
 import json
@@ -17,11 +18,13 @@ import os
 import pwd
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,8 +36,9 @@ import aiormq.exceptions
 import pytest
 import services
 from support import GTX1070, gpus, heartbeat, wait_until
+from tls_certs import issue, make_ca
 
-from allocator.broker import open_connection
+from allocator.broker import open_connection, with_tls
 from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
 from allocator.config import AllocatorSettings
 from allocator.protocol import (
@@ -542,25 +546,52 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class BootedBroker:
+    """A node booted with the stack's config: its TLS ports and the CA of its certificate."""
+
+    amqp_port: int
+    management_port: int
+    ca: Path
+
+    def url(self, user: str, password: str, vhost: str = "swarm-gpu") -> str:
+        """``amqps://`` to the node as the stack's clients connect: the CA as the URL's."""
+        return with_tls(f"amqps://{user}:{password}@127.0.0.1:{self.amqp_port}/{vhost}",
+                        ca_file=self.ca)
+
+
 @contextlib.contextmanager
-def booted_broker(definitions: dict) -> Iterator[int]:
+def booted_broker(definitions: dict) -> Iterator[BootedBroker]:
     """A second RabbitMQ node of this machine's rabbitmq-server, started with the stack's
     compose/rabbitmq.conf and the rendered definitions as its boot-time definitions file,
-    exactly as the stack mounts them. Yields its AMQP port; stopped and removed afterwards."""
+    exactly as the stack mounts them, and a certificate of a CA made here where the stack
+    mounts its TLS secrets. Only the ports differ (a later file overrides them, as RabbitMQ
+    lets a later listener setting win). Stopped and removed afterwards."""
     server, ctl = shutil.which("rabbitmq-server"), shutil.which("rabbitmqctl")
     if not server or not ctl:
         services.require_service("rabbitmq-server", "not installed on this machine")
     base = Path(tempfile.mkdtemp(prefix="swarm-gpu-boot-", dir="/tmp"))
     node = f"sgboot{os.getpid()}{uuid.uuid4().hex[:6]}@localhost"
-    amqp_port = _free_port()
+    amqp_port, management_port = _free_port(), _free_port()
+    tls = base / "tls"
+    tls.mkdir()
+    ca, ca_key, ca_cert = make_ca(tls, "ca")
+    broker_cert = issue(tls, "broker", ca_key, ca_cert, server=True)
     conf = base / "conf.d"
     conf.mkdir()
     (base / "definitions.json").write_text(json.dumps(definitions))
     stack_conf = (COMPOSE / "rabbitmq.conf").read_text().replace(
-        "/etc/rabbitmq/definitions.json", str(base / "definitions.json"))
+        "/etc/rabbitmq/definitions.json", str(base / "definitions.json")).replace(
+        "/etc/rabbitmq/tls/ca.pem", str(ca.cert)).replace(
+        "/etc/rabbitmq/tls/cert.pem", str(broker_cert.cert)).replace(
+        "/etc/rabbitmq/tls/key.pem", str(broker_cert.key))
+    assert not [line for line in stack_conf.splitlines()
+                if "/etc/rabbitmq/" in line and not line.startswith("#")], \
+        "a file the stack's config names is not replaced here"
     (conf / "20-swarm-gpu.conf").write_text(stack_conf)
-    (conf / "10-test-ports.conf").write_text(f"listeners.tcp.default = {amqp_port}\n")
-    (base / "enabled_plugins").write_text("[].\n")
+    (conf / "30-test-ports.conf").write_text(
+        f"listeners.ssl.default = {amqp_port}\nmanagement.ssl.port = {management_port}\n")
+    (base / "enabled_plugins").write_text("[rabbitmq_management].\n")
     env = {**os.environ, "RABBITMQ_NODENAME": node, "RABBITMQ_DIST_PORT": str(_free_port()),
            "RABBITMQ_MNESIA_BASE": str(base / "mnesia"), "RABBITMQ_LOG_BASE": str(base / "log"),
            "RABBITMQ_CONFIG_FILES": str(conf), "RABBITMQ_PID_FILE": str(base / "pid"),
@@ -587,7 +618,7 @@ def booted_broker(definitions: dict) -> Iterator[int]:
                 raise AssertionError(f"the node did not boot: {started.stderr[-1000:]}\n"
                                      f"{logs[-3000:]}")
             time.sleep(0.5)
-        yield amqp_port
+        yield BootedBroker(amqp_port, management_port, ca.cert)
     finally:
         subprocess.run([ctl, "-n", node, "stop"], env=env, timeout=60, capture_output=True)
         _kill_if_alive(base / "pid", node)
@@ -615,12 +646,26 @@ async def test_a_broker_booted_with_the_stack_config_serves_the_allocator(tmp_pa
     passwords = {user: uuid.uuid4().hex for user in users}
     definitions = render_definitions.render(TEMPLATE, passwords=passwords,
                                             agents=["gpu-a", "gpu-b"])
-    with booted_broker(definitions) as port:
+    with booted_broker(definitions) as booted:
         def url(user: str) -> str:
-            return f"amqp://{user}:{passwords[user]}@127.0.0.1:{port}/swarm-gpu"
+            return booted.url(user, passwords[user])
 
         with pytest.raises(aio_pika.exceptions.ProbableAuthenticationError):
-            await open_connection(f"amqp://guest:guest@127.0.0.1:{port}/", timeout=10)
+            await open_connection(booted.url("guest", "guest", vhost=""), timeout=10)
+        # TLS only: nothing answers AMQP in plain text, the management API only over HTTPS.
+        with pytest.raises((aiormq.exceptions.AMQPConnectionError, ConnectionError, OSError)):
+            await open_connection(f"amqp://admin:{passwords['admin']}@127.0.0.1:"
+                                  f"{booted.amqp_port}/swarm-gpu", timeout=10)
+        context = ssl.create_default_context(cafile=str(booted.ca))
+        request = urllib.request.Request(
+            f"https://localhost:{booted.management_port}/api/whoami",
+            headers={"Authorization": "Basic " + base64.b64encode(
+                f"admin:{passwords['admin']}".encode()).decode()})
+
+        def whoami() -> str:
+            with urllib.request.urlopen(request, context=context, timeout=10) as answer:
+                return str(json.loads(answer.read())["name"])
+        assert await asyncio.to_thread(whoami) == "admin"
         settings = AllocatorSettings(amqp_url=url("allocator"), ledger_path=tmp_path / "l.sqlite",
                                      tick_s=0.1)  # the stack's defaults: agent-{host}, admin
         service = AllocatorService(settings)
