@@ -404,6 +404,21 @@ def is_refused(exc: BaseException) -> bool:
     return isinstance(exc, DeliveryError) and not isinstance(exc, PublishError)
 
 
+class _ClosedWhenItFailsRobustConnection(aio_pika.RobustConnection):
+    """aio-pika's robust connection, closed when its first connect fails (a refused TLS
+    handshake, a wrong password): aio-pika leaves a failed one to its ``__del__``, which
+    leaves a ``close()`` coroutine nobody awaits (see :func:`open_connection`). Reconnects
+    after a drop do not come through here (aio-pika calls the base class's ``connect``)."""
+
+    async def connect(self, timeout: TimeoutType = None) -> None:  # noqa: ASYNC109 (aio-pika's)
+        try:
+            await super().connect(timeout=timeout)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.close()
+            raise
+
+
 async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractRobustConnection:
     """A robust connection to the first node of ``amqp_url`` that answers; on a drop it
     reconnects to the next node, round the list (one-node URLs: aio-pika's own)."""
@@ -412,6 +427,7 @@ async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractR
     if len(urls) > 1:
         kwargs.setdefault("reconnect_interval", FAILOVER_RECONNECT_S)
     if len(urls) == 1:
+        kwargs.setdefault("connection_class", _ClosedWhenItFailsRobustConnection)
         robust: aio_pika.abc.AbstractRobustConnection = await aio_pika.connect_robust(
             amqp_url, **kwargs)
         return robust
