@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import re
 import time
-import uuid
 from collections.abc import Iterator
 
 import aio_pika
@@ -18,7 +16,7 @@ import aiormq.exceptions
 import pytest
 import services
 from support import GTX1070, gpus, heartbeat
-from test_broker_permissions import TEMPLATE, Broker, load, render_definitions
+from test_broker_permissions import TEMPLATE, Broker, loaded_broker, render_definitions
 
 from allocator.client import AllocatorClient, AllocatorQueueFull
 from allocator.protocol import ErrorCode
@@ -58,17 +56,8 @@ def bounded(rabbitmq: services.RabbitMQ) -> Iterator[Broker]:
     for policy in template["policies"]:
         if policy["name"] == ALLOCATOR_QUEUE_POLICY:
             policy["definition"]["max-length"] = BOUND
-    tag = uuid.uuid4().hex[:8]
-    vhost = f"{services.VHOST_PREFIX}{os.getpid()}-bound-{tag}"
-    prefix = f"t{tag}-"
-    users = ["admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b"]
-    passwords = {user: uuid.uuid4().hex for user in users}
-    try:
-        load(rabbitmq, template, vhost, prefix, passwords)
-        yield Broker(rabbitmq, vhost, prefix, passwords)
-    finally:
-        services.delete_vhost(rabbitmq, vhost)
-        rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
+    with loaded_broker(rabbitmq, template, "bound") as loaded:
+        yield loaded
 
 
 async def fill(broker: Broker) -> int:

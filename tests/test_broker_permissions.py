@@ -26,7 +26,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -196,20 +196,33 @@ def load(rabbitmq: services.RabbitMQ, template: dict, vhost: str, prefix: str,
         time.sleep(0.05)
 
 
-@pytest.fixture
-def broker(rabbitmq) -> Iterator[Broker]:
-    """The committed definitions, loaded under a vhost and user names of this test's own."""
+SHIPPED_USERS = ("admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b")
+"""The broker users of the committed definitions, with two agents."""
+
+
+@contextlib.contextmanager
+def loaded_broker(rabbitmq: services.RabbitMQ, template: dict, name: str,
+                  users: Iterable[str] = SHIPPED_USERS) -> Iterator[Broker]:
+    """``template`` loaded under a vhost and user names of this test's own (``name`` tells
+    the vhost apart), each user with a fresh password; all of it deleted afterwards."""
     tag = uuid.uuid4().hex[:8]
-    vhost = f"{services.VHOST_PREFIX}{os.getpid()}-defs-{tag}"
+    vhost = f"{services.VHOST_PREFIX}{os.getpid()}-{name}-{tag}"
     prefix = f"t{tag}-"
-    users = ["admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b"]
     passwords = {user: uuid.uuid4().hex for user in users}
     try:
-        load(rabbitmq, TEMPLATE, vhost, prefix, passwords)
+        load(rabbitmq, template, vhost, prefix, passwords)
         yield Broker(rabbitmq, vhost, prefix, passwords)
     finally:
         services.delete_vhost(rabbitmq, vhost)
-        rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
+        rabbitmq.api("POST", "/api/users/bulk-delete",
+                     {"users": [prefix + user for user in passwords]})
+
+
+@pytest.fixture
+def broker(rabbitmq) -> Iterator[Broker]:
+    """The committed definitions, loaded under a vhost and user names of this test's own."""
+    with loaded_broker(rabbitmq, TEMPLATE, "defs") as loaded:
+        yield loaded
 
 
 @pytest.fixture

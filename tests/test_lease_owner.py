@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,14 @@ import pytest
 import services
 from services import require_service
 from support import wait_until
-from test_broker_permissions import TEMPLATE, Broker, agent_beat, load, publish
+from test_broker_permissions import (
+    SHIPPED_USERS,
+    TEMPLATE,
+    Broker,
+    agent_beat,
+    loaded_broker,
+    publish,
+)
 
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
@@ -461,16 +467,8 @@ def two_hubs(rabbitmq: services.RabbitMQ) -> Iterator[Broker]:
                          ("topic_permissions", "user")):
         template[section] += [{**entry, key: "hub-b"} for entry in template.get(section, [])
                               if entry.get(key) == "hub"]
-    tag = uuid.uuid4().hex[:8]
-    vhost, prefix = f"{services.VHOST_PREFIX}{os.getpid()}-owners-{tag}", f"t{tag}-"
-    users = ["admin", "allocator", "hub", "hub-b", "agent-gpu-a", "agent-gpu-b"]
-    passwords = {user: uuid.uuid4().hex for user in users}
-    try:
-        load(rabbitmq, template, vhost, prefix, passwords)
-        yield Broker(rabbitmq, vhost, prefix, passwords)
-    finally:
-        services.delete_vhost(rabbitmq, vhost)
-        rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
+    with loaded_broker(rabbitmq, template, "owners", (*SHIPPED_USERS, "hub-b")) as loaded:
+        yield loaded
 
 
 @pytest.fixture

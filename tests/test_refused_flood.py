@@ -5,8 +5,6 @@ every refusal is still counted."""
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,7 +13,7 @@ import aio_pika
 import pytest
 import services
 from support import GTX1070, NODE, gpus, heartbeat, wait_until
-from test_broker_permissions import TEMPLATE, Broker, agent_beat, load
+from test_broker_permissions import TEMPLATE, Broker, agent_beat, loaded_broker
 
 from allocator.config import AllocatorSettings
 from allocator.counters import Count
@@ -68,17 +66,8 @@ def test_an_anomaly_a_host_repeats_in_every_report_writes_a_bounded_number_of_ev
 
 @pytest.fixture
 def broker(rabbitmq: services.RabbitMQ) -> Iterator[Broker]:
-    tag = uuid.uuid4().hex[:8]
-    vhost = f"{services.VHOST_PREFIX}{os.getpid()}-flood-{tag}"
-    prefix = f"t{tag}-"
-    users = ["admin", "allocator", "hub", "agent-gpu-a", "agent-gpu-b"]
-    passwords = {user: uuid.uuid4().hex for user in users}
-    try:
-        load(rabbitmq, TEMPLATE, vhost, prefix, passwords)
-        yield Broker(rabbitmq, vhost, prefix, passwords)
-    finally:
-        services.delete_vhost(rabbitmq, vhost)
-        rabbitmq.api("POST", "/api/users/bulk-delete", {"users": [prefix + u for u in users]})
+    with loaded_broker(rabbitmq, TEMPLATE, "flood") as loaded:
+        yield loaded
 
 
 @pytest.fixture
