@@ -15,7 +15,7 @@ or JSON lines, passwords hidden).
 The node agent and the hub plugin import nothing else of the allocator.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 PUBLIC_SURFACE = frozenset({
     "allocator.protocol",
