@@ -25,6 +25,10 @@ puts the one into the other, so a URL naming several nodes carries them to each.
 ``amqp://`` URL to a host off this machine logs a warning when the process first connects
 (:func:`plaintext_warning`), and a connection that TLS refused says why in one line
 (:func:`connection_failure`).
+
+A connection the broker refused (its TLS, the login, the vhost, the user's permissions) is
+worded here once for every process (:func:`refusal`, :func:`start_failure`): the allocator's
+start and a node agent's log say the same line for the same mistake.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import socket
 import ssl
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -44,7 +49,14 @@ from typing import Any
 import aio_pika
 import aio_pika.abc
 from aio_pika.abc import TimeoutType
-from aiormq.exceptions import AMQPError, DeliveryError, PublishError
+from aiormq.exceptions import (
+    AMQPError,
+    ChannelAccessRefused,
+    DeliveryError,
+    InvalidFrameError,
+    ProbableAuthenticationError,
+    PublishError,
+)
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 from yarl import URL
@@ -331,6 +343,61 @@ def tls_failure(exc: BaseException, amqp_url: str = "") -> str | None:
         return ("the broker ended the TLS connection before AMQP began: it may ask for a "
                 "client certificate (set amqp_cert_file and amqp_key_file)")
     return None
+
+
+START_ERRORS = (AMQPError, aio_pika.exceptions.AMQPError, ConnectionError, socket.gaierror,
+                TimeoutError)
+"""What the broker, or the way to it, makes a connection attempt fail with (refused,
+unreachable, a name that does not resolve); :func:`start_failure` words them. Any other
+OSError (a port in use, say) is not the broker's."""
+
+
+def refusal(exc: BaseException, amqp_url: str, role: str) -> str | None:
+    """What the broker at ``amqp_url`` refused, when that is why a connection attempt failed
+    with ``exc``, in one line that says what to fix: TLS (:func:`tls_failure`), the login, the
+    vhost, the user's permissions. None for anything else (a broker that does not answer).
+    ``role`` names the process in the advice ("allocator", "node agent").
+
+    One wording for every process, so that an admin who meets a missing vhost in the
+    allocator's start and in a node agent's log reads the same line.
+    """
+    where = broker_address(amqp_url)
+    user = broker_user(amqp_url)
+    tls = tls_failure(exc, amqp_url)
+    if tls is not None:
+        return f"cannot connect to the broker at {where}: {tls}"
+    if isinstance(exc, ProbableAuthenticationError):
+        return (f"the broker at {where} refused the login of user {user!r}: check the user "
+                "and password of amqp_url (or of the file amqp_url_file names)")
+    if isinstance(exc, InvalidFrameError) and "Connection.Close" in str(exc):
+        # RabbitMQ closes the connection at its open when the vhost does not exist or the user
+        # has no permissions on it; aiormq keeps neither the code nor the text of that close.
+        vhost = urllib.parse.unquote(urllib.parse.urlsplit(amqp_url).path[1:]) or "/"
+        return (f"the broker at {where} refused to open vhost {vhost!r} for user {user!r}: "
+                "the vhost does not exist or the user has no permissions on it; check the "
+                "vhost in amqp_url (the path after the host) or create it and grant the user "
+                "(rabbitmqctl add_vhost, set_permissions)")
+    if isinstance(exc, ChannelAccessRefused):
+        text = next((arg for arg in reversed(exc.args) if isinstance(arg, str)), str(exc))
+        return (f"the broker at {where} refused user {user!r}: {text}; give it the "
+                f"{role}'s permissions of compose/rabbitmq-definitions.json "
+                "(docs/operations.md, broker users and what each may do)")
+    return None
+
+
+def start_failure(exc: BaseException, amqp_url: str, *, role: str, broker_wait_s: float) -> str:
+    """Why a process could not start on the broker at ``amqp_url`` (``exc``, one of
+    :data:`START_ERRORS`, after trying for ``broker_wait_s``), in one line that says what to
+    fix: :func:`refusal`, a broker that cannot be reached, or the error itself."""
+    refused = refusal(exc, amqp_url, role)
+    if refused is not None:
+        return refused
+    where = broker_address(amqp_url)
+    if isinstance(exc, ConnectionError | socket.gaierror | TimeoutError):
+        return (f"cannot reach the broker at {where} within broker_wait_s = "
+                f"{broker_wait_s:g} s ({connection_failure(exc)}): check the host and port "
+                "of amqp_url and that RabbitMQ runs there, or raise broker_wait_s")
+    return f"the broker at {where} failed the start: {connection_failure(exc)}"
 
 
 FAILOVER_RECONNECT_S = 1.0

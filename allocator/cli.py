@@ -1,6 +1,7 @@
 """``gpu-allocator``: run the allocator, or ask it for GPUs from a shell.
 
     gpu-allocator serve [--config allocator.toml]
+    gpu-allocator health [--config allocator.toml]
     gpu-allocator ask --user alice --model 1070 [--count 2 | --count all] [--host gpu-a]
                       [--share 4096] [--wait 60]
     gpu-allocator release LEASE_ID
@@ -15,6 +16,10 @@ client commands log as ``SWARM_GPU_LOG_LEVEL`` and ``SWARM_GPU_LOG_FORMAT`` say,
 ``--amqp``, ``SWARM_GPU_AMQP_URL`` or, to keep the broker password
 out of the environment and the command line, ``SWARM_GPU_AMQP_URL_FILE`` (a file holding
 the URL).
+
+``gpu-allocator health`` is the stack's healthcheck: it reads the settings as ``serve`` does
+and asks ``GET /healthz`` of the allocator on this machine (``metrics_port``); exit status 0
+when it answers healthy, else 1 with one line on stderr that says what failed.
 """
 
 from __future__ import annotations
@@ -26,28 +31,20 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sqlite3
 import sys
 import textwrap
-import urllib.parse
 from collections.abc import Sequence
 
-import aio_pika
-from aiormq.exceptions import (
-    AMQPError,
-    ChannelAccessRefused,
-    InvalidFrameError,
-    ProbableAuthenticationError,
-)
 from pydantic import ValidationError
 
 from allocator import broker
-from allocator.broker import DEFAULT_AMQP_URL, broker_address, broker_user
+from allocator.broker import DEFAULT_AMQP_URL
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings, ConfigurationError, load_settings
 from allocator.ledger import LedgerError
 from allocator.logs import configure_logging, log_settings_from_environment
+from allocator.metrics_http import ask_health
 from allocator.protocol import AllocateRequest, Lease, ShareRequest
 from allocator.settings_files import environ_secret, settings_error_line, settings_help
 
@@ -69,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         epilog="settings:\n" + settings_help(AllocatorSettings, width=_help_width()))
     serve.add_argument("--config", help="TOML settings file (default: $SWARM_GPU_CONFIG)")
     serve.add_argument("--ledger", help="ledger file (overrides the settings)")
+
+    health = commands.add_parser(
+        "health", help="exit 0 if the allocator on this machine is healthy, else 1",
+        description="Ask GET /healthz of the allocator on this machine (its metrics_port, "
+        "read from the settings as serve reads them): exit 0 when healthy, else 1 with one "
+        "line on stderr saying what failed. Swarm's healthcheck runs it.")
+    health.add_argument("--config", help="TOML settings file (default: $SWARM_GPU_CONFIG)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for "
+                        "the answer (default: 5)")
 
     def client_options(sub: argparse.ArgumentParser) -> None:
         # None: from the environment (read in main, so that a bad file is one error line)
@@ -121,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return asyncio.run(_serve(args))
+        if args.command == "health":
+            return _health(args)
         logs = log_settings_from_environment("SWARM_GPU_")
         configure_logging("DEBUG" if args.verbose else logs.log_level, logs.log_format)
         if args.amqp is None:
@@ -153,6 +161,25 @@ def _one_line(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _health(args: argparse.Namespace) -> int:
+    """``gpu-allocator health``: 0 if the allocator's ``/healthz`` answers healthy, else 1."""
+    try:
+        settings = load_settings(args.config)
+    except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
+        print(f"gpu-allocator: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
+        return 1
+    if settings.metrics_port is None:
+        print("gpu-allocator: metrics_port is not set, so the allocator serves no /healthz "
+              "to ask: set metrics_port (SWARM_GPU_METRICS_PORT)", file=sys.stderr)
+        return 1
+    # The allocator binds its metrics port on every address: loopback reaches it.
+    failure = ask_health("127.0.0.1", settings.metrics_port, timeout_s=args.timeout)
+    if failure is not None:
+        print(f"gpu-allocator: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from allocator.service import AllocatorService
 
@@ -170,10 +197,12 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, stop.set)
     try:
         await service.start()
-    except BROKER_START_ERRORS as exc:
+    except broker.START_ERRORS as exc:
         with contextlib.suppress(Exception):
             await service.stop()
-        print(f"gpu-allocator: {broker_failure(exc, settings)}", file=sys.stderr)
+        failure = broker.start_failure(exc, settings.amqp_url, role="allocator",
+                                       broker_wait_s=settings.broker_wait_s)
+        print(f"gpu-allocator: {failure}", file=sys.stderr)
         return 1
     try:
         stopping = asyncio.create_task(stop.wait())
@@ -188,43 +217,6 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"gpu-allocator: {service.failure}", file=sys.stderr)
         return 1
     return 0
-
-
-BROKER_START_ERRORS = (AMQPError, aio_pika.exceptions.AMQPError, ConnectionError,
-                       socket.gaierror, TimeoutError)
-"""What the broker, or the way to it, makes the start fail with (refused, unreachable, a name
-that does not resolve); any other OSError (a port in use, say) is one line of its own."""
-
-
-def broker_failure(exc: BaseException, settings: AllocatorSettings) -> str:
-    """Why the allocator could not start on the broker, in one line that says what to fix."""
-    where = broker_address(settings.amqp_url)
-    user = broker_user(settings.amqp_url)
-    tls = broker.tls_failure(exc)
-    if tls is not None:
-        return f"cannot connect to the broker at {where}: {tls}"
-    if isinstance(exc, ProbableAuthenticationError):
-        return (f"the broker at {where} refused the login of user {user!r}: check the user "
-                "and password of amqp_url (or of the file amqp_url_file names)")
-    if isinstance(exc, InvalidFrameError) and "Connection.Close" in str(exc):
-        # RabbitMQ closes the connection at its open when the vhost does not exist or the user
-        # has no permissions on it; aiormq keeps neither the code nor the text of that close.
-        vhost = urllib.parse.unquote(urllib.parse.urlsplit(settings.amqp_url).path[1:]) or "/"
-        return (f"the broker at {where} refused to open vhost {vhost!r} for user {user!r}: "
-                "the vhost does not exist or the user has no permissions on it; check the "
-                "vhost in amqp_url (the path after the host) or create it and grant the user "
-                "(rabbitmqctl add_vhost, set_permissions)")
-    if isinstance(exc, ChannelAccessRefused):
-        text = next((arg for arg in reversed(exc.args) if isinstance(arg, str)), str(exc))
-        return (f"the broker at {where} refused user {user!r}: {text}; give it the "
-                "allocator's permissions of compose/rabbitmq-definitions.json "
-                "(docs/operations.md, broker users and what each may do)")
-    if isinstance(exc, ConnectionError | socket.gaierror | TimeoutError):
-        return (f"cannot reach the broker at {where} within broker_wait_s = "
-                f"{settings.broker_wait_s:g} s ({broker.connection_failure(exc)}): check the "
-                "host and port of amqp_url and that RabbitMQ runs there, or raise "
-                "broker_wait_s")
-    return f"the broker at {where} failed the start: {broker.connection_failure(exc)}"
 
 
 async def _client_command(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
 from allocator.log_snapshot import SNAPSHOT_BYTES
 from allocator.logs import LogSettings
-from allocator.metrics_http import MetricsTokenSettings
+from allocator.metrics_http import HealthSettings, MetricsTokenSettings
 from allocator.model_names import ModelNames, unbranded
 from allocator.settings_files import FileSettings, secret_file_field
 from allocator.topology import ALLOCATOR_QUEUE, LEDGER_LOG_STREAM, RABBITMQ_SEGMENT_BYTES
@@ -134,10 +134,11 @@ def borrow_limit_problems(settings: PolicySettings) -> list[str]:
 
 
 class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSettings,
-                        MetricsTokenSettings):
+                        MetricsTokenSettings, HealthSettings):
     """Everything the allocator process reads at start (``config``: the TOML file); the
     broker's TLS files: :class:`allocator.broker.BrokerTLSSettings`; ``log_level`` and
-    ``log_format``: :class:`allocator.logs.LogSettings`."""
+    ``log_format``: :class:`allocator.logs.LogSettings`; ``health_stale_s``:
+    :class:`allocator.metrics_http.HealthSettings`."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 

@@ -10,7 +10,7 @@ Each process (``gpu-allocator``, ``gpu-nodeagent``, ``gpu-ledger``, the GPU page
 - ``json``: one object a line, for Loki, Elasticsearch and the like, made by
   python-json-logger: ``timestamp`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
   the fields of :data:`CONTEXT_FIELDS` when the log call passes them
-  (``log.info("...", extra={"lease_id": lease_id, "host": host})``), and ``exc_info``
+  (``log.info("...", extra=lease_context(lease_id, host, user))``), and ``exc_info``
   (the traceback, as text) when there is one.
 
 JupyterHub formats its own log, the spawner's lines included (they are the hub's logger's):
@@ -50,6 +50,7 @@ __all__ = [
     "LogSettings",
     "configure_logging",
     "hide_passwords",
+    "lease_context",
     "log_settings_from_environment",
 ]
 
@@ -78,6 +79,19 @@ CONTEXT_FIELDS = ("lease_id", "host", "user")
 """What a log call may pass in ``extra`` for a JSON line to carry (the lease, the GPU host,
 the JupyterHub user), so that a collector can select one lease's or one host's lines. Any
 other ``extra`` field is written too; these are the ones the code passes."""
+
+
+def lease_context(lease_id: str, host: str | None = None,
+                  user: str | None = None) -> dict[str, str]:
+    """The ``extra`` of a log line about one lease: its id, and its host and user where known
+    (a field that is not known is left out, not written as null)."""
+    context = {"lease_id": lease_id}
+    if host:
+        context["host"] = host
+    if user:
+        context["user"] = user
+    return context
+
 
 # Python 3.12 gives every record the asyncio task's name; it is no context worth a field.
 _NOT_EXTRA = (*RESERVED_ATTRS, "taskName")

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -35,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from allocator import metrics_http
+from allocator.config import PolicySettings
 from allocator.counters import (
     COUNT_EXPORTED,
     FAMILY_EXPORTED,
@@ -73,6 +75,10 @@ GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict")
 """Each present GPU is in exactly one: conflict (a running container's grant contradicts the
 ledger on it) first, then held (any claim), unhealthy, drained (the GPU or its node), down
 (its node is silent), else free."""
+
+SHARES = ("guaranteed", "borrowed")
+"""How a held lease stands in fair share: within every guarantee of its owner, or beyond one
+(borrowed: reclaim may take it for a request within its guarantee)."""
 
 SNAPSHOT_TIMEOUT_S = 2.0
 """How long a scrape waits for the event loop; a loop blocked longer is itself the news."""
@@ -180,6 +186,8 @@ class Snapshot:
     slots: Counter[tuple[str, str]] = field(default_factory=Counter)
     """(model, free|held) -> share slots, for models with more than one slot"""
     leases: Counter[str] = field(default_factory=Counter)
+    group_held: dict[str, dict[str, Fraction]] = field(default_factory=dict)
+    """group with a guarantee -> share (:data:`SHARES`) -> GPUs its members' leases hold"""
     queue_length: int = 0
     queue_oldest_wait_s: float = 0.0
     nodes: dict[str, tuple[bool, bool, float | None]] = field(default_factory=dict)
@@ -245,15 +253,30 @@ def take_snapshot(service: Observed, now: float) -> Snapshot:
         if gpu.share_slots > 1:
             snap.slots[gpu.model, "free"] += gpu.free_slots
             snap.slots[gpu.model, "held"] += gpu.share_slots - gpu.free_slots
+    snap.group_held = {group: dict.fromkeys(SHARES, Fraction(0))
+                       for group in groups_with_a_guarantee(engine.settings)}
     oldest: float | None = None
     for record in engine.leases.values():
         snap.leases[record.state.value] += 1
+        if record.state.holds_gpus:
+            # The lease's standing as fair share keeps it (allocator.fairshare.borrowed_leases,
+            # at each grant and tick): the one reclaim acts on, not a second reckoning.
+            share = "borrowed" if record.borrowed else "guaranteed"
+            for group in dict.fromkeys(record.groups):
+                if group in snap.group_held:
+                    snap.group_held[group][share] += record.units
         if record.state is LeaseState.QUEUED:
             snap.queue_length += 1
             since = record.enqueued_at or record.created_at
             oldest = since if oldest is None else min(oldest, since)
     snap.queue_oldest_wait_s = max(now - oldest, 0.0) if oldest is not None else 0.0
     return snap
+
+
+def groups_with_a_guarantee(settings: PolicySettings) -> list[str]:
+    """The groups the settings give a guarantee (``group_quota``, ``group_model_quota``), in
+    name order: the group label's values (bounded by the settings, not by the requests)."""
+    return sorted({*settings.group_quota, *settings.group_model_quota})
 
 
 # --------------------------------------------------------------------------- families
@@ -293,6 +316,15 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         if not state.final:
             leases.add_metric([state.value], snap.leases.get(state.value, 0))
     yield leases
+    held = GaugeMetricFamily(
+        "swarm_gpu_group_gpus_held", "GPUs held by the leases of each group's members (a "
+        "slice counts 1/slots), by share: guaranteed (within every guarantee of the lease's "
+        "owner) or borrowed (beyond one: reclaimable); groups with a guarantee only",
+        labels=["group", "share"])
+    for group, shares in sorted(snap.group_held.items()):
+        for share in SHARES:  # both, zeros included, so series never vanish
+            held.add_metric([group, share], float(shares[share]))
+    yield held
     yield GaugeMetricFamily("swarm_gpu_queue_length", "Requests waiting for GPUs",
                             value=snap.queue_length)
     yield GaugeMetricFamily("swarm_gpu_queue_oldest_wait_seconds",
@@ -455,10 +487,11 @@ class MetricsServer:
 
 def serve(service: Observed, port: int, addr: str = "0.0.0.0",
           loop: asyncio.AbstractEventLoop | None = None, *,
-          token: str | None = None) -> MetricsServer:
+          token: str | None = None,
+          health: metrics_http.ProcessHealth | None = None) -> MetricsServer:
     """Serve the allocator's metrics on ``addr:port`` (``/metrics``) from a daemon thread;
     with ``token`` (``metrics_token``), only to requests that send it
-    (:func:`allocator.metrics_http.serve_registry`).
+    (:func:`allocator.metrics_http.serve_registry`); with ``health``, ``/healthz`` too.
 
     Call it from the allocator's event loop (or pass ``loop``): the collector reads the
     engine there.
@@ -467,7 +500,8 @@ def serve(service: Observed, port: int, addr: str = "0.0.0.0",
         loop = asyncio.get_running_loop()
     collector = service.metrics.install(service, loop)
     try:
-        endpoint = metrics_http.serve_registry(service.metrics.registry, port, addr, token)
+        endpoint = metrics_http.serve_registry(service.metrics.registry, port, addr, token,
+                                               health)
     except OSError:
         service.metrics.uninstall(collector)
         raise

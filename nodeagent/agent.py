@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from allocator.heartbeat_delta import Thresholds, apply_delta, delta_between
-from allocator.metrics_http import MetricsServer
+from allocator.metrics_http import MetricsServer, ProcessHealth
 from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
@@ -211,6 +211,15 @@ class NodeAgent:
         self.metrics = AgentMetrics(settings.inventory)
         """Latencies and failures as they happen; the rest is read at scrape time."""
         self.metrics_server: MetricsServer | None = None
+        self.health = ProcessHealth(settings.health_stale_s)
+        """What ``/healthz`` answers (with the metrics): the event loop ran within
+        ``health_stale_s``, the heartbeat loop within ``interval_s`` more, and the broker
+        connection is up."""
+        self.health.add("heartbeat loop", self._heartbeat_loop_problem)
+        self.health.add("broker connection", self._broker_problem)
+        self._health_task: asyncio.Task[None] | None = None
+        self._round_started_at = time.monotonic()
+        """When the heartbeat loop last began a round (monotonic), or the agent started."""
 
     # ------------------------------------------------------------------ counters
 
@@ -256,6 +265,9 @@ class NodeAgent:
         """
         settings = self.settings
         self._loop = asyncio.get_running_loop()
+        self._round_started_at = time.monotonic()
+        if self._health_task is None:
+            self._health_task = asyncio.create_task(self.health.watch_loop(), name="health")
         if settings.docker:
             self.watcher = ContainerWatcher(
                 settings.docker_url,
@@ -277,7 +289,8 @@ class NodeAgent:
             self.source = await asyncio.to_thread(open_source, settings, self.host)
         if settings.metrics_port and self.metrics_server is None:
             self.metrics_server = serve(self, self.metrics, settings.metrics_port,
-                                        settings.metrics_addr, settings.metrics_token)
+                                        settings.metrics_addr, settings.metrics_token,
+                                        self.health)
         self.publisher = Publisher(
             settings.amqp_url,
             self.host,
@@ -324,8 +337,8 @@ class NodeAgent:
         """Stop every loop, send what is buffered (bounded), and close everything."""
         if self.commands is not None:
             await self.commands.stop()
-        await cancel_and_wait([self._heartbeat_task])
-        self._heartbeat_task = None
+        await cancel_and_wait([self._heartbeat_task, self._health_task])
+        self._heartbeat_task = self._health_task = None
         if self.watcher is not None:
             await self.watcher.stop()
         self._xid_stop.set()
@@ -366,7 +379,7 @@ class NodeAgent:
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.interval_s
         while True:
-            started = time.monotonic()
+            started = self._round_started_at = time.monotonic()
             try:
                 await self.send_heartbeat()
             except asyncio.CancelledError:
@@ -380,6 +393,24 @@ class NodeAgent:
                     async with asyncio.timeout(remaining):
                         await self._wake.wait()
             self._wake.clear()
+
+    def _heartbeat_loop_problem(self) -> str | None:
+        """Health check (read in the metrics' HTTP thread): the heartbeat loop began a round
+        within ``interval_s + health_stale_s``. Its steps are bounded (inventory read,
+        publish), so a loop that misses that is stuck while the event loop may still run."""
+        age = time.monotonic() - self._round_started_at
+        bound = self.settings.interval_s + self.health.stale_after_s
+        if age <= bound:
+            return None
+        return f"no round for {age:.1f} s (interval_s + health_stale_s = {bound:g})"
+
+    def _broker_problem(self) -> str | None:
+        """Health check (read in the metrics' HTTP thread): the broker connection is up."""
+        if self.publisher is None:
+            return "not connected yet"
+        if not self.publisher.link_up:
+            return "down (the agent keeps reconnecting; see its log)"
+        return None
 
     def _read_snapshot(self) -> _Snapshot:
         # Runs in a worker thread: NVML calls and /proc reads block.
@@ -499,7 +530,9 @@ class NodeAgent:
         else:
             self._reported = heartbeat
             self._full_sent_at = time.monotonic()
-        if ok and self.heartbeats_sent == 1:
+        # The first one a queue took: before the allocator declares its queue, the broker
+        # returns them (see nodeagent.publisher).
+        if ok and self.publisher.heartbeats_delivered == 1:
             log.info("first heartbeat sent: %d GPU(s), %d lease container(s)",
                      len(heartbeat.gpus), len(heartbeat.containers))
         return ok

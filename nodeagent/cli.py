@@ -4,6 +4,7 @@
                   [--inventory nvml|simulated] [--simulated-file FILE] [--no-docker]
                   [--no-docker-events] [--interval SECONDS] ... [--log-level LEVEL]
                   [--log-format text|json]
+    gpu-nodeagent health [the same options]
 
 Every setting of :class:`~nodeagent.config.AgentSettings` is a flag, made by pydantic-settings
 from the field (``interval_s`` is ``--interval-s``, or ``--interval``; a boolean ``docker`` is
@@ -15,6 +16,12 @@ when the settings or the inventory cannot work (one line says what to change, e.
 ``--inventory simulated`` on a host without NVIDIA GPUs) or when the ``agent`` extra is not
 installed (one line naming it: ``pip install 'swarm-gpu[agent]'``). ``--help`` works
 without that extra: it needs only the settings.
+
+``gpu-nodeagent health`` is the stack's healthcheck: it reads the settings as the agent does
+(the same options, environment and file) and asks ``GET /healthz`` of the agent on this
+machine (``metrics_port``, at ``metrics_addr`` or loopback when that is a wildcard); exit
+status 0 when it answers healthy, else 1 with one line on stderr that says what failed. It
+needs only the settings, not the ``agent`` extra.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic_settings import CliSettingsSource
 
 from allocator.logs import configure_logging
+from allocator.metrics_http import ask_health, health_address
 from allocator.settings_files import setting_help, settings_error_line
 from nodeagent.config import AgentSettings, load_settings
 from nodeagent.inventory import InventoryUnavailable
@@ -74,12 +82,17 @@ def _add_setting_flag(parser: Any, *names: str, **options: Any) -> Any:
     return parser.add_argument(*names, **options)
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, Any]]:
+HEALTH_COMMAND = "health"
+"""The first argument that makes ``gpu-nodeagent`` a healthcheck instead of the agent."""
+
+
+def parse_args(argv: Sequence[str] | None, *, prog: str = "gpu-nodeagent",
+               description: str = "swarm-gpu node agent: reports this host's GPUs and lease "
+               "containers. 'gpu-nodeagent health [options]' asks the agent running here "
+               "whether it is healthy (exit 0) or not (exit 1)."
+               ) -> tuple[argparse.Namespace, dict[str, Any]]:
     """The command line: the options that are not settings, and the settings it gives."""
-    parser = argparse.ArgumentParser(
-        prog="gpu-nodeagent",
-        description="swarm-gpu node agent: reports this host's GPUs and lease containers.",
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     # The flags' shape (kebab case, --no-X for booleans, short names) is AgentSettings' config;
     # each flag's help is its setting's (description, default, environment variable).
     flags: CliSettingsSource[AgentSettings] = CliSettingsSource(
@@ -109,9 +122,36 @@ async def run(settings: AgentSettings) -> int:
     return 0
 
 
+def health(argv: Sequence[str]) -> int:
+    """``gpu-nodeagent health``: 0 if the agent's ``/healthz`` answers healthy, else 1."""
+    _, given = parse_args(
+        argv, prog="gpu-nodeagent health",
+        description="Ask GET /healthz of the node agent on this machine (its metrics_port, "
+        "read from the same options, environment and file as the agent): exit 0 when "
+        "healthy, else 1 with one line on stderr saying what failed. Swarm's healthcheck "
+        "runs it.")
+    try:
+        settings = load_settings(**given)
+    except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
+        print(f"gpu-nodeagent: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
+        return 1
+    if not settings.metrics_port:
+        print("gpu-nodeagent: metrics_port is 0, so the agent serves no /healthz to ask: "
+              "set metrics_port (SWARM_GPU_AGENT_METRICS_PORT)", file=sys.stderr)
+        return 1
+    failure = ask_health(health_address(settings.metrics_addr), settings.metrics_port)
+    if failure is not None:
+        print(f"gpu-nodeagent: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console script entry point."""
-    _, given = parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments[:1] == [HEALTH_COMMAND]:
+        return health(arguments[1:])
+    _, given = parse_args(arguments)
     try:
         settings = load_settings(**given)
     except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors

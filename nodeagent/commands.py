@@ -217,7 +217,7 @@ class CommandConsumer:
                     await connection.close()
 
     def _note_error(self, exc: BaseException) -> None:
-        message = broker.tls_failure(exc, self.amqp_url) or (
+        message = broker.refusal(exc, self.amqp_url, "node agent") or (
             f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         if message != self.last_error:
             log.warning("commands: %s; retrying every %g s", message, self.reconnect_s)

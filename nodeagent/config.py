@@ -28,7 +28,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
 from allocator.logs import LogSettings
-from allocator.metrics_http import MetricsTokenSettings
+from allocator.metrics_http import HealthSettings, MetricsTokenSettings
 from allocator.settings_files import FileSettings, list_from_text, secret_file_field
 
 ENV_PREFIX = "SWARM_GPU_AGENT_"
@@ -62,10 +62,12 @@ def docker_host_or_standard_socket() -> str:
     return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_URL
 
 
-class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings, MetricsTokenSettings):
+class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings, MetricsTokenSettings,
+                    HealthSettings):
     """Everything the node agent reads at start (``config``: the TOML file); the broker's
     TLS files: :class:`allocator.broker.BrokerTLSSettings`; ``log_level`` and ``log_format``:
-    :class:`allocator.logs.LogSettings`."""
+    :class:`allocator.logs.LogSettings`; ``health_stale_s``:
+    :class:`allocator.metrics_http.HealthSettings`."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,

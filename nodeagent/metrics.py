@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from allocator.metrics_http import MetricsServer, serve_registry
+from allocator.metrics_http import MetricsServer, ProcessHealth, serve_registry
 from allocator.protocol import Health, Heartbeat
 
 if TYPE_CHECKING:
@@ -158,6 +158,8 @@ class Figures:
     host: str = ""
     heartbeats_sent: int = 0
     heartbeat_failures: int = 0
+    heartbeats_unroutable: int = 0
+    full_reports_unread: int = 0
     deltas_sent: int = 0
     events_forwarded: int = 0
     event_failures: int = 0
@@ -185,6 +187,8 @@ def read_figures(agent: Observed, metrics: AgentMetrics) -> Figures:
     if publisher is not None:
         figures.heartbeats_sent = publisher.heartbeats_sent
         figures.heartbeat_failures = publisher.heartbeat_failures
+        figures.heartbeats_unroutable = publisher.heartbeats_unroutable
+        figures.full_reports_unread = publisher.full_reports_unread
         figures.events_forwarded = publisher.events_sent
         figures.event_failures = publisher.event_failures
         figures.events_dropped = publisher.events_dropped
@@ -306,6 +310,12 @@ def agent_families(figures: Figures) -> Iterator[Metric]:
     yield _counter("swarm_gpu_agent_heartbeat_failures", "Heartbeats that could not be "
                    "published (dropped: the next one follows in an interval, and is full)",
                    figures.heartbeat_failures)
+    yield _counter("swarm_gpu_agent_heartbeats_unroutable", "Heartbeats the broker confirmed "
+                   "but handed back: no queue took them (the allocator has not declared its "
+                   "queue yet; the next heartbeat is full)", figures.heartbeats_unroutable)
+    yield _counter("swarm_gpu_agent_full_reports_unread", "Full reports that reached the "
+                   "allocator's queue while no allocator consumed it (the next heartbeat is "
+                   "full again)", figures.full_reports_unread)
     yield _counter("swarm_gpu_agent_heartbeat_deltas_sent", "Heartbeats sent as deltas of the "
                    "report the allocator holds", figures.deltas_sent)
     yield _counter("swarm_gpu_agent_events_forwarded", "Container events (start, die, oom, "
@@ -376,10 +386,11 @@ class AgentCollector(Collector):
 
 
 def serve(agent: Observed, metrics: AgentMetrics, port: int, addr: str,
-          token: str | None = None) -> MetricsServer | None:
+          token: str | None = None,
+          health: ProcessHealth | None = None) -> MetricsServer | None:
     """Serve the agent's metrics on ``addr:port`` (``/metrics``) from a daemon thread; with
     ``token`` (``metrics_token``), only to requests that send it
-    (:func:`allocator.metrics_http.serve_registry`).
+    (:func:`allocator.metrics_http.serve_registry`); with ``health``, ``/healthz`` too.
 
     None when the port cannot be bound (in use, or an address this host does not have): the
     error is logged and the agent runs on, since its heartbeats matter more than its metrics
@@ -387,7 +398,7 @@ def serve(agent: Observed, metrics: AgentMetrics, port: int, addr: str,
     """
     metrics.install(agent)
     try:
-        server = serve_registry(metrics.registry, port, addr, token)
+        server = serve_registry(metrics.registry, port, addr, token, health)
     except OSError as exc:
         log.error("metrics: cannot listen on %s:%d (%s); running without metrics (set "
                   "metrics_port to a free port, or 0 for none)", addr, port, exc)

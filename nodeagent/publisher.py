@@ -7,7 +7,18 @@ can trust it to tell which agent sent a heartbeat).
 
 - **Heartbeats** (full or deltas) are transient and expire after two intervals: a heartbeat
   that waited longer than that in a queue describes a past that the next one corrects. A
-  failed heartbeat is counted and dropped; the next one follows in one interval.
+  failed heartbeat is counted and dropped; the next one follows in one interval, in full.
+- **A heartbeat the allocator may never get** makes the next one full as well, so that an agent
+  started before the allocator is known within one heartbeat of the allocator consuming, not
+  only at the next full report due (``full_report_s``): the deltas in between would reach an
+  allocator that never saw the report they apply to. Two cases: no queue took it (the
+  allocator has not declared its queue yet, on a broker without the shipped definitions:
+  heartbeats are published ``mandatory`` and the broker returns it,
+  :class:`PublishUnroutable`), or it is a full report queued while no allocator consumes the
+  allocator's queue (declared by the definitions: it would expire there unread,
+  :class:`NoAllocatorConsuming`; asked by a passive declaration after each full report, which
+  needs no permission). Neither is an error of the agent: each is logged once until a report
+  is delivered again.
 - **Container events** are persistent, never expire, and are published ``mandatory``: an
   event the broker could not route or confirm is kept in a bounded FIFO buffer and retried
   in order until it goes through (the order matters: a ``die`` must not overtake its
@@ -41,7 +52,12 @@ from allocator import broker
 from allocator.broker import broker_user
 from allocator.protocol import ContainerEvent, Heartbeat, HeartbeatDelta, encode
 from allocator.tasks import cancel_and_wait
-from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
+from allocator.topology import (
+    ALLOCATOR_QUEUE,
+    NODES_EXCHANGE,
+    event_routing_key,
+    heartbeat_routing_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +75,27 @@ class PublishRefused(ConnectionError):
 
     def __init__(self) -> None:
         super().__init__(f"the broker refused the publish: {self.WHY}")
+
+
+class PublishUnroutable(ConnectionError):
+    """The broker returned a ``mandatory`` publish: no queue is bound for its routing key, so
+    nobody got it (a ``basic.return``; the broker still confirms it)."""
+
+    def __init__(self, routing_key: str) -> None:
+        super().__init__(
+            f"no queue takes {routing_key!r} on {NODES_EXCHANGE}: the allocator has not "
+            "declared its queue yet (or the broker definitions were not loaded); "
+            "heartbeats are sent in full until one is delivered, events kept and sent again")
+
+
+class NoAllocatorConsuming(ConnectionError):
+    """A full report reached the allocator's queue, but no allocator consumes it yet."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"no allocator consumes {ALLOCATOR_QUEUE} yet (it is not running, or still "
+            "starting): heartbeats wait there and expire unread; they are sent in full until "
+            "one consumes")
 
 
 class Publisher:
@@ -89,6 +126,13 @@ class Publisher:
         self._lock = asyncio.Lock()
         """Serializes event publishes, so the buffer drains in order."""
         self.heartbeats_sent = 0
+        """Heartbeats the broker confirmed (the unroutable ones among them)."""
+        self.heartbeats_unroutable = 0
+        """Heartbeats the broker confirmed but returned: no queue took them."""
+        self.full_reports_unread = 0
+        """Full reports queued while no allocator consumed the allocator's queue."""
+        self.heartbeats_delivered = 0
+        """Heartbeats that reached the allocator's queue (full ones: while one consumed)."""
         self.heartbeat_failures = 0
         self.events_sent = 0
         self.event_failures = 0
@@ -113,6 +157,14 @@ class Publisher:
         """Whether a broker connection is open now."""
         connection = self._connection
         return connection is not None and not connection.is_closed and self._exchange is not None
+
+    @property
+    def link_up(self) -> bool:
+        """Whether the broker connection is up at this moment: unlike :attr:`connected`, also
+        False while the robust connection reconnects after a drop (its ``connected`` event,
+        which the health check reads from the metrics' HTTP thread)."""
+        connection = self._connection
+        return connection is not None and connection.connected.is_set()
 
     @property
     def buffered(self) -> int:
@@ -200,7 +252,7 @@ class Publisher:
         self._kick.set()
 
     def _note_error(self, what: str, exc: BaseException, detail: str = "") -> None:
-        message = broker.tls_failure(exc, self.amqp_url) or (
+        message = broker.refusal(exc, self.amqp_url, "node agent") or (
             f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         if self._failing.get(what) != message:
             log.warning("broker: %s failed%s: %s", what, detail, message)
@@ -240,6 +292,8 @@ class Publisher:
             if self.connected:
                 await self._renew_channel(exchange)
             raise
+        except aiormq.exceptions.PublishError as exc:  # returned: before AMQPError, its base
+            raise PublishUnroutable(routing_key) from exc
         except aiormq.exceptions.AMQPError as exc:
             if broker.is_refused(exc):
                 self._note_refused()
@@ -291,7 +345,10 @@ class Publisher:
                     await channel.close()
 
     async def publish_heartbeat(self, heartbeat: Heartbeat | HeartbeatDelta) -> bool:
-        """Publish one heartbeat or delta (expires after two intervals); False if it failed."""
+        """Publish one heartbeat or delta (expires after two intervals). True when it reached
+        the allocator's queue and, for a full report, an allocator consumes that queue; False
+        when the allocator may never get it (the publish failed, no queue took it, or a full
+        report waits where nobody reads it), so that the next one is sent in full."""
         try:
             await self._publish(
                 encode(heartbeat),
@@ -299,10 +356,19 @@ class Publisher:
                 kind=heartbeat.kind,
                 persistent=False,
                 expiration=2 * heartbeat.interval_s,
-                mandatory=False,  # no queue bound yet is not an error for a heartbeat
+                # Unroutable = the allocator's queue is not there yet: the report is lost, and
+                # the agent must know it, or its deltas would follow a report nobody holds.
+                mandatory=True,
             )
         except asyncio.CancelledError:
             raise
+        except PublishUnroutable as exc:
+            # The broker took and confirmed it, so it counts as sent, not as delivered.
+            # Logged once until heartbeats are delivered again.
+            self.heartbeats_sent += 1
+            self.heartbeats_unroutable += 1
+            self._note_error("heartbeat delivery", exc)
+            return False
         except PublishRefused:
             self.heartbeat_failures += 1  # logged by _note_refused, at most once a minute
             return False
@@ -312,7 +378,40 @@ class Publisher:
             return False
         self._note_success("heartbeat publish")
         self.heartbeats_sent += 1
+        # A full report queued while no allocator consumes (the broker definitions declared
+        # the queue; the allocator is not up yet) expires there after two intervals, and the
+        # deltas after it would reach an allocator that never saw it. Asked after the publish
+        # was confirmed: a consumer there now will be handed the report.
+        if isinstance(heartbeat, Heartbeat) and await self.allocator_consumers() == 0:
+            self.full_reports_unread += 1
+            self._note_error("heartbeat delivery", NoAllocatorConsuming())
+            return False
+        self._note_success("heartbeat delivery")
+        self.heartbeats_delivered += 1
         return True
+
+    async def allocator_consumers(self) -> int | None:
+        """How many consumers the allocator's queue has (the active allocator and standbys),
+        by a passive declaration (which needs no permission: the agent's least-privilege user
+        may) on a channel of its own; None when the broker does not say: not connected, or no
+        queue of that name (none declared yet, or the allocator's ``queue_name`` renamed it,
+        and then heartbeats go on as if one consumed)."""
+        connection = self._connection
+        if connection is None or connection.is_closed:
+            return None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                # Its own channel: a missing queue closes the channel that asked.
+                channel = await connection.channel(publisher_confirms=False)
+                try:
+                    underlay = await channel.get_underlay_channel()
+                    declared = await underlay.queue_declare(ALLOCATOR_QUEUE, passive=True)
+                    return int(declared.consumer_count or 0)
+                finally:
+                    with contextlib.suppress(Exception):  # closed by the broker already
+                        await channel.close()
+        except (TimeoutError, OSError, aio_pika.exceptions.AMQPError):
+            return None
 
     def submit_event(self, event: ContainerEvent) -> None:
         """Queue a container event; the flush task publishes it at once, in order.

@@ -5,7 +5,8 @@ The JSON lines and the password guard are checked in this process through the re
 module, and end to end on a real allocator process (the real broker, a broker user with a
 password of this test's own, DEBUG level) through its start and a request. The start-up
 failures run the console script against the real broker as an admin would meet them (bad
-settings: tests/test_settings.py). The simulated inventory's example in docs/operations.md is
+settings: tests/test_settings.py), and a node agent logs the allocator's line for a missing
+vhost. The simulated inventory's example in docs/operations.md is
 read by the agent's own parser.
 """
 
@@ -20,6 +21,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
@@ -44,7 +46,7 @@ from allocator.protocol import AllocateRequest
 from allocator.settings_files import setting_environment
 from nodeagent.cli import main as agent_main
 from nodeagent.config import AgentSettings
-from nodeagent.simulated import parse_inventory
+from nodeagent.simulated import make_gpu, parse_inventory, write_inventory
 
 SECRET = "s3cr3t-" + uuid.uuid4().hex[:12]
 
@@ -203,6 +205,50 @@ def test_every_start_up_failure_is_one_line_that_says_what_to_fix(
         assert "Traceback" not in stderr and SECRET not in stderr + stdout, (case, stderr)
         for words in cases[case][2]:
             assert words in lines[0], (case, words, lines[0])
+
+
+def test_the_agent_says_a_missing_vhost_in_the_allocators_line(
+        rabbitmq: services.RabbitMQ, tmp_path: Path) -> None:
+    """A node agent does not exit on a broker it cannot use (it retries), but the line it logs
+    for a missing vhost is the allocator's start-up line, not aiormq's frame error."""
+    missing_vhost = f"{services.VHOST_PREFIX}{os.getpid()}-missing-{uuid.uuid4().hex[:6]}"
+    url = (f"amqp://{rabbitmq.user}:{rabbitmq.password}@{rabbitmq.host}:{rabbitmq.port}/"
+           f"{missing_vhost}")
+    host = f"vhost-node-{uuid.uuid4().hex[:6]}"
+    inventory = tmp_path / "inventory.json"
+    write_inventory(inventory, {host: [make_gpu(host, 0, "NVIDIA GeForce GTX 1070")]})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_AGENT_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    agent_log = tmp_path / "agent.log"
+    with open(agent_log, "wb") as log:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "nodeagent", "--host", host, "--amqp-url", url,
+             "--inventory", "simulated", "--simulated-file", str(inventory), "--no-docker",
+             "--metrics-port", "0", "--amqp-reconnect-s", "0.2"],
+            cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT)
+    try:
+        allocator = subprocess.run(
+            [sys.executable, "-m", "allocator.cli", "serve"], cwd=REPO_ROOT,
+            env=allocator_env(url, tmp_path / "ledger.sqlite", broker_wait_s=0),
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        assert allocator.returncode == 1, allocator.stderr
+        line = allocator.stderr.strip().removeprefix("gpu-allocator: ")
+        assert f"refused to open vhost '{missing_vhost}'" in line, allocator.stderr
+        deadline = time.monotonic() + 30
+        while f"broker: connect failed: {line}" not in agent_log.read_text():
+            assert agent.poll() is None, agent_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, agent_log.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+    # The agent's own lines (aio-pika's and aiormq's may name the frame as they like).
+    own = [line for line in agent_log.read_text().splitlines()
+           if re.match(r"\S+ \S+ [A-Z]+ nodeagent[.:]", line)]
+    assert own, agent_log.read_text()[-3000:]
+    assert not [line for line in own if "InvalidFrameError" in line
+                or "Connection.Close" in line], own
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -223,7 +223,7 @@ def test_the_dashboard_is_well_formed() -> None:
                    "swarm_gpu_node_last_heartbeat_timestamp_seconds",
                    "swarm_gpu_agent_gpu_healthy", "swarm_gpu_request_seconds_bucket",
                    "swarm_gpu_batches_total", "swarm_gpu_batch_phase_seconds_bucket",
-                   "swarm_gpu_agent_gpu_utilization_ratio"):
+                   "swarm_gpu_agent_gpu_utilization_ratio", "swarm_gpu_group_gpus_held"):
         assert metric in queries, metric
 
 
@@ -360,8 +360,10 @@ async def test_real_scrapes_are_clean_and_have_every_metric_alerts_and_panels_us
     docker = aiodocker.Docker(url=docker_engine)
     container_id = ""
     try:
+        # A guarantee for the lease's group, so the guaranteed/borrowed gauge has samples.
         async with running_allocator(amqp_vhost.url, ledger_path, ledger_log="stream",
-                                     start_fence_s=0) as service, \
+                                     start_fence_s=0, group_quota={f"group-{tag}": 1}) \
+                as service, \
                 started(NodeAgent(settings)), \
                 AllocatorClient(amqp_vhost.url, timeout_s=10) as client:
             server = allocator_metrics.serve(service, port=0, addr="127.0.0.1")

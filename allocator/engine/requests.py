@@ -26,6 +26,7 @@ from allocator.engine.placement import Placer
 from allocator.engine.state import Sender, count_anomaly, log
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
+from allocator.logs import lease_context
 from allocator.protocol import (
     AllocateRequest,
     ErrorCode,
@@ -134,7 +135,8 @@ class LeaseRequests:
             return None
         if count_anomaly(self.counters, Count.FOREIGN_LEASE):
             log.warning("refused broker user %r: it tried to %s lease %s of broker user %r",
-                        sender.user_id, doing, record.lease_id, record.owner)
+                        sender.user_id, doing, record.lease_id, record.owner,
+                        extra=lease_context(record.lease_id, record.host, record.user))
         asker = (f"broker user {sender.user_id!r}" if sender.user_id is not None
                  else "a request without a broker user (AMQP user_id)")
         return error_reply(

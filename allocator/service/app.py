@@ -20,6 +20,7 @@ from allocator.config import AllocatorSettings, ConfigurationError, guarantee_pr
 from allocator.counters import ServiceStats
 from allocator.engine import Engine
 from allocator.ledger import Ledger
+from allocator.metrics_http import ProcessHealth
 from allocator.replication import ReplicatedLog
 from allocator.retention import Pruner
 from allocator.service.answers import Answers
@@ -60,6 +61,12 @@ class AllocatorService:
         """The broker user of the connection: the AMQP user_id of every command, which the
         broker verifies and the agents check."""
         self.metrics_server: metrics.MetricsServer | None = None
+        self.health = ProcessHealth(settings.health_stale_s)
+        """What ``/healthz`` answers (with the metrics): the event loop ran within
+        ``health_stale_s``, and the broker connection is up. A standby is healthy by the same
+        two: it consumes the same queue, waiting to be given it, and being a standby is no
+        fault (a check that failed standbys would have Swarm restart them in a loop)."""
+        self.health.add("broker connection", self._broker_problem)
         self.started = asyncio.Event()
         self.log: ReplicatedLog | None = None
         """The replicated ledger log (``ledger_log = "stream"``), or None: one shared file."""
@@ -115,12 +122,14 @@ class AllocatorService:
             asyncio.create_task(self._batches.run(), name="allocator-apply"),
             asyncio.create_task(self._tick_loop(), name="allocator-tick"),
             asyncio.create_task(self.pruner.run(), name="allocator-prune"),
+            asyncio.create_task(self.health.watch_loop(), name="allocator-health-watch"),
         ]
         await self._link.consume(self._intake.on_message)
         self.started.set()
         if self.settings.metrics_port is not None:
             self.metrics_server = metrics.serve(self, self.settings.metrics_port,
-                                                token=self.settings.metrics_token)
+                                                token=self.settings.metrics_token,
+                                                health=self.health)
         log.info("allocator consuming %s; ledger %s", self.settings.queue_name,
                  self.settings.ledger_path)
 
@@ -167,6 +176,10 @@ class AllocatorService:
         await self._batches.apply(batch)
 
     # ------------------------------------------------------------------ internals
+
+    def _broker_problem(self) -> str | None:
+        """The health check of the broker connection (read in the metrics' HTTP thread)."""
+        return None if self._link.up else "down (the allocator keeps reconnecting; see its log)"
 
     def _running_standby(self) -> Standby:
         if self._standby is None:

@@ -31,6 +31,7 @@ import aio_pika.abc
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, ServiceStats
 from allocator.ledger import Changes, LedgerChanged, LedgerError
+from allocator.logs import lease_context
 from allocator.metrics import AllocatorMetrics
 from allocator.protocol import ErrorCode, error_reply
 from allocator.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
@@ -190,6 +191,7 @@ class Batches:
         if pending:  # a batch of timer ticks alone is no batch of messages
             self._stats.counters.add(Count.BATCHES)
         self._decider.committed(pending, committed_at)
+        log_lease_changes(changes)
         answers = self._answers
         await self._commands.send(self._decider.take_commands())
         await answers.resolve_lookups(pending)
@@ -226,3 +228,30 @@ class Batches:
         pending = [Pending(item, failure if wants_reply(item) else None)
                    for item in batch if isinstance(item, aio_pika.abc.AbstractIncomingMessage)]
         await self._answers.reply_and_ack(pending)
+
+
+def log_lease_changes(changes: Changes) -> None:
+    """One log line per step of a lease's life that a committed batch holds (each state
+    change: queued, granted, bound, released, expired, reclaimed...; each event that names a
+    lease: reclaim warnings, stops, adoption), with the lease's id, host and user as the
+    JSON line's fields. Logged after the commit, so that the log never tells of a decision
+    that is not on disk."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    for line in changes.history:
+        lease_id = line["lease_id"]
+        row = changes.leases.get(lease_id, {})
+        host, user = row.get("host"), row.get("user")
+        log.info("lease %s of %s on %s: %s -> %s (%s; by %s)", lease_id, user or "-",
+                 host or "-", line["from_state"] or "new", line["to_state"], line["reason"],
+                 line["by"] or "-", extra=lease_context(lease_id, host, user))
+    for event in changes.events:
+        lease_id = event.get("lease_id")
+        if lease_id is None:
+            continue
+        host, user = event.get("host"), event.get("user")
+        if user is None:  # an event may name the lease alone; the row knows its owner
+            user = changes.leases.get(lease_id, {}).get("user")
+        log.info("lease %s of %s on %s: %s%s", lease_id, user or "-", host or "-",
+                 event["kind"], f" {event['detail']}" if event["detail"] else "",
+                 extra=lease_context(lease_id, host, user))

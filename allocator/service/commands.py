@@ -17,6 +17,7 @@ import aio_pika.abc
 
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, ServiceStats
+from allocator.logs import lease_context
 from allocator.protocol import StopContainer, encode
 from allocator.topology import command_routing_key
 
@@ -76,13 +77,13 @@ class Commands:
                 log.warning("could not ask %s to stop container %s (lease %s): %s",
                             command.host, command.container_id[:12], command.lease_id,
                             exc or type(exc).__name__,
-                            extra={"lease_id": command.lease_id, "host": command.host})
+                            extra=lease_context(command.lease_id, command.host))
                 continue
             counters.add(Count.COMMANDS_SENT)
             log.info("asked %s to stop container %s of lease %s (%s, grace %g s)",
                      command.host, command.container_id[:12], command.lease_id,
                      command.reason.value, command.grace_s,
-                     extra={"lease_id": command.lease_id, "host": command.host})
+                     extra=lease_context(command.lease_id, command.host))
 
     def _message(self, command: StopContainer) -> aio_pika.Message:
         return aio_pika.Message(

@@ -129,6 +129,14 @@ class BrokerLink:
         """Connect to the first broker node that answers, waiting up to ``broker_wait_s``."""
         self._connection = await connect(self.settings)
 
+    @property
+    def up(self) -> bool:
+        """Whether the broker connection is open at this moment: False before it is made,
+        after it is closed, and while the robust connection reconnects after a drop (its
+        ``connected`` event, which a thread may read; ``is_closed`` stays False then)."""
+        connection = self._connection
+        return connection is not None and connection.connected.is_set()
+
     async def follow_log(self) -> ReplicatedLog:
         """Follow the replicated log from a broker node that holds a replica of its stream,
         declaring the stream first if it is new; the log, followed on this link's connection.
