@@ -76,6 +76,50 @@ def _on_read_only_filesystem(path: Path) -> bool:
     return False
 
 
+class LedgerUnwritable(LedgerError):
+    """The ledger's storage refused a write (the disk is full or read-only, an I/O error, a
+    lock held by another process): nothing of the write was done, and the same write may
+    work once the storage does. Not a sign that what was to be written is wrong."""
+
+
+_STORAGE_FAILURES = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR,
+                               sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN,
+                               sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,
+                               sqlite3.SQLITE_PROTOCOL, sqlite3.SQLITE_NOLFS})
+"""SQLite's primary result codes that are about the storage, not the data written."""
+
+
+def _write_failed(path: Path, exc: sqlite3.Error) -> LedgerError:
+    """What a failed write of the ledger at ``path`` raises: :class:`LedgerUnwritable` when
+    the storage refused it, :class:`LedgerError` otherwise (the data itself did not fit)."""
+    why = " (its filesystem is read-only)" if _on_read_only_filesystem(path) else ""
+    message = f"cannot write the ledger {path}: {exc}{why}"
+    code = getattr(exc, "sqlite_errorcode", None)
+    if why or (code is not None and code & 0xFF in _STORAGE_FAILURES):
+        return LedgerUnwritable(message)
+    return LedgerError(message)
+
+
+MIN_FREE_BYTES_TO_OPEN = 1 << 20
+"""Below this much free space on its filesystem a ledger is not opened: SQLite must write its
+write-ahead log index (``-shm``, memory-mapped) to open a WAL database at all, and on a full
+ext4 the mapped pages cannot be allocated, which kills the process with SIGBUS instead of
+failing with an error (reproduced on a filled 8 MiB filesystem)."""
+
+
+def _full_filesystem(path: Path) -> str | None:
+    """Why the ledger at ``path`` must not be opened for lack of space, or None."""
+    try:
+        stat = os.statvfs(path.parent)
+    except OSError:
+        return None  # not ours to judge here: the open says what is wrong
+    free = stat.f_bavail * stat.f_frsize
+    if free >= MIN_FREE_BYTES_TO_OPEN:
+        return None
+    return (f"cannot open the ledger {path}: its filesystem is full ({free} bytes free, "
+            f"{MIN_FREE_BYTES_TO_OPEN >> 20} MiB needed); free space there and start again")
+
+
 class LedgerChanged(LedgerError):
     """Another process committed to the ledger since this one last looked (a takeover)."""
 
@@ -678,6 +722,9 @@ class Ledger:
         # `gpu-ledger restore` takes it exclusively, so it never replaces a ledger in use.
         self._lock = LedgerLock.take(self.path, exclusive=False, wait_s=LOCK_WAIT_S)
         try:
+            full = _full_filesystem(self.path)
+            if full is not None:
+                raise LedgerUnwritable(full)
             self._db = self._connect_and_migrate()
         except BaseException:
             self._lock.release()
@@ -849,8 +896,7 @@ class Ledger:
                 if changes.events:
                     conn.executemany(_INSERT_SQL["events"], changes.events)
         except sqlite3.Error as exc:
-            why = " (its filesystem is read-only)" if _on_read_only_filesystem(self.path) else ""
-            raise LedgerError(f"cannot write the ledger {self.path}: {exc}{why}") from exc
+            raise _write_failed(self.path, exc) from exc
 
     @staticmethod
     def _write_position(conn: sqlite3.Connection, position: LogPosition) -> None:
@@ -909,8 +955,7 @@ class Ledger:
                                     "ledger: a snapshot carries state, not the trail"})))
                 self._write_position(conn, position)
         except sqlite3.Error as exc:
-            why = " (its filesystem is read-only)" if _on_read_only_filesystem(self.path) else ""
-            raise LedgerError(f"cannot write the ledger {self.path}: {exc}{why}") from exc
+            raise _write_failed(self.path, exc) from exc
 
     @staticmethod
     def _write_rows(conn: sqlite3.Connection, table: str, pk: str,

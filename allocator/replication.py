@@ -34,6 +34,13 @@ another log, or one with data but never part of a log while the log has entries,
 (:class:`LogMismatch`): it is not the active one's history, and the allocator does not serve
 from it. An empty ledger replays the log from its start while the stream keeps it.
 
+A full or read-only disk is an error of this replica's store, not of the log: the entry is
+in the log and every other replica applies it. The replica stops serving (its batch in flight
+goes back to the queue: :class:`LogStalled`), keeps following, writes the same entry again
+every ``STORE_RETRY_S``, and serves again once it is applied
+(:attr:`ReplicatedLog.store_failure`). Only an entry that cannot be read or applied for what
+it holds stops the replica for good.
+
 Snapshots (:mod:`allocator.log_snapshot`). The stream keeps only ``ledger_log_max_bytes``.
 The writer appends a snapshot of the ledger's state (nodes, GPUs, leases; not the lease
 history and events) each time the log has grown by ``ledger_log_snapshot_bytes``, in parts of
@@ -56,6 +63,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +71,14 @@ import aio_pika
 import aio_pika.abc
 from aiormq.exceptions import ChannelInvalidStateError
 
-from allocator.ledger import Changes, ChangeSet, Ledger, LedgerError, LogPosition
+from allocator.ledger import (
+    Changes,
+    ChangeSet,
+    Ledger,
+    LedgerError,
+    LedgerUnwritable,
+    LogPosition,
+)
 from allocator.log_entries import (
     Batch,
     BrokenEntry,
@@ -98,6 +113,11 @@ it, so that many small entries cannot make retention drop more than the settings
 FOLLOW_RETRY_S = 1.0
 """Pause before consuming the stream again after a broker error while catching up."""
 
+STORE_RETRY_S = 1.0
+"""Pause before writing an entry to this replica's ledger again after its storage refused it
+(disk full, read-only): one small transaction a second costs nothing, and the replica serves
+again within a second of the space coming back."""
+
 
 RETENTION_ARGUMENTS = ("x-max-length-bytes", "x-stream-max-segment-size-bytes")
 
@@ -108,6 +128,12 @@ class LogFenced(LedgerError):
 
 class LogUnavailable(LedgerError):
     """The entry did not come back in time: it may still be applied later (by everyone)."""
+
+
+class LogStalled(LogUnavailable):
+    """The entry is in the log, but this replica's ledger cannot apply it now (its storage
+    refused the write: disk full, read-only). The replica follows without serving and applies
+    it, here as everywhere, once its storage takes writes again."""
 
 
 class LogNotHere(LedgerError):
@@ -176,6 +202,18 @@ class ReplicatedLog:
         self.mismatch: LogMismatch | None = None
         """Set when the log is not this ledger's history: stop serving."""
         self.mismatch_event = asyncio.Event()
+        self.store_failure: LedgerUnwritable | None = None
+        """Set while this replica's ledger refuses to apply the next entry (disk full,
+        read-only): the replica follows without serving and writes the entry again every
+        ``STORE_RETRY_S`` until it works. An error of the local store, not of the log."""
+        self.store_failing = asyncio.Event()
+        """Set while :attr:`store_failure` is."""
+        self.store_writable = asyncio.Event()
+        """Set while it is not."""
+        self.store_writable.set()
+        self.store_retries = 0
+        """Writes of an entry to this ledger tried again after its storage refused them."""
+        self._store_failed_at = 0.0
         self.caught_up = asyncio.Event()
         """Cleared while the replica loads a snapshot (it cannot claim the log meanwhile)."""
         self.caught_up.set()
@@ -357,6 +395,7 @@ class ReplicatedLog:
         await self._check_the_stream_is_the_log()
         for attempt in range(attempts):
             self._raise_if_mismatched()
+            self._raise_if_stalled()
             if not self.caught_up.is_set():
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.timeout_s):
@@ -593,6 +632,12 @@ class ReplicatedLog:
         if self.mismatch is not None:
             raise self.mismatch
 
+    def _raise_if_stalled(self) -> None:
+        # A claim would be appended and then wait for an apply that cannot happen here.
+        if self.store_failure is not None:
+            raise LogStalled(f"this replica's ledger cannot apply the ledger log "
+                             f"{self.stream} now: {self.store_failure}")
+
     # ------------------------------------------------------------------ reads
 
     async def _apply_loop(self) -> None:
@@ -710,7 +755,7 @@ class ReplicatedLog:
             else:
                 self.ledger.commit(changes, position=new_position)
 
-        await self.ledger.run(commit)
+        await self._write(commit)
         self.position = new_position
         self._consume_arguments["x-stream-offset"] = offset + 1
         if accepted:
@@ -727,6 +772,54 @@ class ReplicatedLog:
         # on a memory that lacks them (the same request key granted twice, seen in the
         # broker-cluster test). Only a claim (:meth:`claim`) makes it the writer again.
         self._resolve(entry.entry_id, accepted)
+
+    async def _write(self, write: Callable[[], None]) -> None:
+        """Run ``write`` (one entry's transaction) on the ledger's thread until it is done.
+
+        A write the storage refuses (:class:`~allocator.ledger.LedgerUnwritable`: disk full,
+        read-only) is no broken entry: every other replica applies it, and so will this one
+        once its disk takes writes again. Meanwhile this replica stops serving
+        (:meth:`_store_failed`), keeps the entry and everything after it unread, and tries
+        the same write again every ``STORE_RETRY_S``; nothing is skipped, so the entry is
+        applied exactly once, in its place. Any other error still stops the replica.
+        """
+        while True:
+            try:
+                await self.ledger.run(write)
+            except LedgerUnwritable as exc:
+                if self.store_failure is None:
+                    self._store_failed(exc)
+                else:
+                    self.store_retries += 1
+                    self.store_failure = exc
+                await asyncio.sleep(STORE_RETRY_S)
+                continue
+            if self.store_failure is not None:
+                self._store_recovered()
+            return
+
+    def _store_failed(self, exc: LedgerUnwritable) -> None:
+        log.error("ledger log %s: this replica's ledger cannot apply the next entry (%s); "
+                  "it follows the log without serving and writes the entry again every "
+                  "%g s until its storage takes it", self.stream, exc, STORE_RETRY_S)
+        self.store_failure = exc
+        self._store_failed_at = time.monotonic()
+        self.is_writer = False
+        self.store_writable.clear()
+        self.store_failing.set()
+        stalled = LogStalled(f"the entry is in the ledger log {self.stream}, but this "
+                             f"replica's ledger cannot apply it now ({exc})")
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(stalled)
+
+    def _store_recovered(self) -> None:
+        log.warning("ledger log %s: this replica's ledger takes writes again after %.1f s; "
+                    "the entry it could not apply is applied, and the replica serves again",
+                    self.stream, time.monotonic() - self._store_failed_at)
+        self.store_failure = None
+        self.store_failing.clear()
+        self.store_writable.set()
 
     def _resolve(self, entry_id: str, accepted: bool) -> None:
         waiter = self._waiters.get(entry_id)
@@ -817,8 +910,8 @@ class ReplicatedLog:
         header = snapshot.header
         position = LogPosition(snapshot.log_id, snapshot.last_offset, snapshot.last_entry_id,
                                header.as_of.epoch, header.as_of.writer, header.as_of.offset, 0)
-        await self.ledger.run(lambda: self.ledger.load_snapshot(tables, position,
-                                                                loaded_at=time.time()))
+        await self._write(lambda: self.ledger.load_snapshot(tables, position,
+                                                            loaded_at=time.time()))
         self.position = position
         self._catch_up = None
         self._assembly = SnapshotAssembly(

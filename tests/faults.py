@@ -35,6 +35,26 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 HOLDING = ("granted", "bound", "releasing")
 
+LEDGER_LOGS = ("off", "stream")
+"""The two ways allocators keep the ledger (``ledger_log``): one SQLite file they share, or
+the replicated log, each replica applying it to a file of its own (what compose/stack.yml
+ships). A fault test runs in both where the fault means something in both; where it does
+not, its module says why."""
+
+
+def replica_ledger(ledger_path: Path, replica: str, ledger_log: str) -> Path:
+    """The ledger file of allocator ``replica``: the shared one without the log, a file of
+    its own with it (replicas on different nodes, each on its own disk)."""
+    if ledger_log == "off":
+        return ledger_path
+    return ledger_path.with_name(f"{ledger_path.stem}-{replica}{ledger_path.suffix}")
+
+
+def fault_name(name: str, ledger_log: str) -> str:
+    """The name :func:`report` files a fault under: as before for ``off``, ``_stream`` added
+    for the replicated log."""
+    return name if ledger_log == "off" else f"{name}_stream"
+
 
 def report(name: str, **figures: Any) -> dict[str, Any]:
     """Print the figures of one fault run as one JSON line (``pytest -rA`` or ``-s`` shows it).
@@ -112,6 +132,47 @@ async def first_kept_offset(url: str, stream: str = "swarm-gpu.ledger-log") -> i
                 first.set_result(int(message.headers["x-stream-offset"]))  # type: ignore[arg-type]
         await queue.consume(on_message, arguments={"x-stream-offset": "first"})
         return await asyncio.wait_for(first, 10)
+
+
+async def log_entries(url: str, through: int, stream: str = "swarm-gpu.ledger-log"
+                      ) -> dict[int, Any]:
+    """offset -> entry (:mod:`allocator.log_entries`) of the ledger log's stream, from the
+    oldest entry it keeps through offset ``through``."""
+    from allocator.log_entries import decode_entry
+
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=100)
+        queue = await channel.declare_queue(stream, durable=True, passive=True)
+        entries: dict[int, Any] = {}
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            offset = int(message.headers["x-stream-offset"])  # type: ignore[arg-type]
+            if offset <= through:
+                entries[offset] = decode_entry(message.body)
+            await message.ack()
+            if offset >= through and not done.done():
+                done.set_result(None)
+        await queue.consume(on_message, arguments={"x-stream-offset": "first"})
+        await asyncio.wait_for(done, 10)
+        return entries
+
+
+def leases_granted_in(entries: dict[int, Any]) -> dict[str, dict[str, int]]:
+    """request key -> {lease id: offset of the first batch entry holding that lease}: which
+    leases the log's batches gave each request key, and where."""
+    found: dict[str, dict[str, int]] = {}
+    for offset in sorted(entries):
+        entry = entries[offset]
+        if entry.kind != "batch":
+            continue
+        for lease_id, row in entry.changes.to_changes().leases.items():
+            key = row.get("request_key")
+            if key is not None:
+                found.setdefault(key, {}).setdefault(lease_id, offset)
+    return found
 
 
 def backup_ledger(ledger: Path, target: Path) -> None:

@@ -7,6 +7,10 @@ simulated node is released by the hub, and the stop command the allocator sends 
 the agent's :class:`~nodeagent.commands.CommandConsumer` within the recovery bound. The
 consumer's stopper records the commands instead of calling Docker (the Docker side is tested
 in ``tests/test_stop_on_release.py``).
+
+Only without the replicated log: the fault is in the agent's command consumer, and a stop
+command goes out after its batch is committed, whichever way; the allocator's side of a
+broker restart with the log is in test_fault_broker_restart.py.
 """
 
 from __future__ import annotations

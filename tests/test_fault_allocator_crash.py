@@ -1,7 +1,11 @@
 """``kill -9`` of the active allocator under a stream of requests: the standby takes over.
 
 Two real allocator processes (``python -m allocator.cli serve``) consume one quorum queue with
-single-active-consumer and share one ledger file; the second is a standby. Sixteen clients
+single-active-consumer; the second is a standby. Both ways of keeping the ledger
+(``ledger_log``): one ledger file they share (``off``), or the replicated log (``stream``),
+each process applying it to a file of its own; there the standby takes over by claiming the
+log, and the replacement started without a standby carries on from the killed one's file and
+the log. Sixteen clients
 allocate with distinct request keys (half of them stop their server again right away) and
 retry with the **same** request key whenever a call times out or the broker is unavailable.
 The active allocator is killed with SIGKILL in the middle of the stream.
@@ -25,7 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from faults import AllocatorProcess, assert_sound, audit_ledger, gpu_ledger_check, report
+from faults import (
+    LEDGER_LOGS,
+    AllocatorProcess,
+    assert_sound,
+    audit_ledger,
+    fault_name,
+    gpu_ledger_check,
+    replica_ledger,
+    report,
+)
 from support import RTX3090, NodeSimulator, gpus, wait_until
 
 from allocator.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
@@ -117,13 +130,19 @@ async def first_answer_after(url: str, since: float) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ledger_log", LEDGER_LOGS)
 @pytest.mark.parametrize("recovery", ["standby", "restart"])
 async def test_kill_9_of_the_allocator_loses_nothing_and_doubles_nothing(
-        amqp_vhost, tmp_path: Path, ledger_path: Path, recovery: str) -> None:
+        amqp_vhost, tmp_path: Path, ledger_path: Path, recovery: str, ledger_log: str) -> None:
     url = amqp_vhost.url
-    settings = {"container_gone_grace_s": 0.5, "node_down_after_s": 30}
+    settings = {"container_gone_grace_s": 0.5, "node_down_after_s": 30,
+                "ledger_log": ledger_log}
+    # The replacement started without a standby is the killed task restarted on its node:
+    # its ledger file is the killed one's. A standby is another replica, on its own disk.
+    survivor_ledger = replica_ledger(ledger_path, "second", ledger_log) \
+        if recovery == "standby" else ledger_path
     active = AllocatorProcess("active", url, ledger_path, tmp_path, **settings)
-    second = AllocatorProcess("second", url, ledger_path, tmp_path, **settings)
+    second = AllocatorProcess("second", url, survivor_ledger, tmp_path, **settings)
     stop_beating = asyncio.Event()
     beating: asyncio.Task[None] | None = None
     try:
@@ -175,9 +194,9 @@ async def test_kill_9_of_the_allocator_loses_nothing_and_doubles_nothing(
         for process in (active, second):
             await process.stop()
 
-    audit = audit_ledger(ledger_path)
+    audit = audit_ledger(survivor_ledger)
     assert_sound(audit)
-    checked = gpu_ledger_check(ledger_path)
+    checked = gpu_ledger_check(survivor_ledger)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     keys = {f"hub/user{n}/server{i}" for n in range(WORKERS) for i in range(REQUESTS_PER_WORKER)}
     assert set(tally.granted) == keys, "every request was answered in the end"
@@ -202,8 +221,9 @@ async def test_kill_9_of_the_allocator_loses_nothing_and_doubles_nothing(
     if recovery == "restart":
         assert tally.retried > 0, "calls in flight at the kill were retried"
 
-    report(f"allocator_kill_9_{recovery}", requests=len(keys), calls_sent=tally.sent,
-           answered=tally.answered, retried=tally.retried, unavailable=tally.unavailable,
+    report(fault_name(f"allocator_kill_9_{recovery}", ledger_log), requests=len(keys),
+           calls_sent=tally.sent, answered=tally.answered, retried=tally.retried,
+           unavailable=tally.unavailable,
            answered_before_kill=answered_before_kill, leases=len(audit.leases),
            held_gpus=len(audit.held_gpus), leaked=len(leaked),
            double_booked=len(audit.double_booked), takeover_s=round(takeover_s, 3),

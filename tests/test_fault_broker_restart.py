@@ -13,6 +13,12 @@ Promises checked:
   heartbeats and container events reach the allocator;
 - a request the allocator recorded but could not answer during the outage is found again
   by its request key (one lease, not two); the invariant checker finds nothing.
+
+The restart runs in both ways of keeping the ledger (``ledger_log``): with the replicated log
+(``stream``) the log's stream lives on the broker too, so the allocator must also follow it
+again from where it was, and a decision appended just before the outage must be neither lost
+nor applied twice. The wait for a broker that is not up yet is the same in both (the
+allocator connects before anything of the log is followed) and runs once.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faults import AllocatorProcess, assert_sound, audit_ledger, report
+from faults import LEDGER_LOGS, AllocatorProcess, assert_sound, audit_ledger, fault_name, report
 from services import port_open
 from support import wait_until
 
@@ -82,8 +88,10 @@ async def recovered(client: AllocatorClient, up_at: float) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ledger_log", LEDGER_LOGS)
 async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_path: Path,
-                                                         ledger_path: Path) -> None:
+                                                         ledger_path: Path,
+                                                         ledger_log: str) -> None:
     broker = private_rabbitmq
     url = broker.url
     inventory = tmp_path / "inventory.json"
@@ -91,7 +99,7 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
                                        for i in range(4)]})
     allocator = AllocatorService(AllocatorSettings(
         amqp_url=url, ledger_path=ledger_path, allow_any_node_user=True, admin_users=["guest"],
-        tick_s=0.1, node_down_after_s=60, stop_grace_s=60,
+        tick_s=0.1, node_down_after_s=60, stop_grace_s=60, ledger_log=ledger_log,
         start_fence_s=0))  # the agent watches no Docker engine: its listings never complete
     agent = NodeAgent(AgentSettings(
         host=HOST, amqp_url=url, inventory="simulated", simulated_file=inventory,
@@ -189,7 +197,7 @@ async def test_everything_resumes_after_a_broker_restart(private_rabbitmq, tmp_p
     assert_sound(audit)
     assert sorted(audit.leases_per_key) == ["hub/alice/", "hub/bob/", "hub/carol/", "hub/dave/"]
     assert len(audit.held_gpus) == 4
-    report("broker_restart", **figures)
+    report(fault_name("broker_restart", ledger_log), **figures)
 
 
 def first_attempt_at(log: str) -> float:

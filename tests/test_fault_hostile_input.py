@@ -22,6 +22,10 @@ from a broker user that does not own the host or from none. Then:
 
 Further tests check replayed and reordered heartbeats, a forged ``user_id``, and
 non-finite times, one by one.
+
+Only without the replicated log: what a message may do is decided by the protocol and the
+engine before anything is committed; with the log a batch's changes are checked once more as
+every replica reads them (tests/test_log_entries.py and test_ledger_log.py).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ by their heartbeats. Each replica has a ledger folder of its own, as on two mach
   the log existed: a standby with its own ledger took over and granted GPUs the active one
   had granted): another cluster's ledger is refused (the process exits saying why and never
   serves); an empty one replays the log; an older copy catches up. 0 double-booked.
+
+Only with the replicated log: every fault here is one of the log (a claim, a stream's
+retention, a replica's place in the log), which does not exist without it.
 """
 
 from __future__ import annotations

@@ -8,9 +8,12 @@ Then the allocator is killed with SIGKILL and
 - **restored**: the ledger is replaced by a backup (``VACUUM INTO``, as docs/operations.md
   says) taken before the last grants,
 
-and a new allocator process starts on it. Promises checked: every running container's lease
-is bound again with the same GPUs (those the ledger forgot as ``adopted``), before anything
-else is granted on the node; then 200 allocations of every shape land only on GPUs no
+and a new allocator process starts on it. Both ways of keeping the ledger (``ledger_log``):
+without the replicated log the node's containers are the only record left of what the file
+lost; with it (``stream``) the new process replays the log onto the empty or restored file,
+and nothing needs adopting. Promises checked: every running container's lease is bound again
+with the same GPUs (those the ledger forgot as ``adopted``), before anything else is granted
+on the node; then 200 allocations of every shape land only on GPUs no
 container holds (0 double-booked); the invariant checker and ``gpu-ledger check --live``
 find nothing.
 """
@@ -29,10 +32,12 @@ from typing import Any
 import aiodocker
 import pytest
 from faults import (
+    LEDGER_LOGS,
     AllocatorProcess,
     assert_sound,
     audit_ledger,
     backup_ledger,
+    fault_name,
     gpu_ledger_check,
     report,
 )
@@ -114,16 +119,18 @@ def lose_ledger(ledger: Path, restore_from: Path | None) -> None:
 
 @pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.parametrize("ledger_log", LEDGER_LOGS)
 @pytest.mark.parametrize("loss", ["deleted", "restored"])
 async def test_a_lost_ledger_gets_its_running_leases_back_and_doubles_nothing(
         amqp_vhost, tmp_path: Path, ledger_path: Path, docker_engine: str, busybox_image: str,
-        loss: str) -> None:
+        loss: str, ledger_log: str) -> None:
     url = amqp_vhost.url
+    settings = {**SETTINGS, "ledger_log": ledger_log}
     host = f"nodetruth-{uuid.uuid4().hex[:8]}"
     inventory = tmp_path / "inventory.json"
     write_inventory(inventory, {host: [make_gpu(host, i, GTX1070) for i in range(GPUS)]})
-    first = AllocatorProcess("first", url, ledger_path, tmp_path, **SETTINGS)
-    second = AllocatorProcess("second", url, ledger_path, tmp_path, **SETTINGS)
+    first = AllocatorProcess("first", url, ledger_path, tmp_path, **settings)
+    second = AllocatorProcess("second", url, ledger_path, tmp_path, **settings)
     agent = NodeAgent(agent_settings(host, url, inventory, docker_engine))
     saved = tmp_path / "backup.sqlite"
     try:
@@ -221,9 +228,13 @@ async def test_a_lost_ledger_gets_its_running_leases_back_and_doubles_nothing(
     audit = audit_ledger(ledger_path)
     assert_sound(audit)
     adopted = _adopted(ledger_path)
-    assert adopted == {lease_id for i, lease_id in enumerate(leases) if i >= before_backup}
-    report(f"ledger_{loss}", running_leases=len(leases), adopted=len(adopted),
-           kept_from_backup=before_backup, first_answer_s=round(first_answer_s, 3),
+    if ledger_log == "off":
+        assert adopted == {lease_id for i, lease_id in enumerate(leases) if i >= before_backup}
+    else:
+        assert adopted == set(), "the log gave every lease back: nothing to adopt"
+    report(fault_name(f"ledger_{loss}", ledger_log), running_leases=len(leases),
+           adopted=len(adopted), kept_from_backup=before_backup,
+           first_answer_s=round(first_answer_s, 3),
            allocations=ALLOCATIONS, granted=granted, refused=refused,
            double_booked=double_booked, all_bound_after_restart_s=round(adopted_s, 2),
            early_request_queued_first=early_queued)

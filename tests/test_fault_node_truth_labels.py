@@ -10,6 +10,9 @@
   container while it runs, and placeable again once it is gone.
 
 The engine-level cases are in tests/test_gpu_moves.py and tests/test_label_narrowing.py.
+
+Only without the replicated log: a forged report or label is judged by the engine, the same
+code whichever way its decisions are committed.
 """
 
 from __future__ import annotations

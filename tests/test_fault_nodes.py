@@ -16,6 +16,13 @@ Each test checks one documented bound (docs/design.md, flow 3), with timers set 
 
 Node silence and bind timeout use the test's own heartbeats (``NodeSimulator``); the rest run
 the real node agent against a real Docker engine.
+
+Only without the replicated log (``ledger_log = "off"``): these faults are in the nodes, their
+agents and engines and the hub, and what answers them is the engine's timers and its reading
+of reports, the same code whichever way a batch is then committed. Committing through the log
+under faults is what tests/test_fault_allocator_crash.py, test_fault_broker_restart.py,
+test_fault_disk.py and test_fault_node_truth.py run in both ways, and test_fault_ledger_log.py
+runs alone.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from allocator.service.connect import STOP_STEP_S, BrokerLink
 from allocator.service.decide import Decider
 from allocator.service.intake import Intake
 from allocator.service.memory import Memory
-from allocator.service.standby import Standby
+from allocator.service.standby import Standby, serve_while_writable
 from allocator.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -204,8 +204,11 @@ class AllocatorService:
         return not await self._running_standby().is_standby()
 
     async def _watch_log(self, replicated: ReplicatedLog) -> None:
-        """Stop serving for good when the log turns out not to be this ledger's history."""
-        await replicated.mismatch_event.wait()
+        """Stop serving while this ledger cannot apply the log (disk full: it serves again
+        once it can), and for good when the log turns out not to be this ledger's history."""
+        await serve_while_writable(
+            replicated, self.started, pause=self._link.cancel_consumer,
+            resume=lambda: self._link.consume(self._intake.on_message))
         self.failure = str(replicated.mismatch)
         await self._link.cancel_consumer()
         self.failed.set()

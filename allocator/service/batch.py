@@ -11,6 +11,10 @@ and every message of the batch is answered or given back to the queue:
 - *a fenced batch* (with the log: another replica claimed it first, or the log is not this
   ledger's history): nothing is answered; memory is rebuilt and the messages go back to the
   queue, for the active allocator;
+- *a stalled batch* (with the log: its entry is in the log, but this replica's ledger cannot
+  apply it now, disk full or read-only): nothing is answered; memory is rebuilt and the
+  messages go back to the queue. They are decided again once the entry is applied, here or
+  on another replica, and answered from it (a request key keeps its lease);
 - *a takeover* (the shared file was written by another allocator): memory is rebuilt from
   the file and the batch applied again (:mod:`allocator.service.standby`);
 - *a failed commit*: nothing was written; memory is rebuilt and every caller of the batch is
@@ -34,7 +38,13 @@ from allocator.ledger import Changes, LedgerChanged, LedgerError
 from allocator.logs import lease_context
 from allocator.metrics import AllocatorMetrics
 from allocator.protocol import ErrorCode, error_reply
-from allocator.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
+from allocator.replication import (
+    LogFenced,
+    LogMismatch,
+    LogStalled,
+    LogUnavailable,
+    ReplicatedLog,
+)
 from allocator.service.answers import Answers, Pending
 from allocator.service.commands import Commands
 from allocator.service.decide import Decider, Poisoned, wants_reply
@@ -131,6 +141,9 @@ class Batches:
             except (LogFenced, LogMismatch) as exc:
                 await self._fenced(batch, exc)
                 return None
+            except LogStalled as exc:
+                await self._stalled(batch, exc)
+                return None
             except LedgerChanged:
                 phases.committing += time.monotonic() - decided_at
                 takeovers += 1
@@ -167,6 +180,19 @@ class Batches:
         log.warning("batch fenced, not applied (%s); its messages go back to the "
                     "queue", exc)
         self._stats.counters.add(Count.FENCED_BATCHES)
+        await self._give_back(batch)
+
+    async def _stalled(self, batch: list[object], exc: LogStalled) -> None:
+        """The batch's entry is in the log, but this replica's ledger cannot apply it yet:
+        nothing is answered now (memory is rebuilt, the messages go back to the queue). Once
+        the entry is applied, here or on another replica, their redeliveries are decided on
+        a memory that holds it: each request key gets the lease the entry gave it."""
+        log.warning("batch in the ledger log but not applied here (%s); its messages go back "
+                    "to the queue", exc)
+        await self._give_back(batch)
+
+    async def _give_back(self, batch: list[object]) -> None:
+        # Memory holds the batch's decisions, which this ledger does not (yet) hold.
         await self._memory.reload()
         await self._answers.requeue(batch)
 

@@ -12,6 +12,11 @@ gets deliveries; so:
   broker still stands behind (:meth:`Standby.may_write`), then rebuilds its memory from its
   ledger, which holds every entry before its claim.
 
+A replica whose ledger cannot apply the log's next entry (disk full or read-only) is a
+standby until it can: it stops consuming requests, so that another replica is given them,
+keeps following the log, and consumes again once the entry is applied
+(:func:`serve_while_writable`).
+
 A standby runs no timers (the service asks :meth:`Standby.is_standby` before each tick): it
 would write timer decisions to the shared ledger and then have to reload after every write
 of the active one.
@@ -23,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import aio_pika.abc
 import aiormq.abc
@@ -36,6 +42,10 @@ from allocator.service.intake import Intake, delivery_of
 from allocator.service.memory import Memory
 
 log = logging.getLogger(__name__)
+
+RESUME_RETRY_S = 1.0
+"""Pause before consuming requests again when the broker refused it (the connection is being
+restored meanwhile)."""
 
 MAX_TAKEOVERS_PER_BATCH = 3
 """How often one batch may find the shared ledger file written by another allocator and be
@@ -148,3 +158,50 @@ class Standby:
         if len(stale) == len(messages):
             return []
         return [item for item in batch if id(item) not in stale]
+
+
+async def serve_while_writable(replicated: ReplicatedLog, consuming: asyncio.Event, *,
+                               pause: Callable[[], Awaitable[None]],
+                               resume: Callable[[], Awaitable[None]]) -> None:
+    """Stop consuming requests (``pause``) while this replica's ledger cannot apply the log
+    (:attr:`~allocator.replication.ReplicatedLog.store_failure`), and consume again
+    (``resume``) once it can; return when the log turns out not to be this ledger's
+    history (the caller stops serving for good).
+
+    ``consuming`` is set once the service has started its consumer: a failure found before
+    that is acted on right after it, so a consumer started meanwhile is stopped too. While
+    paused, single-active-consumer gives the requests to another replica, if there is one;
+    if not, they wait in the queue (no restart would help: the disk is the same after one).
+    """
+    mismatch, failing, writable = (replicated.mismatch_event, replicated.store_failing,
+                                   replicated.store_writable)
+    while True:
+        await _first_of(mismatch, failing)
+        await _first_of(mismatch, consuming)
+        if mismatch.is_set():
+            return
+        await pause()
+        log.warning("stopped consuming requests: this replica's ledger cannot apply the "
+                    "ledger log (%s); following it until it can", replicated.store_failure)
+        await _first_of(mismatch, writable)
+        if mismatch.is_set():
+            return
+        while True:
+            try:
+                await resume()
+                break
+            except Exception as exc:  # the broker link is being restored: try again
+                log.warning("cannot consume requests again yet (%s); again in %g s",
+                            exc or type(exc).__name__, RESUME_RETRY_S)
+                await asyncio.sleep(RESUME_RETRY_S)
+        log.info("consuming requests again: this replica's ledger applies the ledger log")
+
+
+async def _first_of(*events: asyncio.Event) -> None:
+    """Until one of ``events`` is set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
