@@ -33,9 +33,10 @@ import aio_pika
 import aio_pika.abc
 from pydantic import BaseModel, ValidationError
 
-from allocator import broker
+from allocator import __version__, broker
 from allocator.broker import broker_user, redact
 from allocator.protocol import (
+    CLIENT_RELEASE_HEADER,
     READ_EXTRA,
     REPLY_ADAPTER,
     AllocateRequest,
@@ -346,6 +347,9 @@ class AllocatorClient:
             expiration=max(bound_s, 0.001),
             user_id=self.user_id,
             delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+            # Replies may carry this release's fields (a 0.1.0 client, which sends no such
+            # header, gets only 0.1.0's: it refuses a field it does not know).
+            headers={CLIENT_RELEASE_HEADER: __version__},
         )
         if not self.connected:
             await self.connect()

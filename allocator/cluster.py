@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from allocator.protocol import Health
+from allocator.protocol import Health, ProcessState
 
 
 @dataclass
@@ -48,6 +48,10 @@ class GPU:
     """Why a running container's grant contradicts the ledger on this GPU (see
     :mod:`allocator.adoption`); None when nothing does. Kept in memory only: it is judged
     again from every listing of the node."""
+    process_state: ProcessState | None = None
+    """Why the processes on it keep it out of placement (draining after a lease's end, a
+    process left behind, use outside swarm-gpu: :mod:`allocator.engine.processes`); None:
+    nothing, or its processes are not known. Memory only: the next report decides again."""
 
     @property
     def allocatable(self) -> bool:
@@ -57,10 +61,10 @@ class GPU:
 
     @property
     def placeable(self) -> bool:
-        """Allocatable, healthy, listed by its node, not drained and not in conflict (node
-        state is checked separately)."""
+        """Allocatable, healthy, listed by its node, not drained, not in conflict and not
+        kept out by its processes (node state is checked separately)."""
         return (self.allocatable and self.present and self.health is Health.HEALTHY
-                and not self.drained and self.conflict is None)
+                and not self.drained and self.conflict is None and self.process_state is None)
 
     @property
     def order(self) -> tuple[int, int]:

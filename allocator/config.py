@@ -382,6 +382,32 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
     usage_history_s: float = Field(
         default=3 * 3600.0, ge=0, le=7 * 24 * 3600,
         description="Per-minute GPU use kept in memory per lease for the leases reply.")
+    release_verify_s: float = Field(
+        default=10.0, ge=0, le=3600,
+        description="After a lease whose container ran ends, its GPUs are draining (not "
+        "placed) until a report taken after the end shows none of that container's processes "
+        "on them, for at most this long; a process still there then marks the GPU "
+        "stuck_process, out of placement until it is gone (nothing is killed). Only GPUs whose "
+        "agent reports processes (0.2.0 agents, NVML answering) drain.")
+    over_budget_grace_s: float = Field(
+        default=30.0, ge=0, le=24 * 3600,
+        description="A shared slice whose processes use more GPU memory than its budget this "
+        "long on end is over budget: warned (over_budget_since on the lease, event "
+        "over_budget), and stopped with over_budget_action = \"stop\".")
+    over_budget_action: Literal["warn", "stop"] = Field(
+        default="warn",
+        description="What a slice over budget for over_budget_grace_s gets: \"warn\" (the "
+        "warning on the lease and the user's GPU page) or \"stop\" (its container is stopped, "
+        "reason over_budget; needs stop_containers and 0.2.0 agents). Enforcement after the "
+        "fact, not isolation: MIG isolates.")
+
+    @model_validator(mode="after")
+    def _over_budget_stop_needs_stops(self) -> AllocatorSettings:
+        if self.over_budget_action == "stop" and not self.stop_containers:
+            raise ValueError('over_budget_action = "stop" needs stop_containers = true: '
+                             "without it no container is stopped and the lease would stay "
+                             "releasing")
+        return self
     strict_guarantees: bool = Field(
         default=False,
         description="Refuse to start when the user guarantees, or the group guarantees, add up "

@@ -84,6 +84,12 @@ class Count(StrEnum):
     GPU_MOVE_CONFLICT = "gpu_move_conflict"
     """A host reports a GPU on record for another host that does not hold it: the GPU is
     placed on neither until it moves (``gpu_move_after_s``) or the claim ends."""
+    STUCK_PROCESS = "stuck_process"
+    """A GPU still used by an ended lease's container ``release_verify_s`` after the end."""
+    OUTSIDE_USE = "outside_use"
+    """A GPU used by a process that no lease on it accounts for (one per episode)."""
+    OUTSIDE_GRANT = "outside_grant"
+    """A lease's container found using a GPU it was not granted."""
     QUEUED_BEHIND_FENCE = "queued_behind_fence"
     """A request that waited for the nodes' first reports after a start (the start fence)."""
     NODE_EVENTS_UNRECORDED = "node_events_unrecorded"
@@ -101,6 +107,8 @@ class Count(StrEnum):
     PUSH_FAILURES = "push_failures"
     """Outcomes that could not be published (the status call of the client finds them)."""
     COMMANDS_SENT = "commands_sent"
+    HELLOS_SENT = "hellos_sent"
+    """Hellos published to node agents (what this allocator reads): one per agent and load."""
     COMMAND_FAILURES = "command_failures"
     DEAD_LETTERED = "dead_lettered"
     REPLY_TO_REFUSED = "reply_to_refused"
@@ -170,6 +178,9 @@ COUNT_EXPORTED: Final[Mapping[Count, Exported]] = MappingProxyType({
                             "from a running container's grant labels"),
     Count.ADOPTION_CONFLICT: _ANOMALY,
     Count.GPU_MOVE_CONFLICT: _ANOMALY,
+    Count.STUCK_PROCESS: _ANOMALY,
+    Count.OUTSIDE_USE: _ANOMALY,
+    Count.OUTSIDE_GRANT: _ANOMALY,
     Count.QUEUED_BEHIND_FENCE: Exported("swarm_gpu_queued_behind_fence", "Requests that waited "
                                         "for the nodes' first reports after an allocator "
                                         "start (the start fence); each also counts in "
@@ -188,8 +199,10 @@ COUNT_EXPORTED: Final[Mapping[Count, Exported]] = MappingProxyType({
                            "withdrawal) published to the waiting client"),
     Count.PUSH_FAILURES: Exported("swarm_gpu_push_failures", "Outcomes of queued requests that "
                                   "could not be published"),
-    Count.COMMANDS_SENT: Exported("swarm_gpu_commands_sent", "Commands published to node "
-                                  "agents"),
+    Count.COMMANDS_SENT: Exported("swarm_gpu_commands_sent", "Stop commands published to "
+                                  "node agents"),
+    Count.HELLOS_SENT: Exported("swarm_gpu_hellos_sent", "Hellos published to node agents "
+                                "(what this allocator reads), one per agent after each load"),
     Count.COMMAND_FAILURES: Exported("swarm_gpu_command_failures", "Commands to node agents "
                                      "that could not be published"),
     Count.DEAD_LETTERED: Exported("swarm_gpu_dead_lettered", "Messages sent to the dead-letter "

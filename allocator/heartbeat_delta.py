@@ -17,8 +17,11 @@ slow drift adds up to a change instead of hiding under the threshold forever, th
 never a threshold or more off, and every crossing of a multiple of the threshold is reported
 (keep the allocator's ``idle_utilization_pct`` a multiple of the agent's
 ``delta_utilization_pct``, both 5 by default, and idle detection sees every crossing).
-Anything else about a GPU (health and its reasons, XIDs, ECC, MIG, identity) or a container
-(its grant, name, start) counts at once.
+The processes on a GPU (``GPUInfo.processes``) count as changed when they become known or not
+known, when a pid comes or goes or runs in another container (or under another name), and when
+one pid's memory leaves its band (``memory_mib``); their order does not count. Anything else
+about a GPU (health and its reasons, XIDs, ECC, MIG, identity, ``processes_omitted``) or a
+container (its grant, name, start) counts at once.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from allocator.protocol import ContainerInfo, GPUInfo, Heartbeat, HeartbeatDelta, ProcessUse
+from allocator.protocol import (
+    ContainerInfo,
+    GPUInfo,
+    GPUProcess,
+    Heartbeat,
+    HeartbeatDelta,
+    ProcessUse,
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ EXACT = Thresholds(utilization_pct=0.0, memory_mib=0, temperature_c=0.0, power_w
 Entry = TypeVar("Entry", GPUInfo, ContainerInfo)
 
 _TELEMETRY = ("memory_used_mib", "utilization_pct", "temperature_c", "power_w")
+_NOT_COMPARED_WHOLE = {*_TELEMETRY, "processes"}
+"""A GPU's fields compared on their own terms (within thresholds) rather than as they are."""
 _IDENTITY = ("uuid", "index", "model", "memory_total_mib", "mig_mode", "mig_parent_uuid",
              "mig_profile", "mig_index")
 """What a GPU is: a change of any of it re-indexes placement, so it comes in a full report."""
@@ -71,8 +83,30 @@ def gpu_changed(old: GPUInfo, new: GPUInfo, thresholds: Thresholds) -> bool:
     for name, limit in zip(_TELEMETRY, limits, strict=True):
         if _moved(getattr(old, name), getattr(new, name), limit):
             return True
-    rest = new.model_dump(exclude=set(_TELEMETRY))
-    return old.model_dump(exclude=set(_TELEMETRY)) != rest
+    if _processes_changed(old.processes, new.processes, thresholds):
+        return True
+    rest = new.model_dump(exclude=_NOT_COMPARED_WHOLE)
+    return old.model_dump(exclude=_NOT_COMPARED_WHOLE) != rest
+
+
+def _processes_changed(old: list[GPUProcess] | None, new: list[GPUProcess] | None,
+                       thresholds: Thresholds) -> bool:
+    """Whether a GPU's processes changed: known or not, which pids, any pid's container or
+    name, or its memory beyond the threshold (order does not count)."""
+    if old is None or new is None:
+        return old is not new
+    before = {process.pid: process for process in old}
+    after = {process.pid: process for process in new}
+    if before.keys() != after.keys():
+        return True
+    for pid, now in after.items():
+        then = before[pid]
+        if _moved(then.memory_used_mib, now.memory_used_mib, thresholds.memory_mib):
+            return True
+        if (then.name, then.container_id, then.container_name, then.image) != (
+                now.name, now.container_id, now.container_name, now.image):
+            return True
+    return False
 
 
 def _use_changed(old: list[ProcessUse], new: list[ProcessUse], thresholds: Thresholds) -> bool:

@@ -306,15 +306,13 @@ def render_status(status: reports.ClusterStatus, console: Console) -> None:
                   if gpu.memory_used_mib is not None else str(gpu.memory_total_mib))
         slots = (f"{len(gpu.holders)}/{gpu.share_slots}" if gpu.share_slots > 1
                  else ("1/1" if gpu.holders else "0/1"))
-        holders = ", ".join(
-            f"{h.user} [{h.state}] {h.lease_id[:8]}"
-            + (f" slice {h.memory_mib} MiB" if h.shared else "")
-            for h in gpu.holders)
+        holders = ", ".join(_holder(h, now) for h in gpu.holders)
         state = gpu.state + (" [yellow]drained[/yellow]" if gpu.drained and gpu.holders else "")
         # Names come from users and nodes: escaped, so "[x]" is shown, not taken as markup.
         gpus.add_row(escape(gpu.host), str(gpu.index), escape(gpu.model), escape(health),
                      state, util, memory, slots, escape(holders))
     console.print(gpus)
+    _render_processes(status, console)
     if not status.queued:
         console.print("Queue: empty")
         return
@@ -327,6 +325,34 @@ def render_status(status: reports.ClusterStatus, console: Console) -> None:
                       f"{item.count}" + (" (slice)" if item.shared else ""),
                       _when(item.enqueued_at, now), reports.iso(item.wait_until) or "")
     console.print(queue)
+
+
+def _holder(holder: reports.SlotHolder, now: float) -> str:
+    """One holder of a GPU: who, its state, its lease, and what its processes do wrong."""
+    text = f"{holder.user} [{holder.state}] {holder.lease_id[:8]}"
+    if holder.shared:
+        text += f" slice {holder.memory_mib} MiB"
+    if holder.over_budget_since is not None:
+        text += f" over budget {_when(holder.over_budget_since, now)}"
+    if holder.outside_grant:
+        text += f" also uses {', '.join(holder.outside_grant)} (outside its grant)"
+    return text
+
+
+def _render_processes(status: reports.ClusterStatus, console: Console) -> None:
+    """The processes that keep GPUs out of placement (draining, stuck, outside use): who to
+    look for on which host. From the live allocator only: the ledger does not keep them."""
+    kept_out = [gpu for gpu in status.gpus if gpu.process_state is not None]
+    if not kept_out:
+        return
+    table = Table(title="Processes keeping GPUs out of placement", title_justify="left")
+    for name in ("host", "#", "state", "processes"):
+        table.add_column(name)
+    for gpu in kept_out:
+        listed = "; ".join(p.describe() for p in gpu.processes or ()) or "none listed"
+        table.add_row(escape(gpu.host), str(gpu.index), str(gpu.process_state),
+                      escape(listed))
+    console.print(table)
 
 
 # --------------------------------------------------------------------------- export / usage

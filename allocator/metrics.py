@@ -46,7 +46,7 @@ from allocator.counters import (
     ServiceStats,
 )
 from allocator.engine import Engine
-from allocator.protocol import Health, LeaseState
+from allocator.protocol import Health, LeaseState, ProcessState
 
 if TYPE_CHECKING:
     from allocator.ledger import LogPosition
@@ -71,10 +71,13 @@ replies, acknowledgements and pushed grants)."""
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                  0.5, 1.0, 2.5, 5.0)
 
-GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict")
+GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict", "draining",
+              "stuck_process", "outside_use")
 """Each present GPU is in exactly one: conflict (a running container's grant contradicts the
-ledger on it) first, then held (any claim), unhealthy, drained (the GPU or its node), down
-(its node is silent), else free."""
+ledger on it) first, then stuck_process (an ended lease's process still on it past
+release_verify_s), outside_use (a process no lease on it accounts for), held (any claim),
+draining (a lease on it ended, its processes not yet seen gone), unhealthy, drained (the GPU
+or its node), down (its node is silent), else free."""
 
 SHARES = ("guaranteed", "borrowed")
 """How a held lease stands in fair share: within every guarantee of its owner, or beyond one
@@ -239,8 +242,12 @@ def take_snapshot(service: Observed, now: float) -> Snapshot:
     for gpu in inventory.gpus:
         if gpu.conflict is not None:
             state = "conflict"
+        elif gpu.process_state in (ProcessState.STUCK_PROCESS, ProcessState.OUTSIDE_USE):
+            state = gpu.process_state.value
         elif gpu.holders:
             state = "held"
+        elif gpu.process_state is ProcessState.DRAINING:
+            state = "draining"
         elif gpu.health is not Health.HEALTHY:
             state = "unhealthy"
         elif gpu.drained or node_drained.get(gpu.host, False):
@@ -300,7 +307,8 @@ def _exported(exported: Exported, counts: Mapping[str, int]) -> CounterMetricFam
 def metric_families(snap: Snapshot) -> Iterator[Metric]:
     """The Prometheus families of one snapshot."""
     gpus = GaugeMetricFamily("swarm_gpu_gpus", "GPUs by model and state (free, held, "
-                             "unhealthy, drained, down, conflict)", labels=["model", "state"])
+                             "unhealthy, drained, down, conflict, draining, stuck_process, "
+                             "outside_use)", labels=["model", "state"])
     for model in sorted({model for model, _ in snap.gpus}):
         for state in GPU_STATES:  # every state, zeros included, so series never vanish
             gpus.add_metric([model, state], snap.gpus.get((model, state), 0))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, Self
 
@@ -21,6 +22,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializationInfo,
     SerializerFunctionWrapHandler,
     StrictInt,
     TypeAdapter,
@@ -82,6 +84,77 @@ a message built in Python with a misspelt field is still an error. This is the c
 rule of ``docs/protocol.md`` ("Compatibility"): an added field must never make an older reader
 refuse a message (0.1.0 forbade them, and a new field took hosts down and made grants
 unreadable); ``v`` changes only for a change an older reader must not take."""
+
+CLIENT_RELEASE_HEADER: Final = "swarm-gpu-release"
+"""The AMQP header in which a client names the newest release whose reply fields it reads
+(its own version, ``"0.2.0"``). Replies carry a field added in a later release than that, or
+in any release after 0.1.0 when the header is missing, only for a client that says it reads
+it: a 0.1.0 client refuses a reply with a field it does not know (docs/protocol.md,
+"Compatibility"). The header is outside the body, so an allocator of 0.1.0 takes the request
+as it always did."""
+
+OLDEST_READER: Final = (0, 1, 0)
+"""What a request without :data:`CLIENT_RELEASE_HEADER` is answered as: release 0.1.0, the last
+one whose clients refuse unknown reply fields."""
+
+SINCE: Final = "since"
+"""The ``json_schema_extra`` key of a reply field added after 0.1.0: the release that added it
+(``Field(json_schema_extra={SINCE: "0.2.0"})``). Such a field goes only to a client whose
+:data:`CLIENT_RELEASE_HEADER` is that release or later."""
+
+
+def release_tuple(release: object) -> tuple[int, int, int] | None:
+    """``"0.2.0"`` → ``(0, 2, 0)``; None for anything that is not a release number (a header a
+    client filled wrongly is answered as :data:`OLDEST_READER`)."""
+    if not isinstance(release, str | bytes):
+        return None
+    text = release.decode("ascii", "replace") if isinstance(release, bytes) else release
+    parts = text.strip().split(".")
+    if len(parts) != 3 or not all(part.isdigit() and len(part) <= 6 for part in parts):
+        return None
+    major, minor, patch = (int(part) for part in parts)
+    return major, minor, patch
+
+
+def _field_since(field: Any) -> tuple[int, int, int] | None:
+    extra = field.json_schema_extra
+    if isinstance(extra, dict):
+        return release_tuple(extra.get(SINCE))
+    return None
+
+
+class _ReleaseAware(BaseModel):
+    """A reply model with fields added after 0.1.0: serialized for an older reader (the
+    serialization context's ``"release"``), it leaves out the fields added after that
+    release, at any depth."""
+
+    @model_serializer(mode="wrap")
+    def _for_the_reader(self, handler: SerializerFunctionWrapHandler,
+                        info: SerializationInfo) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        context = info.context
+        reader = context.get("release") if isinstance(context, dict) else None
+        if reader is None:
+            return data
+        for name, since in _added_fields(type(self)):
+            if since > reader:
+                data.pop(name, None)
+        return data
+
+
+_ADDED: dict[type[BaseModel], tuple[tuple[str, tuple[int, int, int]], ...]] = {}
+
+
+def _added_fields(model: type[BaseModel]) -> tuple[tuple[str, tuple[int, int, int]], ...]:
+    """The fields of ``model`` that carry :data:`SINCE`, with their release (cached per model:
+    this runs for every lease of every reply to an older client)."""
+    added = _ADDED.get(model)
+    if added is None:
+        added = tuple((name, since) for name, field in model.model_fields.items()
+                      if (since := _field_since(field)) is not None)
+        _ADDED[model] = added
+    return added
+
 
 MAX_MIB = 1 << 30
 """The largest memory size in MiB a message may carry (1 PiB)."""
@@ -488,6 +561,39 @@ MAX_REASON = 300
 at most 300 KiB to an inventory reply, not the whole body limit per GPU."""
 
 
+MAX_GPU_PROCESSES = 64
+"""The most processes one GPU's entry may list (``GPUInfo.processes``). The agent lists at
+most :data:`MAX_REPORTED_PROCESSES` in one report, those using the most memory first, and
+counts the rest in ``processes_omitted``."""
+
+MAX_REPORTED_PROCESSES = 256
+"""The most processes one report lists over all its GPUs: about 40 KiB of a heartbeat."""
+
+
+class GPUProcess(BaseModel):
+    """One process NVML lists on a GPU (compute or graphics), as its node agent attributes it.
+
+    A process of a lease container carries only ``container_id``: the heartbeat's
+    ``containers`` say which lease it is. A process of any other container also carries that
+    container's name and image, for the admin who has to find it; a process in no container
+    (the host's own) carries none.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int = Field(ge=0, le=(1 << 31) - 1, description="In the host's PID namespace.")
+    memory_used_mib: MiB | None = Field(
+        default=None, description="GPU memory it uses; None where NVML cannot tell.")
+    name: Annotated[str, Field(max_length=64)] = Field(
+        default="", description="Its command name (``/proc/<pid>/comm``); empty if gone.")
+    container_id: Name | None = Field(
+        default=None, description="The container it runs in; None: a process of the host.")
+    container_name: Annotated[str, Field(max_length=255)] = Field(
+        default="", description="That container's name, when it is not a lease container.")
+    image: Annotated[str, Field(max_length=255)] = Field(
+        default="", description="That container's image, when it is not a lease container.")
+
+
 class GPUInfo(BaseModel):
     """One GPU as its node agent sees it."""
 
@@ -521,6 +627,27 @@ class GPUInfo(BaseModel):
     mig_profile: MigProfile | None = Field(default=None, description="A MIG instance's profile.")
     mig_index: StrictInt | None = Field(
         default=None, ge=0, le=1024, description="A MIG instance's index on its parent.")
+    processes: list[GPUProcess] | None = Field(
+        default=None, max_length=MAX_GPU_PROCESSES,
+        description="Every process using this GPU, as of this report (the driver's own "
+        "daemons left out: the agent's driver_processes setting). None: not known (an agent "
+        "before 0.2.0, or NVML's process call failed), and the allocator then judges the GPU "
+        "by its labels and events alone, as before 0.2.0; [] means NVML listed none.")
+    processes_omitted: Count64 = Field(
+        default=0, description="Processes on this GPU that the report left out (beyond "
+        "MAX_REPORTED_PROCESSES per report, those using the least memory).")
+
+    @model_serializer(mode="wrap")
+    def _processes_only_when_reported(self, handler: SerializerFunctionWrapHandler
+                                      ) -> dict[str, Any]:
+        # Absent unless reported, which an absent field means as well: an allocator of 0.1.0
+        # refuses a heartbeat with a field it does not know (docs/protocol.md, Compatibility).
+        data: dict[str, Any] = handler(self)
+        if data.get("processes") is None:
+            data.pop("processes", None)
+        if not data.get("processes_omitted"):
+            data.pop("processes_omitted", None)
+        return data
 
     @model_validator(mode="after")
     def _mig_fields_together(self) -> GPUInfo:
@@ -755,6 +882,10 @@ class StopReason(StrEnum):
     """The lease was borrowed and its grace after the reclaim warning ran out."""
     IDLE = "idle"
     """The lease stayed idle while a request waited and its grace ran out."""
+    OVER_BUDGET = "over_budget"
+    """A shared slice's processes used more GPU memory than its budget for longer than
+    ``over_budget_grace_s``, with ``over_budget_action = "stop"``. An agent before 0.2.0
+    refuses this reason (it knows only the ones above): use that action with 0.2.0 agents."""
 
 
 class StopContainer(_Message):
@@ -776,9 +907,32 @@ class StopContainer(_Message):
     reason: StopReason
 
 
-AgentCommand = StopContainer
-"""Any command to a node agent (one kind so far; a union with a ``kind`` discriminator once
-there are more)."""
+GPU_PROCESSES: Final = "gpu_processes"
+"""A part of node messages that an allocator may read (:class:`AllocatorHello`):
+``GPUInfo.processes`` and ``GPUInfo.processes_omitted``."""
+
+
+class AllocatorHello(_Message):
+    """Sent by the allocator to one node agent: the parts of node messages it reads.
+
+    An allocator before 0.2.0 refuses a heartbeat with a field it does not know, and the
+    host then goes down. So an agent sends such a field only once an allocator has said it
+    reads it: the allocator sends this at the first heartbeat of each agent (each
+    ``agent_id``) it takes, through the agents exchange like a stop command, and again after
+    it becomes the active replica. An agent before 0.2.0 refuses it (one log line) and goes
+    on as before. Not a message to the allocator.
+    """
+
+    kind: Literal["hello"] = "hello"
+    host: Name = Field(description="The node whose agent it is for.", examples=["gpu-a"])
+    reads: list[Name] = Field(
+        default_factory=list, max_length=32,
+        description="Optional parts of node messages this allocator reads (a name the agent "
+        "does not know is ignored): ``gpu_processes``.", examples=[["gpu_processes"]])
+
+
+AgentCommand = Annotated[StopContainer | AllocatorHello, Field(discriminator="kind")]
+"""Any command to a node agent, told apart by ``kind``."""
 
 AGENT_COMMAND_ADAPTER: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
 
@@ -813,7 +967,7 @@ class UsageSample(BaseModel):
     memory_used_mib: int = Field(description="Most GPU memory its processes used.")
 
 
-class Lease(BaseModel):
+class Lease(_ReleaseAware):
     """A lease as the allocator reports it."""
 
     model_config = ConfigDict(extra="forbid")
@@ -856,6 +1010,15 @@ class Lease(BaseModel):
         "heartbeat; None: not measured.")
     gpu_memory_used_mib: int | None = Field(
         default=None, description="GPU memory its own processes use, newest heartbeat.")
+    outside_grant: list[str] = Field(
+        default_factory=list, json_schema_extra={SINCE: "0.2.0"},
+        description="GPUs its container's processes use that the lease "
+        "was not granted (the container sees GPUs it should not: check the runtime's "
+        "NVIDIA_VISIBLE_DEVICES), newest heartbeat.")
+    over_budget_since: float | None = Field(
+        default=None, json_schema_extra={SINCE: "0.2.0"},
+        description="A shared slice: since when its processes use more GPU "
+        "memory than its budget; None: within it, or not measured.")
     usage: list[UsageSample] | None = Field(
         default=None, description="Per-minute use, oldest first: leases reply with "
         "include_usage only.")
@@ -893,7 +1056,39 @@ class ModelSummary(BaseModel):
         "carved out of.")
 
 
-class GPUView(BaseModel):
+class ProcessState(StrEnum):
+    """Why the processes on a GPU keep it out of placement (docs/reliability.md, "Processes
+    on a GPU")."""
+
+    DRAINING = "draining"
+    """A lease on it ended; it is granted again once a report after the end shows none of that
+    lease's container's processes on it (at most ``release_verify_s``)."""
+    STUCK_PROCESS = "stuck_process"
+    """A process of an ended lease's container still used it ``release_verify_s`` after the
+    end; it stays out until the process is gone. Nothing is killed."""
+    OUTSIDE_USE = "outside_use"
+    """A process that no lease on it accounts for uses it: a container without a lease on
+    it, or a process of the host. It stays out while that lasts."""
+
+
+class ProcessView(BaseModel):
+    """One process using a GPU, in an inventory reply: as the agent reported it, with the lease
+    its container runs for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pid: int
+    memory_used_mib: int | None = None
+    name: str = ""
+    container_id: str | None = Field(default=None, description="None: a process of the host.")
+    container_name: str = ""
+    image: str = ""
+    lease_id: str | None = Field(
+        default=None, description="The lease its container runs for, if it is a lease "
+        "container.")
+
+
+class GPUView(_ReleaseAware):
     """One GPU in an inventory reply."""
 
     model_config = ConfigDict(extra="forbid")
@@ -922,6 +1117,14 @@ class GPUView(BaseModel):
     conflict: str | None = Field(
         default=None, description="Why a running container's grant contradicts the ledger on "
         "this GPU; while set, nothing is placed on it.")
+    process_state: ProcessState | None = Field(
+        default=None, json_schema_extra={SINCE: "0.2.0"},
+        description="What its processes keep it out of placement for; None: "
+        "nothing (or its processes are not known).")
+    processes: list[ProcessView] | None = Field(
+        default=None, json_schema_extra={SINCE: "0.2.0"},
+        description="The processes using it, newest heartbeat; None: not "
+        "known (see GPUInfo.processes).")
 
 
 class NodeView(BaseModel):
@@ -1058,9 +1261,23 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts) + suffix
 
 
-def encode(message: BaseModel) -> bytes:
-    """Serialize a message to its wire form (compact JSON, no nulls dropped)."""
-    return message.model_dump_json().encode()
+def encode(message: BaseModel, *, release: tuple[int, int, int] | None = None) -> bytes:
+    """Serialize a message to its wire form (compact JSON, no nulls dropped).
+
+    With ``release``, for a reader of that release: the reply fields added after it
+    (:data:`SINCE`) are left out, so an older client reads the reply.
+    """
+    if release is None:
+        return message.model_dump_json().encode()
+    return message.model_dump_json(context={"release": release}).encode()
+
+
+def reader_release(headers: Mapping[str, object] | None) -> tuple[int, int, int]:
+    """The release a request's sender reads replies of (:data:`CLIENT_RELEASE_HEADER`), or
+    :data:`OLDEST_READER` without the header."""
+    if not headers:
+        return OLDEST_READER
+    return release_tuple(headers.get(CLIENT_RELEASE_HEADER)) or OLDEST_READER
 
 
 def decode_inbound(body: bytes) -> AnyInbound | ErrorReply:

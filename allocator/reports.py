@@ -578,6 +578,34 @@ class SlotHolder:
     state: str
     shared: bool
     memory_mib: int | None = None
+    over_budget_since: float | None = None
+    """A slice over its memory budget past the grace since then (live status only)."""
+    outside_grant: tuple[str, ...] = ()
+    """GPUs its container uses that it was not granted (live status only)."""
+
+
+@dataclass(frozen=True)
+class GPUProcessStatus:
+    """A process using a GPU, as its agent reported it (live status only)."""
+
+    pid: int
+    memory_used_mib: int | None
+    container_id: str | None
+    container_name: str
+    image: str
+    lease_id: str | None
+
+    def describe(self) -> str:
+        """``pid 42 in container stray (lab/x:1)``, ``pid 42 of lease abc12345``, ``pid 42 on
+        the host``."""
+        if self.container_id is None:
+            where = "on the host"
+        elif self.lease_id is not None:
+            where = f"of lease {self.lease_id[:8]}"
+        else:
+            where = f"in container {self.container_name or self.container_id[:12]}" + (
+                f" ({self.image})" if self.image else "")
+        return f"pid {self.pid} {where}"
 
 
 @dataclass
@@ -597,12 +625,23 @@ class GPUStatus:
     drained: bool
     share_slots: int
     holders: list[SlotHolder] = field(default_factory=list)
+    process_state: str | None = None
+    """``draining``, ``stuck_process`` or ``outside_use`` (live status only: memory of the
+    running allocator, not in the ledger)."""
+    processes: list[GPUProcessStatus] | None = None
+    """The processes on it, newest report (live status only; None: not known)."""
 
     @property
     def state(self) -> str:
-        """``held``, ``unhealthy``, ``drained`` or ``free`` (a held GPU is "held" first)."""
+        """``stuck_process``, ``outside_use``, ``held``, ``draining``, ``unhealthy``,
+        ``drained`` or ``free``, the first that applies (as the GPU-state metric orders
+        them)."""
+        if self.process_state in ("stuck_process", "outside_use"):
+            return self.process_state
         if self.holders:
             return "held"
+        if self.process_state == "draining":
+            return "draining"
         if self.health != "healthy":
             return "unhealthy"
         return "drained" if self.drained else "free"
@@ -650,8 +689,10 @@ class ClusterStatus:
         return {
             "at": self.at, "source": self.source,
             "hosts": [vars(h) for h in self.hosts],
-            "gpus": [{**{k: v for k, v in vars(g).items() if k != "holders"},
-                      "state": g.state, "holders": [vars(h) for h in g.holders]}
+            "gpus": [{**{k: v for k, v in vars(g).items() if k not in ("holders", "processes")},
+                      "state": g.state, "holders": [vars(h) for h in g.holders],
+                      "processes": None if g.processes is None
+                      else [vars(p) for p in g.processes]}
                      for g in self.gpus],
             "queued": [vars(q) for q in self.queued],
         }
@@ -719,13 +760,21 @@ def live_status(inventory: InventoryReply, queue: Iterable[Lease]) -> ClusterSta
             lease = leases.get(lease_id)
             holders.append(SlotHolder(
                 lease_id, lease.user if lease else "?", lease.state.value if lease else "?",
-                lease.shared if lease else False, lease.memory_mib if lease else None))
+                lease.shared if lease else False, lease.memory_mib if lease else None,
+                over_budget_since=lease.over_budget_since if lease else None,
+                outside_grant=tuple(lease.outside_grant) if lease else ()))
+        processes = None if g.processes is None else [
+            GPUProcessStatus(pid=p.pid, memory_used_mib=p.memory_used_mib,
+                             container_id=p.container_id, container_name=p.container_name,
+                             image=p.image, lease_id=p.lease_id) for p in g.processes]
         gpus.append(GPUStatus(
             uuid=g.uuid, host=g.host, index=g.index, model=g.model,
             memory_total_mib=g.memory_total_mib, memory_used_mib=g.memory_used_mib,
             utilization_pct=g.utilization_pct, temperature_c=g.temperature_c,
             health=g.health.value, health_reasons=list(g.health_reasons), drained=g.drained,
-            share_slots=g.share_slots, holders=holders))
+            share_slots=g.share_slots, holders=holders,
+            process_state=None if g.process_state is None else g.process_state.value,
+            processes=processes))
     queued = []
     for position, lease in enumerate(queue, start=1):
         queued.append(QueuedRequest(

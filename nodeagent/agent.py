@@ -3,22 +3,27 @@
 One :class:`NodeAgent` runs per GPU host. Its parts run side by side:
 
 - the **heartbeat loop** (every ``interval_s``, or at once after a fatal XID or a Docker
-  resync): reads the inventory in a thread (bounded by ``inventory_timeout_s``), evaluates
-  health, maps GPU processes to lease containers, and publishes a heartbeat: in full at least
-  every ``full_report_s``, else as a delta of what changed (:mod:`allocator.heartbeat_delta`);
+  resync, or a lease container's death): reads the inventory in a thread (bounded by
+  ``inventory_timeout_s``), evaluates health, maps GPU processes to containers (the lease
+  containers' use; with ``gpu_processes``, every process on each GPU:
+  :mod:`nodeagent.gpu_processes`), and publishes a heartbeat: in full at least every
+  ``full_report_s`` and after an allocator's hello, else as a delta of what changed
+  (:mod:`allocator.heartbeat_delta`);
 - the **Docker watcher** (:mod:`nodeagent.containers`): every start/die/oom/destroy of a lease
   container becomes a :class:`~allocator.protocol.ContainerEvent` at once;
 - the **XID thread**: blocks in the inventory source's ``wait_xids`` (NVML's event wait is a
   blocking C call) and hands XIDs to the loop;
 - the **publisher** (:mod:`nodeagent.publisher`): bounded publishes, buffered events;
 - the **command consumer** (:mod:`nodeagent.commands`): stops a lease container at once when
-  the allocator asks (the hub released its lease), through the Docker watcher's client.
+  the allocator asks (the hub released its lease), through the Docker watcher's client, and
+  hands over the allocator's hello (what it reads: whether to report GPU processes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -32,6 +37,8 @@ from pydantic import ValidationError
 from allocator.heartbeat_delta import Thresholds, apply_delta, delta_between
 from allocator.metrics_http import MetricsServer, ProcessHealth
 from allocator.protocol import (
+    GPU_PROCESSES,
+    AllocatorHello,
     ContainerAction,
     ContainerEvent,
     ContainerInfo,
@@ -46,6 +53,12 @@ from nodeagent.cgroups import CgroupReader
 from nodeagent.commands import CommandConsumer
 from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
+from nodeagent.gpu_processes import (
+    ContainerDetails,
+    GPUProcesses,
+    gpu_processes,
+    other_containers,
+)
 from nodeagent.health import HealthRules, HealthTracker, Verdict
 from nodeagent.inventory import GPUSample, InventorySource, XidEvent
 from nodeagent.metrics import AgentMetrics, serve
@@ -54,6 +67,15 @@ from nodeagent.publisher import Publisher
 from nodeagent.simulated import SimulatedLeaseUse, SimulatedSource
 
 log = logging.getLogger(__name__)
+
+DETAILS_WAIT_S = 1.0
+"""The most a heartbeat waits for Docker to name the containers that use a GPU without a
+lease. A lookup still running then goes on (bounded by ``docker_timeout_s``) and its answer
+is in the next heartbeat; this one lists the container without its name and image."""
+
+DETAILS_RETRY_S = 30.0
+"""After a lookup failed (the engine down or slow), how long before that container is asked
+about again: a heartbeat must not wait on an engine that does not answer, every time."""
 
 
 def open_source(settings: AgentSettings, host: str) -> InventorySource:
@@ -91,8 +113,10 @@ def _within(value: float | None, low: float, high: float) -> float | None:
     return float(value)
 
 
-def gpu_info(sample: GPUSample, verdict: Verdict) -> GPUInfo:
-    """One GPU of a heartbeat from its sample and health verdict."""
+def gpu_info(sample: GPUSample, verdict: Verdict,
+             processes: GPUProcesses | None = None) -> GPUInfo:
+    """One GPU of a heartbeat from its sample and health verdict, with its processes when
+    they are reported (None: not reported, or not known)."""
     return GPUInfo(
         uuid=sample.uuid,
         index=sample.index,
@@ -113,6 +137,8 @@ def gpu_info(sample: GPUSample, verdict: Verdict) -> GPUInfo:
         mig_parent_uuid=sample.mig_parent_uuid,
         mig_profile=sample.mig_profile,
         mig_index=sample.mig_index,
+        processes=None if processes is None else processes.processes,
+        processes_omitted=0 if processes is None else processes.omitted,
     )
 
 
@@ -122,7 +148,7 @@ def gpu_use_by_container(
     """Per container id: memory (and utilization, where known) its processes use per GPU."""
     totals: dict[tuple[str, str], list[float | None]] = {}
     for sample in samples:
-        for proc in sample.processes:
+        for proc in sample.processes or ():
             container_id = pid_containers.get(proc.pid)
             if container_id is None:
                 continue
@@ -165,6 +191,10 @@ class _Snapshot:
 
     samples: list[GPUSample]
     pid_containers: dict[int, str]
+    """The container of each listed pid that runs in one (the source's word, else its
+    cgroup)."""
+    command_names: dict[int, str]
+    """The command name of each listed pid (read only while processes are reported)."""
 
 
 class NodeAgent:
@@ -220,6 +250,16 @@ class NodeAgent:
         self._health_task: asyncio.Task[None] | None = None
         self._round_started_at = time.monotonic()
         """When the heartbeat loop last began a round (monotonic), or the agent started."""
+        self.allocator_reads: frozenset[str] | None = None
+        """What the newest allocator hello said the allocator reads; None: no hello yet."""
+        self._full_due = False
+        """A hello came: the next heartbeat built from then on goes out in full."""
+        self._details: dict[str, ContainerDetails] = {}
+        """Name and image of the containers (not lease containers) that use a GPU now."""
+        self._details_failed: dict[str, float] = {}
+        """Container id -> when its lookup failed (monotonic), retried after DETAILS_RETRY_S."""
+        self._describing: dict[str, asyncio.Task[None]] = {}
+        """Container id -> its Docker lookup under way."""
 
     # ------------------------------------------------------------------ counters
 
@@ -244,6 +284,15 @@ class NodeAgent:
     def events_dropped(self) -> int:
         """Container events lost to a full buffer."""
         return self.publisher.events_dropped if self.publisher else 0
+
+    @property
+    def reports_processes(self) -> bool:
+        """Whether heartbeats list each GPU's processes now (``gpu_processes``: always, never,
+        or once the newest allocator hello said the allocator reads them)."""
+        mode = self.settings.gpu_processes
+        if mode == "auto":
+            return self.allocator_reads is not None and GPU_PROCESSES in self.allocator_reads
+        return mode == "on"
 
     @property
     def command_counters(self) -> Counter[str]:
@@ -327,7 +376,8 @@ class NodeAgent:
             self.commands = CommandConsumer(
                 settings.amqp_url, self.host, self.watcher.stop_lease_container,
                 command_users=settings.command_users, timeout_s=settings.publish_timeout_s,
-                reconnect_s=settings.amqp_reconnect_s, check_s=settings.command_check_s)
+                reconnect_s=settings.amqp_reconnect_s, check_s=settings.command_check_s,
+                on_hello=self._on_hello)
         except ValueError as exc:
             log.error("stop commands off: %s", exc)
             return
@@ -337,8 +387,10 @@ class NodeAgent:
         """Stop every loop, send what is buffered (bounded), and close everything."""
         if self.commands is not None:
             await self.commands.stop()
-        await cancel_and_wait([self._heartbeat_task, self._health_task])
+        await cancel_and_wait([self._heartbeat_task, self._health_task,
+                               *self._describing.values()])
         self._heartbeat_task = self._health_task = None
+        self._describing.clear()
         if self.watcher is not None:
             await self.watcher.stop()
         self._xid_stop.set()
@@ -420,8 +472,18 @@ class NodeAgent:
             samples = self.source.read_gpus()
         finally:
             self.metrics.observe_inventory_read(time.monotonic() - started)
-        pids = {proc.pid for sample in samples for proc in sample.processes}
-        return _Snapshot(samples, self.cgroups.containers_of(pids))
+        listed = [proc for sample in samples for proc in sample.processes or ()]
+        containers = self.cgroups.containers_of(
+            {proc.pid for proc in listed if proc.container_id is None})
+        containers.update({proc.pid: proc.container_id for proc in listed
+                           if proc.container_id is not None})
+        names: dict[int, str] = {}
+        if self.reports_processes:
+            for proc in listed:
+                if proc.pid not in names:
+                    names[proc.pid] = (proc.name if proc.name is not None
+                                       else self.cgroups.command_name(proc.pid))
+        return _Snapshot(samples, containers, names)
 
     async def _read_inventory(self) -> _Snapshot:
         """One inventory snapshot, bounded by ``inventory_timeout_s``.
@@ -449,6 +511,7 @@ class NodeAgent:
         try:
             snapshot = await self._read_inventory()
             samples, pid_containers = snapshot.samples, snapshot.pid_containers
+            command_names = snapshot.command_names
             self._last_samples = samples
         except Exception as exc:
             # A heartbeat without the GPUs would read as "GPUs gone" and release their leases;
@@ -458,7 +521,10 @@ class NodeAgent:
             log.error("%s", unreadable)
             if self._last_samples is None:
                 return None
-            samples, pid_containers = self._last_samples, {}
+            # The last samples' processes are stale: report them as not known.
+            samples = [dataclasses.replace(sample, processes=None)
+                       for sample in self._last_samples]
+            pid_containers, command_names = {}, {}
         if self.watcher is not None and not self.watcher.events:
             await self.watcher.refresh()  # listing mode: the list is only as fresh as this
         running: list[LeaseContainer] = self.watcher.running() if self.watcher else []
@@ -474,10 +540,14 @@ class NodeAgent:
                                   verdict.recent_xids)
             own[sample.uuid] = verdict
         verdicts = inherit_parent_health(samples, own)
+        processes: dict[str, GPUProcesses] = {}
+        if self.reports_processes:
+            processes = await self._gpu_processes(samples, pid_containers, command_names,
+                                                  running)
         gpus = []
         for sample in samples:
             self._log_health_change(sample, verdicts[sample.uuid])
-            gpus.append(gpu_info(sample, verdicts[sample.uuid]))
+            gpus.append(gpu_info(sample, verdicts[sample.uuid], processes.get(sample.uuid)))
         use = gpu_use_by_container(samples, pid_containers)
         if isinstance(self.source, SimulatedSource):
             use.update(simulated_use(running, await asyncio.to_thread(self.source.lease_use),
@@ -509,16 +579,21 @@ class NodeAgent:
 
     async def send_heartbeat(self) -> bool:
         """Build and publish one heartbeat; False if it could not be built or sent."""
+        # Taken before the build: a hello that comes while this one is built (maybe without
+        # processes) makes the next one full.
+        full_due, self._full_due = self._full_due, False
         try:
             heartbeat = await self.build_heartbeat()
         except ValidationError as exc:
             log.error("heartbeat does not validate (a bug, or a broken inventory): %s", exc)
+            self._full_due |= full_due
             return False
         if heartbeat is None:
+            self._full_due |= full_due
             return False
         self.last_heartbeat = heartbeat
         assert self.publisher is not None
-        message = self._message_for(heartbeat)
+        message = heartbeat if full_due else self._message_for(heartbeat)
         ok = await self.publisher.publish_heartbeat(message)
         self.last_message = message
         if not ok:
@@ -557,6 +632,73 @@ class NodeAgent:
             else:
                 log.warning("GPU %d (%s) is unhealthy: %s", sample.index, sample.uuid,
                             "; ".join(verdict.reasons))
+
+    # ------------------------------------------------------------------ GPU processes
+
+    def _on_hello(self, hello: AllocatorHello) -> None:
+        """An allocator said what it reads: report processes or not from now on, and send
+        the next heartbeat at once and in full (this allocator may hold no report of this
+        host, or one without processes)."""
+        before = self.reports_processes
+        self.allocator_reads = frozenset(hello.reads)
+        if self.reports_processes != before:
+            log.info("the allocator %s GPU processes: heartbeats list them %s",
+                     "reads" if self.reports_processes else "does not read",
+                     "from now on" if self.reports_processes else "no more")
+        elif self.settings.gpu_processes != "auto":
+            log.debug("allocator hello (reads %s); gpu_processes is %s",
+                      ", ".join(hello.reads) or "nothing more", self.settings.gpu_processes)
+        self._full_due = True
+        self.wake()
+
+    async def _gpu_processes(self, samples: list[GPUSample], pid_containers: dict[int, str],
+                             command_names: dict[int, str], running: list[LeaseContainer]
+                             ) -> dict[str, GPUProcesses]:
+        """Each GPU's processes as the heartbeat lists them (see nodeagent.gpu_processes)."""
+        lease_containers = {c.container_id for c in running}
+        others = other_containers(samples, pid_containers, lease_containers)
+        await self._describe_containers(others)
+        return gpu_processes(samples, containers=pid_containers, command_names=command_names,
+                             lease_containers=lease_containers, details=self._details,
+                             driver_processes=self.settings.driver_processes)
+
+    async def _describe_containers(self, container_ids: set[str]) -> None:
+        """Ask Docker (through the watcher's client) for the name and image of the containers
+        not known yet, waiting at most :data:`DETAILS_WAIT_S`; forget the ones no longer
+        using a GPU, so the cache stays as small as what runs."""
+        for gone in set(self._details) - container_ids:
+            del self._details[gone]
+        for gone in set(self._details_failed) - container_ids:
+            del self._details_failed[gone]
+        watcher = self.watcher
+        if watcher is None:
+            return
+        now = time.monotonic()
+        for container_id in container_ids:
+            failed_at = self._details_failed.get(container_id)
+            if (container_id in self._details or container_id in self._describing
+                    or (failed_at is not None and now - failed_at < DETAILS_RETRY_S)):
+                continue
+            task = asyncio.create_task(self._describe(watcher, container_id),
+                                       name="describe-container")
+            self._describing[container_id] = task
+        waiting = [self._describing[c] for c in container_ids if c in self._describing]
+        if waiting:
+            await asyncio.wait(waiting, timeout=DETAILS_WAIT_S)
+
+    async def _describe(self, watcher: ContainerWatcher, container_id: str) -> None:
+        try:
+            self._details[container_id] = await watcher.describe(container_id)
+            self._details_failed.pop(container_id, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._details_failed[container_id] = time.monotonic()
+            log.warning("docker: cannot tell which container %s is (%s); its GPU processes "
+                        "are listed without its name and image", container_id[:12],
+                        f"{type(exc).__name__}: {exc}")
+        finally:
+            self._describing.pop(container_id, None)
 
     # ------------------------------------------------------------------ containers
 

@@ -11,7 +11,8 @@ container a PID runs in shows in its cgroup path, in one of these shapes::
 
 The innermost id is the container the process really runs in. Parsing is pure
 (:func:`container_id_from_cgroup`); :class:`CgroupReader` reads the files, with a small
-cache because a GPU process lives long and heartbeats come every few seconds.
+cache because a GPU process lives long and heartbeats come every few seconds, and a process's
+command name (``/proc/<pid>/comm``) alongside.
 """
 
 from __future__ import annotations
@@ -94,6 +95,15 @@ class CgroupReader:
             if found is not None:
                 result[pid] = found
         return result
+
+    def command_name(self, pid: int) -> str:
+        """The command name of ``pid`` (``<proc_root>/<pid>/comm``: the kernel keeps its first
+        15 bytes); empty when the process is gone or unreadable."""
+        try:
+            raw = (self.proc_root / str(pid) / "comm").read_bytes()
+        except OSError:
+            return ""
+        return raw.decode(errors="replace").rstrip("\n")
 
     def _start_time(self, pid: int) -> str | None:
         # Field 22 of /proc/<pid>/stat is the start time in clock ticks; the command name

@@ -1,4 +1,4 @@
-"""Commands from the allocator: stop a lease container on this host, at once.
+"""Commands from the allocator: stop a lease container on this host at once; its hello.
 
 When the hub stops a notebook, Swarm sends the container SIGTERM only seconds after the
 service is removed (Docker 20.10 first waits 2 s for gossip to converge); the allocator knows
@@ -12,10 +12,16 @@ exchange with ``stop.<host>`` only. A command is carried out only if
 
 1. its AMQP ``user_id`` (which the broker verifies) is one of ``command_users``: defense in
    depth on top of the broker's permissions, which let only the allocator write there;
-2. it decodes as a :class:`~allocator.protocol.StopContainer` for this very host;
-3. the container carries the label ``swarm-gpu.lease`` with the command's lease id
+2. it decodes as a command (:data:`~allocator.protocol.AgentCommand`) for this very host;
+3. for a :class:`~allocator.protocol.StopContainer`, the container carries the label
+   ``swarm-gpu.lease`` with the command's lease id
    (:meth:`~nodeagent.containers.ContainerWatcher.stop_lease_container`): nothing else on the
    host is ever touched.
+
+An :class:`~allocator.protocol.AllocatorHello` (the allocator says which optional parts of
+node messages it reads: the agent then sends them, see ``gpu_processes`` in
+:mod:`nodeagent.config`) goes to the agent at once; it arrives through the same queue, so an
+agent without this consumer (``docker`` or ``stop_commands`` off) never gets one.
 
 The stop (``docker stop -t grace_s``) runs in a task of its own, so a long grace holds up
 nothing; the container's ``die`` event then releases the lease as usual. Every message is
@@ -43,7 +49,7 @@ import aio_pika.abc
 import aiormq
 
 from allocator import broker
-from allocator.protocol import StopContainer, decode_agent_command
+from allocator.protocol import AllocatorHello, StopContainer, decode_agent_command
 from allocator.tasks import cancel_and_wait
 from allocator.topology import (
     AGENTS_EXCHANGE,
@@ -61,13 +67,17 @@ PREFETCH = 64
 Stopper = Callable[[str, str, float], Awaitable[StopOutcome]]
 """``(container_id, lease_id, grace_s) -> outcome``: stops a lease container."""
 
+HelloHandler = Callable[[AllocatorHello], None]
+"""Told every :class:`~allocator.protocol.AllocatorHello` for this host (in the event loop)."""
+
 
 class CommandConsumer:
-    """Consumes one host's command queue and stops the lease containers it names.
+    """Consumes one host's command queue: stops the lease containers it names, and hands each
+    allocator hello to ``on_hello``.
 
     ``counters`` (all since start): ``received``, ``refused_user`` (sender not in
-    ``command_users``), ``invalid`` (did not decode), ``wrong_host``, ``duplicate`` (a stop of
-    that container is already under way), ``failed`` (Docker error or timeout), and one
+    ``command_users``), ``invalid`` (did not decode), ``wrong_host``, ``hellos``, ``duplicate``
+    (a stop of that container is already under way), ``failed`` (Docker error or timeout), and one
     ``outcome_<StopOutcome>`` per stop carried out (``outcome_stopped``, ``outcome_gone``,
     ``outcome_not_running``, ``outcome_wrong_lease``); ``sessions``: times the consumer was
     (re)established.
@@ -75,13 +85,15 @@ class CommandConsumer:
 
     def __init__(self, amqp_url: str, host: str, stopper: Stopper, *,
                  command_users: Iterable[str], timeout_s: float = 5.0,
-                 reconnect_s: float = 2.0, check_s: float = 5.0) -> None:
+                 reconnect_s: float = 2.0, check_s: float = 5.0,
+                 on_hello: HelloHandler | None = None) -> None:
         if any(char in host for char in "*#"):
             # A topic binding key with a wildcard would receive other hosts' commands.
             raise ValueError(f"host name {host!r} cannot be a routing key (it has * or #)")
         self.amqp_url = amqp_url
         self.host = host
         self.stopper = stopper
+        self.on_hello = on_hello
         self.command_users = frozenset(command_users)
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
@@ -249,8 +261,15 @@ class CommandConsumer:
             return
         if command.host != self.host:
             self.counters["wrong_host"] += 1
-            log.warning("commands: ignored a stop of container %s for host %r (this is %r)",
-                        command.container_id[:12], command.host, self.host)
+            what = (f"a stop of container {command.container_id[:12]}"
+                    if isinstance(command, StopContainer) else "a hello")
+            log.warning("commands: ignored %s for host %r (this is %r)", what, command.host,
+                        self.host)
+            return
+        if isinstance(command, AllocatorHello):
+            self.counters["hellos"] += 1
+            if self.on_hello is not None:
+                self.on_hello(command)
             return
         if command.container_id in self._stopping:
             self.counters["duplicate"] += 1

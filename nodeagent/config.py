@@ -30,6 +30,7 @@ from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
 from allocator.logs import LogSettings
 from allocator.metrics_http import HealthSettings, MetricsTokenSettings
 from allocator.settings_files import FileSettings, list_from_text, secret_file_field
+from nodeagent.gpu_processes import DEFAULT_DRIVER_PROCESSES
 
 ENV_PREFIX = "SWARM_GPU_AGENT_"
 
@@ -168,6 +169,20 @@ class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings, MetricsTokenSe
         "metrics to nobody else; set 0.0.0.0 (or the address of the network Prometheus "
         "scrapes from) to let Prometheus reach them.",
     )
+    gpu_processes: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Report every process on each GPU (GPUInfo.processes: its container, "
+        "or the host). auto: once the allocator said it reads them (its hello command, "
+        "which reaches the agent through the command consumer: never with docker or "
+        "stop_commands off); each hello's answer holds until the next. on: always, for an "
+        "allocator of 0.2.0 or later only (one before refuses such heartbeats and the host "
+        "goes down). off: never.")
+    driver_processes: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(DEFAULT_DRIVER_PROCESSES),
+        description="Command names of the driver's own daemons, left out of the processes "
+        "reported when they run on the host (not in a container): they hold a context on "
+        "every GPU and use none of it for anyone. Compared as the kernel keeps a command "
+        "name, cut to 15 characters.")
     proc_root: Path = Field(
         default=Path("/proc"),
         description="Where the host's /proc is visible, to map GPU processes to containers. "
@@ -249,7 +264,7 @@ class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings, MetricsTokenSe
         description="Timeout of one XID wait in the XID thread; bounds how long stop() waits.",
     )
 
-    @field_validator("fatal_xids", "command_users", mode="before")
+    @field_validator("fatal_xids", "command_users", "driver_processes", mode="before")
     @classmethod
     def _lists_from_text(cls, value: Any) -> Any:
         return list_from_text(value)

@@ -47,12 +47,14 @@ from typing import Any
 
 import aiodocker
 import aiohttp
+from aiodocker.containers import DockerContainer
 from aiodocker.events import DockerEvents
 
 from allocator.lease_container import LEASE_LABEL as LEASE_LABEL  # re-exported: the agent's label
 from allocator.lease_container import grant_from_labels
 from allocator.protocol import ContainerGrant
 from allocator.tasks import Backoff, cancel_and_wait
+from nodeagent.gpu_processes import ContainerDetails
 
 log = logging.getLogger(__name__)
 
@@ -329,14 +331,9 @@ class ContainerWatcher:
         host is ever touched. Raises on Docker errors other than "no such container" and
         when the engine does not answer within ``timeout_s`` (plus the grace for the stop).
         """
-        assert self._docker is not None, "start() first"
-        try:
-            async with self._timed("inspect"), asyncio.timeout(self.timeout_s):
-                container = await self._docker.containers.get(container_id)
-        except aiodocker.DockerError as exc:
-            if exc.status == 404:
-                return StopOutcome.GONE
-            raise
+        container = await self._inspect(container_id)
+        if container is None:
+            return StopOutcome.GONE
         full_id = str(container["Id"])
         labels = (container["Config"] or {}).get("Labels") or {}
         if not full_id.startswith(container_id) or labels.get(LEASE_LABEL) != lease_id:
@@ -351,6 +348,29 @@ class ContainerWatcher:
                 return StopOutcome.GONE
             raise
         return StopOutcome.STOPPED
+
+    async def describe(self, container_id: str) -> ContainerDetails:
+        """The name and image (as it was given: ``busybox:1.36``) of any container of this
+        engine, for a container that runs a process on a GPU without being a lease container
+        (``docker inspect``, bounded by the timeout). Empty when no such container exists
+        (any more); raises on other Docker errors and when the engine does not answer."""
+        container = await self._inspect(container_id)
+        if container is None:
+            return ContainerDetails()
+        config = container["Config"] or {}
+        return ContainerDetails(name=str(container["Name"] or "").lstrip("/"),
+                                image=str(config.get("Image") or container["Image"] or ""))
+
+    async def _inspect(self, container_id: str) -> DockerContainer | None:
+        """``docker inspect`` (bounded by the timeout); None when no such container exists."""
+        assert self._docker is not None, "start() first"
+        try:
+            async with self._timed("inspect"), asyncio.timeout(self.timeout_s):
+                return await self._docker.containers.get(container_id)
+        except aiodocker.DockerError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     async def list_lease_containers(self) -> list[LeaseContainer]:
         """Ask the engine for the running lease containers (bounded by the timeout)."""

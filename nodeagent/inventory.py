@@ -31,6 +31,11 @@ class ProcessSample:
     used_memory_mib: int | None = None
     """None when the driver does not say (e.g. without the right permissions)."""
     utilization_pct: float | None = None
+    container_id: str | None = None
+    """The container the source itself says it runs in (the simulated inventory's
+    ``container_id``), taken over the cgroup lookup; None: look it up."""
+    name: str | None = None
+    """The command name the source itself gives it; None: read ``/proc/<pid>/comm``."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,9 @@ class GPUSample:
     mig_mode: bool | None = None
     """True for a GPU in MIG mode: it is never offered whole, its instances are."""
     lost: bool = False
-    processes: tuple[ProcessSample, ...] = field(default_factory=tuple)
+    processes: tuple[ProcessSample, ...] | None = field(default_factory=tuple)
+    """Every process using it (compute and graphics, one entry per pid); None when the
+    driver's process listing failed, so what runs on it is not known (which is not "none")."""
     compute_capability: str | None = None
     """CUDA compute capability, ``"major.minor"`` (``"8.0"`` for an A100)."""
     architecture: str | None = None

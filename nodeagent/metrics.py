@@ -52,7 +52,8 @@ MIB = 1024 * 1024
 
 DOCKER_CALLS = ("list", "inspect", "stop", "info", "ping")
 """The Docker API calls the agent makes, as :class:`~nodeagent.containers.ContainerWatcher`
-names them: list the lease containers, inspect one before a stop command, stop it, ``docker
+names them: list the lease containers, inspect one before a stop command (or a container
+without a lease that runs a process on a GPU, for its name and image), stop it, ``docker
 info`` for the node's name, and the liveness ping of a quiet event stream. Every one has its
 series from the start, at 0."""
 

@@ -91,6 +91,8 @@ class MigLayout:
         # clash with a new instance, so a kept one moves to a free index.
         taken = {(s.index, s.mig_index) for s in result}
         for old in kept:
+            # Gone from the driver: what runs on it can no longer be read.
+            old = dataclasses.replace(old, processes=None)
             if (old.index, old.mig_index) in taken:
                 free = next(i for i in range(1025) if (old.index, i) not in taken)
                 old = dataclasses.replace(old, mig_index=free)

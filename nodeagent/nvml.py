@@ -9,7 +9,8 @@ What is read per GPU, each field on its own so one unsupported query (``NotSuppo
 consumer cards, ``NoPermission`` in some containers) costs that field only (None):
 UUID, index, name, memory total/used, utilization, temperature, power, volatile uncorrected
 ECC count, retired pages (before Ampere) or remapped rows (Ampere and later), MIG mode,
-CUDA compute capability, architecture and the running compute processes. A GPU whose
+CUDA compute capability, architecture and the running processes (compute and graphics;
+a failed listing is reported as not known, never as none). A GPU whose
 queries raise ``GpuIsLost`` is reported *lost* under the identity it had at its last good
 read, and so are the MIG instances it had then.
 
@@ -31,6 +32,7 @@ most its timeout, so the agent calls it from a thread of its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -75,6 +77,18 @@ ARCHITECTURES = {
 def _text(value: str | bytes) -> str:
     # Older nvidia-ml-py releases return bytes, newer ones str.
     return value.decode() if isinstance(value, bytes) else value
+
+
+def processes_of_mig_parent(listed: tuple[ProcessSample, ...] | None,
+                            instances: list[GPUSample]) -> tuple[ProcessSample, ...] | None:
+    """What a GPU in MIG mode reports as its own processes: those its listing shows that
+    none of its MIG instances lists. NVML may list an instance's processes on the parent as
+    well, and a lease container of an instance must not read as using the whole GPU. None
+    (not known) when the parent's or any instance's listing failed."""
+    if listed is None or any(instance.processes is None for instance in instances):
+        return None
+    on_instances = {proc.pid for instance in instances for proc in instance.processes or ()}
+    return tuple(proc for proc in listed if proc.pid not in on_instances)
 
 
 class NvmlSource:
@@ -191,6 +205,9 @@ class NvmlSource:
                 **self._memory_repair(handle),
             )
             instances = self._mig_instances(sample, handle) if mig_mode else []
+            if instances:
+                sample = dataclasses.replace(
+                    sample, processes=processes_of_mig_parent(sample.processes, instances))
             self._identity[index] = sample
             self._mig_identity[index] = instances
             return [sample, *instances]
@@ -207,6 +224,7 @@ class NvmlSource:
                     compute_capability=gone.compute_capability,
                     architecture=gone.architecture, mig_parent_uuid=gone.mig_parent_uuid,
                     mig_profile=gone.mig_profile, mig_index=gone.mig_index, lost=True,
+                    processes=None,  # nothing can be read off a lost GPU
                 )
                 for gone in (known, *self._mig_identity.get(index, []))
             ]
@@ -371,22 +389,46 @@ class NvmlSource:
             "remap_failed": None,
         }
 
-    def _processes(self, handle: Any) -> tuple[ProcessSample, ...]:
+    def _processes(self, handle: Any) -> tuple[ProcessSample, ...] | None:
+        """Every process on a GPU or MIG device: the compute ones and the graphics ones, one
+        entry per pid (a process with both kinds of context is listed by both calls, with
+        the same memory; the larger reading is kept). None when a listing failed: the
+        compute one for any reason, the graphics one for any but ``NotSupported`` or
+        ``FunctionNotFound`` (a board or driver without graphics contexts has none)."""
         nvml = self._nvml
-        procs = self._optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
+        memory: dict[int, int | None] = {}
+        for call, optional in ((nvml.nvmlDeviceGetComputeRunningProcesses, False),
+                               (nvml.nvmlDeviceGetGraphicsRunningProcesses, True)):
+            try:
+                listed = call(handle)
+            except nvml.NVMLError_GpuIsLost:
+                raise
+            except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound) as exc:
+                if optional:
+                    continue
+                log.debug("NVML %s failed: %s", call.__name__, exc)
+                return None
+            except nvml.NVMLError as exc:
+                log.debug("NVML %s failed: %s", call.__name__, exc)
+                return None
+            for proc in listed:
+                used = proc.usedGpuMemory  # None when the driver does not say
+                mib = None if used is None else int(used // MIB)
+                pid = int(proc.pid)
+                known = memory.get(pid)
+                memory[pid] = mib if known is None else max(known, mib or 0)
         util_by_pid: dict[int, float] = {}
         # Per-process SM utilisation over the last few seconds; unsupported on many boards.
         since_us = int((time.time() - 10) * 1_000_000)
         for sample in self._optional(nvml.nvmlDeviceGetProcessUtilization, handle, since_us) or []:
             util_by_pid[int(sample.pid)] = float(sample.smUtil)
         result = []
-        for proc in procs:
-            used = proc.usedGpuMemory  # None when the driver does not say
-            util = util_by_pid.get(int(proc.pid))
+        for pid, used_mib in memory.items():
+            util = util_by_pid.get(pid)
             result.append(
                 ProcessSample(
-                    pid=int(proc.pid),
-                    used_memory_mib=None if used is None else int(used // MIB),
+                    pid=pid,
+                    used_memory_mib=used_mib,
                     utilization_pct=None if util is None else min(100.0, max(0.0, util)),
                 )
             )

@@ -1,8 +1,9 @@
 """``python -m nodeagent.nvml_check``: print what the NVML source reads on this machine.
 
 For checking the real NVML path on a machine with NVIDIA GPUs. Prints one JSON object:
-the driver version, every GPU sample (with its processes, compute capability and
-architecture, and for a GPU in MIG mode each MIG instance as a sample of its own), the health
+the driver version, every GPU sample (with its processes, each with its container from
+``/proc/<pid>/cgroup`` and its command name; its compute capability and architecture; and
+for a GPU in MIG mode each MIG instance as a sample of its own), the health
 verdict of each under the default health rules (or the agent's settings from the environment /
 ``--config``), the raw MIG reads per GPU (current and pending mode, MIG device slots, the GPU
 instance profiles with their free capacity), whether XID events could be registered, and the
@@ -21,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from nodeagent.cgroups import CgroupReader
 from nodeagent.health import HealthRules, HealthTracker
 from nodeagent.inventory import InventoryUnavailable
 from nodeagent.mig import inherit_parent_health
@@ -52,12 +54,19 @@ def check(xid_wait_s: float, rules: HealthRules) -> dict[str, Any]:
             tracker.record_xid(event.gpu_uuid, event.xid, now)
         verdicts = inherit_parent_health(
             samples, {sample.uuid: tracker.evaluate(sample, now) for sample in samples})
+        cgroups = CgroupReader()
         gpus = []
         for sample in samples:
             verdict = verdicts[sample.uuid]
             gpus.append(
                 {
                     **dataclasses.asdict(sample),
+                    # Each process as the agent attributes it (None: the listing failed).
+                    "processes": None if sample.processes is None else [
+                        {**dataclasses.asdict(proc),
+                         "container_id": proc.container_id or cgroups.container_of(proc.pid),
+                         "name": cgroups.command_name(proc.pid)}
+                        for proc in sample.processes],
                     "health": verdict.health.value,
                     "health_reasons": list(verdict.reasons),
                     "recent_xids": list(verdict.recent_xids),

@@ -13,11 +13,17 @@ describe many hosts; each agent takes its own host's list::
          "processes": [{"pid": 1234, "used_memory_mib": 512}]}
     ]}}
 
-``processes``, ``retired_pages``, ``remap_pending``, ``remap_failed``, ``mig_mode``,
-``compute_capability`` (``"8.0"``), ``architecture`` (``"ampere"``) and ``mig_instances`` are
-optional. A GPU with ``"mig_mode": true`` lists its MIG instances, each reported as a unit
-of its own under NVML's name for it (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``) with the parent's
-compute capability, architecture and health::
+A process may also say which container it runs in (``"container_id"``, 64 hex digits, taken
+over its ``/proc/<pid>/cgroup``: so a test keeps a dead container's process listed) and its
+command name (``"name"``, taken over ``/proc/<pid>/comm``). A GPU (or MIG instance) with
+``"processes_error": true`` has a process listing that fails, as NVML's call can: its
+processes are reported as not known. A lost GPU's are never known.
+
+``processes``, ``processes_error``, ``retired_pages``, ``remap_pending``, ``remap_failed``,
+``mig_mode``, ``compute_capability`` (``"8.0"``), ``architecture`` (``"ampere"``) and
+``mig_instances`` are optional. A GPU with ``"mig_mode": true`` lists its MIG instances, each
+reported as a unit of its own under NVML's name for it (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``)
+with the parent's compute capability, architecture and health::
 
     {"uuid": "GPU-...", "index": 0, "model": "NVIDIA A100-SXM4-40GB",
      "memory_total_mib": 40960, "mig_mode": true,
@@ -64,6 +70,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from allocator.model_names import mig_model_name
+from allocator.protocol import MAX_MIB
 from nodeagent.inventory import (
     GPUSample,
     InventoryUnavailable,
@@ -85,9 +92,17 @@ class SimulatedProcess(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pid: int = Field(ge=1)
-    used_memory_mib: int | None = Field(default=None, ge=0)
+    pid: int = Field(ge=1, le=(1 << 31) - 1)
+    used_memory_mib: int | None = Field(default=None, ge=0, le=MAX_MIB)
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
+    container_id: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$",
+        description="The container it runs in, taken over its /proc/<pid>/cgroup: so a "
+        "process can stay listed after its container died, as a process the driver still "
+        "holds would.")
+    name: str | None = Field(
+        default=None, max_length=64,
+        description="Its command name, taken over /proc/<pid>/comm.")
 
 
 class SimulatedMigInstance(BaseModel):
@@ -102,6 +117,9 @@ class SimulatedMigInstance(BaseModel):
     mig_index: int | None = Field(
         default=None, ge=0, description="Default: its position in the list.")
     processes: list[SimulatedProcess] = Field(default_factory=list)
+    processes_error: bool = Field(
+        default=False, description="Its process listing fails (NVML's call raised): what "
+        "runs on it is not known.")
 
 
 class SimulatedGPU(BaseModel):
@@ -128,6 +146,9 @@ class SimulatedGPU(BaseModel):
     xids: list[int] = Field(default_factory=list)
     lost: bool = False
     processes: list[SimulatedProcess] = Field(default_factory=list)
+    processes_error: bool = Field(
+        default=False, description="Its process listing fails (NVML's call raised): what "
+        "runs on it is not known.")
 
     @model_validator(mode="after")
     def _instances_need_mig_mode(self) -> SimulatedGPU:
@@ -152,7 +173,7 @@ class SimulatedGPU(BaseModel):
             remap_failed=self.remap_failed,
             mig_mode=self.mig_mode,
             lost=self.lost,
-            processes=_processes(self.processes),
+            processes=_processes(self.processes, failed=self.processes_error or self.lost),
             compute_capability=self.compute_capability,
             architecture=self.architecture,
         )
@@ -170,7 +191,8 @@ class SimulatedGPU(BaseModel):
                         memory_total_mib=instance.memory_total_mib,
                         memory_used_mib=instance.memory_used_mib,
                         lost=self.lost,
-                        processes=_processes(instance.processes),
+                        processes=_processes(instance.processes,
+                                             failed=instance.processes_error or self.lost),
                         compute_capability=self.compute_capability,
                         architecture=self.architecture,
                         mig_parent_uuid=self.uuid,
@@ -181,8 +203,14 @@ class SimulatedGPU(BaseModel):
         return result
 
 
-def _processes(processes: list[SimulatedProcess]) -> tuple[ProcessSample, ...]:
-    return tuple(ProcessSample(p.pid, p.used_memory_mib, p.utilization_pct) for p in processes)
+def _processes(processes: list[SimulatedProcess], *, failed: bool
+               ) -> tuple[ProcessSample, ...] | None:
+    """The listed processes as samples; None (not known) where the listing fails, as NVML's
+    does for a lost GPU too."""
+    if failed:
+        return None
+    return tuple(ProcessSample(p.pid, p.used_memory_mib, p.utilization_pct, p.container_id,
+                               p.name) for p in processes)
 
 
 class SimulatedLeaseUse(BaseModel):

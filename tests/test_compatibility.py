@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import aio_pika.abc
@@ -21,6 +22,7 @@ from support import GTX1070, NodeSimulator, gpus, heartbeat
 
 from allocator.client import AllocatorClient, UnreadableReply
 from allocator.protocol import (
+    CLIENT_RELEASE_HEADER,
     REPLY_ADAPTER,
     AllocateRequest,
     ErrorReply,
@@ -207,3 +209,89 @@ async def test_an_unreadable_heartbeat_keeps_its_host_up_and_is_counted(amqp_vho
         assert allocator.stats.counters["dead_lettered"] >= 12  # refused all the same
         # Nothing it says is believed: its GPU's health is as the last readable report said.
         assert [gpu.health for gpu in inventory.gpus if gpu.host == "gpu-a"] == ["healthy"]
+
+
+
+class _RawClient:
+    """A client written from docs/protocol.md alone: raw AMQP, with or without the
+    ``swarm-gpu-release`` header; every answer on its direct reply-to address, in order."""
+
+    def __init__(self, amqp_url: str, headers: dict[str, str] | None) -> None:
+        self.amqp_url = amqp_url
+        self.headers = headers
+        self.answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._exchange: aio_pika.abc.AbstractExchange | None = None
+        self._calls = 0
+
+    async def __aenter__(self) -> _RawClient:
+        self._connection = await aio_pika.connect(self.amqp_url, timeout=10)
+        channel = await self._connection.channel()
+
+        async def on_answer(answer: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await self.answers.put(json.loads(answer.body))
+
+        replies = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
+        await replies.consume(on_answer, no_ack=True)
+        self._exchange = await channel.get_exchange(RPC_EXCHANGE, ensure=False)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+    async def call(self, **body: object) -> dict[str, Any]:
+        """Publish one request; its answer."""
+        assert self._exchange is not None
+        self._calls += 1
+        await self._exchange.publish(
+            aio_pika.Message(json.dumps({"v": 1, **body}).encode(),
+                             correlation_id=f"c{self._calls}", reply_to=DIRECT_REPLY_TO,
+                             content_type="application/json",
+                             headers=dict[str, Any](self.headers) if self.headers else None),
+            routing_key=RPC_ROUTING_KEY)
+        return await self.next_answer()
+
+    async def next_answer(self) -> dict[str, Any]:
+        return await asyncio.wait_for(self.answers.get(), 10)
+
+
+async def test_replies_carry_the_fields_of_the_release_the_client_reads(amqp_vhost,
+                                                                       tmp_path: Path) -> None:
+    """A request without the swarm-gpu-release header (a 0.1.0 client) gets 0.1.0's fields
+    only, in its reply and in the push after a queued answer; with the header, the fields of
+    that release: the keys themselves, whatever their values."""
+    added_to_lease = {"outside_grant", "over_budget_since"}
+    added_to_gpu = {"process_state", "processes"}
+    async with running_allocator(amqp_vhost.url, tmp_path / "ledger.sqlite",
+                                 start_fence_s=0), NodeSimulator(amqp_vhost.url) as nodes:
+        await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 1))
+        for n, (headers, reads_new) in enumerate((
+                (None, False), ({CLIENT_RELEASE_HEADER: "0.1.0"}, False),
+                ({CLIENT_RELEASE_HEADER: "not a release"}, False),
+                ({CLIENT_RELEASE_HEADER: "0.2.0"}, True),
+                ({CLIENT_RELEASE_HEADER: "7.0.0"}, True))):
+            async with _RawClient(amqp_vhost.url, headers) as client:
+                granted = await client.call(kind="allocate", request_key=f"a/{n}/",
+                                            user="alice")
+                assert granted["lease"]["state"] == "granted", granted
+                assert (added_to_lease <= granted["lease"].keys()) is reads_new, granted
+                assert reads_new or not added_to_lease & granted["lease"].keys()
+                # Queued behind the first: the answer says queued, the push says granted.
+                queued = await client.call(kind="allocate", request_key=f"b/{n}/",
+                                           user="bob", wait_s=30)
+                assert queued["lease"]["state"] == "queued", queued
+                inventory = await client.call(kind="inventory", include_leases=True)
+                for gpu in inventory["gpus"]:
+                    assert (added_to_gpu <= gpu.keys()) is reads_new, (headers, gpu)
+                    assert reads_new or not added_to_gpu & gpu.keys()
+                for lease in inventory["leases"]:
+                    assert (added_to_lease <= lease.keys()) is reads_new, (headers, lease)
+                await client.call(kind="release", request_key=f"a/{n}/")
+                await nodes.beat("gpu-a")  # no container of it: the release ends
+                pushed = await client.next_answer()
+                assert pushed["lease"]["state"] == "granted", pushed
+                assert (added_to_lease <= pushed["lease"].keys()) is reads_new, pushed
+                assert reads_new or not added_to_lease & pushed["lease"].keys()
+                await client.call(kind="release", request_key=f"b/{n}/")
+                await nodes.beat("gpu-a")

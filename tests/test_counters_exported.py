@@ -24,6 +24,7 @@ PUBLISHED = {
     "swarm_gpu_adoptions", "swarm_gpu_allocate_retries", "swarm_gpu_anomalies",
     "swarm_gpu_batch_failures", "swarm_gpu_batches", "swarm_gpu_binds",
     "swarm_gpu_command_failures", "swarm_gpu_commands_sent", "swarm_gpu_commit_failures",
+    "swarm_gpu_hellos_sent",
     "swarm_gpu_container_events", "swarm_gpu_container_stops_asked",
     "swarm_gpu_dead_lettered", "swarm_gpu_expired_requests_dropped",
     "swarm_gpu_fenced_batches", "swarm_gpu_grants", "swarm_gpu_heartbeat_clock_skew",

@@ -8,7 +8,7 @@ end-to-end test with a real agent and allocator is in ``tests/test_heartbeat_del
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from allocator.protocol import (
     ContainerEvent,
     ContainerInfo,
     GPUInfo,
+    GPUProcess,
     Health,
     Heartbeat,
     HeartbeatDelta,
@@ -42,12 +43,17 @@ GPU_UUIDS = [f"GPU-{HOST}-{i}" for i in range(3)]
 
 
 def gpu(index: int, *, used: int = 0, util: float | None = 0.0, temp: float | None = 40.0,
-        healthy: bool = True, xids: tuple[int, ...] = ()) -> GPUInfo:
+        healthy: bool = True, xids: tuple[int, ...] = (),
+        processes: Sequence[tuple[int, int | None, str | None]] | None = None) -> GPUInfo:
+    """A GPU entry; ``processes``: (pid, memory, container) each, None: not known."""
+    listed = None if processes is None else [
+        GPUProcess(pid=pid, memory_used_mib=memory, name="python", container_id=container)
+        for pid, memory, container in processes]
     return GPUInfo(uuid=GPU_UUIDS[index], index=index, model=MODEL, memory_total_mib=8192,
                    memory_used_mib=used, utilization_pct=util, temperature_c=temp, power_w=30.0,
                    recent_xids=list(xids),
                    health=Health.HEALTHY if healthy else Health.UNHEALTHY,
-                   health_reasons=[] if healthy else ["overheated"])
+                   health_reasons=[] if healthy else ["overheated"], processes=listed)
 
 
 def container(lease_id: str, *, used: int = 0, util: float | None = None) -> ContainerInfo:
@@ -89,6 +95,14 @@ telemetry = st.fixed_dictionaries({
     "used": st.integers(0, 8192), "util": st.one_of(st.none(), st.floats(0, 100)),
     "temp": st.one_of(st.none(), st.floats(20, 95)), "healthy": st.booleans(),
     "xids": st.sampled_from([(), (13,), (79,)]),
+    # Not known, or up to three of three processes (of a lease container, another one, the
+    # host), in the agent's order: the most memory first.
+    "processes": st.one_of(st.none(), st.lists(
+        st.tuples(st.sampled_from([101, 102, 103]), st.one_of(st.none(), st.integers(0, 4096)),
+                  st.sampled_from([None, "c-lease-0", "f" * 64])),
+        max_size=3, unique_by=lambda entry: entry[0]).map(
+            lambda entries: sorted(entries, key=lambda e: (-(e[1] if e[1] is not None else -1),
+                                                           e[0])))),
 })
 host_state = st.fixed_dictionaries({
     "gpus": st.lists(telemetry, min_size=3, max_size=3),
@@ -147,10 +161,23 @@ def test_with_thresholds_only_telemetry_lags_and_never_beyond_its_threshold(
             c.container_id for c in current.containers]
         assert held.containers_complete == current.containers_complete
         for old, new in zip(held.gpus, current.gpus, strict=True):
-            assert old.model_dump(exclude={"memory_used_mib", "utilization_pct",
-                                           "temperature_c"}) == new.model_dump(
-                exclude={"memory_used_mib", "utilization_pct", "temperature_c"})
+            lagging = {"memory_used_mib", "utilization_pct", "temperature_c", "processes"}
+            assert old.model_dump(exclude=lagging) == new.model_dump(exclude=lagging)
             assert abs(old.memory_used_mib - new.memory_used_mib) < thresholds.memory_mib
+            # The same processes in the same containers; only their memory lags, as little.
+            if old.processes is None or new.processes is None:
+                assert old.processes is new.processes
+            else:
+                before = {p.pid: p for p in old.processes}
+                after = {p.pid: p for p in new.processes}
+                assert before.keys() == after.keys()
+                for pid, process in after.items():
+                    assert before[pid].container_id == process.container_id
+                    was, now = before[pid].memory_used_mib, process.memory_used_mib
+                    if was is None or now is None:
+                        assert was is now
+                    else:
+                        assert abs(was - now) < thresholds.memory_mib
             if old.utilization_pct is None or new.utilization_pct is None:
                 assert old.utilization_pct is new.utilization_pct
             else:
@@ -176,6 +203,35 @@ def test_a_steady_host_sends_empty_deltas_and_a_changed_gpu_alone() -> None:
                          Thresholds()) is None
     assert delta_between(hot, hot.model_copy(update={"seq": 3, "containers_complete": False}),
                          Thresholds()) is None
+
+
+def test_a_gpu_is_sent_again_when_its_processes_change() -> None:
+    """A pid that comes or goes, moves to another container, or uses memory beyond the
+    threshold; and processes that become known or not known. Memory within the threshold,
+    or the same processes in another order, send nothing."""
+    listed = [(101, 900, "c-lease-0"), (102, 300, None)]
+    first = beat(0, 100.0, [gpu(0, processes=listed), gpu(1, processes=[]), gpu(2)], [])
+
+    def changed(**gpu0: Any) -> list[str]:
+        current = first.model_copy(update={"seq": 1, "gpus": [gpu(0, **gpu0), *first.gpus[1:]]})
+        delta = delta_between(first, current, Thresholds())
+        assert delta is not None
+        return [g.uuid for g in delta.gpus]
+
+    assert changed(processes=listed) == []
+    assert changed(processes=[(101, 1000, "c-lease-0"), (102, 300, None)]) == []
+    assert changed(processes=[(102, 300, None), (101, 900, "c-lease-0")]) == []
+    for different in ([(101, 900, "c-lease-0")],  # one went
+                      [*listed, (103, 0, None)],  # one came
+                      [(101, 900, "f" * 64), (102, 300, None)],  # another container's
+                      [(101, 1200, "c-lease-0"), (102, 300, None)],  # beyond the threshold
+                      [(101, None, "c-lease-0"), (102, 300, None)]):  # no longer measured
+        assert changed(processes=different) == [GPU_UUIDS[0]], different
+    assert changed(processes=None) == [GPU_UUIDS[0]]  # the listing failed: not known
+    omitted = first.gpus[0].model_copy(update={"processes_omitted": 4})
+    delta = delta_between(first, first.model_copy(update={
+        "seq": 1, "gpus": [omitted, *first.gpus[1:]]}), Thresholds())
+    assert delta is not None and [g.uuid for g in delta.gpus] == [GPU_UUIDS[0]]
 
 
 def test_a_delta_that_does_not_follow_the_report_held_does_not_apply() -> None:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -31,18 +32,22 @@ from yarl import URL
 from allocator.heartbeat_delta import apply_delta
 from allocator.lease_container import HOST_LABEL, LEASE_LABEL, MEMORY_LABEL, grant_labels
 from allocator.protocol import (
+    GPU_PROCESSES,
     NODE_MESSAGE_ADAPTER,
+    AllocatorHello,
     ContainerAction,
     ContainerEvent,
     ContainerGrant,
+    GPUProcess,
     Health,
     Heartbeat,
     HeartbeatDelta,
     Lease,
     LeaseState,
     ProcessUse,
+    encode,
 )
-from allocator.topology import NODES_EXCHANGE
+from allocator.topology import AGENTS_EXCHANGE, NODES_EXCHANGE, command_routing_key
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
@@ -70,6 +75,8 @@ class Received:
     expiration: Any
     persistent: bool
     delta: bool = False
+    body: bytes = b""
+    """The message as published."""
 
 
 class Inbox:
@@ -104,6 +111,7 @@ class Inbox:
                 expiration=incoming.expiration,
                 persistent=incoming.delivery_mode == aio_pika.DeliveryMode.PERSISTENT,
                 delta=delta,
+                body=incoming.body,
             )
         async with self._arrived:
             self.messages.append(received)
@@ -660,3 +668,207 @@ async def test_the_grant_labels_travel_in_start_events_and_heartbeats(
         by_lease = {c.lease_id: c for c in beat.containers}
         assert by_lease[granted.lease_id].grant == expected
         assert by_lease[broken].grant is None
+
+
+# ------------------------------------------------------------------------ GPU processes
+
+
+async def say_hello(url: str, host: str, reads: list[str], *, body_host: str | None = None
+                    ) -> None:
+    """Send ``host``'s agent the allocator's hello, as the allocator does (broker user
+    ``guest``); ``body_host``: one that names another host."""
+    connection = await aio_pika.connect(url, timeout=10)
+    try:
+        channel = await connection.channel()
+        exchange = await channel.declare_exchange(AGENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                                  durable=True)
+        await exchange.publish(
+            aio_pika.Message(encode(AllocatorHello(host=body_host or host, reads=reads)),
+                             user_id="guest",
+                             content_type="application/json"),
+            routing_key=command_routing_key(host))
+    finally:
+        await connection.close()
+
+
+async def eventually(condition: Callable[[], bool], what: str, within: float = WAIT_S) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within}s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def execs(pid: int, program: str) -> bool:
+    """Whether process ``pid`` runs ``program`` (a forked child is its parent until exec)."""
+    with contextlib.suppress(OSError):
+        return Path(os.readlink(f"/proc/{pid}/exe")).name == program
+    return False
+
+
+async def container_pid(container_id: str) -> int:
+    return int(await docker_cli("inspect", "-f", "{{.State.Pid}}", container_id))
+
+
+@pytest.fixture
+async def stray_container(docker: aiodocker.Docker, busybox_image: str
+                          ) -> AsyncIterator[tuple[str, str]]:
+    """A running container without the lease label: (its id, its name)."""
+    name = f"nodeagent-stray-{uuid.uuid4().hex[:8]}"
+    container = await docker.containers.run(
+        config={"Image": busybox_image, "Cmd": ["sleep", "300"],
+                "HostConfig": {"NetworkMode": "host"}}, name=name)
+    try:
+        yield container.id, name
+    finally:
+        with contextlib.suppress(aiodocker.DockerError):
+            await container.delete(force=True)
+
+
+async def test_an_agent_set_to_report_lists_host_processes_but_no_daemon(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, tmp_path: Path) -> None:
+    """With ``gpu_processes = "on"`` every heartbeat lists each GPU's processes: a process of
+    the host by its pid and command name, the driver's persistence daemon left out, a failed
+    listing as not known (absent on the wire: null) rather than none, and none as []."""
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    daemon_program = tmp_path / "nvidia-persistenced"  # as the kernel keeps it: 15 characters
+    shutil.copy(sleep, daemon_program)
+    worker = await asyncio.create_subprocess_exec(sleep, "300")
+    daemon = await asyncio.create_subprocess_exec(str(daemon_program), "300")
+    try:
+        await eventually(lambda: execs(worker.pid, "sleep")
+                         and execs(daemon.pid, "nvidia-persistenced"), "both started")
+        update_gpu(inventory, host, 0, processes=[{"pid": worker.pid, "used_memory_mib": 700},
+                                                  {"pid": daemon.pid, "used_memory_mib": 1}])
+        update_gpu(inventory, host, 1, processes_error=True)
+        settings = agent_settings(host, amqp_vhost.url, inventory, gpu_processes="on")
+        async with running(settings):
+            received = await inbox.wait_for(lambda r: isinstance(r.message, Heartbeat))
+            assert isinstance(received.message, Heartbeat)
+            assert [gpu.processes for gpu in received.message.gpus] == [
+                [GPUProcess(pid=worker.pid, memory_used_mib=700, name="sleep")], None]
+            assert "processes" not in json.loads(received.body)["gpus"][1]
+            # The listing works again and the process is gone: a later report says so.
+            mark = inbox.mark()
+            update_gpu(inventory, host, 1, processes_error=False)
+            update_gpu(inventory, host, 0, processes=[])
+            await inbox.heartbeat(host, lambda b: [g.processes for g in b.gpus] == [[], []],
+                                  after=mark)
+    finally:
+        for process in (worker, daemon):
+            process.kill()
+            await process.wait()
+
+
+async def test_an_agent_no_allocator_said_hello_to_sends_no_processes(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path) -> None:
+    """``auto`` (the default) without a hello, and ``off``: not a byte of the new fields, so
+    an allocator of 0.1.0 reads every heartbeat."""
+    update_gpu(inventory, host, 0, processes=[{"pid": os.getpid(), "used_memory_mib": 700}])
+    for mode in ("auto", "off"):
+        mark = inbox.mark()
+        settings = agent_settings(host, amqp_vhost.url, inventory, gpu_processes=mode)
+        async with running(settings) as agent:
+            await inbox.heartbeat(host, after=mark)
+            assert not agent.reports_processes
+        sent = [r.body for r in inbox.messages[mark:] if isinstance(r.message, Heartbeat)]
+        assert sent and all(b"processes" not in body for body in sent)
+
+
+@pytest.mark.docker
+async def test_processes_are_reported_once_the_allocator_said_it_reads_them(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, docker_engine: str,
+        busybox_image: str, lease_containers: Callable[..., Awaitable[str]],
+        stray_container: tuple[str, str]) -> None:
+    """No processes before a hello for this host (one for another host changes nothing); the
+    first heartbeat after it is full and lists each GPU's processes: a lease container's by
+    its container, another container's with its name and image (from Docker), the host's by
+    command name; a change of them is sent as a delta of that GPU alone; a hello that does
+    not read them stops them."""
+    lease_id = lease()
+    lease_container = await lease_containers(lease_id)
+    stray_id, stray_name = stray_container
+    worker = await asyncio.create_subprocess_exec("sleep", "300")
+    try:
+        await eventually(lambda: execs(worker.pid, "sleep"), "sleep started")
+        update_gpu(inventory, host, 0, processes=[
+            {"pid": await container_pid(lease_container), "used_memory_mib": 900}])
+        listed_on_1 = [{"pid": await container_pid(stray_id), "used_memory_mib": 500},
+                       {"pid": worker.pid, "used_memory_mib": 200}]
+        update_gpu(inventory, host, 1, processes=listed_on_1)
+        settings = agent_settings(host, amqp_vhost.url, inventory, docker=True,
+                                  docker_url=docker_engine, command_users=["guest"])
+        async with running(settings) as agent:
+            await inbox.heartbeat(host, lambda b: len(b.containers) == 1)
+            await say_hello(amqp_vhost.url, host, [GPU_PROCESSES], body_host="another-host")
+            await eventually(lambda: agent.command_counters["wrong_host"] == 1, "refused")
+            mark = inbox.mark()
+            await inbox.heartbeat(host, after=mark)
+            assert all(b"processes" not in r.body for r in inbox.messages
+                       if isinstance(r.message, Heartbeat))
+
+            await say_hello(amqp_vhost.url, host, [GPU_PROCESSES, "something-newer"])
+            first = await inbox.wait_for(
+                lambda r: isinstance(r.message, Heartbeat) and r.message.gpus[0].processes
+                is not None, after=mark, what="a heartbeat with processes")
+            assert not first.delta  # a full report: this allocator may hold none
+            # Docker names the stray container within a second, else in a later report.
+            beat = await inbox.heartbeat(host, lambda b: any(
+                p.image for p in b.gpus[1].processes or []), after=mark)
+            gpus = beat.gpus
+            assert gpus[0].processes == [GPUProcess(
+                pid=await container_pid(lease_container), memory_used_mib=900, name="sleep",
+                container_id=lease_container)]
+            assert gpus[1].processes == [
+                GPUProcess(pid=listed_on_1[0]["pid"], memory_used_mib=500, name="sleep",
+                           container_id=stray_id, container_name=stray_name,
+                           image=busybox_image),
+                GPUProcess(pid=worker.pid, memory_used_mib=200, name="sleep")]
+
+            # The host's process ends: GPU 1 alone is sent again, as a delta.
+            mark = inbox.mark()
+            update_gpu(inventory, host, 1, processes=listed_on_1[:1])
+            changed = await inbox.wait_for(
+                lambda r: isinstance(r.message, Heartbeat)
+                and len(r.message.gpus[1].processes or []) == 1, after=mark,
+                what="GPU 1 without the host's process")
+            assert changed.delta
+            assert [gpu["uuid"] for gpu in json.loads(changed.body)["gpus"]] == [
+                simulated_uuid(host, 1)]
+
+            mark = inbox.mark()
+            await say_hello(amqp_vhost.url, host, [])
+            quiet = await inbox.wait_for(
+                lambda r: isinstance(r.message, Heartbeat) and b"processes" not in r.body,
+                after=mark, what="a heartbeat without processes")
+            assert not quiet.delta
+            assert agent.command_counters["hellos"] == 2
+    finally:
+        worker.kill()
+        await worker.wait()
+
+
+@pytest.mark.docker
+async def test_a_death_brings_a_fresh_reading_at_once(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, docker_engine: str,
+        lease_containers: Callable[..., Awaitable[str]]) -> None:
+    """A lease container's ``die`` makes the agent read the GPUs and report at once, not an
+    interval later: the allocator sees its processes gone one report after the death."""
+    lease_id = lease()
+    container_id = await lease_containers(lease_id)
+    update_gpu(inventory, host, 0, processes=[
+        {"pid": await container_pid(container_id), "used_memory_mib": 900}])
+    settings = agent_settings(host, amqp_vhost.url, inventory, docker=True,
+                              docker_url=docker_engine, gpu_processes="on", interval_s=60.0)
+    async with running(settings):
+        beat = await inbox.heartbeat(host, lambda b: len(b.containers) == 1)
+        assert [p.container_id for p in beat.gpus[0].processes or []] == [container_id]
+        # The driver lets go of the process as it dies; a file change alone wakes nothing.
+        update_gpu(inventory, host, 0, processes=[])
+        mark = inbox.mark()
+        await docker_cli("kill", container_id)
+        await inbox.event(lease_id, ContainerAction.DIE, after=mark)
+        # Well within the interval: the die woke the heartbeat loop.
+        after = await inbox.heartbeat(host, lambda b: b.containers == [], after=mark,
+                                      within=WAIT_S)
+        assert after.gpus[0].processes == []

@@ -20,13 +20,13 @@ def test_the_page_has_examples_of_every_message_kind():
     kinds = {json.loads(example)["kind"] for example in EXAMPLES}
     assert kinds >= {"allocate", "release", "status", "inventory", "queue", "drain", "lease",
                      "error", "drained", "heartbeat", "heartbeat_delta", "container_event",
-                     "stop_container"}
+                     "stop_container", "hello"}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: json.loads(e)["kind"])
 def test_example_validates(example: str):
     body = json.loads(example)
-    if body["kind"] == "stop_container":
+    if body["kind"] in {"stop_container", "hello"}:
         adapter: TypeAdapter[Any] = AGENT_COMMAND_ADAPTER
     else:
         adapter = REPLY_ADAPTER if "ok" in body else INBOUND_ADAPTER

@@ -14,12 +14,13 @@ import pytest
 
 from allocator import PUBLIC_SURFACE
 from nodeagent.config import AgentSettings, load_settings, resolve_host
-from nodeagent.inventory import InventorySource, InventoryUnavailable
+from nodeagent.inventory import InventorySource, InventoryUnavailable, ProcessSample
 from nodeagent.simulated import (
     MODELS,
     SimulatedSource,
     make_gpu,
     make_hosts,
+    make_mig_gpu,
     read_inventory,
     simulated_uuid,
     update_gpu,
@@ -117,12 +118,46 @@ def test_a_missing_or_bad_file_is_a_clear_error_at_start(tmp_path: Path) -> None
 
 def test_processes_and_optional_fields(tmp_path: Path) -> None:
     path = tmp_path / "inv.json"
+    listed = [{"pid": 42, "used_memory_mib": 100}]
     write_inventory(path, {"h": [make_gpu("h", 0, "NVIDIA A100-SXM4-40GB", mig_mode=True,
                                           remap_pending=True, retired_pages=2, lost=True,
-                                          processes=[{"pid": 42, "used_memory_mib": 100}])]})
-    gpu = SimulatedSource(path, "h").read_gpus()[0]
-    assert (gpu.mig_mode, gpu.remap_pending, gpu.retired_pages, gpu.lost) == (True, True, 2, True)
-    assert [(p.pid, p.used_memory_mib) for p in gpu.processes] == [(42, 100)]
+                                          processes=listed),
+                                 make_gpu("h", 1, "NVIDIA A100-SXM4-40GB", processes=listed)]})
+    lost, gpu = SimulatedSource(path, "h").read_gpus()
+    assert (lost.mig_mode, lost.remap_pending, lost.retired_pages, lost.lost) == (
+        True, True, 2, True)
+    assert lost.processes is None  # nothing is known of a lost GPU's processes
+    assert gpu.processes is not None
+    assert [(p.pid, p.used_memory_mib, p.container_id, p.name) for p in gpu.processes] == [
+        (42, 100, None, None)]
+
+
+def test_a_process_may_name_its_container_and_a_listing_may_fail(tmp_path: Path) -> None:
+    """A process entry's ``container_id`` and ``name`` are taken over what /proc says (so a
+    dead container's process can stay listed); ``processes_error`` makes a GPU's (or a MIG
+    instance's) listing fail: its processes are not known, which is not "none"."""
+    path = tmp_path / "inv.json"
+    cid = "ab" * 32
+    write_inventory(path, {"h": [
+        make_gpu("h", 0, "NVIDIA GeForce GTX 1070", processes=[
+            {"pid": 7, "used_memory_mib": 5, "container_id": cid, "name": "python"}]),
+        make_gpu("h", 1, "NVIDIA GeForce GTX 1070", processes_error=True,
+                 processes=[{"pid": 8}]),
+        make_mig_gpu("h", 2, "NVIDIA A100-SXM4-40GB", ["1g.5gb", "1g.5gb"])]})
+    hosts = read_inventory(path)
+    hosts["h"][2]["mig_instances"][1]["processes_error"] = True
+    hosts["h"][2]["mig_instances"][0]["processes"] = [{"pid": 9, "container_id": cid}]
+    write_inventory(path, hosts)
+    named, failing, parent, instance, failing_instance = SimulatedSource(path, "h").read_gpus()
+    assert named.processes == (ProcessSample(7, 5, None, cid, "python"),)
+    assert failing.processes is None
+    assert parent.processes == ()
+    assert instance.processes == (ProcessSample(9, None, None, cid, None),)
+    assert failing_instance.processes is None
+    for bad in ({"pid": 7, "container_id": "not-an-id"}, {"pid": 7, "name": "x" * 65}):
+        with pytest.raises(ValueError, match="not a simulated inventory"):
+            write_inventory(tmp_path / "bad.json", {"h": [make_gpu(
+                "h", 0, "NVIDIA GeForce GTX 1070", processes=[bad])]})
 
 
 def test_writer_refuses_what_the_agent_would_refuse(tmp_path: Path) -> None:

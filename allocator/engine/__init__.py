@@ -9,9 +9,11 @@ Lease life (docs/design.md, flows): ``queued`` → ``granted`` (GPUs claimed) �
 saw the container start) → ``releasing`` (the hub stopped it) → ``released`` (the container
 is gone). Every release records its reason.
 
-The engine decides, the service acts: commands to node agents (stop a lease's container) go
-into the outbox (:attr:`Engine.commands`), which the service takes once the batch that decided
-them is committed (:meth:`Engine.take_commands`), and forgets when the commit fails.
+The engine decides, the service acts: commands to node agents (stop a lease's container; the
+hello that tells an agent what this allocator reads) go into the outbox
+(:attr:`Engine.commands`, the hellos beside them), which the service takes once the batch that
+decided them is committed (:meth:`Engine.take_agent_commands`), and forgets when the commit
+fails.
 
 :class:`Engine` is a dispatcher over parts, each owning its own state, that it builds once and
 calls per message, in order (a part calls only the parts it was given):
@@ -26,7 +28,9 @@ calls per message, in order (a part calls only the parts it was given):
 - :mod:`allocator.engine.gpus` - ``GpuInventory``: a node's GPUs as its report lists them;
 - :mod:`allocator.engine.placement` - ``Placer``: where a demand fits now, the model catalog;
 - :mod:`allocator.engine.idle` - ``IdleWatch``: a lease's use on the GPU, idle spells, budgets;
-- :mod:`allocator.engine.outbox` - ``CommandOutbox``: stop commands to node agents;
+- :mod:`allocator.engine.processes` - ``ProcessWatch``: each GPU's processes against its
+  leases: drains after a lease's end, stuck processes, outside use, outside grants;
+- :mod:`allocator.engine.outbox` - ``CommandOutbox``: stop commands and hellos to node agents;
 - :mod:`allocator.engine.leases` - ``LeaseBook``: the leases, the queue, the timers, and the
   transitions grant, bind, release, end;
 - :mod:`allocator.engine.requests` - ``LeaseRequests``: allocate, release, serve the queue;

@@ -86,12 +86,23 @@ class NodeReconciliation:
                 self.outbox.ask_stop(record.host, record.lease_id, info.container_id,
                                      StopReason.RELEASED, now, changes, observed=True)
             book.node_clock_bound.setdefault(record.lease_id, beat.sent_at)
-            self.idle.check_budget(record, info, now, changes)
+            self.check_budget(record, info, now, changes)
             self.idle.observe(record, info, now, changes)
         freed = self.truth.record_conflicts(beat.host, found, complete=beat.containers_complete)
         if not beat.containers_complete:
             return freed
         return self._end_missing(beat, now, changes) or freed
+
+    def check_budget(self, record: LeaseRecord, info: ContainerInfo, now: float,
+                     changes: Changes) -> None:
+        """A shared slice's memory against its budget (:meth:`IdleWatch.check_budget`); one
+        over it past ``over_budget_grace_s`` with ``over_budget_action = "stop"`` is released
+        and its container stopped, reason ``over_budget``."""
+        if self.idle.check_budget(record, info, now, changes):
+            self.book.stop_and_release(
+                record, StopReason.OVER_BUDGET, now, changes, by="allocator",
+                note="over its GPU memory budget", why="over its GPU memory budget "
+                f"({record.memory_mib} MiB) for over_budget_grace_s")
 
     def _end_missing(self, beat: Heartbeat, now: float, changes: Changes) -> bool:
         """A complete listing: end the host's bound and releasing leases whose container it

@@ -24,6 +24,7 @@ from allocator.engine.node_truth import NodeTruth
 from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
+from allocator.engine.processes import ProcessWatch
 from allocator.engine.reclaim import Reclaimer
 from allocator.engine.requests import LeaseRequests
 from allocator.engine.state import Sender, count_anomaly, log
@@ -34,6 +35,7 @@ from allocator.lease_use import UseBook
 from allocator.ledger import Changes, LoadedState
 from allocator.placement_index import PlacementIndex
 from allocator.protocol import (
+    AgentCommand,
     AllocateRequest,
     AnyInbound,
     ContainerEvent,
@@ -79,8 +81,9 @@ class Engine:
         self.nodes = NodeReports(settings, counters, cluster, index, started_at)
         self.gpus = GpuInventory(settings, counters, cluster, index, self.nodes)
         self.placer = Placer(settings, cluster, index, self.nodes, self.start_fence)
+        self.processes = ProcessWatch(settings, counters, cluster, index, self.nodes)
         self.book = LeaseBook(settings, counters, cluster, index, self.idle, self.outbox,
-                              self.placer, new_lease_id)
+                              self.placer, self.processes, new_lease_id)
         self.requests = LeaseRequests(settings, counters, self.book, self.placer, self.start_fence,
                                       self.outbox)
         self.truth = NodeTruth(counters, cluster, index, self.book)
@@ -88,7 +91,7 @@ class Engine:
                                              self.idle, self.outbox, self.requests, self.nodes)
         self.reclaim = Reclaimer(settings, counters, self.book, self.idle, self.placer,
                                  self.start_fence)
-        self.views = Views(settings, cluster, self.book, self.idle, self.nodes)
+        self.views = Views(settings, cluster, self.book, self.idle, self.nodes, self.processes)
 
     def load(self, state: LoadedState, now: float, *, fenced: bool = False) -> None:
         """Rebuild memory from the ledger (at start, after a failed commit, on takeover).
@@ -104,6 +107,7 @@ class Engine:
         self.nodes.load(state, now)
         self.start_fence.load(cluster.nodes, now, self.settings.start_fence_s, fenced=fenced)
         self.truth.load()
+        self.processes.load()
         self.book.load(state)
         self.gpus.load()
         self.index.rebuild(cluster)
@@ -128,6 +132,9 @@ class Engine:
                 self._heartbeat_delta(message, sender, now, changes)
             else:
                 self.containers.container_event(message, now, changes)
+                return None
+            if message.host in self.cluster.nodes:  # taken, not refused
+                self.outbox.greet(message.host, message.agent_id)
             return None
         if sender.via_nodes_exchange:
             self.counters.add(Count.REQUEST_FROM_NODE_EXCHANGE)
@@ -226,9 +233,13 @@ class Engine:
                                   due=new_node or agent_changed or inventory_changed,
                                   new_node=new_node)
         freed = self.containers.reconcile(beat, now, changes)
+        # The processes after the containers: a lease this report ended drains, and this
+        # report (taken after the end) already verifies it.
+        verified = self.processes.observe(beat, self.book.by_host.get(host, {}).values(), now,
+                                          changes)
         # Adoptions first (above), then the node is placeable.
         reported = beat.containers_complete and self.start_fence.report_applied(host, now, changes)
-        if inventory_changed or freed or reported:
+        if inventory_changed or freed or verified or reported:
             self.requests.serve_queue(now, changes)
         if reported and self.start_fence.all_reported(now):
             self.start_fence.close(now, changes)
@@ -262,7 +273,8 @@ class Engine:
         upsert of ``base`` changed and skipped nothing, and no other report took one since:
         ``GpuInventory.steady``), every listed container that of a lease bound here, no lease
         of the host missing from the listing that a grace could end, no conflict to lift
-        (a container event may have recorded one since) and no start fence to lift (implied
+        (a container event may have recorded one since), no GPU of the host draining (a lease
+        ended since: this report may verify it) and no start fence to lift (implied
         today: a complete report held has lifted it; checked so that a change to the start
         fence cannot make this path skip it). What it still does then, this does in the same
         order: hold the report, liveness, telemetry when it is due, and each listed lease's
@@ -273,7 +285,8 @@ class Engine:
         node = self.cluster.nodes.get(host)
         if (node is None or node.agent_id != beat.agent_id
                 or self.gpus.steady.get(host) is not base or host in self.truth.conflicts
-                or (beat.containers_complete and host in self.start_fence.hosts)):
+                or (beat.containers_complete and host in self.start_fence.hosts)
+                or self.processes.draining_on(host)):
             return False
         listed = sorted(beat.containers, key=listing_order)
         leases = self.book.leases
@@ -296,21 +309,23 @@ class Engine:
         clock_bound, idle = self.book.node_clock_bound, self.idle
         for record, info in zip(records, listed, strict=True):
             clock_bound.setdefault(record.lease_id, beat.sent_at)
-            idle.check_budget(record, info, now, changes)
+            self.containers.check_budget(record, info, now, changes)
             idle.observe(record, info, now, changes)
         return True
 
     # ------------------------------------------------------------------ timers
 
     def tick(self, now: float, changes: Changes) -> None:
-        """Run the timers: the start fence, queue waits, bind deadlines, node silence, and
-        fair share's reclaim warnings and their deadlines."""
+        """Run the timers: the start fence, queue waits, bind deadlines, release
+        verification (``release_verify_s``), node silence, and fair share's reclaim warnings
+        and their deadlines."""
         if self.start_fence.expired(now):
             # start_fence_s ran out with nodes that never reported in full: they are placed
             # as usual from now on, before the requests that waited only for it expire.
             self.start_fence.expire(now, changes)
             self.requests.serve_queue(now, changes)
         freed = self.book.run_timers(now, changes, self.nodes)
+        freed = self.processes.tick(now, changes) or freed
         self.nodes.mark_down(now, changes)
         if freed:
             self.requests.serve_queue(now, changes)
@@ -324,8 +339,13 @@ class Engine:
     # ------------------------------------------------------------------ for the service
 
     def take_commands(self) -> list[StopContainer]:
-        """Empty the outbox and return what was in it (the service, after a commit)."""
+        """Empty the outbox's stop commands and return them."""
         return self.outbox.take()
+
+    def take_agent_commands(self) -> list[AgentCommand]:
+        """Empty the outbox and return what was in it, hellos first (the service, after a
+        commit)."""
+        return self.outbox.take_all()
 
     def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
         """An in-memory lease by id or request key (active first, then recently finished)."""

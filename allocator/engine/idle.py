@@ -1,6 +1,7 @@
 """What a lease's containers use, measured on the GPU: each heartbeat's per-container use of a
 lease updates its ``idle_since`` (persisted only when it changes), its in-memory use history,
-and whether a shared slice is over its memory budget."""
+and whether a shared slice is over its memory budget (warned, or stopped, after
+``over_budget_grace_s``)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ class IdleWatch:
         self.counters = counters
         self.use = UseBook(settings.usage_history_s)
         """Per lease: its processes' GPU use from heartbeats."""
-        self.over_budget: set[str] = set()
-        """Shared leases whose processes use more memory than their budget (one event each
-        time a lease goes over)."""
+        self.over_budget: dict[str, float] = {}
+        """Shared leases whose processes use more memory than their budget -> since when
+        (allocator time) without a break: one warning each time a lease goes over and stays
+        over for ``over_budget_grace_s``."""
+        self.warned: set[str] = set()
+        """Leases of ``over_budget`` warned in their current spell (shown on the lease)."""
 
     def observe(self, record: LeaseRecord, info: ContainerInfo, now: float,
                 changes: Changes) -> None:
@@ -45,18 +49,34 @@ class IdleWatch:
             changes.lease(record)
 
     def check_budget(self, record: LeaseRecord, info: ContainerInfo, now: float,
-                     changes: Changes) -> None:
-        """A shared lease's processes over its memory budget: an event when it goes over."""
+                     changes: Changes) -> bool:
+        """A shared lease's processes over its memory budget: its spell starts; once it has
+        lasted ``over_budget_grace_s``, the warning (an event, ``over_budget_since`` on the
+        lease), once a spell. True when the lease is to be stopped now (``over_budget_action
+        = "stop"``, a bound lease warned this very call): the caller stops it."""
         if not record.shared or record.memory_mib is None:
-            return
+            return False
+        lease_id = record.lease_id
         used = sum(use.memory_used_mib for use in info.gpu_use)
-        if used > record.memory_mib and record.lease_id not in self.over_budget:
-            self.over_budget.add(record.lease_id)
-            self.counters.add(Count.OVER_BUDGET)
-            changes.event(now, "over_budget", host=record.host, lease_id=record.lease_id,
-                          user=record.user, used_mib=used, budget_mib=record.memory_mib)
-        elif used <= record.memory_mib:
-            self.over_budget.discard(record.lease_id)
+        if used <= record.memory_mib:
+            self.over_budget.pop(lease_id, None)
+            self.warned.discard(lease_id)
+            return False
+        since = self.over_budget.setdefault(lease_id, now)
+        if lease_id in self.warned or now - since < self.settings.over_budget_grace_s:
+            return False
+        self.warned.add(lease_id)
+        self.counters.add(Count.OVER_BUDGET)
+        stop = self.settings.over_budget_action == "stop" and record.state is LeaseState.BOUND
+        changes.event(now, "over_budget", host=record.host, lease_id=lease_id,
+                      user=record.user, used_mib=used, budget_mib=record.memory_mib,
+                      since=since, action="stop" if stop else "warn")
+        return stop
+
+    def over_budget_since(self, lease_id: str) -> float | None:
+        """Since when a warned lease is over its budget; None: within it, or not warned
+        yet."""
+        return self.over_budget.get(lease_id) if lease_id in self.warned else None
 
     def close_spell(self, record: LeaseRecord, now: float) -> None:
         """Account an idle spell that ends now (busy again, or the lease ends)."""
@@ -68,7 +88,8 @@ class IdleWatch:
         """The lease ends now: close its idle spell and forget its use."""
         self.close_spell(record, now)
         self.use.forget(record.lease_id)
-        self.over_budget.discard(record.lease_id)
+        self.over_budget.pop(record.lease_id, None)
+        self.warned.discard(record.lease_id)
 
     @staticmethod
     def idle_for(record: LeaseRecord, now: float) -> float:

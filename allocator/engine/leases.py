@@ -24,6 +24,7 @@ from allocator.engine.idle import IdleWatch
 from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
+from allocator.engine.processes import ProcessWatch
 from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES, Sender
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes, LoadedState
@@ -60,7 +61,8 @@ class LeaseBook:
 
     def __init__(self, settings: AllocatorSettings, counters: Counters, cluster: Cluster,
                  index: PlacementIndex, idle: IdleWatch, outbox: CommandOutbox,
-                 placer: Placer, new_lease_id: Callable[[], str]) -> None:
+                 placer: Placer, processes: ProcessWatch,
+                 new_lease_id: Callable[[], str]) -> None:
         self.settings = settings
         self.counters = counters
         self.cluster = cluster
@@ -68,6 +70,7 @@ class LeaseBook:
         self.idle = idle
         self.outbox = outbox
         self.placer = placer
+        self.processes = processes
         self.new_lease_id = new_lease_id
         """Makes lease ids: random by default; tests pass a counter to replay runs exactly."""
         self.leases: dict[str, LeaseRecord] = {}
@@ -241,6 +244,9 @@ class LeaseBook:
             record.reclaim_at = record.reclaim_reason = record.reclaim_for = None
         self.idle.lease_ended(record, now)
         if old.holds_gpus:
+            # Its GPUs drain (before the index sees them free): placed again once a report
+            # shows its container's processes gone from them.
+            self.processes.lease_ended(record, now)
             self.cluster.drop_claims(record.lease_id, list(record.gpu_uuids))
             if record.host is not None:
                 self.index.refresh(self.cluster, record.host)
@@ -349,6 +355,8 @@ class LeaseBook:
         latest = self.idle.use_now(record.lease_id)
         if latest is not None:
             lease.utilization_pct, lease.gpu_memory_used_mib = latest
+        lease.outside_grant = list(self.processes.outside_grant.get(record.lease_id, ()))
+        lease.over_budget_since = self.idle.over_budget_since(record.lease_id)
         return lease
 
     def reply(self, record: LeaseRecord) -> LeaseReply:

@@ -1,7 +1,8 @@
-"""The stop-command outbox: commands to node agents, decided by the engine, sent by the service.
+"""The command outbox: commands to node agents, decided by the engine, sent by the service.
 
 The engine only appends :class:`~allocator.protocol.StopContainer` commands to
-:attr:`CommandOutbox.commands`; the service takes them (``Engine.take_commands``) once the
+:attr:`CommandOutbox.commands`, and :class:`~allocator.protocol.AllocatorHello` messages to
+:attr:`CommandOutbox.hellos`; the service takes both (``Engine.take_agent_commands``) once the
 batch that decided them is committed, and a reload (a failed commit) forgets them.
 """
 
@@ -13,15 +14,23 @@ from allocator.config import AllocatorSettings
 from allocator.counters import Counters, Family
 from allocator.engine.state import RECENT_FINAL_LEASES
 from allocator.ledger import Changes
-from allocator.protocol import StopContainer, StopReason
+from allocator.protocol import (
+    GPU_PROCESSES,
+    AgentCommand,
+    AllocatorHello,
+    StopContainer,
+    StopReason,
+)
 
 
 class CommandOutbox:
-    """Decides which containers a node agent is asked to stop, and when to ask again.
+    """Decides which containers a node agent is asked to stop, and when to ask again; and
+    which agents are told what this allocator reads.
 
     Invariants: ``commands`` holds only commands decided since the last :meth:`take` or
     :meth:`load`; ``stops_asked`` holds at most ``RECENT_FINAL_LEASES`` entries, oldest ask
-    first.
+    first; ``greeted`` holds one agent per host, the newest greeted since the last
+    :meth:`load`.
     """
 
     def __init__(self, settings: AllocatorSettings, counters: Counters) -> None:
@@ -32,17 +41,47 @@ class CommandOutbox:
         self.stops_asked: OrderedDict[tuple[str, str], float] = OrderedDict()
         """(lease id, container id) -> when its stop was last asked, so that a container that
         heartbeats keep listing is not asked again every heartbeat."""
+        self.hellos: list[AllocatorHello] = []
+        """Hellos decided since the last :meth:`take_hellos`."""
+        self.greeted: dict[str, str] = {}
+        """host -> the agent (``agent_id``) last sent a hello, since this process last loaded
+        its engine (a start, a takeover, a failed commit): each agent gets one per load."""
 
     def load(self) -> None:
         """A rebuild from the ledger: commands of a batch that was not committed must not go
         out; containers still running are asked again when the next heartbeat lists them."""
         self.commands = []
         self.stops_asked.clear()
+        # A takeover's agents have heard only from the replica before; a failed commit's
+        # hellos never went out: every agent is greeted again.
+        self.hellos = []
+        self.greeted.clear()
 
     def take(self) -> list[StopContainer]:
         """Empty the outbox and return what was in it (the service, after a commit)."""
         commands, self.commands = self.commands, []
         return commands
+
+    def take_hellos(self) -> list[AllocatorHello]:
+        """Empty the hellos and return them (the service, after a commit)."""
+        hellos, self.hellos = self.hellos, []
+        return hellos
+
+    def take_all(self) -> list[AgentCommand]:
+        """Hellos, then stop commands: everything decided since they were last taken."""
+        return [*self.take_hellos(), *self.take()]
+
+    def greet(self, host: str, agent_id: str) -> None:
+        """Tell the agent ``agent_id`` of ``host`` what this allocator reads, unless it has
+        been told since the last :meth:`load`: the first message taken from each agent.
+
+        An agent sends ``GPUInfo.processes`` only after such a hello, since an allocator
+        before 0.2.0 refuses a heartbeat with a field it does not know.
+        """
+        if self.greeted.get(host) == agent_id:
+            return
+        self.greeted[host] = agent_id
+        self.hellos.append(AllocatorHello(host=host, reads=[GPU_PROCESSES]))
 
     def ask_stop(self, host: str | None, lease_id: str, container_id: str | None,
                  reason: StopReason, now: float, changes: Changes, *,

@@ -17,6 +17,7 @@ from allocator.config import AllocatorSettings
 from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.nodes import NodeReports
+from allocator.engine.processes import ProcessWatch
 from allocator.lease import LeaseRecord
 from allocator.protocol import (
     GPUView,
@@ -44,12 +45,13 @@ class Views:
     """Answers built from the cluster, the lease book, node liveness and lease use."""
 
     def __init__(self, settings: AllocatorSettings, cluster: Cluster, book: LeaseBook,
-                 idle: IdleWatch, nodes: NodeReports) -> None:
+                 idle: IdleWatch, nodes: NodeReports, processes: ProcessWatch) -> None:
         self.settings = settings
         self.cluster = cluster
         self.book = book
         self.idle = idle
         self.nodes = nodes
+        self.processes = processes
 
     def quota(self, request: QuotaRequest) -> QuotaReply:
         """The user's quotas and what they and their groups hold now; with a count, whether
@@ -114,6 +116,8 @@ class Views:
         """The cluster as the inventory reply shows it (with ``include_leases``, the active
         leases that are ``visible``)."""
         down_after = self.settings.node_down_after_s
+        lease_of = {r.container_id: r.lease_id for r in self.book.leases.values()
+                    if r.container_id is not None}
         nodes = [
             NodeView(host=n.host, up=self.nodes.up(n, now), drained=n.drained,
                      last_heartbeat=n.last_heartbeat, gpus=len(n.gpu_uuids))
@@ -133,6 +137,8 @@ class Views:
                 mig_enabled=g.mig_enabled, mig_parent_uuid=g.mig_parent_uuid,
                 mig_profile=g.mig_profile,
                 conflict=g.conflict,
+                process_state=g.process_state,
+                processes=self.processes.processes_of(g.uuid, lease_of),
             )
             for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.order))
             # A GPU its host no longer lists is left out, unless it is in conflict (another

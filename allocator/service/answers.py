@@ -25,7 +25,7 @@ from allocator.config import AllocatorSettings
 from allocator.counters import Count, ServiceStats
 from allocator.engine import Engine, Sender
 from allocator.ledger import Ledger
-from allocator.protocol import LeaseState, encode
+from allocator.protocol import OLDEST_READER, LeaseState, encode, reader_release
 from allocator.service.inbox import acknowledgements
 from allocator.service.intake import Intake, delivery_of
 from allocator.service.waiters import ReplyAddress, Waiters
@@ -93,7 +93,8 @@ class Answers:
         for entry in pending:
             if entry.waits is not None and entry.message.reply_to and entry.message.correlation_id:
                 self._waiters.remember(entry.waits, ReplyAddress(
-                    entry.message.reply_to, entry.message.correlation_id))
+                    entry.message.reply_to, entry.message.correlation_id,
+                    reader_release(entry.message.headers)))
 
     async def push_waiting(self) -> None:
         """Push the outcome of every lease with a waiting client that has left the queue
@@ -125,23 +126,26 @@ class Answers:
             reply = replies[lease_id]
             if reply is None:
                 continue
-            sent = await self.publish_reply(reply, address.reply_to, address.correlation_id)
+            sent = await self.publish_reply(reply, address.reply_to, address.correlation_id,
+                                            address.release)
             self._stats.counters.add(Count.PUSHES if sent else Count.PUSH_FAILURES)
 
     def _still_queued(self, lease_id: str) -> bool:
         record = self._engine.leases.get(lease_id)
         return record is not None and record.state is LeaseState.QUEUED
 
-    async def publish_reply(self, reply: BaseModel, reply_to: str, correlation_id: str | None
-                            ) -> bool:
-        """Publish one reply; False when it could not be sent (logged)."""
+    async def publish_reply(self, reply: BaseModel, reply_to: str, correlation_id: str | None,
+                            release: tuple[int, int, int] = OLDEST_READER) -> bool:
+        """Publish one reply, written for a client of ``release`` (the fields a later release
+        added left out: :func:`allocator.protocol.encode`); False when it could not be sent
+        (logged)."""
         channel = self._channel
         if channel is None:
             return False
         try:
             await channel.default_exchange.publish(
                 aio_pika.Message(
-                    body=encode(reply),
+                    body=encode(reply, release=release),
                     content_type="application/json",
                     correlation_id=correlation_id,
                 ),
@@ -166,7 +170,8 @@ class Answers:
         for entry in pending:
             if entry.reply is not None:
                 sent = await self.publish_reply(entry.reply, entry.message.reply_to or "",
-                                                entry.message.correlation_id)
+                                                entry.message.correlation_id,
+                                                reader_release(entry.message.headers))
                 self._stats.counters.add(Count.REPLIES if sent else Count.REPLY_FAILURES)
         for entry in pending:
             if entry.dead_letter:

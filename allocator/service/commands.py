@@ -1,5 +1,6 @@
-"""The allocator's commands to node agents (stop a lease's container), published to the
-agents exchange after the commit that decided them, before the batch's replies.
+"""The allocator's commands to node agents (stop a lease's container; the hello that says what
+this allocator reads), published to the agents exchange after the commit that decided them,
+before the batch's replies.
 
 Fire-and-forget, each bounded in time: a command that cannot be published is logged and
 counted and never fails the batch (the decision is committed; Swarm still stops the task,
@@ -18,14 +19,14 @@ import aio_pika.abc
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, ServiceStats
 from allocator.logs import lease_context
-from allocator.protocol import StopContainer, encode
+from allocator.protocol import AgentCommand, AllocatorHello, StopContainer, encode
 from allocator.topology import command_routing_key
 
 log = logging.getLogger(__name__)
 
 
 class Commands:
-    """Sends stop commands on the agents exchange, as the allocator's broker user."""
+    """Sends commands on the agents exchange, as the allocator's broker user."""
 
     def __init__(self, settings: AllocatorSettings, stats: ServiceStats, user_id: str
                  ) -> None:
@@ -41,13 +42,17 @@ class Commands:
         """Send commands on ``exchange`` from now on (None: stop commands are off)."""
         self._exchange = exchange
 
-    async def send(self, commands: list[StopContainer]) -> None:
+    async def send(self, commands: list[AgentCommand]) -> None:
         """Publish the batch's commands to the agents (after the commit, never before).
 
         Not mandatory and not persistent: an agent whose queue does not exist (agent down) is
         simply not stopping anything, and Swarm stops the task as before.
         """
         exchange = self._exchange
+        if exchange is None:
+            # The agents keep to what an allocator before 0.2.0 reads: nothing to count or
+            # log for the hellos beyond the error at start.
+            commands = [c for c in commands if isinstance(c, StopContainer)]
         if not commands:
             return
         counters = self._stats.counters
@@ -74,18 +79,13 @@ class Commands:
                 raise
             except Exception as exc:  # never fail the batch: the decision is committed
                 counters.add(Count.COMMAND_FAILURES)
-                log.warning("could not ask %s to stop container %s (lease %s): %s",
-                            command.host, command.container_id[:12], command.lease_id,
-                            exc or type(exc).__name__,
-                            extra=lease_context(command.lease_id, command.host))
+                _log_failure(command, exc)
                 continue
-            counters.add(Count.COMMANDS_SENT)
-            log.info("asked %s to stop container %s of lease %s (%s, grace %g s)",
-                     command.host, command.container_id[:12], command.lease_id,
-                     command.reason.value, command.grace_s,
-                     extra=lease_context(command.lease_id, command.host))
+            counters.add(Count.HELLOS_SENT if isinstance(command, AllocatorHello)
+                         else Count.COMMANDS_SENT)
+            _log_sent(command)
 
-    def _message(self, command: StopContainer) -> aio_pika.Message:
+    def _message(self, command: AgentCommand) -> aio_pika.Message:
         return aio_pika.Message(
             body=encode(command),
             content_type="application/json",
@@ -93,3 +93,26 @@ class Commands:
             user_id=self._user_id,
             delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
         )
+
+
+def _log_sent(command: AgentCommand) -> None:
+    if isinstance(command, AllocatorHello):
+        # Once per agent and load: the agent may send what this allocator reads from now on.
+        log.info("told the agent of %s that this allocator reads %s", command.host,
+                 ", ".join(command.reads) or "nothing optional")
+        return
+    log.info("asked %s to stop container %s of lease %s (%s, grace %g s)",
+             command.host, command.container_id[:12], command.lease_id,
+             command.reason.value, command.grace_s,
+             extra=lease_context(command.lease_id, command.host))
+
+
+def _log_failure(command: AgentCommand, exc: BaseException) -> None:
+    why = exc or type(exc).__name__
+    if isinstance(command, StopContainer):
+        log.warning("could not ask %s to stop container %s (lease %s): %s",
+                    command.host, command.container_id[:12], command.lease_id, why,
+                    extra=lease_context(command.lease_id, command.host))
+        return
+    # Not sent: the agent keeps to what an older allocator reads, until the next load.
+    log.warning("could not send the hello to the agent of %s: %s", command.host, why)

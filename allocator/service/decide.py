@@ -26,6 +26,7 @@ from allocator.protocol import (
     MAX_BODY_BYTES,
     MAX_NAME,
     PRINTABLE,
+    AgentCommand,
     AllocateRequest,
     ErrorCode,
     ErrorReply,
@@ -33,7 +34,6 @@ from allocator.protocol import (
     LeaseState,
     ReleaseRequest,
     StatusRequest,
-    StopContainer,
     decode_inbound,
     error_reply,
 )
@@ -134,9 +134,9 @@ class Decider:
             "the allocator failed on this request and did nothing with it; the allocator's "
             "log says why"))
 
-    def take_commands(self) -> list[StopContainer]:
+    def take_commands(self) -> list[AgentCommand]:
         """The commands to node agents the last batch decided (sent after its commit)."""
-        return self._engine.take_commands()
+        return self._engine.take_agent_commands()
 
     def committed(self, pending: list[Pending], at: float) -> None:
         """The batch of ``pending`` is committed (``at``, ``time.monotonic()``): its requests

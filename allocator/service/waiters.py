@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from allocator.protocol import OLDEST_READER
+
 
 @dataclass(frozen=True)
 class ReplyAddress:
@@ -27,6 +29,9 @@ class ReplyAddress:
 
     reply_to: str
     correlation_id: str
+    release: tuple[int, int, int] = OLDEST_READER
+    """The release whose reply fields the client reads (its request's
+    :data:`~allocator.protocol.CLIENT_RELEASE_HEADER`): pushes are written for it too."""
 
 
 ADDRESSES_PER_LEASE = 4
