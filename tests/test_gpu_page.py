@@ -16,6 +16,7 @@ import shutil
 import signal
 import time
 from collections.abc import AsyncIterator
+from html import unescape
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -31,8 +32,10 @@ from allocator.protocol import (
     AllocateRequest,
     ContainerInfo,
     GPUInfo,
+    GPUProcess,
     Lease,
     LeaseState,
+    ProcessState,
     ProcessUse,
 )
 
@@ -63,6 +66,11 @@ class Cluster:
         gpu = self.gpus[host][index]
         self.gpus[host][index] = gpu.model_copy(
             update={"utilization_pct": utilization, "memory_used_mib": memory_mib})
+
+    def use(self, host: str, index: int, processes: list[GPUProcess]) -> None:
+        """Set the processes one GPU lists."""
+        gpu = self.gpus[host][index]
+        self.gpus[host][index] = gpu.model_copy(update={"processes": processes})
 
     def run(self, lease: Lease) -> None:
         """A container of ``lease`` runs on its host from now on."""
@@ -504,10 +512,26 @@ async def test_every_gpu_and_its_holder_is_for_admins_only(
 ) -> None:
     """The cluster table (every GPU and who holds it) is in the answer to a hub admin and
     to a member of an admin group (staff), and not in the answer to anyone else: not even
-    a trace of another user's lease."""
+    a trace of another user's lease. A stray container on a free GPU and alice's container
+    on bob's GPU (outside her grant) are named to admins; alice is warned of her container,
+    and sees the stray's GPU only as in use outside swarm-gpu."""
     async with asyncio.timeout(TEST_BUDGET_S):
         bobs = await lease_for(client, page_hub, "bob", "1070")
         alices = await lease_for(client, page_hub, "alice", "1070")
+        cluster.run(alices)
+        cluster.use("gpu-b", 0, [GPUProcess(pid=4242, memory_used_mib=900, name="python",
+                                            container_id="f00dcafe", container_name="miner",
+                                            image="lab/miner:1")])
+        cluster.use("gpu-a", bobs.gpu_indices[0], [GPUProcess(
+            pid=31337, memory_used_mib=256, container_id=f"c-{alices.lease_id[:12]}")])
+
+        async def processes_judged() -> bool:
+            reply = await client.inventory(include_leases=True)
+            states = {(g.host, g.index): g.process_state for g in reply.gpus}
+            flagged = {lease.lease_id: lease.outside_grant for lease in reply.leases or []}
+            return (states["gpu-b", 0] is ProcessState.OUTSIDE_USE
+                    and bool(flagged.get(alices.lease_id)))
+        await wait_until(processes_judged, within=30, interval=0.2)
         await page_answers(page_hub)
 
         pages = {user: await page_as(page_hub, user) for user in ("alice", "admin", "dave")}
@@ -517,8 +541,14 @@ async def test_every_gpu_and_its_holder_is_for_admins_only(
         _, _, alice = pages["alice"]
         assert 'id="sg-cluster"' not in alice and "(admin)" not in alice
         assert alices.lease_id in alice
-        assert bobs.lease_id not in alice and ">bob" not in alice and "gpu-b" not in alice
+        assert bobs.lease_id not in alice and ">bob" not in alice
+        assert f"also uses GPU {bobs.gpu_indices[0]} ({GTX1070}) on gpu-a, which it was not " \
+            "given" in alice
+        assert '<td>gpu-b</td><td>0</td>' in alice and "in use outside swarm-gpu" in alice
+        assert "miner" not in alice and "4242" not in alice
         for user in ("admin", "dave"):  # the hub's admin; dave is in the admin group staff
             _, _, html = pages[user]
             assert 'id="sg-cluster"' in html and "(admin)" in html, user
             assert "gpu-b" in html and ">bob" in html, user
+            assert "pid 4242 in container miner (lab/miner:1)" in html, user
+            assert "pid 31337 in alice's default server" in unescape(html), user

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hub_inventory import GTX1070, RTX3090, inventory, lease
 
-from allocator.protocol import InventoryReply, Lease, LeaseState
+from allocator.protocol import InventoryReply, Lease, LeaseState, ProcessState, ProcessView
 from hubplugin.page.app import TEMPLATE
 from hubplugin.page.chart import usage_chart
 from hubplugin.page.history import UsageHistory
@@ -199,3 +199,115 @@ def test_an_allocator_that_does_not_answer_is_said_and_the_last_answer_shown() -
                            hub_id="hub", unavailable="cannot reach the broker")
     html = template(TEMPLATE).render({**nothing, "refresh_s": 0})
     assert "cannot reach the broker" in html and "Showing what it said" not in html
+
+
+def with_processes(reply: InventoryReply, states: dict[str, tuple[ProcessState,
+                                                                  list[ProcessView]]],
+                   ) -> InventoryReply:
+    """``reply`` with a process state and its processes on the GPUs ``states`` names."""
+    gpus = [gpu.model_copy(update=dict(zip(("process_state", "processes"),
+                                           states[gpu.uuid], strict=True)))
+            if gpu.uuid in states else gpu for gpu in reply.gpus]
+    return reply.model_copy(update={"gpus": gpus})
+
+
+SLICE = lease(lease_id="L-slice", request_key="hub/alice/small", user="alice", host="gpu-b",
+              gpu_uuids=["GPU-gpu-b-0"], gpu_indices=[0], model=RTX3090, shared=True,
+              memory_mib=4096, gpu_memory_used_mib=6144, over_budget_since=NOW - 720,
+              outside_grant=["GPU-gpu-b-3"])
+STRAY = ProcessView(pid=4242, memory_used_mib=900, name="python", container_id="f00dcafe",
+                    container_name="miner", image="lab/miner:1")
+LEFT_BEHIND = ProcessView(pid=77, memory_used_mib=512, name="python",
+                          container_id="0123456789abcdef", lease_id="L-ended")
+
+
+def process_states() -> InventoryReply:
+    """alice's slice on gpu-b 0 is over budget and her container also uses gpu-b 3; bob's
+    gpu-b 1 is shared with a stray container; gpu-a 1 drains; a process of an ended lease
+    holds gpu-a 0 after the bound."""
+    return with_processes(cluster_with([SLICE, BOB]), {
+        "GPU-gpu-a-1": (ProcessState.DRAINING, []),
+        "GPU-gpu-b-1": (ProcessState.OUTSIDE_USE, [
+            STRAY, STRAY.model_copy(update={"pid": 4243, "memory_used_mib": 100}),
+            ProcessView(pid=31, memory_used_mib=2048, container_id="c-bob",
+                        lease_id="L-bob")]),
+        "GPU-gpu-a-0": (ProcessState.STUCK_PROCESS, [LEFT_BEHIND]),
+        "GPU-gpu-b-3": (ProcessState.OUTSIDE_USE, [
+            ProcessView(pid=88, memory_used_mib=300, container_id="c-slice",
+                        lease_id="L-slice"),
+            ProcessView(pid=9, memory_used_mib=64, name="Xorg")]),
+    })
+
+
+def test_a_user_is_warned_of_their_slice_over_budget_and_gpus_outside_its_grant() -> None:
+    context = page_context(process_states(), Viewer("alice", is_admin=False), {}, now=NOW,
+                           window=WINDOW, hub_id="hub")
+    card = context["held"][0]
+    assert card["over_budget"] == {"since": time.strftime("%H:%M UTC", time.gmtime(NOW - 720)),
+                                   "for": "12 min", "budget": "4 GiB", "use": "6 GiB"}
+    assert card["outside_grant"] == ["GPU 3 (NVIDIA GeForce RTX 3090) on gpu-b"]
+    html = template(TEMPLATE).render({**context, "refresh_s": 0})
+    over = re.findall(r'<div class="sg-note sg-warn sg-over-budget"[^>]*>(.*?)</div>', html)
+    assert len(over) == 1 and "server “small” uses more GPU memory than its slice" in over[0]
+    assert "6 GiB of a 4 GiB budget" in over[0] and "(for 12 min)" in over[0]
+    outside = re.findall(r'<div class="sg-note sg-danger sg-outside-grant"[^>]*>(.*?)</div>',
+                         html)
+    assert len(outside) == 1
+    assert "also uses GPU 3 (NVIDIA GeForce RTX 3090) on gpu-b, which it was not given" \
+        in outside[0] and "tell your GPU admin" in outside[0]
+    # every GPU kept out, in plain words, and nothing of whose processes keep it out
+    assert [(g["host"], g["index"], g["state"]) for g in context["kept_out"]] == [
+        ("gpu-a", 0, "stuck"), ("gpu-a", 1, "draining"), ("gpu-b", 1, "outside use"),
+        ("gpu-b", 3, "outside use")]
+    kept = re.search(r'<table class="sg-table" id="sg-kept-out">(.*?)</table>', html, re.S)
+    assert kept is not None and kept.group(1).count("in use outside swarm-gpu") == 2
+    for private in ("miner", "4242", "L-ended", "bob", "Xorg", "pid"):
+        assert private not in html, private
+    assert 'id="sg-cluster"' not in html
+
+
+def test_a_user_whose_gpu_a_stray_process_uses_is_told_so_but_not_whose() -> None:
+    context = page_context(process_states(), Viewer("bob", is_admin=False), {}, now=NOW,
+                           window=WINDOW, hub_id="hub")
+    card = context["held"][0]
+    assert (card["outside_use"], card["over_budget"], card["outside_grant"]) == (
+        ["GPU 1"], None, [])
+    html = template(TEMPLATE).render({**context, "refresh_s": 0})
+    note = re.findall(r'<p class="sg-card-note sg-warn sg-shared-outside">(.*?)</p>', html)
+    assert note == ["GPU 1 is also used by a process outside swarm-gpu: your server may get "
+                    "less of it than it should. Your GPU admin sees whose it is."]
+    assert "miner" not in html and "sg-over-budget" not in html
+
+
+def test_an_admin_sees_what_keeps_each_gpu_out_and_whose_processes_those_are() -> None:
+    context = page_context(process_states(), Viewer("root", is_admin=True), {}, now=NOW,
+                           window=WINDOW, hub_id=None)
+    rows = {(r["host"], r["index"]): r for r in context["cluster"]["gpus"]}
+    assert {key: r["state"] for key, r in rows.items()} == {
+        ("gpu-a", 0): "stuck", ("gpu-a", 1): "draining", ("gpu-b", 0): "held",
+        ("gpu-b", 1): "outside use", ("gpu-b", 2): "held", ("gpu-b", 3): "outside use"}
+    assert rows["gpu-b", 1]["processes"] == [
+        "pids 4242, 4243 in container miner (lab/miner:1), 1000 MiB",
+        "pid 31 in bob's default server (container c-bob), 2 GiB"]
+    assert rows["gpu-b", 1]["holders"][0]["user"] == "bob"  # still held: the state says why
+    assert rows["gpu-a", 0]["processes"] == [
+        "pid 77 in ended lease L-ended (container 0123456789ab), 512 MiB"]
+    assert rows["gpu-b", 3]["processes"] == [
+        "pid 88 in alice's server “small” (container c-slice), 300 MiB",
+        "pid 9 on the host (Xorg), 64 MiB"]
+    assert rows["gpu-a", 1]["why"] == "being freed after a server ended (seconds)"
+    assert rows["gpu-b", 2]["processes"] == [] and rows["gpu-b", 2]["why"] is None
+    # the holder over its budget and outside its grant, as its owner is told
+    assert rows["gpu-b", 0]["holders"][0]["warnings"] == [
+        f"over budget since {time.strftime('%H:%M UTC', time.gmtime(NOW - 720))}",
+        "also uses GPU 3 (outside its grant)"]
+    assert rows["gpu-b", 2]["holders"][0]["warnings"] == []
+    assert context["kept_out"] == [], "an admin has the whole table"
+    html = template(TEMPLATE).render({**context, "refresh_s": 0})
+    stuck = re.search(r'<tr class="sg-gpu"><td>gpu-a</td><td>0</td>.*?</tr>', html, re.S)
+    assert stuck is not None
+    assert 'class="sg-state-stuck"' in stuck.group(0)
+    assert "a process of a server that ended still holds it" in stuck.group(0)
+    assert "pid 77 in ended lease L-ended" in stuck.group(0)
+    assert 'id="sg-kept-out"' not in html
+    assert "· also uses GPU 3 (outside its grant)" in html

@@ -5,11 +5,15 @@ From one inventory reply (with its leases), the page's usage history and who is 
 - *your GPUs*: each lease of the viewer on this hub (held or queued) with its host, model,
   GPUs, utilization and memory now and as a chart over the history, how long it has been idle,
   whether it is guaranteed or borrowed, and a pending reclaim with its deadline;
-- *the cluster* (admins only): every GPU with its holders, their idle time and borrowing, and
-  the queue.
+- *warnings on your GPUs*: a shared slice over its memory budget, a container that uses GPUs it
+  was not granted, a process outside swarm-gpu on a GPU you hold;
+- *the cluster* (admins only): every GPU with its holders, their idle time and borrowing, the
+  processes that keep it out of placement (container, image, pids), and the queue;
+- *GPUs kept out* (everyone else): which GPUs are draining, stuck or in use outside swarm-gpu,
+  without whose containers or processes those are.
 
-The allocator decides "idle", "borrowed" and "reclaim": the page shows what the lease says,
-never a rule of its own.
+The allocator decides "idle", "borrowed", "reclaim", "over budget", "outside grant" and each
+GPU's process state: the page shows what the lease and the GPU say, never a rule of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from allocator.model_names import display_name
-from allocator.protocol import GPUView, InventoryReply, Lease, LeaseState, ReclaimReason
+from allocator.protocol import (
+    GPUView,
+    InventoryReply,
+    Lease,
+    LeaseState,
+    ProcessState,
+    ProcessView,
+    ReclaimReason,
+)
 
 from ..options import request_key
 from ..templating import format_mib
@@ -141,6 +153,38 @@ def lease_card(lease: Lease, gpus: Mapping[str, GPUView], history: Sequence[Usag
         "chart": usage_chart(history, start=window.start_for(since, now), end=now,
                              gap_s=window.gap_s),
         **_fair_share(lease, now),
+        **_process_warnings(lease, gpus, now),
+    }
+
+
+def _gpu_name(uuid: str, gpus: Mapping[str, GPUView]) -> str:
+    """``GPU 1 (NVIDIA GeForce GTX 1070) on gpu-a``; the uuid when the inventory lacks it."""
+    gpu = gpus.get(uuid)
+    if gpu is None:
+        return uuid
+    return f"GPU {gpu.index} ({display_name(gpu.model)}) on {gpu.host}"
+
+
+def _process_warnings(lease: Lease, gpus: Mapping[str, GPUView], now: float) -> dict[str, Any]:
+    """What the processes on a lease's GPUs say is wrong, for its owner: its slice beyond its
+    memory budget, its container on GPUs it was not granted, and others' processes on its GPUs
+    (never whose: that is for admins)."""
+    over_budget = None
+    if lease.over_budget_since is not None:
+        use = lease.gpu_memory_used_mib
+        over_budget = {
+            "since": clock(lease.over_budget_since),
+            "for": duration(now - lease.over_budget_since),
+            "budget": format_mib(lease.memory_mib) if lease.memory_mib is not None else "—",
+            "use": format_mib(use) if use is not None else "more",
+        }
+    shared_with_outside = [
+        f"GPU {gpus[uuid].index}" for uuid in lease.gpu_uuids
+        if uuid in gpus and gpus[uuid].process_state is ProcessState.OUTSIDE_USE]
+    return {
+        "over_budget": over_budget,
+        "outside_grant": [_gpu_name(uuid, gpus) for uuid in lease.outside_grant],
+        "outside_use": shared_with_outside,
     }
 
 
@@ -157,16 +201,78 @@ def queued_card(lease: Lease, *, now: float) -> dict[str, Any]:
     }
 
 
-def _gpu_row(gpu: GPUView, leases: Mapping[str, Lease], now: float) -> dict[str, Any]:
-    holders = []
+PROCESS_STATES: Mapping[ProcessState, tuple[str, str]] = {
+    ProcessState.DRAINING: ("draining", "being freed after a server ended (seconds)"),
+    ProcessState.STUCK_PROCESS: ("stuck", "a process of a server that ended still holds it"),
+    ProcessState.OUTSIDE_USE: ("outside use", "in use outside swarm-gpu"),
+}
+"""Each process state: its short name (the state column) and what it means, in plain words."""
+
+
+def _pids(processes: Sequence[ProcessView]) -> str:
+    label = "pid" if len(processes) == 1 else "pids"
+    return f"{label} {', '.join(str(p.pid) for p in processes)}"
+
+
+def process_lines(processes: Sequence[ProcessView] | None,
+                  leases: Mapping[str, Lease]) -> list[str]:
+    """For admins: who runs the processes on a GPU, one line per container (its name and
+    image, or the lease it runs for) and one for the host's own processes."""
+    by_container: dict[str | None, list[ProcessView]] = {}
+    for process in processes or ():
+        by_container.setdefault(process.container_id, []).append(process)
+    lines = []
+    for container_id, group in by_container.items():
+        memory = sum(p.memory_used_mib or 0 for p in group)
+        used = f", {format_mib(memory)}" if memory else ""
+        first = group[0]
+        if container_id is None:
+            names = ", ".join(sorted({p.name for p in group if p.name}))
+            lines.append(f"{_pids(group)} on the host{f' ({names})' if names else ''}{used}")
+        elif first.lease_id is not None:
+            lease = leases.get(first.lease_id)
+            owner = (f"{lease.user}'s {server_label(lease)}" if lease is not None
+                     else f"ended lease {first.lease_id}")
+            lines.append(f"{_pids(group)} in {owner} (container {container_id[:12]}){used}")
+        else:
+            name = first.container_name or container_id[:12]
+            image = f" ({first.image})" if first.image else ""
+            lines.append(f"{_pids(group)} in container {name}{image}{used}")
+    return lines
+
+
+def kept_out(gpus: Sequence[GPUView]) -> list[dict[str, Any]]:
+    """For users who are not admins: the GPUs that processes keep out of placement and why,
+    in plain words, without whose containers or processes those are."""
+    return [{"host": gpu.host, "index": gpu.index, "model": display_name(gpu.model),
+             "state": PROCESS_STATES[gpu.process_state][0],
+             "why": PROCESS_STATES[gpu.process_state][1]}
+            for gpu in gpus if gpu.process_state is not None]
+
+
+def _holder_warnings(lease: Lease, gpus: Mapping[str, GPUView]) -> list[str]:
+    """For admins, next to a holder: over its slice's budget, GPUs used outside its grant."""
+    warnings = []
+    if lease.over_budget_since is not None:
+        warnings.append(f"over budget since {clock(lease.over_budget_since)}")
+    if lease.outside_grant:
+        used = ", ".join(f"GPU {gpus[uuid].index}" if uuid in gpus else uuid
+                         for uuid in lease.outside_grant)
+        warnings.append(f"also uses {used} (outside its grant)")
+    return warnings
+
+
+def _gpu_row(gpu: GPUView, leases: Mapping[str, Lease], gpus: Mapping[str, GPUView],
+             now: float) -> dict[str, Any]:
+    holders: list[dict[str, Any]] = []
     for lease_id in gpu.holders:
         lease = leases.get(lease_id)
         if lease is None:
             holders.append({"user": "?", "server": lease_id, "share": None, "idle": None,
-                            "reclaim": None})
+                            "reclaim": None, "warnings": []})
             continue
         holders.append({"user": lease.user, "server": server_label(lease),
-                        **_fair_share(lease, now)})
+                        "warnings": _holder_warnings(lease, gpus), **_fair_share(lease, now)})
     if gpu.health.value != "healthy":
         state = "unhealthy"
     elif gpu.drained:
@@ -175,6 +281,8 @@ def _gpu_row(gpu: GPUView, leases: Mapping[str, Lease], now: float) -> dict[str,
         state = "MIG mode"
     elif gpu.conflict:
         state = "conflict"
+    elif gpu.process_state is not None:
+        state = PROCESS_STATES[gpu.process_state][0]
     elif holders:
         state = "held"
     else:
@@ -187,6 +295,9 @@ def _gpu_row(gpu: GPUView, leases: Mapping[str, Lease], now: float) -> dict[str,
         "utilization": _percent(gpu.utilization_pct),
         "memory": f"{format_mib(gpu.memory_used_mib)} of {format_mib(gpu.memory_total_mib)}",
         "holders": holders,
+        "why": PROCESS_STATES[gpu.process_state][1] if gpu.process_state else None,
+        # who keeps it out; the processes of a GPU that is free to place stay unlisted
+        "processes": process_lines(gpu.processes, leases) if gpu.process_state else [],
     }
 
 
@@ -198,7 +309,7 @@ def page_context(inventory: InventoryReply | None, viewer: Viewer,
     context: dict[str, Any] = {
         "user": viewer.name, "is_admin": viewer.is_admin, "now": clock(now),
         "unavailable": unavailable, "span": duration(window.span_s), "hub_prefix": hub_prefix,
-        "held": [], "queued": [], "cluster": None,
+        "held": [], "queued": [], "cluster": None, "kept_out": [],
         "as_of": clock(inventory.at) if inventory is not None else None,
     }
     if inventory is None:
@@ -221,11 +332,13 @@ def page_context(inventory: InventoryReply | None, viewer: Viewer,
         queue = sorted((lease for lease in leases.values() if lease.state is LeaseState.QUEUED),
                        key=lambda lease: lease.queue_position or 0)
         context["cluster"] = {
-            "gpus": [_gpu_row(gpu, leases, now) for gpu in inventory.gpus],
+            "gpus": [_gpu_row(gpu, leases, gpus, now) for gpu in inventory.gpus],
             "nodes_down": [node.host for node in inventory.nodes if not node.up],
             "queue": [{"user": lease.user, **queued_card(lease, now=now)}
                       for lease in queue],
         }
+    else:
+        context["kept_out"] = kept_out(inventory.gpus)
     return context
 
 
