@@ -164,7 +164,11 @@ def _one_line(exc: Exception) -> str:
 def _health(args: argparse.Namespace) -> int:
     """``gpu-allocator health``: 0 if the allocator's ``/healthz`` answers healthy, else 1."""
     try:
-        settings = load_settings(args.config)
+        # No broker is asked, so its TLS files are left out: the URL they go with may exist
+        # only in serve's own environment (compose/stack.yml's start command makes it, with
+        # the password), and a CA file beside the default amqp:// URL would be refused.
+        settings = load_settings(args.config, amqp_ca_file=None, amqp_cert_file=None,
+                                 amqp_key_file=None)
     except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
         print(f"gpu-allocator: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
         return 1

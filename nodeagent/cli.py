@@ -131,7 +131,12 @@ def health(argv: Sequence[str]) -> int:
         "healthy, else 1 with one line on stderr saying what failed. Swarm's healthcheck "
         "runs it.")
     try:
-        settings = load_settings(**given)
+        # No broker is asked, so its TLS files are left out: the URL they go with may exist
+        # only in the agent's own environment (compose/stack.yml's start command makes it,
+        # with the password), and a CA file beside the default amqp:// URL would be refused.
+        settings = AgentSettings(**{key: value for key, value in given.items()
+                                    if value is not None},
+                                 amqp_ca_file=None, amqp_cert_file=None, amqp_key_file=None)
     except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
         print(f"gpu-nodeagent: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
         return 1

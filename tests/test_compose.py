@@ -485,7 +485,7 @@ def test_the_broker_publishes_no_port_unless_the_site_adds_the_management_file(
         stack, cluster_stack, docker_engine):
     """A published port answers on its node's addresses, which notebooks reach through their
     gateway: only compose/stack.management.yml publishes the management UI. The metrics
-    answer only with the metrics token (the allocator's health check sends it)."""
+    answer only with the metrics token."""
     for config in (stack, cluster_stack):
         for name in CONTROL_PLANE:
             if name in config["services"]:
@@ -501,8 +501,6 @@ def test_the_broker_publishes_no_port_unless_the_site_adds_the_management_file(
         assert path == "/run/secrets/swarm-gpu-metrics-token"
         assert "swarm-gpu-metrics-token" in [
             s if isinstance(s, str) else s["source"] for s in service["secrets"]]
-    health = " ".join(stack["services"]["allocator"]["healthcheck"]["test"])
-    assert "SWARM_GPU_METRICS_TOKEN_FILE" in health and "Bearer" in health
 
 
 def test_on_one_machine_the_notebooks_network_is_the_host_network(docker_engine):
@@ -690,3 +688,111 @@ def test_scripts_certs_makes_a_ca_and_a_broker_certificate_for_every_name(
     tls_handshake(folder, "rabbitmq-2")
     refused = certs("rabbitmq", "not a name")
     assert refused.returncode != 0 and "not a host name or IPv4 address" in refused.stderr
+
+
+# ------------------------------------------------------- health checks and monitoring
+
+MONITORING = COMPOSE / "stack.monitoring.yml"
+ONE_MACHINE_MONITORING = COMPOSE / "stack.one-machine.monitoring.yml"
+PROMETHEUS_DIR = COMPOSE / "prometheus"
+ONE_MACHINE_MONITORING_ENV = {**ONE_MACHINE_ENV, "SWARM_GPU_PROMETHEUS_ADDR": "127.0.0.21"}
+"""What scripts/cluster exports for the one-machine files with ``--monitoring``."""
+
+
+def monitored_deployments(docker_engine: str) -> dict[str, dict[str, Any]]:
+    """The stack with Prometheus (compose/stack.monitoring.yml), on a cluster and on one
+    machine, merged as ``docker stack deploy`` merges them."""
+    return {
+        "monitoring": merged_config(docker_engine, STACK, MONITORING),
+        "one-machine monitoring": merged_config(
+            docker_engine, STACK, ONE_MACHINE, MONITORING, ONE_MACHINE_MONITORING,
+            env=ONE_MACHINE_MONITORING_ENV),
+    }
+
+
+def test_every_service_has_one_health_check_in_every_deployment(
+        stack: dict[str, Any], cluster_stack: dict[str, Any], docker_engine: str) -> None:
+    """Swarm restarts a task whose check fails and counts a new one as running only once it
+    passes. The allocator and the agent run their own ``health`` command (GET /healthz: a
+    blocked event loop or a lost broker connection), the hub is asked /hub/health on the port
+    it publishes. One check per service: a later file's healthcheck test is appended to an
+    earlier one's when files merge, which makes a command no one meant."""
+    deployments = {**all_deployments(docker_engine, stack, cluster_stack),
+                   **monitored_deployments(docker_engine)}
+    for deployment, config in deployments.items():
+        for name, service in config["services"].items():
+            test = service.get("healthcheck", {}).get("test") or []
+            kinds = [part for part in test if part in ("CMD", "CMD-SHELL", "NONE")]
+            assert kinds in (["CMD"], ["CMD-SHELL"]) and test[0] == kinds[0], \
+                (deployment, name, test)
+        services = config["services"]
+        assert services["allocator"]["healthcheck"]["test"] == ["CMD", "gpu-allocator",
+                                                                 "health"], deployment
+        assert services["nodeagent"]["healthcheck"]["test"] == ["CMD", "gpu-nodeagent",
+                                                                 "health"], deployment
+    hub = stack["services"]["jupyterhub"]
+    (published,) = hub["ports"]
+    assert f"http://127.0.0.1:{published['target']}/hub/health" in " ".join(
+        hub["healthcheck"]["test"])
+
+
+def test_the_agents_metrics_reach_the_control_plane_only(
+        stack: dict[str, Any], docker_engine: str) -> None:
+    """Prometheus scrapes the agents: on a cluster the agent binds every address of its
+    container, whose only network is the control plane's; on one machine (the host network,
+    one namespace for every node) each agent binds its own node's address, not a wildcard
+    that the other node's agent could not share; the token guards it from notebooks there."""
+    agent = stack["services"]["nodeagent"]
+    assert agent["environment"]["SWARM_GPU_AGENT_METRICS_ADDR"] == "0.0.0.0"
+    assert networks_of(agent) == {"default"}
+    assert agent["environment"]["SWARM_GPU_AGENT_METRICS_TOKEN_FILE"]
+    one_machine = merged_config(docker_engine, STACK, ONE_MACHINE, env=ONE_MACHINE_ENV)
+    addr = one_machine["services"]["nodeagent"]["environment"]["SWARM_GPU_AGENT_METRICS_ADDR"]
+    # Swarm's template, rendered per node as Swarm renders it (Go's if/eq/else)
+    chosen = re.fullmatch(r'(127\.0\.0\.)\{\{if eq \.Node\.Hostname "([\w-]+)"\}\}(\d+)'
+                          r"\{\{else\}\}(\d+)\{\{end\}\}", addr)
+    assert chosen is not None, addr
+    prefix, first_node, first, other = chosen.groups()
+    assert (first_node, prefix + first, prefix + other) == (
+        "gpu-1", "127.0.0.22", "127.0.0.23"), "scripts/cluster's gpu-1 and gpu-2"
+
+
+def test_prometheus_runs_on_the_control_plane_with_the_token_and_the_rules(
+        docker_engine: str) -> None:
+    """compose/stack.monitoring.yml: Prometheus on the control plane's network only, its
+    port unpublished; prometheus.yml and alerts.yml side by side as the config's relative
+    rule_files and credentials_file expect, and the metrics token beside them; its data on
+    one labelled node. On one machine: the host network, prometheus.one-machine.yml in
+    place of prometheus.yml, and both its listener and its health check on the address
+    SWARM_GPU_PROMETHEUS_ADDR names."""
+    deployments = monitored_deployments(docker_engine)
+    for deployment, config in deployments.items():
+        prometheus = config["services"]["prometheus"]
+        assert not prometheus.get("ports"), deployment
+        assert networks_of(prometheus) == {"default"}, deployment
+        mounted = {c["target"]: config["configs"][c["source"]]["file"]
+                   for c in prometheus["configs"]}
+        assert set(mounted) == {"/etc/prometheus/prometheus.yml", "/etc/prometheus/alerts.yml"}
+        assert Path(mounted["/etc/prometheus/alerts.yml"]) == PROMETHEUS_DIR / "alerts.yml"
+        config_file = Path(mounted["/etc/prometheus/prometheus.yml"])
+        prometheus_yml = yaml.safe_load(config_file.read_text())
+        assert prometheus_yml["rule_files"] == ["alerts.yml"]
+        (token,) = prometheus["secrets"]
+        assert (token["source"], token["target"]) == ("swarm-gpu-metrics-token",
+                                                      "/etc/prometheus/metrics-token")
+        for job in prometheus_yml["scrape_configs"]:
+            if job["job_name"] != "swarm-gpu-ledger-node":
+                assert job["authorization"] == {"credentials_file": "metrics-token"}, job
+        assert prometheus["deploy"]["placement"]["constraints"] == [
+            "node.labels.swarm-gpu.monitoring == true"]
+        assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    cluster = deployments["monitoring"]
+    assert Path(cluster["configs"]["prometheus-yml"]["file"]) == PROMETHEUS_DIR / "prometheus.yml"
+    assert "--web.listen-address=0.0.0.0:9090" in cluster["services"]["prometheus"]["command"]
+    one_machine = deployments["one-machine monitoring"]
+    assert one_machine["networks"]["default"] == {"external": True, "name": "host"}
+    assert Path(one_machine["configs"]["prometheus-yml"]["file"]) == \
+        PROMETHEUS_DIR / "prometheus.one-machine.yml"
+    local = one_machine["services"]["prometheus"]
+    assert "--web.listen-address=127.0.0.21:9090" in local["command"]
+    assert "http://127.0.0.21:9090/-/ready" in local["healthcheck"]["test"]

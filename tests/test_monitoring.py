@@ -4,7 +4,8 @@ Prometheus's own ``promtool`` and against real scrapes.
 - ``compose/prometheus/alerts.yml``: ``promtool check rules``; ``promtool test rules`` with
   ``alerts.test.yml``, which must test every alert firing and not firing; a runbook line for
   each in docs/operations.md.
-- ``compose/prometheus/prometheus.yml``: ``promtool check config``.
+- ``compose/prometheus/prometheus.yml``: ``promtool check config``; so is the one-machine
+  cluster's ``prometheus.one-machine.yml``, which scrapes the same jobs from named targets.
 - ``compose/grafana/swarm-gpu.json``: its structure, and every query valid PromQL.
 - A real allocator (with the replicated ledger log) and a real node agent fed by it, scraped
   over HTTP: ``promtool check metrics`` on both, and every ``swarm_gpu_*`` metric an alert or
@@ -52,6 +53,7 @@ PROMETHEUS_DIR = REPO_ROOT / "compose" / "prometheus"
 ALERTS = PROMETHEUS_DIR / "alerts.yml"
 ALERT_TESTS = PROMETHEUS_DIR / "alerts.test.yml"
 PROMETHEUS_CONFIG = PROMETHEUS_DIR / "prometheus.yml"
+ONE_MACHINE_CONFIG = PROMETHEUS_DIR / "prometheus.one-machine.yml"
 DASHBOARD = REPO_ROOT / "compose" / "grafana" / "swarm-gpu.json"
 OPERATIONS = REPO_ROOT / "docs" / "operations.md"
 
@@ -104,18 +106,40 @@ def test_alert_unit_tests_pass(promtool: Path) -> None:
     assert "SUCCESS" in done.stdout
 
 
-def test_the_prometheus_config_is_valid(promtool: Path, tmp_path: Path) -> None:
-    # As deployed: the folder with the metrics token beside the config (promtool checks the
-    # credentials file exists).
+def check_config_as_deployed(promtool: Path, tmp_path: Path, config: Path) -> None:
+    """``promtool check config`` as deployed: the folder with the metrics token beside the
+    config (promtool checks the credentials file exists)."""
     deployed = tmp_path / "prometheus"
     shutil.copytree(PROMETHEUS_DIR, deployed)
     (deployed / "metrics-token").write_text("a-token-of-the-site\n")
-    done = run_promtool(promtool, "check", "config", PROMETHEUS_CONFIG.name, cwd=deployed)
+    done = run_promtool(promtool, "check", "config", config.name, cwd=deployed)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_prometheus_config_is_valid(promtool: Path, tmp_path: Path) -> None:
+    check_config_as_deployed(promtool, tmp_path, PROMETHEUS_CONFIG)
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     for job in config["scrape_configs"]:
         if job["job_name"] in ("swarm-gpu-allocator", "swarm-gpu-nodeagent"):
             assert job["authorization"] == {"credentials_file": "metrics-token"}, job
+
+
+def test_the_one_machine_prometheus_config_is_valid_and_scrapes_as_the_other(
+        promtool: Path, tmp_path: Path) -> None:
+    """prometheus.one-machine.yml (compose/stack.one-machine.monitoring.yml): valid, the same
+    rules and the same swarm-gpu jobs with the same token as prometheus.yml, only with named
+    targets where the host network has no Swarm DNS."""
+    check_config_as_deployed(promtool, tmp_path, ONE_MACHINE_CONFIG)
+    one_machine = yaml.safe_load(ONE_MACHINE_CONFIG.read_text())
+    cluster = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    assert one_machine["rule_files"] == cluster["rule_files"]
+
+    def jobs(config: dict[str, Any]) -> dict[str, Any]:
+        return {job["job_name"]: job.get("authorization") for job in config["scrape_configs"]
+                if job["job_name"] in ("swarm-gpu-allocator", "swarm-gpu-nodeagent")}
+    assert jobs(one_machine) == jobs(cluster) and len(jobs(cluster)) == 2
+    for job in one_machine["scrape_configs"]:
+        assert "dns_sd_configs" not in job and job["static_configs"], job
 
 
 # --------------------------------------------------------------------------- the alerts

@@ -13,12 +13,18 @@ One cluster for the whole module, so CI builds the images once; the tests run in
 and each leaves the cluster as it found it (no server running, every GPU free). The module
 ends with ``scripts/cluster down`` unless SWARM_GPU_CLUSTER_KEEP=1 (then the next run's
 ``scripts/cluster up`` finds it running and only rebuilds what changed).
+
+The cluster comes up with ``--monitoring`` (compose/stack.monitoring.yml, Prometheus with
+compose/prometheus/alerts.yml): one more image and service on the module's one cluster costs
+far less CI time than a cluster of its own for the monitoring test would.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import functools
 import json
 import os
 import re
@@ -28,17 +34,27 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from services import REQUIRE_ENV, require_service
+
+from allocator.client import (
+    AllocatorClient,
+    AllocatorError,
+    AllocatorTimeout,
+    AllocatorUnavailable,
+)
+from allocator.protocol import AllocateRequest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "cluster"
@@ -94,6 +110,20 @@ class Cluster:
     @property
     def stack(self) -> str:
         return self.env["SWARM_GPU_CLUSTER_STACK"]
+
+    def prometheus(self, path: str) -> Any:
+        """The ``data`` of an answer of Prometheus's HTTP API (``/api/v1`` + ``path``)."""
+        url = f"{self.env['SWARM_GPU_CLUSTER_PROMETHEUS_URL']}/api/v1{path}"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            answer = json.loads(response.read())
+        assert answer["status"] == "success", answer
+        return answer["data"]
+
+    def alerts(self, name: str) -> dict[str, str]:
+        """host -> state (``pending``, ``firing``) of each active alert ``name``."""
+        return {alert["labels"].get("host", ""): alert["state"]
+                for alert in self.prometheus("/alerts")["alerts"]
+                if alert["labels"]["alertname"] == name}
 
     def secret(self, name: str) -> str:
         return (self.dir / "secrets" / name).read_text().strip()
@@ -322,7 +352,7 @@ def cluster_up(*options: str, env: dict[str, str] | None = None) -> Iterator[Clu
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with cluster_up() as running:
+    with cluster_up("--monitoring") as running:
         yield running
 
 
@@ -342,6 +372,7 @@ def test_every_service_runs_and_is_healthy(cluster: Cluster) -> None:
         f"{stack}_allocator": ("replicated", "2/2"),
         f"{stack}_nodeagent": ("global", "2/2"),
         f"{stack}_jupyterhub": ("replicated", "1/1"),
+        f"{stack}_prometheus": ("replicated", "1/1"),
     }
     # The agents run on the GPU nodes, one each; broker and hub on the manager; the two
     # allocator replicas on the two nodes labelled for them, one each.
@@ -353,17 +384,84 @@ def test_every_service_runs_and_is_healthy(cluster: Cluster) -> None:
     assert sorted(where[f"{stack}_nodeagent"]) == ["gpu-1", "gpu-2"]
     assert where[f"{stack}_rabbitmq"] == ["manager-1"]
     assert sorted(where[f"{stack}_allocator"]) == sorted(ALLOCATOR_NODES)
-    # Every container with a health check is healthy: the broker, an allocator on each
-    # allocator node.
-    healthy = {}
-    for node in NODES:
-        health = cluster.docker(node, "ps", "--format", "{{.Names}} {{.Status}}").stdout
-        healthy[node] = sorted(line.split()[0].split(".")[0] for line in health.splitlines()
-                               if "(healthy)" in line)
-    assert healthy == {"manager-1": [f"{stack}_rabbitmq"], "gpu-1": [f"{stack}_allocator"],
-                       "gpu-2": [f"{stack}_allocator"]}, healthy
+    # Every service has a health check (gpu-allocator health, gpu-nodeagent health, the hub's
+    # /hub/health, the broker's and Prometheus's own), and every container of the stack
+    # passes it: broker, hub and Prometheus on the manager, an allocator and an agent on
+    # each GPU node.
+    def healthy() -> dict[str, list[str]] | None:
+        found = {}
+        for node in NODES:
+            health = cluster.docker(node, "ps", "--format", "{{.Names}} {{.Status}}").stdout
+            running = [line for line in health.splitlines() if line.startswith(f"{stack}_")]
+            if not all("(healthy)" in line for line in running):
+                return None
+            found[node] = sorted(line.split()[0].split(".")[0] for line in running)
+        return found
+    by_node = eventually(healthy, "every container of the stack healthy")
+    assert by_node == {
+        "manager-1": [f"{stack}_jupyterhub", f"{stack}_prometheus", f"{stack}_rabbitmq"],
+        "gpu-1": [f"{stack}_allocator", f"{stack}_nodeagent"],
+        "gpu-2": [f"{stack}_allocator", f"{stack}_nodeagent"]}, by_node
     status, body = cluster.api("GET", "/")
     assert status == 200 and "version" in body
+
+
+NODE_SILENT = "SwarmGpuNodeSilent"
+ALERT_WITHIN_S = 300.0
+"""Bound on a node-silent alert firing: the allocator's node_down_after_s (20 s), the rule's
+``for: 2m``, and a few of the one-machine Prometheus's 5 s scrapes and evaluations."""
+
+
+def test_prometheus_scrapes_everything_and_a_silent_node_fires_its_alert_until_it_is_back(
+        cluster: Cluster) -> None:
+    """compose/stack.monitoring.yml: Prometheus scrapes both allocator replicas and both
+    agents with the metrics token (every target up) and loads every rule of alerts.yml. The
+    agent of gpu-2 stopped (its node's swarm-gpu.gpu label removed, as when a node leaves
+    the GPU pool), SwarmGpuNodeSilent fires for gpu-2 in Prometheus; the label back, Swarm
+    starts the agent again and the alert resolves."""
+    def targets() -> list[tuple[str, str, str]] | None:
+        found = sorted((t["labels"]["job"], t["scrapeUrl"], t["health"])
+                       for t in cluster.prometheus("/targets")["activeTargets"])
+        return found if found and all(health == "up" for _, _, health in found) else None
+    up = eventually(targets, "every Prometheus target up")
+    assert [(job, url) for job, url, _ in up] == [
+        ("swarm-gpu-allocator", "http://127.0.0.1:9461/metrics"),
+        ("swarm-gpu-allocator", "http://127.0.0.1:9462/metrics"),
+        ("swarm-gpu-nodeagent", "http://127.0.0.22:9465/metrics"),
+        ("swarm-gpu-nodeagent", "http://127.0.0.23:9465/metrics")], up
+    rules = {rule["name"] for group in cluster.prometheus("/rules")["groups"]
+             for rule in group["rules"]}
+    assert NODE_SILENT in rules and "SwarmGpuNoActiveAllocator" in rules, rules
+    # Both nodes up in Prometheus's view before one goes: the rule needs gpu-2 seen up.
+    def both_up() -> bool:
+        result = cluster.prometheus("/query?query=" + urllib.parse.quote(
+            "max by (host) (swarm_gpu_node_up)"))["result"]
+        return {r["metric"]["host"]: r["value"][1] for r in result} == {"gpu-1": "1",
+                                                                          "gpu-2": "1"}
+    eventually(both_up, "swarm_gpu_node_up 1 for gpu-1 and gpu-2")
+    # None pending before: a replica restarted less than 2 minutes ago (the deploy) still
+    # has its predecessor's message rate, and so the standby's view counts as the live one.
+    eventually(lambda: cluster.alerts(NODE_SILENT) == {}, f"no {NODE_SILENT} alert before",
+               within=ALERT_WITHIN_S, interval=2)
+
+    agent = f"{cluster.stack}_nodeagent"
+    cluster.manager("node", "update", "--label-rm", "swarm-gpu.gpu", "gpu-2")
+    try:
+        eventually(lambda: not cluster.docker("gpu-2", "ps", "-q", "-f", f"name={agent}")
+                   .stdout.strip(), "the agent on gpu-2 stopped")
+        silent = time.monotonic()
+        eventually(lambda: cluster.alerts(NODE_SILENT) == {"gpu-2": "firing"},
+                   f"{NODE_SILENT} firing for gpu-2", within=ALERT_WITHIN_S, interval=2)
+        print(f"agent stopped to {NODE_SILENT} firing: {time.monotonic() - silent:.0f} s")
+    finally:
+        cluster.manager("node", "update", "--label-add", "swarm-gpu.gpu=true", "gpu-2")
+    back = time.monotonic()
+    eventually(lambda: cluster.alerts(NODE_SILENT) == {}, f"{NODE_SILENT} resolved",
+               interval=2)
+    print(f"label back to {NODE_SILENT} resolved: {time.monotonic() - back:.0f} s")
+    eventually(lambda: any(h["host"] == "gpu-2" and h["up"]
+                           for h in cluster.ledger_status()["hosts"]), "gpu-2 up again")
+    eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
 
 
 def plain_answer(address: str, port: int, hello: bytes) -> bytes:
@@ -521,28 +619,193 @@ def test_the_spawn_form_in_chromium(cluster: Cluster, chromium_path: Path,
     eventually(lambda: cluster.lease(lease_id) is None, "carol's GPU free")
 
 
-def test_a_rolling_update_of_the_allocator_keeps_every_lease(cluster: Cluster) -> None:
+UPGRADED_VERSION_SUFFIX = "+upgrade"
+"""What the second image's allocator.__version__ adds to the package's version."""
+
+
+def upgraded_image(cluster: Cluster, context: Path) -> tuple[str, str]:
+    """(tag, version) of a second build of the stack's image, pushed to the cluster's
+    registry: the same code with another ``allocator.__version__``, as a new release is to
+    Swarm (a new image reference for ``docker service update --image``)."""
+    image = cluster.env["SWARM_GPU_IMAGE"]
+    version = image.rsplit(":", 1)[1] + UPGRADED_VERSION_SUFFIX
+    tag = f"{image}-upgrade"
+    context.mkdir()
+    (context / "Dockerfile").write_text(
+        f"FROM {image}\nUSER root\n"
+        f"RUN sed -i 's/^__version__ = .*/__version__ = \"{version}\"/' "
+        "\"$(python3 -c 'import allocator; print(allocator.__file__)')\"\n"
+        "USER swarm-gpu\n")
+    cluster.manager("build", "-q", "-t", tag, str(context), timeout=300)
+    cluster.manager("push", "-q", tag, timeout=300)
+    return tag, version
+
+
+@dataclass
+class AllocatorLoad:
+    """Allocate-and-release cycles against the allocator, through the broker as the hub makes
+    them (the hub's broker user), from threads of this process while the test does something
+    else. A call with no answer is asked again with the same request key (an allocate is
+    idempotent by its key, a release harmless twice), as the spawner does."""
+
+    amqp_url: str
+    avoid: set[str]
+    """GPUs held by leases outside this load: granting one of them is a doubled lease."""
+    answered: list[tuple[float, str]] = dataclass_field(default_factory=list)
+    """(when, what) of each answered call."""
+    retried: int = 0
+    doubled: list[str] = dataclass_field(default_factory=list)
+    unanswered: list[str] = dataclass_field(default_factory=list)
+    granted: set[str] = dataclass_field(default_factory=set)
+    _held: dict[str, str] = dataclass_field(default_factory=dict)
+    _lock: threading.Lock = dataclass_field(default_factory=threading.Lock)
+    _stop: threading.Event = dataclass_field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = dataclass_field(default_factory=list)
+
+    def start(self, workers: int) -> None:
+        for worker in range(workers):
+            thread = threading.Thread(target=asyncio.run, args=(self._cycles(worker),),
+                                      name=f"allocator-load-{worker}")
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=WITHIN_S * 2)
+            assert not thread.is_alive(), f"{thread.name} did not finish"
+
+    async def _answer(self, what: str, call: Callable[[], Awaitable[T]]) -> T | None:
+        """The answer to ``call``, asked again while none comes (None: none within
+        WITHIN_S); a refusal is an answer too, raised as AllocatorError."""
+        deadline = time.monotonic() + WITHIN_S
+        while True:
+            try:
+                answer = await call()
+            except AllocatorError as exc:
+                if not isinstance(exc, AllocatorTimeout | AllocatorUnavailable):
+                    with self._lock:
+                        self.answered.append((time.monotonic(), f"{what}: refused"))
+                    raise
+                if time.monotonic() > deadline:
+                    self.unanswered.append(f"{what}: {exc}")
+                    return None
+                with self._lock:
+                    self.retried += 1
+                continue
+            with self._lock:
+                self.answered.append((time.monotonic(), what))
+            return answer
+
+    async def _cycles(self, worker: int) -> None:
+        async with AllocatorClient(self.amqp_url, timeout_s=10) as client:
+            cycle = 0
+            while not self._stop.is_set():
+                key = f"upgrade/load-{worker}/{cycle}"
+                cycle += 1
+                request = AllocateRequest(request_key=key, user=f"load-{worker}", model="1070")
+                try:
+                    lease = await self._answer(f"allocate {key}",
+                                               functools.partial(client.allocate, request))
+                except AllocatorError:  # an answer: a refusal (no GPU free just now)
+                    await asyncio.sleep(0.5)
+                    continue
+                if lease is None:
+                    return
+                with self._lock:
+                    self.granted.add(lease.lease_id)
+                    for uuid in lease.gpu_uuids:
+                        holder = self._held.get(uuid) or ("outside the load"
+                                                          if uuid in self.avoid else None)
+                        if holder is not None:
+                            self.doubled.append(f"{uuid}: {lease.lease_id} and {holder}")
+                        self._held[uuid] = lease.lease_id
+                await asyncio.sleep(0.2)
+                with self._lock:  # given up before the release is sent: no false doubles
+                    for uuid in lease.gpu_uuids:
+                        self._held.pop(uuid, None)
+                if await self._answer(f"release {lease.lease_id}", functools.partial(
+                        client.release, lease_id=lease.lease_id, reason="load")) is None:
+                    return
+
+
+def running_images(cluster: Cluster, service: str) -> dict[str, str]:
+    """node -> the image reference of the running task of ``service`` there."""
+    found = {}
+    for line in cluster.manager("service", "ps", "--filter", "desired-state=running",
+                                "--format", "{{.Node}} {{.Image}} {{.CurrentState}}",
+                                f"{cluster.stack}_{service}").stdout.splitlines():
+        node, image, state = line.split()[:3]
+        if state == "Running":
+            found[node] = image
+    return found
+
+
+def test_a_rolling_update_to_a_new_image_under_load_keeps_every_lease(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The upgrade as docs/operations.md has it: a new image, ``docker service update
+    --image`` of the allocator (one replica at a time, the other taking over) and then of the
+    agents, while allocate/release calls keep coming. No lease is lost (a notebook's stays
+    bound on its GPU), none is doubled (no GPU granted twice at once), every call is
+    answered, some only when asked again; the ledger checks clean afterwards."""
     cluster.user("dave", "students")
     cluster.spawn("dave", {"mode": "exclusive", "model": "1070"})
     cluster.ready("dave")
     lease_id, _, _ = cluster.lease_of("dave")
     eventually(lambda: (cluster.lease(lease_id) or ({}, {}))[1].get("state") == "bound",
                "dave's lease bound")
+    daves_gpu, _ = cluster.lease(lease_id) or ({}, {})
+    image, version = upgraded_image(cluster, tmp_path / "upgrade")
     before = set(cluster.allocators().values())
-    cluster.manager("service", "update", "--force", "--detach=false", "--quiet",
-                    f"{cluster.stack}_allocator", timeout=300)
+    address = cluster.env["SWARM_GPU_MANAGER_ADDR"]
+    load = AllocatorLoad(
+        f"amqps://hub:{cluster.secret('broker-passwords/hub')}@{address}:"
+        f"{cluster.env['SWARM_GPU_BROKER_PORT']}/swarm-gpu?cafile={cluster.broker_ca}",
+        avoid={daves_gpu["uuid"]})
+    load.start(workers=2)
+    try:
+        eventually(lambda: len(load.answered) >= 4, "the load's first calls answered")
+        updating = time.monotonic()
+        for service in ("allocator", "nodeagent"):
+            cluster.manager("service", "update", "--image", image, "--detach=false", "--quiet",
+                            f"{cluster.stack}_{service}", timeout=600)
+        updated = time.monotonic()
+        eventually(lambda: len([t for t, _ in load.answered if t > updated]) >= 4,
+                   "the load's calls answered after the update")
+    finally:
+        load.stop()
+    during = [what for when, what in load.answered if updating <= when <= updated]
+    print(f"rolling update of allocator and agents: {updated - updating:.0f} s; "
+          f"{len(load.answered)} calls answered ({len(during)} during the update), "
+          f"{load.retried} asked again")
+    assert load.unanswered == [] and load.doubled == []
+    assert during, "calls were answered while the replicas were replaced"
+    # Every replica and agent runs the new image, the new version in it.
+    assert running_images(cluster, "allocator") == {node: image for node in ALLOCATOR_NODES}
+    assert running_images(cluster, "nodeagent") == {"gpu-1": image, "gpu-2": image}
     replaced = cluster.allocators()
-    assert set(replaced) == ALLOCATOR_NODES, replaced
-    assert not before & set(replaced.values()), "both replicas were replaced"
+    assert set(replaced) == ALLOCATOR_NODES and not before & set(replaced.values())
+    for node, container in replaced.items():
+        said = cluster.docker(node, "exec", container, "python3", "-c",
+                              "import allocator; print(allocator.__version__)").stdout.strip()
+        assert said == version, (node, said)
+    # dave's lease kept, on its GPU; every lease of the load released; nothing held twice.
     gpu, holder = eventually(lambda: cluster.lease(lease_id), "dave's lease after the update")
     assert holder["user"] == "dave" and holder["state"] == "bound"
+    assert gpu["uuid"] == daves_gpu["uuid"]
+    eventually(lambda: not lease_ids(cluster.ledger_status()) & load.granted,
+               "every lease of the load released")
+    status = cluster.ledger_status()
+    assert {u: ids for u, ids in exclusive_holders(status).items() if len(ids) > 1} == {}
+    check = cluster.gpu_ledger("check", check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
     # the next spawn is served by the new replicas
     cluster.user("ellen", "staff")  # students may hold 1 GPU at once (allocator.toml)
     cluster.spawn("ellen", {"mode": "exclusive", "model": "1070"})
     cluster.ready("ellen")
-    erin_lease, _, _ = cluster.lease_of("ellen")
-    erin_gpu, _ = eventually(lambda: cluster.lease(erin_lease), "ellen's lease")
-    assert erin_gpu["uuid"] != gpu["uuid"]
+    ellens_lease, _, _ = cluster.lease_of("ellen")
+    ellens_gpu, _ = eventually(lambda: cluster.lease(ellens_lease), "ellen's lease")
+    assert ellens_gpu["uuid"] != gpu["uuid"]
     cluster.stop("ellen")
     cluster.stop("dave")
     eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
