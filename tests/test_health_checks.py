@@ -327,3 +327,26 @@ async def test_the_health_commands_say_when_there_is_no_endpoint_to_ask() -> Non
     assert (agent.returncode, agent.lines) == (1, [
         "gpu-nodeagent: metrics_port is 0, so the agent serves no /healthz to ask: set "
         "metrics_port (SWARM_GPU_AGENT_METRICS_PORT)"])
+
+
+async def test_the_health_commands_ask_no_broker_so_its_tls_files_do_not_matter(
+        tmp_path: Path) -> None:
+    """As in compose/stack.yml: the broker's CA file is in the environment, but the amqps://
+    URL exists only in the start command, so a healthcheck sees the CA file beside the
+    default amqp:// URL. That is no reason to refuse: the command reaches the endpoint (here
+    nothing listens, and it says so) instead of calling the settings invalid."""
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_text("not read: the health command connects to no broker\n")
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_")}
+    env.update(SWARM_GPU_AMQP_CA_FILE=str(ca_file), SWARM_GPU_METRICS_PORT=str(port),
+               SWARM_GPU_AGENT_AMQP_CA_FILE=str(ca_file),
+               SWARM_GPU_AGENT_METRICS_PORT=str(port))
+    allocator, agent = await asyncio.gather(run_health(["allocator.cli", "health"], env),
+                                            run_health(["nodeagent.cli", "health"], env))
+    for program, done in (("gpu-allocator", allocator), ("gpu-nodeagent", agent)):
+        assert done.returncode == 1, done
+        assert len(done.lines) == 1 and done.lines[0].startswith(
+            f"{program}: nothing answers on port {port}"), done.lines
