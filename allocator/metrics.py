@@ -13,8 +13,8 @@ Two parts, so that the request path pays (almost) nothing:
 Each service owns an :class:`AllocatorMetrics`, with a registry of its own, so the
 process-wide default registry (and whatever else registers there) stays out of the
 allocator's endpoint, and two services in one process (tests, a takeover drill) never share a
-count. This module reads a service only through :class:`Observed` (what it is handed); it
-does not import the service. Start the endpoint with :func:`serve`; see
+count. This module reads a service only through :class:`Observed` and :class:`Replica` (what
+it is handed); it does not import the service. Start the endpoint with :func:`serve`; see
 ``docs/operations.md`` for the metric list.
 """
 
@@ -103,6 +103,14 @@ class Observed(Protocol):
     def log(self) -> LogObserved | None: ...
 
 
+class Replica(Observed, Protocol):
+    """What the endpoint reads of a running allocator replica: :class:`Observed`, and whether
+    it is the active one (:meth:`allocator.service.standby.Standby.is_active`)."""
+
+    @property
+    def active(self) -> bool: ...
+
+
 class LogObserved(Protocol):
     """What the metrics read of the replicated ledger log (``ledger_log = "stream"``):
     :class:`allocator.replication.ReplicatedLog`."""
@@ -158,7 +166,7 @@ class AllocatorMetrics:
         for phase, seconds in zip(BATCH_PHASES, (decide_s, commit_s, answer_s), strict=True):
             self.batch_phase_seconds.labels(phase).observe(seconds)
 
-    def install(self, service: Observed,
+    def install(self, service: Replica,
                 loop: asyncio.AbstractEventLoop | None = None) -> AllocatorCollector:
         """Register a collector for ``service``, replacing an earlier one (no double report)."""
         collector = AllocatorCollector(service, loop)
@@ -199,6 +207,8 @@ class Snapshot:
     service_counters: Counters = field(default_factory=Counters)
     log: LogFigures | None = None
     """The replicated ledger log's figures; None without one."""
+    active: bool = False
+    """Whether the replica is the active one (:class:`Replica`)."""
 
 
 @dataclass(frozen=True)
@@ -280,6 +290,14 @@ def take_snapshot(service: Observed, now: float) -> Snapshot:
     return snap
 
 
+def take_replica_snapshot(replica: Replica, now: float) -> Snapshot:
+    """:func:`take_snapshot`, with whether the replica is the active one (call on the
+    allocator's event loop)."""
+    snap = take_snapshot(replica, now)
+    snap.active = replica.active
+    return snap
+
+
 def groups_with_a_guarantee(settings: PolicySettings) -> list[str]:
     """The groups the settings give a guarantee (``group_quota``, ``group_model_quota``), in
     name order: the group label's values (bounded by the settings, not by the requests)."""
@@ -306,6 +324,12 @@ def _exported(exported: Exported, counts: Mapping[str, int]) -> CounterMetricFam
 
 def metric_families(snap: Snapshot) -> Iterator[Metric]:
     """The Prometheus families of one snapshot."""
+    # The one figure the alerts and dashboard select the live view by: the cluster gauges
+    # of a standby are not the live ones, and a restarted replica keeps its predecessor's
+    # instance label, so its counters' rates cannot tell it apart for two minutes.
+    yield GaugeMetricFamily("swarm_gpu_allocator_active", "1 if this replica is the active "
+                            "allocator: it took a delivery within standby_after_s and, with "
+                            "the ledger log, is its writer", value=int(snap.active))
     gpus = GaugeMetricFamily("swarm_gpu_gpus", "GPUs by model and state (free, held, "
                              "unhealthy, drained, down, conflict, draining, stuck_process, "
                              "outside_use)", labels=["model", "state"])
@@ -417,9 +441,9 @@ def log_families(figures: LogFigures) -> Iterator[Metric]:
 
 
 class AllocatorCollector(Collector):
-    """Reads one allocator service (:class:`Observed`) at scrape time."""
+    """Reads one allocator replica (:class:`Replica`) at scrape time."""
 
-    def __init__(self, service: Observed, loop: asyncio.AbstractEventLoop | None,
+    def __init__(self, service: Replica, loop: asyncio.AbstractEventLoop | None,
                  *, clock: Callable[[], float] = time.time,
                  timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
         self.service = service
@@ -434,7 +458,7 @@ class AllocatorCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         try:
-            snap = self._on_loop(lambda: take_snapshot(self.service, self.clock()))
+            snap = self._on_loop(lambda: take_replica_snapshot(self.service, self.clock()))
         except Exception as exc:  # a scrape must answer, with what went wrong
             log.warning("metrics snapshot failed: %s", exc or type(exc).__name__)
             yield GaugeMetricFamily("swarm_gpu_metrics_ok", "1 if the last scrape could read "
@@ -493,7 +517,7 @@ class MetricsServer:
         self.metrics.uninstall(self.collector)
 
 
-def serve(service: Observed, port: int, addr: str = "0.0.0.0",
+def serve(service: Replica, port: int, addr: str = "0.0.0.0",
           loop: asyncio.AbstractEventLoop | None = None, *,
           token: str | None = None,
           health: metrics_http.ProcessHealth | None = None) -> MetricsServer:

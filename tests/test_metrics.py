@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import urllib.error
@@ -10,10 +11,12 @@ import urllib.request
 
 import aio_pika
 import pytest
+from faults import replica_ledger, running_allocator
 from prometheus_client.parser import text_string_to_metric_families
-from support import GTX1070, RTX3090, gpus, wait_until
+from support import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
 
 from allocator import metrics
+from allocator.counters import Count
 from allocator.protocol import AllocateRequest, ShareRequest
 from allocator.topology import RPC_EXCHANGE, RPC_ROUTING_KEY
 
@@ -104,6 +107,48 @@ async def test_scrape_reports_gpus_leases_queue_and_counters(allocator, client, 
     samples = await wait_until(every_batch_in_each_phase)
     assert samples['swarm_gpu_batch_phase_seconds_sum{phase="commit"}'] > 0
     assert samples['swarm_gpu_batch_phase_seconds_sum{phase="decide"}'] > 0
+
+
+def active_gauge(port: int) -> float:
+    """``swarm_gpu_allocator_active`` of the replica serving metrics on ``port``."""
+    return scrape(port)["swarm_gpu_allocator_active"]
+
+
+@pytest.mark.parametrize("ledger_log", ["off", "stream"])
+async def test_only_the_replica_the_broker_gives_messages_reports_active(
+        amqp_vhost, ledger_path, nodes: NodeSimulator, ledger_log: str) -> None:
+    # What the alerts and the dashboard select the live view by: a standby reports 0 from its
+    # first scrape, while the active one reports 1, and it reports 1 once it takes over.
+    async def beat_until_active(port: int) -> bool:
+        await nodes.beat("gpu-a")
+        return await asyncio.to_thread(active_gauge, port) == 1
+
+    async with contextlib.AsyncExitStack() as first_running:
+        first = await first_running.enter_async_context(running_allocator(
+            amqp_vhost.url, replica_ledger(ledger_path, "first", ledger_log),
+            ledger_log=ledger_log))
+        first_port = first_running.enter_context(contextlib.closing(
+            metrics.serve(first, port=0, addr="127.0.0.1"))).port
+        await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 1))
+        await wait_until(lambda: beat_until_active(first_port))
+        async with running_allocator(
+                amqp_vhost.url, replica_ledger(ledger_path, "second", ledger_log),
+                ledger_log=ledger_log) as second:
+            with contextlib.closing(metrics.serve(second, port=0, addr="127.0.0.1")) as served:
+                assert await asyncio.to_thread(active_gauge, served.port) == 0
+                # Heartbeats go on reaching the first replica only.
+                received = first.stats.counters[Count.RECEIVED]
+                await nodes.beat("gpu-a")
+
+                async def first_took_it() -> bool:
+                    return first.stats.counters[Count.RECEIVED] > received
+                await wait_until(first_took_it)
+                assert await asyncio.to_thread(active_gauge, first_port) == 1
+                assert await asyncio.to_thread(active_gauge, served.port) == 0
+                # The active replica stops (a rolling update): the standby takes over.
+                await first_running.aclose()
+                await wait_until(lambda: beat_until_active(served.port), within=20,
+                                 interval=0.2)
 
 
 def test_a_hostile_kind_becomes_other_instead_of_a_new_series() -> None:

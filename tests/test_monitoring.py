@@ -423,6 +423,9 @@ async def test_real_scrapes_are_clean_and_have_every_metric_alerts_and_panels_us
             await docker.containers.container(container_id).delete(force=True)
         await docker.close()
 
+    # The heartbeating node's messages reach this replica, the log's writer: the active one,
+    # whose series the rules keep.
+    assert re.search(r"^swarm_gpu_allocator_active 1(\.0)?$", allocator.text, flags=re.MULTILINE)
     assert promtool_findings(promtool, allocator.text) == []
     assert promtool_findings(promtool, agent.text) == []
     problems = [problem for where, expr, printed in expressions()

@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 class AllocatorService:
     """The running allocator: broker consumer, engine and ledger writer.
 
-    What others read of it: ``engine``, ``ledger``, ``stats``, ``metrics`` and ``log`` (the
-    metrics endpoint, tests), ``started`` (set once it consumes), ``failed`` and ``failure``
-    (set when its ledger turns out not to be the log's history: it serves no more).
+    What others read of it: ``engine``, ``ledger``, ``stats``, ``metrics``, ``log`` and
+    ``active`` (the metrics endpoint, tests), ``started`` (set once it consumes), ``failed``
+    and ``failure`` (set when its ledger turns out not to be the log's history: it serves no
+    more).
     """
 
     def __init__(self, settings: AllocatorSettings, *, clock: Callable[[], float] = time.time):
@@ -162,6 +163,12 @@ class AllocatorService:
         await self.stop()
 
     # ------------------------------------------------------------------ what others ask
+
+    @property
+    def active(self) -> bool:
+        """Whether this replica is the active one, for the metrics
+        (:meth:`allocator.service.standby.Standby.is_active`); False before it consumes."""
+        return self._standby is not None and self._standby.is_active()
 
     async def is_standby(self) -> bool:
         """Whether another allocator is the active one, as far as this one can tell

@@ -84,6 +84,22 @@ class Standby:
             return False
         return await self._memory.written_elsewhere()
 
+    def is_active(self) -> bool:
+        """Whether this allocator is the active one by what it holds itself, without I/O
+        (the metrics read it on every scrape: ``swarm_gpu_allocator_active``).
+
+        Active: the broker gave it a delivery within ``standby_after_s`` (single-active-
+        consumer gives deliveries to the active one only, and node heartbeats bring one
+        every few seconds) and, with the replicated log, it is the log's writer (a standby
+        given a stale delivery is not; a deposed writer stops being one when it applies the
+        newer claim). So a standby is not active from its start, and exactly one replica is
+        while the nodes report; with none reporting, none is.
+        """
+        if self._log is not None and not self._log.is_writer:
+            return False
+        last = self._intake.last_delivery
+        return last is not None and time.monotonic() - last < self.settings.standby_after_s
+
     async def may_write(self, batch: list[object]) -> list[object]:
         """What of ``batch`` this allocator may decide: all of it while it writes the ledger
         (one shared file, whose commit checks for a takeover itself, or the log's writer).
