@@ -1008,3 +1008,77 @@ def test_a_missing_label_or_node_password_is_told_in_the_service_state(
                             replica_node)
     deploy = cluster.script("deploy")
     assert deploy.returncode == 0, deploy.stderr
+
+
+def test_back_up_and_restore_as_the_operations_guide_says(cluster: Cluster,
+                                                          tmp_path: Path) -> None:
+    """docs/operations.md, "Back up and restore the ledger", step by step on the stack: a
+    backup taken from the running allocator with `docker exec … gpu-ledger backup` and
+    `docker cp`; a lease granted after it; then the restore of one replica's volume with the
+    replicated log kept (step 4's first case): allocator scaled to 0, `gpu-ledger restore`
+    and `gpu-ledger check` in a container on the node's ledger volume, scaled back to 2.
+    The restored replica catches up from the backup's position: it holds both leases."""
+    stack, image = cluster.stack, cluster.env["SWARM_GPU_IMAGE"]
+    allocator = f"{stack}_allocator"
+    before_id, _, _, _, _ = cluster.granted("gina", "students",
+                                            {"mode": "exclusive", "model": "1070"})
+    node, container = cluster.active_allocator()
+    cluster.docker(node, "exec", container, "gpu-ledger", "backup", "--force",
+                   "/tmp/ledger-backup.sqlite")
+    backup = tmp_path / "ledger-backup.sqlite"
+    cluster.docker(node, "cp", f"{container}:/tmp/ledger-backup.sqlite", str(backup))
+    cluster.docker(node, "exec", container, "rm", "/tmp/ledger-backup.sqlite")
+    backup.chmod(0o644)
+    tmp_path.chmod(0o755)  # the image's user (uid 10001) reads it through the bind mount
+    after_id, _, _, _, _ = cluster.granted("hank", "staff", {"mode": "exclusive",
+                                                             "model": "1070"})
+    restored_node = sorted(ALLOCATOR_NODES)[0]
+    cluster.manager("service", "scale", "--detach=false", f"{allocator}=0", timeout=300)
+    eventually(lambda: not cluster.allocators(), "no allocator task running")
+    # As the guide's commands, with --network none: these engines have no bridge network.
+    run = ("run", "--rm", "--network", "none", "-v", f"{stack}_ledger:/var/lib/swarm-gpu")
+    restored = cluster.docker(restored_node, *run, "-v", f"{tmp_path}:/backup:ro", image,
+                              "gpu-ledger", "restore", f"/backup/{backup.name}", timeout=300)
+    assert "position kept" in restored.stdout + restored.stderr, restored
+    checked = cluster.docker(restored_node, *run, image, "gpu-ledger", "check", timeout=300)
+    assert checked.stdout.startswith("ok:"), checked
+    cluster.manager("service", "scale", "--detach=false", f"{allocator}=2", timeout=600)
+    replicas = eventually(lambda: cluster.allocators() if set(cluster.allocators())
+                          == ALLOCATOR_NODES else None, "both allocator replicas back")
+    on = (restored_node, replicas[restored_node])
+
+    def both_leases_held() -> bool:
+        held = {holder["lease_id"] for gpu in cluster.ledger_status(on=on)["gpus"]
+                for holder in gpu["holders"]}
+        return {before_id, after_id} <= held
+    eventually(both_leases_held, "the restored replica holding the lease granted after "
+               "the backup (caught up from the log)")
+    assert cluster.gpu_ledger("check", on=on).stdout.startswith("ok:")
+    cluster.stop("gina")
+    cluster.stop("hank")
+    eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
+
+
+def test_no_container_of_the_stack_logged_a_password_or_token(cluster: Cluster) -> None:
+    """Last in the module, so it reads the logs of the whole run: every container of the
+    stack on every node, those of replaced tasks included (a broker, allocator, agent or hub
+    that logged a broker URL with its password, a token or the hub admin's password would
+    hand it to whoever reads the logs)."""
+    secrets_dir = cluster.dir / "secrets"
+    credentials = {path.relative_to(secrets_dir).as_posix(): path.read_text().strip()
+                   for path in [*secrets_dir.glob("broker-passwords/*"),
+                                secrets_dir / "hub-admin-password",
+                                secrets_dir / "hub-api-token", secrets_dir / "metrics-token"]}
+    assert len(credentials) >= 8 and all(len(value) >= 16 for value in credentials.values())
+    read = 0
+    for node in NODES:
+        containers = cluster.docker(node, "ps", "-aq", "--filter",
+                                    f"label=com.docker.stack.namespace={cluster.stack}",
+                                    timeout=60).stdout.split()
+        for container in containers:
+            logs = cluster.docker(node, "logs", container, timeout=120, check=False)
+            text = logs.stdout + logs.stderr
+            read += len(text)
+            leaked = sorted(name for name, value in credentials.items() if value in text)
+            assert not leaked, f"container {container} on {node} logged {leaked}"
+    assert read > 10_000, f"only {read} characters of logs read: the logs were not found"
