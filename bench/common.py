@@ -31,6 +31,7 @@ for entry in (str(REPO), str(REPO / "tests")):
 import services  # noqa: E402  (tests/services.py: vhosts of the local broker)
 
 from allocator.client import AllocatorClient, AllocatorError  # noqa: E402
+from nodeagent.simulated import write_inventory  # noqa: E402
 
 __all__ = ["services"]
 
@@ -330,3 +331,59 @@ def agent_env(host: str, amqp_url: str, inventory: Path, docker_url: str,
             "SWARM_GPU_AGENT_SIMULATED_FILE": str(inventory),
             "SWARM_GPU_AGENT_INTERVAL_S": f"{interval_s:g}",
             "SWARM_GPU_AGENT_DOCKER_URL": docker_url, "SWARM_GPU_AGENT_COMMAND_USERS": "guest"}
+
+
+GPU_PROCESSES = {"on": "auto", "off": "off"}
+"""The agent's ``gpu_processes`` setting by the name ``--gpu-processes`` takes: ``on`` is the
+default (auto: reported once the allocator's hello says it reads them), ``off`` never."""
+
+
+class ProcessListing:
+    """A simulated inventory whose GPUs list processes as the driver lists them: each
+    container's main process (its real pid, so the agent maps it to the container through
+    ``/proc/<pid>/cgroup``) on its lease's GPU, from :meth:`add` until the process exits. A
+    pidfd tells the moment it exits, and the file is rewritten then: the agent's next report
+    shows it gone, as NVML's listing would once the process has ended."""
+
+    def __init__(self, path: Path, host: str, gpus: list[dict[str, Any]],
+                 memory_mib: int = 256):
+        self.path, self.host, self.gpus, self.memory_mib = path, host, gpus, memory_mib
+        self.on_gpu: dict[int, str] = {}
+        """pid -> the GPU uuid it is listed on."""
+        self._pidfds: dict[int, int] = {}
+        self.write()
+
+    def write(self) -> None:
+        listed: dict[str, list[dict[str, Any]]] = {}
+        for pid, gpu_uuid in self.on_gpu.items():
+            listed.setdefault(gpu_uuid, []).append(
+                {"pid": pid, "used_memory_mib": self.memory_mib})
+        write_inventory(self.path, {self.host: [
+            {**gpu, "processes": listed.get(gpu["uuid"], [])} for gpu in self.gpus]})
+
+    async def add(self, docker: Any, container_id: str, gpu_uuid: str) -> None:
+        """List ``container_id``'s main process on ``gpu_uuid`` until it exits."""
+        pid = int((await docker.containers.container(container_id).show())["State"]["Pid"])
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return  # already ended: the driver would not list it
+        self.on_gpu[pid] = gpu_uuid
+        self._pidfds[pid] = pidfd
+        asyncio.get_running_loop().add_reader(pidfd, self._exited, pid)
+        self.write()
+
+    def _exited(self, pid: int) -> None:
+        pidfd = self._pidfds.pop(pid)
+        asyncio.get_running_loop().remove_reader(pidfd)
+        os.close(pidfd)
+        del self.on_gpu[pid]
+        self.write()
+
+    def close(self) -> None:
+        """Stop watching (the processes still listed stay in the file)."""
+        loop = asyncio.get_running_loop()
+        for pidfd in self._pidfds.values():
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self._pidfds.clear()

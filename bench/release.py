@@ -27,6 +27,16 @@ A bare aiodocker listener on the same engine records when Docker's own ``die`` e
 killed container arrives (``kill_to_die_event``): the floor of a release by event, measured
 in the same run.
 
+The hand-over (``kill_to_next_grant``): before the kills, the GPUs no lease of the batch holds
+are taken and one request per lease waits in the queue, so each kill hands its GPU to the next
+request; the figure is that request's ``granted_at`` minus the kill of the lease that held the
+GPU. The simulated GPU lists each container's main process (its real pid) until the process
+exits, as the driver would; with ``--gpu-processes on`` (the default) the agent reports it
+once the allocator's hello asks (the allocator's broker user is in the agent's
+``command_users``), so the ended lease's GPU drains until a report shows the process gone
+(verified release) before it is granted again; ``off``: the agent reports no processes and
+the GPU is placed again at the release.
+
 Targets: p99 <= 500 ms by events, and within 1.2x of the bare listener's ``die`` p99;
 <= 2 heartbeat intervals by reconciliation.
 """
@@ -47,7 +57,9 @@ from typing import Any
 
 import aiodocker
 from common import (
+    GPU_PROCESSES,
     DieListener,
+    ProcessListing,
     machine,
     processes,
     read_ledger,
@@ -62,8 +74,8 @@ from common import (
 
 from allocator.client import AllocatorClient
 from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import AllocateRequest, LeaseState
-from nodeagent.simulated import make_gpu, write_inventory
+from allocator.protocol import AllocateRequest, Lease, LeaseState
+from nodeagent.simulated import make_gpu
 
 MODEL = "NVIDIA GeForce GTX 1070"
 
@@ -80,6 +92,17 @@ async def wait_bound(client: AllocatorClient, lease_ids: list[str], within: floa
             if time.monotonic() > deadline:
                 raise TimeoutError(f"lease {lease_id} not bound after {within} s")
             await asyncio.sleep(0.1)
+
+
+async def wait_final(client: AllocatorClient, lease_ids: list[str], within: float = 30) -> None:
+    """Until the leases have ended (a released lease that never bound ends when a report
+    no longer lists a container for it), so the next batch finds the GPUs free."""
+    deadline = time.monotonic() + within
+    for lease_id in lease_ids:
+        while not (await client.status(lease_id=lease_id)).state.final:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lease {lease_id} not ended after {within} s")
+            await asyncio.sleep(0.05)
 
 
 async def released(ledger: Path, lease_ids: list[str], within: float
@@ -104,7 +127,7 @@ async def run_mode(mode: str, args: argparse.Namespace, vhost_url: str, tmp: Pat
                    docker: aiodocker.Docker, host: str) -> dict[str, Any]:
     """``--kills`` kills, in batches of ``--batch`` services, with one agent mode."""
     inventory = tmp / f"inventory-{mode}.json"
-    write_inventory(inventory, {host: [make_gpu(host, i, MODEL) for i in range(args.gpus)]})
+    listing = ProcessListing(inventory, host, [make_gpu(host, i, MODEL) for i in range(args.gpus)])
     ledger = tmp / f"ledger-{mode}.sqlite"
     env = {"SWARM_GPU_AMQP_URL": vhost_url, "SWARM_GPU_LEDGER_PATH": str(ledger),
            "SWARM_GPU_ALLOW_ANY_NODE_USER": "true"}
@@ -112,8 +135,12 @@ async def run_mode(mode: str, args: argparse.Namespace, vhost_url: str, tmp: Pat
                  "SWARM_GPU_AGENT_INVENTORY": "simulated",
                  "SWARM_GPU_AGENT_SIMULATED_FILE": str(inventory),
                  "SWARM_GPU_AGENT_INTERVAL_S": str(args.interval),
-                 "SWARM_GPU_AGENT_DOCKER_URL": services.docker_host()}
+                 "SWARM_GPU_AGENT_DOCKER_URL": services.docker_host(),
+                 # The allocator's broker user, whose hello says it reads GPU processes.
+                 "SWARM_GPU_AGENT_COMMAND_USERS": "guest",
+                 "SWARM_GPU_AGENT_GPU_PROCESSES": GPU_PROCESSES[args.gpu_processes]}
     latencies: list[float] = []
+    handovers: list[float] = []
     seen: list[float] = []
     die_events: list[float] = []
     reasons: dict[str, int] = {}
@@ -139,6 +166,8 @@ async def run_mode(mode: str, args: argparse.Namespace, vhost_url: str, tmp: Pat
                     request_key=f"bench/{mode}/{batch_no}/{i}", user=f"user{i}", host=host,
                     model=MODEL)) for i in range(batch)]
                 names = [f"bench-release-{lease.lease_id[:12]}" for lease in leases]
+                others: list[Lease] = []
+                waiting: list[asyncio.Task[Lease]] = []
                 try:
                     for lease, name in zip(leases, names, strict=True):
                         await docker.services.create(task_template(
@@ -146,7 +175,11 @@ async def run_mode(mode: str, args: argparse.Namespace, vhost_url: str, tmp: Pat
                             labels={LEASE_LABEL: lease.lease_id}, env=lease.env,
                             constraints=[f"node.hostname=={host}"]), name=name)
                     containers = await asyncio.gather(*(wait_running(docker, n) for n in names))
+                    for lease, container in zip(leases, containers, strict=True):
+                        await listing.add(docker, container, lease.gpu_uuids[0])
                     await wait_bound(client, [lease.lease_id for lease in leases])
+                    others, waiting = await queue_for_the_gpus(
+                        client, args.gpus - batch, batch, f"bench/{mode}/{batch_no}", host)
                     # Longer than container_gone_grace_s (2 s): a notebook has run a while.
                     await asyncio.sleep(2.5)
                     killed_at: dict[str, float] = {}
@@ -178,12 +211,24 @@ async def run_mode(mode: str, args: argparse.Namespace, vhost_url: str, tmp: Pat
                             die_events.append(die_at - killed_at[lease.lease_id])
                         seen.append(seen_at - killed_at[lease.lease_id])
                         reasons[reason] = reasons.get(reason, 0) + 1
+                    handovers.extend(await next_grants(waiting, leases, killed_at))
                 finally:
                     for name in names:
                         with contextlib.suppress(aiodocker.DockerError):
                             await docker.services.delete(name)
+                    for task in waiting:
+                        task.cancel()
+                    for task in waiting:
+                        with contextlib.suppress(BaseException):
+                            others.append(await task)
+                    for other in others:
+                        with contextlib.suppress(Exception):
+                            await client.release(lease_id=other.lease_id, by="hub")
+                    await wait_final(client, [other.lease_id for other in others])
+        listing.close()
         for process in started[::-1]:
             stop_process(process)
+        reported = REPORTS_PROCESSES in (tmp / f"agent-{mode}.log").read_text()
     return {
         "agent": "docker events" if mode == "events" else
                  "--no-docker-events (containers listed before every heartbeat)",
@@ -193,7 +238,54 @@ async def run_mode(mode: str, args: argparse.Namespace, vhost_url: str, tmp: Pat
         "kill_to_visible_in_ledger": summary_ms(seen),
         "kill_to_die_event": summary_ms(die_events),
         "release_reasons": reasons,
+        "gpu_processes": args.gpu_processes,
+        "agent_reported_processes": reported,
+        "kill_to_next_grant": summary_ms(handovers),
     }
+
+
+REPORTS_PROCESSES = "the allocator reads GPU processes"
+"""What the agent logs when it starts listing each GPU's processes (the allocator's hello)."""
+
+
+async def queue_for_the_gpus(client: AllocatorClient, free: int, batch: int, key: str,
+                             host: str) -> tuple[list[Lease], list[asyncio.Task[Lease]]]:
+    """Take the ``free`` GPUs no lease of the batch holds, then queue ``batch`` requests
+    that wait for the batch's GPUs: each kill hands a GPU over. The leases taken, and the
+    waiting requests (each returns its grant)."""
+    taken = [await client.allocate(AllocateRequest(
+        request_key=f"{key}/free/{i}", user=f"holder{i}", host=host, model=MODEL))
+        for i in range(free)]
+    queued: set[str] = set()
+    waiting = [asyncio.create_task(client.allocate_and_wait(
+        AllocateRequest(request_key=f"{key}/next/{i}", user=f"next{i}", host=host,
+                        model=MODEL, wait_s=60),
+        recheck_s=600, on_queued=lambda lease: queued.add(lease.lease_id)))
+        for i in range(batch)]
+    deadline = time.monotonic() + 30
+    while len(queued) < batch and not any(task.done() for task in waiting):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{batch - len(queued)} requests not queued after 30 s")
+        await asyncio.sleep(0.01)
+    return taken, waiting
+
+
+async def next_grants(waiting: list[asyncio.Task[Lease]], killed: list[Lease],
+                      killed_at: dict[str, float], within: float = 30.0) -> list[float]:
+    """Kill to the next grant of the same GPU (the allocator's ``granted_at``), per GPU
+    handed over within ``within`` s."""
+    done, _ = await asyncio.wait(waiting, timeout=within)
+    kill_of_gpu = {lease.gpu_uuids[0]: killed_at[lease.lease_id] for lease in killed
+                   if lease.lease_id in killed_at}
+    handovers = []
+    for task in done:
+        if task.exception() is not None:
+            continue
+        lease = task.result()
+        kill = kill_of_gpu.get(lease.gpu_uuids[0])
+        if kill is not None and lease.granted_at is not None and lease.granted_at > kill:
+            handovers.append(lease.granted_at - kill)
+    return handovers
 
 
 def print_logs(tmp: Path, mode: str) -> None:
@@ -241,6 +333,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10, help="services running at once")
     parser.add_argument("--gpus", type=int, default=16, help="simulated GPUs of this node")
     parser.add_argument("--interval", type=float, default=2.0, help="heartbeat interval (s)")
+    parser.add_argument("--gpu-processes", choices=sorted(GPU_PROCESSES), default="on",
+                        help="the agent lists each GPU's processes once the allocator reads "
+                        "them (on: the default), or never (off)")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     print(json.dumps(asyncio.run(bench(args)), indent=2))

@@ -2,6 +2,7 @@
 
     python bench/vs_swarm.py                        # about 5 minutes; prints one JSON object
     python bench/vs_swarm.py --stop-commands on off  # also without stop commands: about 6
+    python bench/vs_swarm.py --gpu-processes off     # the agent reports no GPU processes
 
 Both ways run on the same Docker engine: a private ``dockerd`` this benchmark starts (its own
 data root and socket under /tmp, Swarm on 127.0.0.2 so it does not touch the shared test
@@ -15,7 +16,11 @@ timeout, on the host network, created through the engine API.
 (b) **swarm-gpu**: the real allocator and the real node agent (simulated inventory with the
     same GPU UUIDs, watching this engine's events): ``allocate`` over RPC, then the service
     with the constraint ``node.hostname==<host>``, ``NVIDIA_VISIBLE_DEVICES`` and the lease
-    label, as the hub plugin creates it.
+    label, as the hub plugin creates it. The simulated GPU lists each running container's
+    main process (its real pid) as the driver would, until the process exits; with
+    ``--gpu-processes on`` (the default) the agent reports it once the allocator's hello
+    asks, so a hand-over goes through verified release (the ended lease's GPU drains until
+    a report shows its container's processes gone); ``off``: the agent reports none.
 
 Each trial: user 1's service starts while the GPU is free (**free start**: request to task
 running); then user 1 stops (service removed; for (b) also the hub's release request) while
@@ -60,8 +65,10 @@ from typing import Any
 
 import aiodocker
 from common import (
+    GPU_PROCESSES,
     TRAP_TERM,
     DieListener,
+    ProcessListing,
     agent_env,
     machine,
     processes,
@@ -76,7 +83,7 @@ from common import (
 from allocator.client import AllocatorClient
 from allocator.lease_container import LEASE_LABEL
 from allocator.protocol import AllocateRequest
-from nodeagent.simulated import make_gpu, write_inventory
+from nodeagent.simulated import make_gpu
 
 MODEL = "NVIDIA GeForce GTX 1070"
 SWARM_ADDR = "127.0.0.2"
@@ -224,7 +231,8 @@ async def generic_trial(docker: aiodocker.Docker, trial: int, stop: str) -> dict
 
 
 async def swarm_gpu_trial(docker: aiodocker.Docker, client: AllocatorClient,
-                          dies: DieListener, trial: int, stop: str) -> dict[str, Any]:
+                          dies: DieListener, listing: ProcessListing, trial: int,
+                          stop: str) -> dict[str, Any]:
     first, second = f"bench-sg-{trial}-a", f"bench-sg-{trial}-b"
 
     def template(lease: Any) -> dict[str, Any]:
@@ -242,6 +250,8 @@ async def swarm_gpu_trial(docker: aiodocker.Docker, client: AllocatorClient,
         await docker.services.create(template(lease_a), name=first)
         container_a = await wait_running(docker, first)
         free_start = time.monotonic() - started
+        # Its process on its GPU, as the driver lists it, until it exits.
+        await listing.add(docker, container_a, lease_a.gpu_uuids[0])
         await asyncio.sleep(1.0)
 
         async def user1_stops() -> None:
@@ -250,7 +260,7 @@ async def swarm_gpu_trial(docker: aiodocker.Docker, client: AllocatorClient,
                 stop_user1(docker, first, container_a, stop),
                 client.release(lease_id=lease_a.lease_id, by="hub", reason="server stopped"))
 
-        async def user2_spawns() -> tuple[Any, float]:
+        async def user2_spawns() -> tuple[Any, float, str]:
             # As the spawner: the grant is pushed to the waiting call (no status polls).
             lease = await client.allocate_and_wait(AllocateRequest(
                 request_key=f"hub/bob/{trial}", user="bob", model=MODEL, wait_s=30),
@@ -258,12 +268,13 @@ async def swarm_gpu_trial(docker: aiodocker.Docker, client: AllocatorClient,
             received = time.time()
             leases.append(lease)
             await docker.services.create(template(lease), name=second)
-            await wait_running(docker, second)
-            return lease, received
+            return lease, received, await wait_running(docker, second)
 
         started, started_wall = time.monotonic(), time.time()
-        _, (lease_b, received) = await asyncio.gather(user1_stops(), user2_spawns())
+        _, (lease_b, received, container_b) = await asyncio.gather(user1_stops(),
+                                                                    user2_spawns())
         handover = time.monotonic() - started
+        await listing.add(docker, container_b, lease_b.gpu_uuids[0])
         running = started_wall + handover
         assert lease_b.gpu_uuids == lease_a.gpu_uuids, (lease_a, lease_b)
         released = (await client.status(lease_id=lease_a.lease_id)).released_at
@@ -289,6 +300,9 @@ async def swarm_gpu_trial(docker: aiodocker.Docker, client: AllocatorClient,
             "waited_in_queue": bool(queued), "gpu": lease_b.gpu_uuids[0]}
 
 
+REPORTS_PROCESSES = "the allocator reads GPU processes"
+"""What the agent logs when it starts listing each GPU's processes (the allocator's hello)."""
+
 HANDOVER_PARTS = ("release_s", "grant_s", "delivery_s", "start_s")
 """(b)'s hand-over, part by part (they add up to it)."""
 
@@ -310,7 +324,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("dockerd not found: run scripts/services start first")
     broker = services.rabbitmq_from_env()
     gpus = [f"GPU-{uuid.uuid4()}" for _ in range(args.gpus)]
-    result: dict[str, Any] = {"benchmark": "vs_swarm", "machine": machine(), "gpus": args.gpus}
+    result: dict[str, Any] = {"benchmark": "vs_swarm", "machine": machine(), "gpus": args.gpus,
+                              "gpu_processes": args.gpu_processes}
     engine = GenericResourceEngine(Path(tempfile.mkdtemp(prefix="sgpu-vs-", dir="/tmp")), gpus)
     try:
         result["engine_start_s"] = round(await asyncio.to_thread(engine.start), 2)
@@ -376,17 +391,19 @@ async def run_swarm_gpu(args: argparse.Namespace, docker: aiodocker.Docker,
             processes() as started:
         tmp = Path(tmp_name)
         inventory = tmp / "inventory.json"
-        write_inventory(inventory, {host: [make_gpu(host, i, MODEL, uuid=gpu)
-                                           for i, gpu in enumerate(gpus)]})
+        listing = ProcessListing(inventory, host, [make_gpu(host, i, MODEL, uuid=gpu)
+                                                   for i, gpu in enumerate(gpus)])
         started.append(start_process(
             [sys.executable, "-m", "allocator.cli", "serve"],
             {"SWARM_GPU_AMQP_URL": vhost.url, "SWARM_GPU_LEDGER_PATH": str(tmp / "l.sqlite"),
              "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
              "SWARM_GPU_STOP_CONTAINERS": str(stop_commands).lower()}, tmp / "allocator.log"))
         await wait_for_allocator(vhost.url)
-        started.append(start_process([sys.executable, "-m", "nodeagent"],
-                                     agent_env(host, vhost.url, inventory, engine.url),
-                                     tmp / "agent.log"))
+        started.append(start_process(
+            [sys.executable, "-m", "nodeagent"],
+            {**agent_env(host, vhost.url, inventory, engine.url),
+             "SWARM_GPU_AGENT_GPU_PROCESSES": GPU_PROCESSES[args.gpu_processes]},
+            tmp / "agent.log"))
         try:
             async with AllocatorClient(vhost.url, timeout_s=30) as client, \
                     DieListener(docker) as dies:
@@ -396,13 +413,18 @@ async def run_swarm_gpu(args: argparse.Namespace, docker: aiodocker.Docker,
                     await asyncio.sleep(0.1)
                 trials = []
                 for t in range(args.trials * len(STOPS)):
-                    trials.append(await swarm_gpu_trial(docker, client, dies, t,
+                    trials.append(await swarm_gpu_trial(docker, client, dies, listing, t,
                                                         STOPS[t % len(STOPS)]))
         except BaseException:
             for log in ("allocator.log", "agent.log"):
                 print(f"--- {log}\n{(tmp / log).read_text()[-3000:]}", file=sys.stderr)
             raise
+        finally:
+            listing.close()
+        reported = REPORTS_PROCESSES in (tmp / "agent.log").read_text()
     out: dict[str, Any] = {"stop_commands": stop_commands,
+                           "gpu_processes": args.gpu_processes,
+                           "agent_reported_processes": reported,
                            "free_start": figures(trials, "free_start_s")}
     for stop in STOPS:
         chosen = [t for t in trials if t["stop"] == stop]
@@ -427,6 +449,9 @@ def main() -> None:
     parser.add_argument("--stop-commands", nargs="+", choices=sorted(STOP_COMMANDS),
                         default=["on"],
                         help="run (b) with the allocator's stop commands on, off, or both")
+    parser.add_argument("--gpu-processes", choices=sorted(GPU_PROCESSES), default="on",
+                        help="the agent lists each GPU's processes once the allocator reads "
+                        "them (on: the default), or never (off)")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(bench(args)), indent=2))
 

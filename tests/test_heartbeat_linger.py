@@ -14,7 +14,13 @@ from support import GTX1070, NodeSimulator, gpus, started, wait_until
 from allocator.client import AllocatorClient
 from allocator.config import AllocatorSettings
 from allocator.counters import Count
-from allocator.protocol import AllocateRequest, ContainerAction, LeaseState
+from allocator.protocol import (
+    AllocateRequest,
+    ContainerAction,
+    ContainerInfo,
+    GPUProcess,
+    LeaseState,
+)
 from allocator.service import AllocatorService
 
 
@@ -96,3 +102,36 @@ async def test_a_container_event_ends_the_linger_of_a_heartbeat_batch(lingering,
         await wait_until(bound, within=LONG_LINGER_S * 2, interval=0.01)
         waited = time.monotonic() - sent
     assert waited < LONG_LINGER_S / 2, f"the start event waited {waited:.2f} s for the linger"
+
+
+async def test_a_report_a_hand_over_waits_for_does_not_linger(lingering, amqp_vhost, nodes
+                                                               ) -> None:
+    """A GPU whose lease just ended drains until its node's next report shows that lease's
+    processes gone: that report is applied at once, not after the heartbeat linger, which
+    would otherwise add itself to every hand-over."""
+    [gpu] = gpus("gpu-a", GTX1070, 1)
+    container = "0123abcd" * 8
+    process = GPUProcess(pid=4242, memory_used_mib=900, name="python", container_id=container)
+    async with AllocatorClient(amqp_vhost.url, timeout_s=10) as client:
+        await nodes.beat("gpu-a", [gpu.model_copy(update={"processes": []})])
+        lease = await client.allocate(AllocateRequest(request_key="h/u/", user="u"))
+        running = ContainerInfo(container_id=container, lease_id=lease.lease_id)
+        await nodes.beat("gpu-a", [gpu.model_copy(update={"processes": [process]})], [running])
+
+        async def bound() -> bool:
+            record = lingering.engine.leases.get(lease.lease_id)
+            return record is not None and record.state is LeaseState.BOUND
+        await wait_until(bound, within=LONG_LINGER_S * 2, interval=0.01)
+        await nodes.event("gpu-a", lease.lease_id, ContainerAction.DIE, container)
+
+        async def draining() -> bool:
+            return lingering.engine.processes.draining_on("gpu-a")
+        await wait_until(draining, within=LONG_LINGER_S * 2, interval=0.01)
+        await nodes.beat("gpu-a", [gpu.model_copy(update={"processes": []})])
+        sent = time.monotonic()
+
+        async def verified() -> bool:
+            return not lingering.engine.processes.draining_on("gpu-a")
+        await wait_until(verified, within=LONG_LINGER_S * 2, interval=0.01)
+        waited = time.monotonic() - sent
+    assert waited < LONG_LINGER_S / 2, f"the awaited report waited {waited:.2f} s"

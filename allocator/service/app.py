@@ -74,7 +74,7 @@ class AllocatorService:
         self.failure: str | None = None
         """Why this allocator stopped serving (its ledger is not the log's history)."""
         self.failed = asyncio.Event()
-        self._intake = Intake(settings, self.stats)
+        self._intake = Intake(settings, self.stats, awaited=self.engine.processes.draining_on)
         self._answers = Answers(settings, self.ledger, self.engine, self.stats, self._intake)
         self._commands = Commands(settings, self.stats, self.user_id)
         self._memory = Memory(self.ledger, self.engine, clock,

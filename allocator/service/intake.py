@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import aio_pika.abc
 import aiormq.abc
@@ -56,16 +57,21 @@ def channel_closed(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
         return True
 
 
-def may_linger(item: object) -> bool:
-    """Whether ``item`` may wait for company before it is applied: a tick or a heartbeat.
+def may_linger(item: object, awaited: Callable[[str], bool] | None = None) -> bool:
+    """Whether ``item`` may wait for company before it is applied: a tick, or a heartbeat of
+    a host whose report nothing waits for (``awaited(host)`` false).
 
     Told by the routing key, before decoding; a message that only claims to be a heartbeat
-    lingers at most ``heartbeat_linger_s`` and is then refused as usual.
+    lingers at most ``heartbeat_linger_s`` and is then refused as usual. A report that a
+    GPU's hand-over waits for (its last lease's processes to be seen gone: a drain) is
+    applied at once: the linger would add itself to every hand-over.
     """
     if item is TICK:
         return True
     routing_key = getattr(item, "routing_key", None)
-    return isinstance(routing_key, str) and routing_key.startswith(HEARTBEAT_ROUTING_PREFIX)
+    if not (isinstance(routing_key, str) and routing_key.startswith(HEARTBEAT_ROUTING_PREFIX)):
+        return False
+    return awaited is None or not awaited(routing_key[len(HEARTBEAT_ROUTING_PREFIX):])
 
 
 class Intake:
@@ -77,9 +83,13 @@ class Intake:
     so :meth:`oldest_deliveries` speaks of the one channel acknowledgements go out on.
     """
 
-    def __init__(self, settings: AllocatorSettings, stats: ServiceStats) -> None:
+    def __init__(self, settings: AllocatorSettings, stats: ServiceStats,
+                 awaited: Callable[[str], bool] | None = None) -> None:
         self.settings = settings
         self._stats = stats
+        self._awaited = awaited
+        """Whether a host's next report is awaited (a GPU of it drains): its heartbeats do
+        not linger (:func:`may_linger`)."""
         self._inbox: Inbox[object, aiormq.abc.AbstractChannel] = Inbox()
         self._arrived = asyncio.Event()
         """Set when something is put into the empty inbox."""
@@ -107,7 +117,8 @@ class Intake:
             self._delivery_channel = delivery[0]
         self._inbox.put(message, request=message.exchange != NODES_EXCHANGE, delivery=delivery)
         self._arrived.set()
-        if not may_linger(message) or len(self._inbox) >= self.settings.batch_max:
+        if (not may_linger(message, self._awaited)
+                or len(self._inbox) >= self.settings.batch_max):
             self._wake.set()
 
     def put_tick(self) -> None:
@@ -133,7 +144,7 @@ class Intake:
         batch = self._inbox.take(batch_max)
         linger = self.settings.heartbeat_linger_s
         if (linger > 0 and len(batch) < batch_max and not self._inbox
-                and all(may_linger(item) for item in batch)):
+                and all(may_linger(item, self._awaited) for item in batch)):
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(linger):
