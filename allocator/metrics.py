@@ -6,9 +6,9 @@ Two parts, so that the request path pays (almost) nothing:
   only call the service makes per request (a dictionary lookup and an add under a lock).
 - :class:`AllocatorCollector` computes everything else *at scrape time* from what the engine
   and the service already keep (their :class:`~allocator.counters.Counters`, the cluster, the
-  leases). The snapshot is taken on the allocator's event loop, between two batches, because
-  the engine's dicts are only consistent there; the HTTP server thread waits for it (bounded)
-  instead of reading them while the loop changes them.
+  leases). The reading (:class:`ScrapeReading`) is taken on the allocator's event loop,
+  between two batches, because the engine's dicts are only consistent there; the HTTP server
+  thread waits for it (bounded) instead of reading them while the loop changes them.
 
 Each service owns an :class:`AllocatorMetrics`, with a registry of its own, so the
 process-wide default registry (and whatever else registers there) stays out of the
@@ -185,11 +185,11 @@ class AllocatorMetrics:
                 self._collector = None
 
 
-# --------------------------------------------------------------------------- snapshot
+# --------------------------------------------------------------------------- one scrape
 
 
 @dataclass
-class Snapshot:
+class ScrapeReading:
     """What one scrape reports, read from the engine and the service in one go."""
 
     gpus: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -237,11 +237,11 @@ def log_figures(replicated: LogObserved) -> LogFigures:
                       replicated.last_snapshot)
 
 
-def take_snapshot(service: Observed, now: float) -> Snapshot:
+def read_scrape(service: Observed, now: float) -> ScrapeReading:
     """Read the engine and the service (call on the allocator's event loop)."""
     engine = service.engine
     replicated = service.log
-    snap = Snapshot(engine_counters=engine.counters.copy(),
+    snap = ScrapeReading(engine_counters=engine.counters.copy(),
                     service_counters=service.stats.counters.copy(),
                     log=log_figures(replicated) if replicated is not None else None)
     inventory = engine.inventory(now)
@@ -290,10 +290,10 @@ def take_snapshot(service: Observed, now: float) -> Snapshot:
     return snap
 
 
-def take_replica_snapshot(replica: Replica, now: float) -> Snapshot:
-    """:func:`take_snapshot`, with whether the replica is the active one (call on the
+def read_replica_scrape(replica: Replica, now: float) -> ScrapeReading:
+    """:func:`read_scrape`, with whether the replica is the active one (call on the
     allocator's event loop)."""
-    snap = take_snapshot(replica, now)
+    snap = read_scrape(replica, now)
     snap.active = replica.active
     return snap
 
@@ -322,8 +322,8 @@ def _exported(exported: Exported, counts: Mapping[str, int]) -> CounterMetricFam
     return family
 
 
-def metric_families(snap: Snapshot) -> Iterator[Metric]:
-    """The Prometheus families of one snapshot."""
+def metric_families(snap: ScrapeReading) -> Iterator[Metric]:
+    """The Prometheus families of one scrape's reading."""
     # The one figure the alerts and dashboard select the live view by: the cluster gauges
     # of a standby are not the live ones, and a restarted replica keeps its predecessor's
     # instance label, so its counters' rates cannot tell it apart for two minutes.
@@ -458,7 +458,7 @@ class AllocatorCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         try:
-            snap = self._on_loop(lambda: take_replica_snapshot(self.service, self.clock()))
+            snap = self._on_loop(lambda: read_replica_scrape(self.service, self.clock()))
         except Exception as exc:  # a scrape must answer, with what went wrong
             log.warning("metrics snapshot failed: %s", exc or type(exc).__name__)
             yield GaugeMetricFamily("swarm_gpu_metrics_ok", "1 if the last scrape could read "

@@ -82,7 +82,7 @@ def test_the_declared_names_are_the_published_ones() -> None:
 
 
 def test_the_collector_exports_every_declared_counter() -> None:
-    snap = metrics.Snapshot()
+    snap = metrics.ScrapeReading()
     count_all(snap.engine_counters, snap.service_counters, base=1)
     families = {family.name: family for family in metrics.metric_families(snap)}
     declared = [*Count, *Family]

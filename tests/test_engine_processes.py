@@ -144,7 +144,7 @@ class Observed:
 
 def gpu_states(engine: Engine, now: float) -> dict[str, int]:
     """The GPU-state gauge (``swarm_gpu_gpus``): state -> GPUs, the zeros left out."""
-    snap = metrics.take_snapshot(Observed(engine), now)
+    snap = metrics.read_scrape(Observed(engine), now)
     return {state: count for (_, state), count in snap.gpus.items() if count}
 
 

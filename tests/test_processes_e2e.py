@@ -108,7 +108,7 @@ async def test_the_hello_reaches_the_agent_and_outside_use_is_shown(
                                               await hub.queue()),
                           Console(file=out, width=200, soft_wrap=False))
             assert "pid 4242 in container stray (lab/miner:1)" in out.getvalue()
-            snap = allocator_metrics.take_snapshot(running, time.time())
+            snap = allocator_metrics.read_scrape(running, time.time())
             assert snap.gpus[GTX1070, "outside_use"] == 1 and snap.gpus[GTX1070, "free"] == 1
             # Two GPUs asked: the one in outside use is not granted, so it waits.
             both = await hub.allocate(AllocateRequest(request_key="hub/alice/", user="alice",

@@ -302,14 +302,14 @@ class LeaseBook:
                 self.end(record, LeaseState.RELEASED, ReleaseReason.NODE_SILENT, now,
                          changes, by="allocator")
                 freed = True
-            elif self._never_ran_and_nobody_will_say(record, now, nodes):
+            elif self._unbound_release_no_listing_can_end(record, now, nodes):
                 self.end(record, LeaseState.RELEASED, ReleaseReason.STOPPED, now,
                          changes, by="allocator",
                          note="never bound; its node cannot list containers")
                 freed = True
         return freed
 
-    def _never_ran_and_nobody_will_say(self, record: LeaseRecord, now: float,
+    def _unbound_release_no_listing_can_end(self, record: LeaseRecord, now: float,
                                        nodes: NodeReports) -> bool:
         """A lease released before any container ran, on a node whose heartbeats cannot list
         containers: its node will never report it gone, so it ends ``stop_grace_s`` after

@@ -58,7 +58,7 @@ class Reclaimer:
         caller serves the queue)."""
         if not self._fair_share_active() or self.start_fence.holds(now):
             return False
-        self._restand_borrowed(changes)
+        self._recompute_borrowed(changes)
         book = self.book
         warned = [r for r in book.holding() if r.reclaim_at is not None
                   and r.reclaim_stopped_at is None]
@@ -86,7 +86,7 @@ class Reclaimer:
                 freed = self._carry_out(record, now, changes) or freed
         return freed
 
-    def _restand_borrowed(self, changes: Changes) -> None:
+    def _recompute_borrowed(self, changes: Changes) -> None:
         """Recompute which holding leases are borrowed (an older lease of the same scope may
         have ended); a lease moved within its guarantee loses a pending reclaim warning."""
         holding = self.book.holding()
