@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from allocator.interconnect import HostInterconnect
 from allocator.protocol import Health, ProcessState
 
 
@@ -82,6 +83,10 @@ class Node:
     agent_id: str | None = None
     gpu_uuids: list[str] = field(default_factory=list)
     """This node's GPUs, in index order."""
+    interconnect: HostInterconnect | None = None
+    """How the node's GPUs are joined (NVLink, PCIe switch, socket), as its agent last reported;
+    None until an agent reports it (agents before 0.3.0 never do). Kept in memory only: an
+    allocator that loads the ledger asks again with its ``hello``."""
 
     def is_up(self, now: float, down_after_s: float) -> bool:
         """Whether its last heartbeat is recent enough."""
