@@ -11,11 +11,15 @@ addresses: one URL naming several broker nodes), :mod:`allocator.client` (the RP
 :mod:`allocator.capacity` (how many GPUs of one request one host can give, the rule the
 hub's form checks and the policy share), :mod:`allocator.metrics_http` (the HTTP endpoint of a
 Prometheus registry, and its token), :mod:`allocator.logs` (how every process logs: text
-or JSON lines, passwords hidden).
+or JSON lines, passwords hidden), :mod:`allocator.interconnect` (how one host's GPUs are
+joined: the wire's topology data) and :mod:`allocator.gpu_sets` (which GPUs of a host a
+request gets by their links: the best link the hub's form shows and the placement's choice
+are this one rule), :mod:`allocator.bookings.outlook` (what one user sees of bookings: which
+are theirs, which choices a booking takes back soon).
 The node agent and the hub plugin import nothing else of the allocator.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 PUBLIC_SURFACE = frozenset({
     "allocator.protocol",
@@ -30,5 +34,10 @@ PUBLIC_SURFACE = frozenset({
     "allocator.capacity",
     "allocator.metrics_http",
     "allocator.logs",
+    "allocator.interconnect",
+    "allocator.gpu_sets",
+    # What users see of bookings (the package's __init__ imports nothing).
+    "allocator.bookings",
+    "allocator.bookings.outlook",
 })
 """The modules other parts may import."""

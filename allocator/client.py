@@ -26,7 +26,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 import aio_pika
@@ -40,6 +40,9 @@ from allocator.protocol import (
     READ_EXTRA,
     REPLY_ADAPTER,
     AllocateRequest,
+    BookingReply,
+    BookingRequest,
+    BookingView,
     DrainReply,
     DrainRequest,
     ErrorCode,
@@ -529,6 +532,27 @@ class AllocatorClient:
         """Admin: drain (or undrain) a node or one GPU."""
         request = DrainRequest(host=host, gpu_uuid=gpu_uuid, drained=drained, by=by, reason=reason)
         return await self._expect(request, DrainReply, timeout_s)
+
+    async def add_booking(self, booking: Mapping[str, Any], *, by: str = "admin",
+                          reason: str = "", timeout_s: float | None = None) -> BookingView:
+        """Admin: add a booking (its body as ``docs/protocol.md`` describes it). A refusal
+        raises :class:`AllocatorError` with the booking's error code (``collides``: the
+        details say what collides and what would fit)."""
+        request = BookingRequest(op="add", booking=dict(booking), by=by, reason=reason)
+        return (await self._expect(request, BookingReply, timeout_s)).bookings[0]
+
+    async def remove_booking(self, name: str, *, by: str = "admin", reason: str = "",
+                             timeout_s: float | None = None) -> BookingView:
+        """Admin: remove a booking by name; returns it as it was."""
+        request = BookingRequest(op="remove", name=name, by=by, reason=reason)
+        return (await self._expect(request, BookingReply, timeout_s)).bookings[0]
+
+    async def bookings(self, *, by: str = "admin",
+                       timeout_s: float | None = None) -> list[BookingView]:
+        """Admin: every booking, in the order admitted, with its next occurrences and any
+        shortfall."""
+        request = BookingRequest(op="list", by=by)
+        return (await self._expect(request, BookingReply, timeout_s)).bookings
 
     async def allocate_and_wait(
         self,

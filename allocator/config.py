@@ -366,6 +366,10 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         default=600.0, gt=0,
         description="A lease whose own processes stay under the idle thresholds this long is "
         "idle: reclaimed before busy borrowed leases, and counted in idle GPU-hours.")
+    booking_lead_s: int = Field(
+        default=600, ge=0, le=24 * 3600,
+        description="How long before a booking's window the leases of non-members on the "
+        "GPUs it will need are warned, for a booking without its own lead_s.")
     idle_utilization_pct: float = Field(
         default=5.0, ge=0, le=100,
         description="Utilization (of the lease's processes, mean over its GPUs) below which a "

@@ -84,6 +84,9 @@ class Count(StrEnum):
     GPU_MOVE_CONFLICT = "gpu_move_conflict"
     """A host reports a GPU on record for another host that does not hold it: the GPU is
     placed on neither until it moves (``gpu_move_after_s``) or the claim ends."""
+    INTERCONNECT_MISMATCH = "interconnect_mismatch"
+    """A full report's interconnect that does not name exactly its GPUs: ignored, the node
+    keeps the one it had."""
     STUCK_PROCESS = "stuck_process"
     """A GPU still used by an ended lease's container ``release_verify_s`` after the end."""
     OUTSIDE_USE = "outside_use"
@@ -178,6 +181,7 @@ COUNT_EXPORTED: Final[Mapping[Count, Exported]] = MappingProxyType({
                             "from a running container's grant labels"),
     Count.ADOPTION_CONFLICT: _ANOMALY,
     Count.GPU_MOVE_CONFLICT: _ANOMALY,
+    Count.INTERCONNECT_MISMATCH: _ANOMALY,
     Count.STUCK_PROCESS: _ANOMALY,
     Count.OUTSIDE_USE: _ANOMALY,
     Count.OUTSIDE_GRANT: _ANOMALY,

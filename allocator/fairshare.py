@@ -21,12 +21,17 @@ Rules, as in ``docs/design.md`` (fair share):
   is never a reclaim victim.
 * **Idle release** (when ``idle_release_after_s`` is set): any waiter that still does not fit
   may have leases idle longer than that released, in the same order.
+* **Bookings** (:mod:`allocator.bookings.in_effect`). A lease a booking in effect covers is
+  neither borrowed nor counted in its owner's other guarantees, and is never a victim. A
+  member's request that fits in its booking's room is within a guarantee (and, for a booking
+  whose ``quota_applies`` is false, not held to the member's quota there); it may also
+  reclaim the leases of non-members that stand on the booking's GPUs.
 * Nobody waits, nothing is reclaimed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -52,10 +57,14 @@ class Holding:
     """Its one model (None: it mixes models), for per-model guarantees."""
 
 
-def borrowed_leases(holdings: Sequence[Holding], settings: PolicySettings) -> set[str]:
-    """The leases held beyond a guarantee of their owner (see the module's rules)."""
+def borrowed_leases(holdings: Sequence[Holding], settings: PolicySettings,
+                    covered: Collection[str] = frozenset()) -> set[str]:
+    """The leases held beyond a guarantee of their owner (see the module's rules);
+    ``covered``: the leases a booking in effect covers (never borrowed, not counted)."""
     in_scope: dict[policy.QuotaScope, list[Holding]] = {}
     for holding in holdings:
+        if holding.lease_id in covered:
+            continue
         for scope in policy.quota_scopes(holding.user, holding.groups, settings,
                                          model=holding.model):
             if scope.guarantee is not None:
@@ -85,6 +94,19 @@ class Candidate:
     borrowed: bool
     idle_releasable: bool
     """Idle longer than ``idle_release_after_s`` (always false when that is off)."""
+    displaceable_by: frozenset[str] = frozenset()
+    """The bookings in effect whose members may reclaim it: a non-member's lease on their
+    GPUs that no booking covers."""
+
+
+@dataclass(frozen=True)
+class Booked:
+    """The booking in effect a waiter is a member of, with room for it."""
+
+    booking: str
+    model: str
+    host: str | None
+    quota_applies: bool
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,7 @@ class Waiter:
 
     lease_id: str
     demand: policy.Demand
+    booked: Booked | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +123,10 @@ class Reclaim:
     """One lease to warn (or, once its grace is over, to stop), and for whom."""
 
     reason: ReclaimReason
-    for_lease: str
+    for_lease: str | None
+    """The waiter it is for; None for a warning before a booking's window."""
+    booking: str | None = None
+    """The booking it is for, when it is for one."""
 
 
 def victim_order(candidates: Sequence[Candidate], idle_window_s: float) -> list[Candidate]:
@@ -119,11 +145,23 @@ def _copy(cluster: Cluster) -> Cluster:
                    claims={uuid: list(claims) for uuid, claims in cluster.claims.items()})
 
 
+def in_booking(booked: Booked | None, placement: policy.Placement, cluster: Cluster,
+               rooms: Mapping[str, Fraction]) -> bool:
+    """Whether a placement of a member falls in its booking's room."""
+    return (booked is not None and placement.units <= rooms.get(booked.booking, Fraction(0))
+            and (booked.host is None or booked.host == placement.host)
+            and policy.placement_model(placement, cluster) == booked.model)
+
+
 def _fits(waiter: Waiter, cluster: Cluster, settings: PolicySettings, now: float,
-          down_after_s: float) -> policy.Placement | None:
+          down_after_s: float, rooms: Mapping[str, Fraction]) -> policy.Placement | None:
     placement = policy.place(waiter.demand, cluster, now, down_after_s)
     if not isinstance(placement, policy.Placement):
         return None
+    booked = waiter.booked
+    if booked is not None and not booked.quota_applies and in_booking(booked, placement,
+                                                                      cluster, rooms):
+        return placement
     if policy.check_quota(placement.units, waiter.demand.user, waiter.demand.groups, cluster,
                           settings, policy.placement_model(placement, cluster)) is not None:
         return None
@@ -141,14 +179,17 @@ def _within_guarantee(waiter: Waiter, placement: policy.Placement, cluster: Clus
 def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cluster: Cluster,
                   settings: PolicySettings, *, now: float, down_after_s: float,
                   idle_window_s: float,
-                  leaving: Mapping[str, Sequence[str]] | None = None) -> dict[str, Reclaim]:
+                  leaving: Mapping[str, Sequence[str]] | None = None,
+                  rooms: Mapping[str, Fraction] | None = None) -> dict[str, Reclaim]:
     """Which leases must go, and why, so that the waiters that may reclaim fit.
 
     ``cluster`` is the cluster as placement sees it (it is not changed); ``candidates`` are the
     holding leases that may be reclaimed (borrowed) or released (idle-releasable);
     ``leaving`` (lease id → its GPU uuids) are holding leases already on their way out (being
     released, or a reclaim's stop sent): their GPUs count as free, so that nobody else is
-    warned for a waiter that a stopping container is about to make room for.
+    warned for a waiter that a stopping container is about to make room for. ``rooms``
+    (booking → its room) are the bookings in effect that waiters are ``booked`` in; a
+    member placed in its booking's room uses it up for the waiters after it.
     """
     plan: dict[str, Reclaim] = {}
     if not waiters:
@@ -157,26 +198,33 @@ def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cl
     for lease_id, gpu_uuids in (leaving or {}).items():
         view.drop_claims(lease_id, list(gpu_uuids))
     ordered = victim_order(candidates, idle_window_s)
+    room = dict(rooms or {})
     for waiter in waiters:
-        placement = _fits(waiter, view, settings, now, down_after_s)
+        placement = _fits(waiter, view, settings, now, down_after_s, room)
         if placement is None:
-            placement = _make_room(waiter, ordered, view, plan, settings, now, down_after_s)
+            placement = _make_room(waiter, ordered, view, plan, settings, now, down_after_s,
+                                   room)
         if placement is not None:
+            if waiter.booked is not None and in_booking(waiter.booked, placement, view, room):
+                room[waiter.booked.booking] -= placement.units
             policy.apply_placement(view, placement, waiter.lease_id, waiter.demand)
     return plan
 
 
 def _make_room(waiter: Waiter, ordered: Sequence[Candidate], view: Cluster,
                plan: dict[str, Reclaim], settings: PolicySettings, now: float,
-               down_after_s: float) -> policy.Placement | None:
+               down_after_s: float, rooms: Mapping[str, Fraction]) -> policy.Placement | None:
     """Choose victims for one waiter that does not fit (recorded in ``plan``, taken out of
     ``view``) and return its placement; None, with ``view`` unchanged, when none lets it fit.
 
-    First as a waiter within its guarantees (borrowed and idle-releasable leases may go; the
-    placement found must be within the guarantees), else idle-releasable leases only.
+    First as a waiter within its guarantees (borrowed and idle-releasable leases may go, and
+    for a member of a booking the non-members' leases on its GPUs; the placement found must
+    be within the guarantees or the booking's room), else idle-releasable leases only.
     """
+    booking = waiter.booked.booking if waiter.booked is not None else None
+
     def as_guaranteed(candidate: Candidate) -> ReclaimReason | None:
-        if candidate.borrowed:
+        if candidate.borrowed or booking in candidate.displaceable_by:
             return ReclaimReason.RECLAIMED
         return ReclaimReason.IDLE if candidate.idle_releasable else None
 
@@ -184,16 +232,19 @@ def _make_room(waiter: Waiter, ordered: Sequence[Candidate], view: Cluster,
         return ReclaimReason.IDLE if candidate.idle_releasable else None
 
     def within(placement: policy.Placement) -> bool:
-        return _within_guarantee(waiter, placement, view, settings)
+        return (in_booking(waiter.booked, placement, view, rooms)
+                or _within_guarantee(waiter, placement, view, settings))
 
     for eligible, accept in ((as_guaranteed, within), (idle_only, None)):
         pool = [(c, reason) for c in ordered if c.lease_id not in plan
                 for reason in [eligible(c)] if reason is not None]
-        found = _take_until_fits(waiter, pool, view, settings, now, down_after_s, accept)
+        found = _take_until_fits(waiter, pool, view, settings, now, down_after_s, accept,
+                                 rooms)
         if found is not None:
             placement, picked = found
             for candidate, reason in picked:
-                plan[candidate.lease_id] = Reclaim(reason, waiter.lease_id)
+                for_booking = booking if booking in candidate.displaceable_by else None
+                plan[candidate.lease_id] = Reclaim(reason, waiter.lease_id, for_booking)
             return placement
     return None
 
@@ -201,13 +252,13 @@ def _make_room(waiter: Waiter, ordered: Sequence[Candidate], view: Cluster,
 def _take_until_fits(
     waiter: Waiter, pool: Sequence[tuple[Candidate, ReclaimReason]], view: Cluster,
     settings: PolicySettings, now: float, down_after_s: float,
-    accept: Callable[[policy.Placement], bool] | None,
+    accept: Callable[[policy.Placement], bool] | None, rooms: Mapping[str, Fraction],
 ) -> tuple[policy.Placement, list[tuple[Candidate, ReclaimReason]]] | None:
     """Take candidates out of ``view`` in pool order until the waiter fits (and ``accept``
     says yes), then give back those it fits without, the least preferred first. None, with
     ``view`` as it was, when the whole pool is not enough."""
     def fits() -> policy.Placement | None:
-        placement = _fits(waiter, view, settings, now, down_after_s)
+        placement = _fits(waiter, view, settings, now, down_after_s, rooms)
         if placement is None or (accept is not None and not accept(placement)):
             return None
         return placement
@@ -223,15 +274,22 @@ def _take_until_fits(
         for _, _, taken in reversed(picked):
             _give_back(view, taken)
         return None
-    for index in range(len(picked) - 2, -1, -1):
-        candidate, reason, taken = picked[index]
-        _give_back(view, taken)
-        trial = fits()
-        if trial is not None:
-            placement = trial
-            del picked[index]
-        else:
-            _take(view, candidate)
+    # Give back until no single victim can be: one pass is not enough, because placement is
+    # not monotone in free GPUs (more free GPUs may move a best fit onto a model the quota
+    # refuses), so a victim kept in one pass may be needless after a later one is given back.
+    given_back = True
+    while given_back and len(picked) > 1:
+        given_back = False
+        for index in range(len(picked) - 1, -1, -1):
+            candidate, reason, taken = picked[index]
+            _give_back(view, taken)
+            trial = fits()
+            if trial is not None:
+                placement = trial
+                del picked[index]
+                given_back = True
+            else:
+                _take(view, candidate)
     return placement, [(candidate, reason) for candidate, reason, _ in picked]
 
 

@@ -22,6 +22,12 @@ from breaking the last free NVLink pair or the last whole socket (NVIDIA k8s-dev
 that keeps the set's cost lowest), which may miss the best set and, with a demanded level,
 refuse where a set exists. The leftover score is computed for at most
 :data:`LEFTOVER_CANDIDATES` equally good sets.
+
+**Speed** (the allocator chooses on every grant): each host's links are turned into index
+matrices once (:func:`host_links`, kept while the host reports the same interconnect), the
+best set of a given pool is remembered per host (at most :data:`MEMO_ENTRIES` pools), and
+where every pair of the free GPUs is joined alike (an HGX board) every choice is as good as
+any other, so the lowest indices are taken without comparing sets.
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ LEFTOVER_CANDIDATES = 64
 
 PROTECTED_SIZES = (4, 2)
 """The sizes of the sets a choice tries to leave whole, the most important first."""
+
+MEMO_ENTRIES = 2048
+"""Best sets remembered per host (pool, size, limit); past it the memory starts again."""
+
+HOSTS_REMEMBERED = 8192
+"""Hosts whose link matrices are kept (:func:`host_links`); past it the cache starts again."""
 
 
 class SetCost(NamedTuple):
@@ -94,6 +106,8 @@ class _Links:
 
     def __init__(self, interconnect: HostInterconnect):
         n = len(interconnect.gpus)
+        self.position = {gpu.uuid: index for index, gpu in enumerate(interconnect.gpus)}
+        """uuid -> index: the host's own lookup is a pydantic private attribute, slower."""
         self.level = [[0] * n for _ in range(n)]
         self.nvlinks = [[0] * n for _ in range(n)]
         for i in range(n):
@@ -101,6 +115,16 @@ class _Links:
                 link = interconnect.link_at(i, j)
                 self.level[i][j] = self.level[j][i] = int(link.level)
                 self.nvlinks[i][j] = self.nvlinks[j][i] = link.nvlinks
+        self._memo: dict[tuple[tuple[int, ...], int, int | None],
+                         tuple[SetCost, tuple[int, ...]] | None] = {}
+
+    def uniform(self, indices: Sequence[int]) -> bool:
+        """Whether every pair of these GPUs is joined alike (same level, same NVLinks)."""
+        if len(indices) < 3:
+            return True
+        first = (self.level[indices[0]][indices[1]], self.nvlinks[indices[0]][indices[1]])
+        return all((self.level[i][j], self.nvlinks[i][j]) == first
+                   for position, i in enumerate(indices) for j in indices[position + 1:])
 
     def cost(self, indices: Sequence[int]) -> SetCost:
         worst = total = links = 0
@@ -117,8 +141,20 @@ class _Links:
              limit: int | None = None) -> tuple[SetCost, tuple[int, ...]] | None:
         """The best set of ``size`` among ``indices`` (ties: lowest indices), None when there
         are too few; with ``limit``, only sets whose worst link is at most that level."""
-        ranked = self.ranked(indices, size, limit)
-        return ranked[0] if ranked else None
+        key = (tuple(sorted(indices)), size, limit)
+        if key in self._memo:
+            return self._memo[key]
+        if self.uniform(key[0]) and 1 <= size <= len(key[0]):
+            chosen = key[0][:size]
+            cost = self.cost(chosen)
+            found = None if limit is not None and cost.worst > limit else (cost, chosen)
+        else:
+            ranked = self.ranked(indices, size, limit)
+            found = ranked[0] if ranked else None
+        if len(self._memo) >= MEMO_ENTRIES:
+            self._memo.clear()
+        self._memo[key] = found
+        return found
 
     def ranked(self, indices: Sequence[int], size: int,
                limit: int | None = None) -> list[tuple[SetCost, tuple[int, ...]]]:
@@ -160,15 +196,58 @@ class _Links:
         )
 
 
+_HOSTS: dict[int, tuple[HostInterconnect, _Links]] = {}
+
+
+def host_links(interconnect: HostInterconnect) -> _Links:
+    """The host's link matrices, built once per interconnect object (a host that reports
+    another interconnect gets new ones)."""
+    known = _HOSTS.get(id(interconnect))
+    if known is not None and known[0] is interconnect:
+        return known[1]
+    if len(_HOSTS) >= HOSTS_REMEMBERED:
+        _HOSTS.clear()
+    links = _Links(interconnect)
+    _HOSTS[id(interconnect)] = (interconnect, links)  # the object kept: its id stays its own
+    return links
+
+
+def lists_all(interconnect: HostInterconnect, uuids: Iterable[str]) -> bool:
+    """Whether the host's links name every one of these GPUs (a host whose GPUs changed since
+    it reported its links may not)."""
+    position = host_links(interconnect).position
+    return all(uuid in position for uuid in uuids)
+
+
 def set_cost(interconnect: HostInterconnect, uuids: Iterable[str]) -> SetCost:
     """How well these GPUs of the host are joined (lower is better)."""
-    return _Links(interconnect).cost([interconnect.index_of(u) for u in uuids])
+    return host_links(interconnect).cost([interconnect.index_of(u) for u in uuids])
+
+
+def worst_link(interconnect: HostInterconnect, uuids: Iterable[str]) -> LinkLevel | None:
+    """The worst link between two of these GPUs of the host; None for fewer than two."""
+    indices = _indices(interconnect, uuids)
+    if len(indices) < 2:
+        return None
+    return LinkLevel(host_links(interconnect).cost(indices).worst)
+
+
+def best_set_cost(interconnect: HostInterconnect, free: Iterable[str], count: int,
+                  demand: TopologyDemand | None = None) -> SetCost | None:
+    """The cost of the set :func:`choose_gpus` would choose (without the leftover's tie
+    break), or None where it would be :class:`Unmet`: what the placement compares hosts by."""
+    indices = _indices(interconnect, free)
+    if count < 1 or count > len(indices):
+        return None
+    limit = None if demand is None or count == 1 else int(DEMANDED_LEVEL[demand])
+    found = host_links(interconnect).best(indices, count, limit)
+    return None if found is None else found[0]
 
 
 def leftover_score(interconnect: HostInterconnect, free: Iterable[str]) -> tuple[SetCost, ...]:
     """How well the free GPUs could still serve a large request: the cost of their best set of
     each of :data:`PROTECTED_SIZES` (:data:`NOTHING_LEFT` where too few); lower is better."""
-    return _Links(interconnect).leftover([interconnect.index_of(u) for u in free])
+    return host_links(interconnect).leftover([interconnect.index_of(u) for u in free])
 
 
 def choose_gpus(
@@ -191,8 +270,16 @@ def choose_gpus(
     free_indices = _indices(interconnect, free)
     if count > len(free_indices):
         return Unmet(f"{count} GPUs asked, {len(free_indices)} free on the host")
-    links = _Links(interconnect)
+    links = host_links(interconnect)
     limit = None if demand is None or count == 1 else int(DEMANDED_LEVEL[demand])
+    if links.uniform(free_indices):
+        # Every choice is as good as any other, and leaves as good a rest: the lowest indices.
+        chosen = tuple(free_indices[:count])
+        cost = links.cost(chosen)
+        if limit is not None and cost.worst > limit:
+            assert demand is not None  # a limit comes from a demand
+            return Unmet(_unmet_reason(links, free_indices, count, demand))
+        return _gpu_set(interconnect, chosen, cost, count)
     ranked = links.ranked(free_indices, count, limit)
     if not ranked:
         assert demand is not None  # without a limit, count <= free always gives a set
@@ -204,22 +291,41 @@ def choose_gpus(
             links.leftover([i for i in free_indices if i not in c]), c))
     else:
         chosen = tied[0]
+    return _gpu_set(interconnect, chosen, best_cost, count)
+
+
+def _gpu_set(interconnect: HostInterconnect, chosen: Sequence[int], cost: SetCost,
+             count: int) -> GpuSet:
     uuids = [interconnect.gpus[i].uuid for i in chosen]
     return GpuSet(
         gpus=visible_order(interconnect, uuids),
-        worst_level=LinkLevel(best_cost.worst) if count > 1 else None,
+        worst_level=LinkLevel(cost.worst) if count > 1 else None,
         numa_nodes=numa_nodes(interconnect, uuids),
     )
+
+
+def best_link(interconnect: HostInterconnect, free: Iterable[str],
+              count: int) -> LinkLevel | None:
+    """The worst link of the best-connected ``count`` GPUs among ``free``: the connection a
+    request for that many GPUs of the host could get now (what the spawn form shows). None
+    for one GPU (no link) or when fewer than ``count`` are free. ``free`` names GPUs of
+    ``interconnect``'s host (ValueError otherwise)."""
+    if count < 2:
+        return None
+    found = _Links(interconnect).best(_indices(interconnect, free), count)
+    return None if found is None else LinkLevel(found[0].worst)
 
 
 def _indices(interconnect: HostInterconnect, uuids: Iterable[str]) -> list[int]:
     indices: set[int] = set()
     unknown: list[str] = []
+    position = host_links(interconnect).position
     for uuid in uuids:
-        try:
-            indices.add(interconnect.index_of(uuid))
-        except KeyError:
+        index = position.get(uuid)
+        if index is None:
             unknown.append(uuid)
+        else:
+            indices.add(index)
     if unknown:
         raise ValueError(f"GPUs not on this host: {', '.join(sorted(unknown))}")
     return sorted(indices)
@@ -241,9 +347,9 @@ def visible_order(interconnect: HostInterconnect, uuids: Iterable[str]) -> tuple
     links. Greedy: start from the lower GPU of the best pair, then always append the GPU
     best linked to the last one (ties: lowest index)."""
     indices = _indices(interconnect, uuids)
-    if len(indices) <= 2:
+    links = host_links(interconnect)
+    if len(indices) <= 2 or links.uniform(indices):
         return tuple(interconnect.gpus[i].uuid for i in indices)
-    links = _Links(interconnect)
     first = min(combinations(indices, 2), key=lambda p: (links.cost(p), p))[0]
     order = [first]
     left = [i for i in indices if i != first]
@@ -258,5 +364,6 @@ def visible_order(interconnect: HostInterconnect, uuids: Iterable[str]) -> tuple
 def numa_nodes(interconnect: HostInterconnect, uuids: Iterable[str]) -> tuple[int, ...]:
     """The NUMA nodes of these GPUs, sorted, those the host does not know left out."""
     return tuple(sorted({
-        node for uuid in uuids if (node := interconnect.numa_node(uuid)) is not None
+        node for index in _indices(interconnect, uuids)
+        if (node := interconnect.gpus[index].numa_node) is not None
     }))

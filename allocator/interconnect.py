@@ -1,9 +1,11 @@
 """How the GPUs of one host are joined to each other: the link of every pair, and each GPU's
 NUMA node.
 
-Pure data: no I/O. The node agent will read it from NVML and the simulated inventory will
-describe it; :mod:`allocator.gpu_sets` chooses GPUs with it. (Not to be confused with
-:mod:`allocator.topology`, the broker's exchanges and queues.)
+Pure data: no I/O. The node agent reads it from NVML (:mod:`nodeagent.interconnect_nvml`) or
+its simulated inventory describes it, and sends it in a full heartbeat to an allocator that
+reads it; :mod:`allocator.gpu_sets` chooses GPUs with it, and :func:`matrix_lines` prints it
+as ``nvidia-smi topo -m`` does. (Not to be confused with :mod:`allocator.topology`, the
+broker's exchanges and queues.)
 
 The levels mirror NVML's ``nvmlDeviceGetTopologyCommonAncestor`` (``NVML_TOPOLOGY_INTERNAL``,
 ``SINGLE``, ``MULTIPLE``, ``HOSTBRIDGE``, ``NODE``, ``SYSTEM``), with NVLink (direct or
@@ -14,9 +16,9 @@ through an NVSwitch) above them all: the columns of ``nvidia-smi topo -m`` (``NV
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 MAX_GPUS_PER_HOST = 64
 """More GPUs than any host has; bounds a report (64 GPUs are 2,016 pairs)."""
@@ -25,6 +27,17 @@ MAX_NVLINKS = 64
 """More NVLink links between two GPUs than any GPU has (an H100 has 18 in all)."""
 
 Uuid = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+def _list_as_tuple(value: Any) -> Any:
+    # The models are strict, and a strict tuple takes no list: but data read as Python
+    # (JSON loaded first, a document's example) carries lists.
+    return tuple(value) if type(value) is list else value
+
+
+def _int_as_level(value: Any) -> Any:
+    # Likewise an integer for the level, which strict mode takes off JSON only.
+    return LinkLevel(value) if type(value) is int and value in _LEVELS else value
 
 
 class LinkLevel(IntEnum):
@@ -51,6 +64,25 @@ class LinkLevel(IntEnum):
         """What a person reads in a message."""
         return _WORDS[self]
 
+    @property
+    def wire_name(self) -> str:
+        """Its stable lowercase name in messages (``Lease.link``): :data:`LINK_NAMES`."""
+        return LINK_NAMES[self]
+
+
+LINK_NAMES: dict[LinkLevel, str] = {
+    LinkLevel.NVLINK: "nvlink",
+    LinkLevel.INTERNAL: "board",
+    LinkLevel.SINGLE: "pcie-switch",
+    LinkLevel.MULTIPLE: "pcie-switches",
+    LinkLevel.HOSTBRIDGE: "host-bridge",
+    LinkLevel.NODE: "socket",
+    LinkLevel.SYSTEM: "system",
+}
+"""Each level's name on the wire, once: a reader shows an unknown name as it is (a later
+release may add a level)."""
+
+_LEVELS = frozenset(level.value for level in LinkLevel)
 
 _WORDS = {
     LinkLevel.NVLINK: "NVLink",
@@ -70,7 +102,7 @@ class GpuLink(BaseModel):
 
     a: Uuid
     b: Uuid
-    level: LinkLevel
+    level: Annotated[LinkLevel, BeforeValidator(_int_as_level)]
     nvlinks: int = Field(default=0, ge=0, le=MAX_NVLINKS)
     """NVLink links between the two (at :attr:`LinkLevel.NVLINK` only; more is faster)."""
 
@@ -84,14 +116,53 @@ class GpuLink(BaseModel):
         return self
 
 
+MAX_CPULIST = 1024
+"""The longest CPU list a GPU may carry: a two-socket host of 256 threads numbered every
+other one (``0,2,4,...``) fits; 64 GPUs of it stay well inside a heartbeat."""
+
+MAX_CPU = 65535
+"""The largest CPU number a CPU list may name."""
+
+CPULIST_PATTERN = r"^[0-9]{1,5}(-[0-9]{1,5})?(,[0-9]{1,5}(-[0-9]{1,5})?)*$"
+"""Linux's cpulist form (``0-15,32-47``, ``3``): numbers and ranges, comma separated."""
+
+
+def cpulist_ranges(cpulist: str) -> list[tuple[int, int]]:
+    """``"0-3,8"`` → ``[(0, 3), (8, 8)]``; ValueError unless the ranges are in Linux's
+    form: each first <= last <= :data:`MAX_CPU`, in increasing order, none overlapping."""
+    ranges: list[tuple[int, int]] = []
+    for part in cpulist.split(","):
+        first, _, last = part.partition("-")
+        low = int(first)
+        high = int(last) if last else low
+        if not low <= high <= MAX_CPU:
+            raise ValueError(f"CPU list {cpulist!r}: {part} is not a range of CPU numbers "
+                             f"up to {MAX_CPU}")
+        if ranges and low <= ranges[-1][1]:
+            raise ValueError(f"CPU list {cpulist!r}: ranges must increase and not overlap")
+        ranges.append((low, high))
+    return ranges
+
+
 class HostGpu(BaseModel):
-    """One GPU of a host, where it sits."""
+    """One GPU of a host, where it sits: its NUMA node and the CPUs near it."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
     uuid: Uuid
     numa_node: int | None = Field(default=None, ge=0, le=1023)
     """The NUMA node (CPU socket) closest to it; None where the host does not say (NVML's -1)."""
+    cpus: str | None = Field(default=None, max_length=MAX_CPULIST, pattern=CPULIST_PATTERN)
+    """The CPUs near it, in Linux's cpulist form (``"0-15,32-47"``): NVML's
+    ``nvmlDeviceGetCpuAffinity`` bitmask (else the kernel's ``local_cpulist`` of its PCI
+    device), at most :data:`MAX_CPULIST` characters, ranges increasing and apart; None where
+    the host does not say (or the list would be longer)."""
+
+    @model_validator(mode="after")
+    def _cpus_in_order(self) -> HostGpu:
+        if self.cpus is not None:
+            cpulist_ranges(self.cpus)
+        return self
 
 
 class HostInterconnect(BaseModel):
@@ -99,8 +170,10 @@ class HostInterconnect(BaseModel):
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
-    gpus: tuple[HostGpu, ...] = Field(min_length=1, max_length=MAX_GPUS_PER_HOST)
-    links: tuple[GpuLink, ...] = Field(max_length=MAX_GPUS_PER_HOST * (MAX_GPUS_PER_HOST - 1) // 2)
+    gpus: Annotated[tuple[HostGpu, ...], BeforeValidator(_list_as_tuple)] = Field(
+        min_length=1, max_length=MAX_GPUS_PER_HOST)
+    links: Annotated[tuple[GpuLink, ...], BeforeValidator(_list_as_tuple)] = Field(
+        max_length=MAX_GPUS_PER_HOST * (MAX_GPUS_PER_HOST - 1) // 2)
 
     _position: dict[str, int] = PrivateAttr(default_factory=dict)
     _pairs: dict[tuple[int, int], GpuLink] = PrivateAttr(default_factory=dict)
@@ -219,3 +292,57 @@ def nvlink_pairs_host(prefix: str = "GPU-pairs", *, nvlinks: int = 4) -> HostInt
     links[(0, 1)] = (LinkLevel.NVLINK, nvlinks)
     links[(2, 3)] = (LinkLevel.NVLINK, nvlinks)
     return build_interconnect(uuids, [0, 0, 0, 0], links)
+
+
+# --------------------------------------------------------------------------- the matrix
+
+_CODES = {
+    LinkLevel.INTERNAL: "INT",
+    LinkLevel.SINGLE: "PIX",
+    LinkLevel.MULTIPLE: "PXB",
+    LinkLevel.HOSTBRIDGE: "PHB",
+    LinkLevel.NODE: "NODE",
+    LinkLevel.SYSTEM: "SYS",
+}
+
+LEGEND = (
+    "  X    = the GPU itself",
+    "  NV#  = NVLink, # links (directly or through NVSwitches)",
+    "  INT  = on the same board",
+    "  PIX  = through one PCIe switch",
+    "  PXB  = through several PCIe switches, no host bridge",
+    "  PHB  = through a PCIe host bridge (the CPU)",
+    "  NODE = across host bridges within one NUMA node",
+    "  SYS  = across NUMA nodes (the sockets' interconnect)",
+)
+"""What each cell of :func:`matrix_lines` means, in ``nvidia-smi topo -m``'s words."""
+
+
+def link_code(link: GpuLink) -> str:
+    """A link as ``nvidia-smi topo -m`` writes it: ``NV18``, ``PIX``, ``PXB``, ``PHB``,
+    ``NODE``, ``SYS`` (``INT`` for two GPUs of one board)."""
+    if link.level is LinkLevel.NVLINK:
+        return f"NV{link.nvlinks}"
+    return _CODES[link.level]
+
+
+def matrix_lines(interconnect: HostInterconnect, *, legend: bool = True) -> list[str]:
+    """The host's links as ``nvidia-smi topo -m`` prints them: a row and a column per GPU
+    (``GPU0``... in index order), each cell the pair's :func:`link_code` (``X`` on the
+    diagonal), then each GPU's CPU affinity and NUMA node (``N/A`` where unknown); with
+    ``legend``, a blank line and what the codes mean. Columns are padded with spaces."""
+    names = [f"GPU{i}" for i in range(len(interconnect.gpus))]
+    rows = [
+        [name,
+         *("X" if i == j else link_code(interconnect.link_at(i, j)) for j in range(len(names))),
+         gpu.cpus or "N/A",
+         "N/A" if gpu.numa_node is None else str(gpu.numa_node)]
+        for i, (name, gpu) in enumerate(zip(names, interconnect.gpus, strict=True))
+    ]
+    header = ["", *names, "CPU Affinity", "NUMA Affinity"]
+    widths = [max(len(row[c]) for row in (header, *rows)) for c in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)
+                       ).rstrip() for row in (header, *rows)]
+    if legend:
+        lines += ["", "Legend:", *LEGEND]
+    return lines

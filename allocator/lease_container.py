@@ -148,11 +148,13 @@ def memory_fraction(budget_mib: int, total_mib: int) -> str:
 
 def lease_env(*, lease_id: str, host: str, gpu_uuids: Sequence[str], model: str | None,
               shared: bool, memory_mib: int | None,
-              memory_total_mib: int | None) -> dict[str, str]:
+              memory_total_mib: int | None, numa_nodes: Sequence[int] = ()) -> dict[str, str]:
     """The environment of a granted lease's container.
 
-    Always the devices, the driver capabilities and ``SWARM_GPU_LEASE``, ``_HOST``,
-    ``_GPU_COUNT``, ``_SHARED`` (and ``_MODEL`` when the lease has one model). A slice also
+    Always the devices (in ``gpu_uuids``' order: CUDA numbers them so), the driver
+    capabilities and ``SWARM_GPU_LEASE``, ``_HOST``, ``_GPU_COUNT``, ``_SHARED`` (and
+    ``_MODEL`` when the lease has one model; ``_NUMA_NODES``, a comma list, where the host
+    reported its GPUs' NUMA nodes: a hint for pinning threads, not a pinning). A slice also
     gets its budget (``SWARM_GPU_MEMORY_LIMIT_MIB``) and framework hints that keep JAX,
     TensorFlow and PyTorch from taking the whole GPU.
     """
@@ -166,6 +168,8 @@ def lease_env(*, lease_id: str, host: str, gpu_uuids: Sequence[str], model: str 
     }
     if model:
         env[f"{ENV_PREFIX}MODEL"] = model
+    if numa_nodes:
+        env[f"{ENV_PREFIX}NUMA_NODES"] = ",".join(str(node) for node in numa_nodes)
     if shared and memory_mib is not None and gpu_uuids:
         env.update({
             f"{ENV_PREFIX}MEMORY_LIMIT_MIB": str(memory_mib),

@@ -50,7 +50,7 @@ from allocator.protocol import Health, LeaseState
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
 
 LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
@@ -266,6 +266,10 @@ _LOG_POSITION_V3: dict[str, type] = {
     "id": int, "log_id": str, "log_offset": int, "entry_id": str, "epoch": int, "writer": str,
 }
 _LOG_POSITION_V5: dict[str, type] = {"snapshot_from": int, "bytes_since_snapshot": int}
+_BOOKINGS_V7: dict[str, type] = {
+    "name": str, "booking": str, "created_at": float, "created_by": str, "removed_at": float,
+    "removed_by": str,
+}
 
 COLUMNS: dict[str, dict[str, type]] = {
     "nodes": _NODES_V1,
@@ -274,16 +278,18 @@ COLUMNS: dict[str, dict[str, type]] = {
     "lease_history": _HISTORY_V1,
     "events": _EVENTS_V1,
     "log_position": {**_LOG_POSITION_V3, **_LOG_POSITION_V5},
+    "bookings": _BOOKINGS_V7,
 }
 """Every table of the schema this code writes (:data:`SCHEMA_VERSION`), with its columns and
 their types in order of creation. No other table or column name ever reaches SQL: a change
 set naming another is refused (:class:`ChangeSet`)."""
 
 PRIMARY_KEYS = {"nodes": "host", "gpus": "uuid", "leases": "lease_id", "lease_history": "id",
-                "events": "id", "log_position": "id"}
+                "events": "id", "log_position": "id", "bookings": "name"}
 
 JSON_COLUMNS: dict[str, tuple[str, ...]] = {"leases": LEASE_JSON_COLUMNS,
-                                            "gpus": ("health_reasons",)}
+                                            "gpus": ("health_reasons",),
+                                            "bookings": ("booking",)}
 """Text columns holding JSON: a change set carries their values as lists and objects."""
 
 
@@ -390,9 +396,17 @@ def _migrate_v6(db: sqlite_utils.Database) -> None:
     _add_columns(db, "leases", _LEASES_V6)
 
 
+def _migrate_v7(db: sqlite_utils.Database) -> None:
+    """Bookings (:mod:`allocator.bookings`): one row per booking name, the booking as the
+    JSON it was admitted as, who made it and when; a removed booking keeps its row with
+    ``removed_at`` and ``removed_by`` set (its history is in the events)."""
+    _create_table(db, "bookings", _BOOKINGS_V7, "name")
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
                                                              _migrate_v3, _migrate_v4,
-                                                             _migrate_v5, _migrate_v6]
+                                                             _migrate_v5, _migrate_v6,
+                                                             _migrate_v7]
 """``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
 
 
@@ -429,6 +443,7 @@ class Changes:
     gpus: dict[str, dict[str, Any]] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    bookings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def lease(self, record: LeaseRecord) -> None:
         """Write the lease's current row."""
@@ -482,8 +497,16 @@ class Changes:
         row["detail"] = json.dumps(detail, default=str) if detail else None
         self.events.append(row)
 
+    def booking(self, row: BookingRow) -> None:
+        """Write a booking's row (added, or marked removed)."""
+        self.bookings[row.name] = {
+            "name": row.name, "booking": row.booking, "created_at": row.created_at,
+            "created_by": row.created_by, "removed_at": row.removed_at,
+            "removed_by": row.removed_by}
+
     def __bool__(self) -> bool:
-        return bool(self.leases or self.nodes or self.gpus or self.history or self.events)
+        return bool(self.leases or self.nodes or self.gpus or self.history or self.events
+                    or self.bookings)
 
     def to_json(self) -> dict[str, Any]:
         """The batch as plain JSON (rows are JSON-able already), for the replicated log: a
@@ -501,6 +524,8 @@ class Changes:
                                 "events": self.events}
         if owners:
             data[LEASE_OWNERS] = owners
+        if self.bookings:  # a batch without bookings is written as before (0.2.0 reads it)
+            data["bookings"] = list(self.bookings.values())
         return data
 
     @classmethod
@@ -550,7 +575,7 @@ def _row_model(table: str, *, skip: tuple[str, ...] = ()) -> type[BaseModel]:
 
 
 _CHANGE_TABLES = {"leases": "leases", "nodes": "nodes", "gpus": "gpus",
-                  "history": "lease_history", "events": "events"}
+                  "history": "lease_history", "events": "events", "bookings": "bookings"}
 """The lists of a change set and the tables they write."""
 
 _INSERTED = ("lease_history", "events")
@@ -578,12 +603,14 @@ class ChangeSet(BaseModel):
     gpus: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
+    bookings: list[dict[str, Any]] = []
+    """Booking rows (0.3.0); a release before it ignores them and keeps no bookings."""
     lease_owners: dict[Annotated[str, Field(min_length=1)],
                        Annotated[str, Field(min_length=1)]] = {}
     """Lease id -> its owner, for lease rows of this set (:data:`LEASE_OWNERS`); written
     only when there is one."""
 
-    @field_validator("leases", "nodes", "gpus", "history", "events")
+    @field_validator("leases", "nodes", "gpus", "history", "events", "bookings")
     @classmethod
     def _rows_of_the_schema(cls, rows: list[dict[str, Any]],
                             info: ValidationInfo) -> list[dict[str, Any]]:
@@ -614,6 +641,8 @@ class ChangeSet(BaseModel):
         data: dict[str, Any] = write(self)
         if not self.lease_owners:
             data.pop(LEASE_OWNERS, None)  # a batch without owners is written as before
+        if not self.bookings:
+            data.pop("bookings", None)
         return data
 
     @classmethod
@@ -637,7 +666,8 @@ class ChangeSet(BaseModel):
                                for row in self.leases},
                        nodes={row["host"]: row for row in self.nodes},
                        gpus={row["uuid"]: row for row in self.gpus},
-                       history=list(self.history), events=list(self.events))
+                       history=list(self.history), events=list(self.events),
+                       bookings={row["name"]: row for row in self.bookings})
 
 
 @dataclass
@@ -651,6 +681,22 @@ class LoadedState:
     finished: list[LeaseRecord] = field(default_factory=list)
     """The newest final leases (oldest first), so that a container of a lease finished before
     a restart is still known as a zombie, not adopted as a lease the ledger forgot."""
+    bookings: list[BookingRow] = field(default_factory=list)
+    """The bookings not removed, in the order they were admitted."""
+
+
+@dataclass(frozen=True)
+class BookingRow:
+    """A booking as the ledger keeps it: its JSON as admitted (read back by
+    :func:`allocator.bookings.booking.read_booking`, outside the ledger), who made it, when,
+    and, once removed, who removed it and when."""
+
+    name: str
+    booking: dict[str, Any]
+    created_at: float
+    created_by: str
+    removed_at: float | None = None
+    removed_by: str | None = None
 
 
 def _insert_sql(table: str) -> str:
@@ -891,6 +937,7 @@ class Ledger:
                 self._write_rows(conn, "nodes", "host", list(changes.nodes.values()))
                 self._write_rows(conn, "gpus", "uuid", list(changes.gpus.values()))
                 self._write_rows(conn, "leases", "lease_id", list(changes.leases.values()))
+                self._write_rows(conn, "bookings", "name", list(changes.bookings.values()))
                 if changes.history:
                     conn.executemany(_INSERT_SQL["lease_history"], changes.history)
                 if changes.events:
@@ -1025,7 +1072,16 @@ class Ledger:
             f"state IN ({', '.join('?' for _ in final)}) ORDER BY created_at DESC LIMIT ?",
             [*final, finished_limit])]
         finished.reverse()
-        return LoadedState(list(nodes.values()), gpus, leases, agent_users, finished)
+        return LoadedState(list(nodes.values()), gpus, leases, agent_users, finished,
+                           self.bookings())
+
+    def bookings(self) -> list[BookingRow]:
+        """The bookings not removed, oldest first: the order they were admitted in (on the
+        ledger thread)."""
+        return [BookingRow(name, json.loads(booking), created_at, created_by)
+                for name, booking, created_at, created_by in self.db.conn.execute(
+                    "SELECT name, booking, created_at, created_by FROM bookings "
+                    "WHERE removed_at IS NULL ORDER BY created_at, name")]
 
     def _lease_rows(self, where: str, params: Sequence[Any]) -> Iterator[dict[str, Any]]:
         """Lease rows as dicts (column name -> value), ``where`` with its ``ORDER BY``."""
@@ -1042,9 +1098,9 @@ class Ledger:
         return LogPosition(*row) if row is not None else None
 
     def is_empty(self) -> bool:
-        """No node, GPU or lease: nothing a log would have to start from."""
+        """No node, GPU, lease or booking: nothing a log would have to start from."""
         return not any(self.db.execute(f'SELECT 1 FROM "{table}" LIMIT 1').fetchone()
-                       for table in ("nodes", "gpus", "leases"))
+                       for table in ("nodes", "gpus", "leases", "bookings"))
 
     def snapshot_tables(self, *, trail: bool) -> tuple[LogPosition | None, Tables]:
         """The ledger's tables as stored (JSON columns stay text; the leases' owners in a

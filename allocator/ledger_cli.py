@@ -1,6 +1,7 @@
 """``gpu-ledger``: see, account for and administer the GPU cluster.
 
     gpu-ledger status   [--ledger FILE | --amqp URL] [--json]
+    gpu-ledger status   --topology HOST [--amqp URL] [--json]   (the running allocator only)
     gpu-ledger export   leases|events|gpus|usage [--ledger FILE] [--format csv|json|ndjson]
                         [--since T] [--until T] [--user U] [--model M] [--host H]
                         [--by user|group|host] [--output FILE]
@@ -8,6 +9,7 @@
     gpu-ledger drain    HOST [--gpu UUID] [--reason TEXT]          (over RPC, admins)
     gpu-ledger undrain  HOST [--gpu UUID]
     gpu-ledger release  LEASE_ID [--force --reason TEXT]
+    gpu-ledger booking  add|list|remove ...                   (over RPC, admins)
     gpu-ledger check    [--ledger FILE] [--live --amqp URL]
     gpu-ledger backup   PATH [--ledger FILE] [--force]        (while the allocator runs)
     gpu-ledger restore  BACKUP [--ledger FILE] [--new-log]    (with the allocator stopped)
@@ -46,10 +48,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from allocator import backup, broker, exports, reports
+from allocator import backup, booking_cli, broker, exports, reports
 from allocator.broker import DEFAULT_AMQP_URL
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.heartbeat_delta import apply_delta
+from allocator.interconnect import HostInterconnect, matrix_lines
 from allocator.invariants import NodeReport, Violation, check_ledger
 from allocator.ledger import LedgerError, LogPosition
 from allocator.logs import configure_logging, log_settings_from_environment
@@ -121,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--down-after", type=float, default=15.0, metavar="S",
                         help="offline: a node silent this long is down (default 15)")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument(
+        "--topology", metavar="HOST",
+        help="print how HOST's GPUs are joined, as nvidia-smi topo -m does (from the running "
+             "allocator only: the ledger file does not keep it)")
 
     export = commands.add_parser("export", help="stream leases, events, GPUs or usage")
     export.add_argument("kind", choices=reports.EXPORT_KINDS)
@@ -156,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     release.add_argument("--reason", default="", help="why (required with --force)")
     release.add_argument("--by", default=None, help="who (default: your login name)")
     amqp_option(release, env_amqp or DEFAULT_AMQP_URL)
+
+    booking_cli.add_booking_commands(
+        commands, lambda sub: amqp_option(sub, env_amqp or DEFAULT_AMQP_URL))
 
     check = commands.add_parser("check", help="verify the ledger's invariants")
     ledger_option(check)
@@ -247,7 +257,9 @@ def _run_async(factory: Callable[[], Any]) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print hosts, GPUs with their holders, and the queue."""
+    """Print hosts, GPUs with their holders, and the queue; or one host's topology."""
+    if args.topology is not None:
+        return _print_topology(args)
     if args.amqp is None and args.ledger is None and os.environ.get("SWARM_GPU_LEDGER_PATH"):
         args.ledger = Path(os.environ["SWARM_GPU_LEDGER_PATH"])
     if args.ledger is None:
@@ -278,6 +290,38 @@ async def _live_status(url: str, call_timeout_s: float) -> reports.ClusterStatus
         inventory = await client.inventory(include_leases=True)
         queue = await client.queue()
     return reports.live_status(inventory, queue)
+
+
+def _print_topology(args: argparse.Namespace) -> int:
+    """``status --topology HOST``: the host's link matrix (or its JSON), from the running
+    allocator; the links live in its memory only, as the host's agent last reported them."""
+    if args.ledger is not None:
+        raise CommandError("--topology reads the running allocator (--amqp): the ledger file "
+                           "does not keep how a host's GPUs are joined")
+    url = _with_tls(args.amqp or args.env_amqp or DEFAULT_AMQP_URL, args)
+    interconnect = _run_async(lambda: _live_topology(url, args.timeout, args.topology))
+    if args.json:
+        json.dump(interconnect.model_dump(mode="json"), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    sys.stdout.write(f"{args.topology}\n" + "".join(f"{line}\n"
+                                                     for line in matrix_lines(interconnect)))
+    return EXIT_OK
+
+
+async def _live_topology(url: str, call_timeout_s: float, host: str) -> HostInterconnect:
+    async with AllocatorClient(url, timeout_s=call_timeout_s,
+                               connect_timeout_s=call_timeout_s) as client:
+        inventory = await client.inventory()
+    node = next((n for n in inventory.nodes if n.host == host), None)
+    if node is None:
+        known = ", ".join(n.host for n in inventory.nodes) or "none"
+        raise CommandError(f"the allocator knows no host {host!r} (hosts: {known})")
+    if node.interconnect is None:
+        raise CommandError(
+            f"{host} has not reported how its GPUs are joined: its node agent is older than "
+            f"0.3.0, or it has not reported since the allocator started")
+    return node.interconnect
 
 
 def render_status(status: reports.ClusterStatus, console: Console) -> None:
@@ -488,6 +532,14 @@ def cmd_release(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_booking(args: argparse.Namespace) -> int:
+    """Add, list or remove bookings through the allocator (:mod:`allocator.booking_cli`)."""
+    try:
+        return int(_run_async(lambda: booking_cli.run(args, _who(args))))
+    except booking_cli.BookingInputError as exc:
+        _fail(str(exc))
+
+
 # --------------------------------------------------------------------------- check
 
 
@@ -641,7 +693,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": cmd_status, "export": cmd_export, "usage": cmd_usage, "drain": cmd_drain,
     "undrain": cmd_drain, "release": cmd_release, "check": cmd_check, "backup": cmd_backup,
-    "restore": cmd_restore,
+    "restore": cmd_restore, "booking": cmd_booking,
 }
 
 

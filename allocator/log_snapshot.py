@@ -46,9 +46,10 @@ SNAPSHOT_BYTES = 256 << 20
 """How much the log grows between two snapshots unless configured (the allocator's
 ``ledger_log_snapshot_bytes`` default)."""
 
-STATE_TABLES = ("nodes", "gpus", "leases")
+STATE_TABLES = ("nodes", "gpus", "leases", "bookings")
 """What a replica serves and accounts from: every node, GPU and lease, finished ones too
-(a request key's status, usage accounting and zombie containers all read lease rows)."""
+(a request key's status, usage accounting and zombie containers all read lease rows), and
+every booking (0.3.0; a release before it loads the tables it knows and skips this one)."""
 
 TRAIL_TABLES = ("lease_history", "events")
 """The audit trail: appended to, never read to serve. Only the snapshot that seeds a new log

@@ -17,8 +17,20 @@ first ``depth`` usable hosts, in best-fit order, that have enough free GPUs of t
 minimum of the same key over all fitting hosts of the first model that fits anywhere, so it
 is among them. That holds when every GPU of a model has the same memory size (the memory
 filter is then all-or-nothing per model); for models whose sizes differ, and for "all GPUs
-of a host", specific-host requests and requests by compute capability or architecture,
-:meth:`narrow` returns None and the full policy runs.
+of a host", specific-host requests, requests by compute capability or architecture and
+requests that demand a level of links (``topology``: a host's free GPUs may be many and still
+not keep it, which this index does not know), :meth:`narrow` returns None and the full policy
+runs.
+
+A request for several GPUs is placed by links among the first
+:data:`~allocator.policy.TOPOLOGY_LOOKAHEAD` fitting hosts in best-fit order
+(:mod:`allocator.policy`): for it the view holds that many hosts per model, so it holds the
+policy's candidates (the first *k* candidates of the whole cluster, over every model, are
+each among the first *k* hosts of their own model), unless none of them reported links: then
+the first in best-fit order is the policy's choice, as before. While no host has reported
+links, the index walks exactly as far as before them. A request of any model walks
+the models' orders merged and stops after *k* fitting entries (its candidates are ordered by
+host first, whatever their model), so its view holds at most *k* hosts, not *k* per model.
 ``tests/test_placement_index.py`` checks the equality with hypothesis.
 
 No I/O and no clock: pure data kept in step by the engine (:meth:`refresh` after every
@@ -28,10 +40,11 @@ change that touches a host).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Iterator
 
 from allocator.cluster import Cluster, Node
-from allocator.policy import Demand
+from allocator.policy import TOPOLOGY_LOOKAHEAD, Demand
 
 DEFAULT_DEPTH = 1
 """Hosts per model in a narrowed view. One is enough: :meth:`PlacementIndex.narrow` skips
@@ -57,6 +70,10 @@ class PlacementIndex:
         """model -> memory sizes of its GPUs (narrowing needs one size per model)."""
         self._host_models: dict[str, set[str]] = {}
         """host -> models it is listed under (to clean up on refresh)."""
+        self._linked: set[str] = set()
+        """Hosts whose node reported its links: while there is none, a request for several
+        GPUs walks no further than before links (the engine refreshes a host whose links
+        change)."""
 
     def rebuild(self, cluster: Cluster) -> None:
         """Index a whole cluster (at load)."""
@@ -71,6 +88,11 @@ class PlacementIndex:
             if self._model_free[model].pop(host, 0):
                 self._remove(model, host, old_free)
             self._shared[model].discard(host)
+        node = cluster.nodes.get(host)
+        if node is not None and node.interconnect is not None:
+            self._linked.add(host)
+        else:
+            self._linked.discard(host)
         gpus = [g for g in cluster.gpus_of(host) if g.host == host]
         host_free = sum(1 for g in gpus if g.placeable and cluster.is_free(g))
         self._host_free[host] = host_free
@@ -99,6 +121,21 @@ class PlacementIndex:
         if position < len(order) and order[position] == (host_free, host):
             del order[position]
 
+    def _candidates(self, found: list[str], cluster: Cluster) -> list[str]:
+        """The hosts found, or only the first :attr:`depth` where none reported links: best
+        fit alone decides among those."""
+        if len(found) <= self.depth or any(
+                cluster.nodes[host].interconnect is not None for host in found):
+            return found
+        return found[:self.depth]
+
+    def _entries(self, models: list[str]) -> Iterator[tuple[str, str]]:
+        """(host, model) of hosts with a free GPU of these models, in best-fit order, lazily:
+        a caller reads only the first few."""
+        def tagged(model: str) -> Iterator[tuple[int, str, str]]:
+            return ((free, host, model) for free, host in self._order.get(model, []))
+        return ((host, model) for _, host, model in heapq.merge(*map(tagged, models)))
+
     def narrow(self, demand: Demand, cluster: Cluster,
                is_usable: Callable[[Node], bool]) -> Cluster | None:
         """A view of the few hosts the policy's choice must be among (none: nothing fits),
@@ -111,24 +148,43 @@ class PlacementIndex:
             return None
         if demand.min_compute_capability is not None or demand.architecture is not None:
             return None  # filters per GPU, not per model: the full policy decides
+        if demand.demands_links:
+            return None  # whether a host keeps the level depends on which GPUs are free
+        depth = self.depth if demand.shared or demand.count < 2 or not self._linked else max(
+            self.depth, TOPOLOGY_LOOKAHEAD)
         models = list(demand.models) if demand.models is not None else sorted(self._model_free)
         need = 1 if demand.shared else demand.count
         hosts: set[str] = set()
+        kept: list[str] = []
         for model in models:
             sizes = self._memory.get(model, set())
             if len(sizes) > 1:
                 return None
             if demand.min_memory_mib is not None and sizes and max(sizes) < demand.min_memory_mib:
                 continue  # the policy's memory filter drops this model entirely
-            free = self._model_free.get(model, {})
-            found = 0
-            for _, host in self._order.get(model, []):
-                if free.get(host, 0) >= need and is_usable(cluster.nodes[host]):
-                    hosts.add(host)
-                    found += 1
-                    if found >= self.depth:
+            kept.append(model)
+        found: list[str] = []
+        if demand.models is None and depth > self.depth:
+            for host, model in self._entries(kept):
+                if (self._model_free[model].get(host, 0) >= need
+                        and is_usable(cluster.nodes[host])):
+                    found.append(host)
+                    if len(found) >= depth:
                         break
-            if demand.shared:
+            hosts.update(self._candidates(found, cluster))
+        else:
+            for model in kept:
+                free = self._model_free.get(model, {})
+                found = []
+                # The plain loop (no generator): this walk is the index's own cost.
+                for _, host in self._order.get(model, []):
+                    if free.get(host, 0) >= need and is_usable(cluster.nodes[host]):
+                        found.append(host)
+                        if len(found) >= depth:
+                            break
+                hosts.update(self._candidates(found, cluster))
+        if demand.shared:
+            for model in kept:
                 hosts.update(self._shared.get(model, ()))
         nodes: dict[str, Node] = {h: cluster.nodes[h] for h in hosts if h in cluster.nodes}
         return Cluster(nodes=nodes, gpus=cluster.gpus, claims=cluster.claims)

@@ -24,6 +24,16 @@ Rules, as in ``docs/design.md``:
   wins.
 * Best fit: the host with the fewest free placeable GPUs, so whole hosts stay free for "all"
   requests; ties by host name, then the lowest GPU indices.
+* Links (:mod:`allocator.gpu_sets`), on a host whose agent reported how its GPUs are joined
+  (``Node.interconnect``; a host that did not is placed exactly as before): an exclusive
+  request takes the best-connected free GPUs of the host (one GPU: the one whose taking
+  leaves the best sets whole), and its container sees them best-connected adjacent. For
+  ``count > 1`` the host is chosen among the first :data:`TOPOLOGY_LOOKAHEAD` fitting hosts
+  in best-fit order: the one whose best set has the best worst link (a host without
+  reported links counts as joined across sockets), ties in best-fit order. A demanded level
+  (``topology``) is never broken: only hosts with reported links whose free GPUs keep it
+  fit, and one GPU always keeps it (it has no link). Whole-host requests keep their GPUs
+  and get the container's order; slices and MIG instances are not placed by links.
 * A shared slice takes one slot and a memory budget of one GPU whose model has more than one
   slot and which no exclusive lease holds; slices are packed onto GPUs already shared.
 """
@@ -39,8 +49,26 @@ from typing import Any
 from allocator import capacity, lease_container
 from allocator.cluster import GPU, Claim, Cluster
 from allocator.config import PolicySettings
+from allocator.gpu_sets import (
+    DEMANDED_LEVEL,
+    GpuSet,
+    TopologyDemand,
+    Unmet,
+    best_set_cost,
+    choose_gpus,
+    lists_all,
+    numa_nodes,
+    visible_order,
+    worst_link,
+)
+from allocator.interconnect import HostInterconnect, LinkLevel
 from allocator.model_names import ModelNameError, ModelNames
 from allocator.protocol import AllocateRequest, ErrorCode, ModelSummary, capability_tuple
+
+TOPOLOGY_LOOKAHEAD = 4
+"""Fitting hosts, in best-fit order, a request for several GPUs compares by their best set's
+worst link. Few, so that a grant looks at a handful of hosts, and the placement index
+(:mod:`allocator.placement_index`) hands the policy as many candidates per model."""
 
 # Quotas are floats in the settings; a quota of "one slice of three" is written 0.333...,
 # which must compare equal to 1/3. Slots are at most 64, so a bounded denominator is exact
@@ -70,6 +98,14 @@ class Demand:
     """Only GPUs of at least this CUDA compute capability (major, minor)."""
     architecture: str | None = None
     """Only GPUs of this architecture (lower case)."""
+    topology: TopologyDemand | None = None
+    """Every pair of the GPUs joined at this level or better (:mod:`allocator.gpu_sets`)."""
+
+    @property
+    def demands_links(self) -> bool:
+        """Whether a demanded level restricts the choice: several GPUs (or "all") and a
+        ``topology``; one GPU has no link to keep."""
+        return self.topology is not None and self.count != 1 and not self.shared
 
 
 @dataclass(frozen=True)
@@ -87,12 +123,15 @@ class Placement:
 
     host: str
     gpu_uuids: tuple[str, ...]
-    """Ordered by GPU index."""
+    """In the order the container sees them: best-connected adjacent on a host that reported
+    its links (:func:`allocator.gpu_sets.visible_order`), else by GPU index."""
     shared: bool
     memory_mib: int | None
     """The slice budget of a shared placement, else None."""
     units: Fraction
     """Quota units: the GPU count for exclusive leases, 1/share_slots for a slice."""
+    numa_nodes: tuple[int, ...] = ()
+    """The GPUs' NUMA nodes, sorted, where the host reported them (``SWARM_GPU_NUMA_NODES``)."""
 
 
 # --------------------------------------------------------------------------- models
@@ -220,6 +259,7 @@ def make_demand(
         min_compute_capability=(None if request.min_compute_capability is None
                                 else capability_tuple(request.min_compute_capability)),
         architecture=request.architecture,
+        topology=request.topology,
     )
 
 
@@ -290,6 +330,9 @@ def _describe(demand: Demand) -> str:
         text += f" with at least {demand.min_memory_mib} MiB"
     if demand.min_compute_capability is not None or demand.architecture is not None:
         text += f" of {_capability_text(demand)}"
+    if demand.demands_links:
+        assert demand.topology is not None
+        text += f" all joined by {DEMANDED_LEVEL[demand.topology].words}"
     if demand.host is not None:
         text += f" on {demand.host}"
     return text
@@ -376,7 +419,8 @@ def feasible(demand: Demand, cluster: Cluster) -> Refusal | None:
         return None
 
     if demand.count is None:
-        return None  # "all" needs only one matching GPU on some host.
+        # "all" needs only one matching GPU on some host (and a demanded level kept there).
+        return _links_feasible(demand, cluster, big, where)
 
     # One rule with the hub (allocator.capacity): a count is GPUs of one model on one host.
     group = capacity.largest_group(capacity.gpu_groups(
@@ -385,7 +429,7 @@ def feasible(demand: Demand, cluster: Cluster) -> Refusal | None:
     assert group is not None and group.model is not None
     host, model, most = group.host, group.model, group.gpus
     if most >= demand.count:
-        return None
+        return _links_feasible(demand, cluster, big, where)
     if demand.models is not None and len(demand.models) == 1:
         of, biggest = f"of model {demand.models[0]}", f"{most} ({host})"
     elif demand.models is not None:
@@ -401,6 +445,72 @@ def feasible(demand: Demand, cluster: Cluster) -> Refusal | None:
         f"{scope} {demand.count} GPUs {of}; the largest has {biggest}.",
         {"count": demand.count, "largest": {"host": host, "model": model, "count": most}},
     )
+
+
+def _links_feasible(demand: Demand, cluster: Cluster, big: Sequence[GPU],
+                    where: str) -> Refusal | None:
+    """``unsatisfiable`` when a demanded level could not be kept even on an idle cluster:
+    no host with reported links has enough whole GPUs of one matching model joined at it.
+
+    Links are in memory only, so just after a restart, until the agents report again, such a
+    request is refused this way (the agents answer the ``hello`` within a heartbeat)."""
+    if not demand.demands_links:
+        return None
+    assert demand.topology is not None
+    by_host: dict[str, dict[str, list[str]]] = {}
+    for gpu in big:
+        if gpu.mig_parent_uuid is None:
+            by_host.setdefault(gpu.host, {}).setdefault(gpu.model, []).append(gpu.uuid)
+    reported = 0
+    closest: str | None = None
+    for host, models in sorted(by_host.items()):
+        node = cluster.nodes.get(host)
+        links = node.interconnect if node is not None else None
+        if links is None:
+            continue
+        reported += 1
+        for uuids in models.values():
+            if demand.count is None:
+                worst = _worst_or_none(links, uuids)
+                if worst is not None and worst <= DEMANDED_LEVEL[demand.topology]:
+                    return None
+                if worst is not None and closest is None:
+                    closest = f"all {len(uuids)} GPUs of {host} are joined only by {worst.words}"
+                elif worst is None:
+                    return None  # one GPU: nothing to keep
+                continue
+            chosen = _choose(links, uuids, demand.count, demand.topology)
+            if isinstance(chosen, GpuSet):
+                return None
+            if chosen is not None and closest is None:
+                closest = f"{host}: {chosen.reason}"
+    level = DEMANDED_LEVEL[demand.topology]
+    if not reported:
+        why = (f"no host {where} has reported how its GPUs are joined (agents before 0.3.0 "
+               f"do not), so none can promise GPUs joined by {level.words}")
+    else:
+        why = (f"no host {where} has GPUs joined by {level.words} for this request, even "
+               f"idle" + (f" ({closest})" if closest else ""))
+    return Refusal(
+        ErrorCode.UNSATISFIABLE, f"{_describe(demand)} cannot be granted: {why}.",
+        {"topology": demand.topology, "hosts_with_links": reported})
+
+
+def _worst_or_none(links: HostInterconnect, uuids: Sequence[str]) -> LinkLevel | None:
+    try:
+        return worst_link(links, uuids)
+    except ValueError:  # a GPU the report of links does not list: nothing to promise
+        return LinkLevel.SYSTEM
+
+
+def _choose(links: HostInterconnect, uuids: Sequence[str], count: int,
+            demand: TopologyDemand | None) -> GpuSet | Unmet | None:
+    """:func:`choose_gpus`, None where the links do not list every one of the GPUs (a host
+    that changed its GPUs since it reported them)."""
+    try:
+        return choose_gpus(links, uuids, count, demand)
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------- placement
@@ -441,10 +551,25 @@ def _preferences(demand: Demand) -> list[str | None]:
     return list(demand.models) if demand.models is not None else [None]
 
 
+def _host_links(cluster: Cluster, host: str, gpus: Sequence[GPU]) -> HostInterconnect | None:
+    """The host's reported links, where they list every one of these GPUs (whole GPUs only:
+    a MIG instance is not placed by links)."""
+    node = cluster.nodes.get(host)
+    links = node.interconnect if node is not None else None
+    if links is None or any(g.mig_parent_uuid is not None for g in gpus):
+        return None
+    return links if lists_all(links, (g.uuid for g in gpus)) else None
+
+
 def _exclusive(demand: Demand, count: int, cluster: Cluster, view: _View) -> Placement | None:
+    """Best fit; by links where the host reported them (see the module's docstring)."""
+    by_links = count > 1 or demand.demands_links
     for wanted in _preferences(demand):
         best: tuple[tuple[int, str, int, str], list[GPU]] | None = None
+        fitting: list[tuple[tuple[int, str, int, str], list[GPU]]] = []
         for host in view.hosts:
+            if demand.demands_links and cluster.nodes[host].interconnect is None:
+                continue  # a host that did not report its links cannot promise a level
             by_model: dict[str, list[GPU]] = {}
             for gpu in view.placeable[host]:
                 if (
@@ -459,18 +584,62 @@ def _exclusive(demand: Demand, count: int, cluster: Cluster, view: _View) -> Pla
                 # Fewest free GPUs on the host first; with any model allowed, also prefer the
                 # model with the fewest free GPUs there, so larger groups stay whole.
                 key = (view.host_free[host], host, len(gpus), model)
-                if best is None or key < best[0]:
-                    best = (key, gpus[:count])
+                if by_links:
+                    fitting.append((key, gpus))
+                elif best is None or key < best[0]:
+                    best = (key, gpus)
+        if by_links:
+            best = _best_linked(demand, count, cluster, fitting)
         if best is not None:
-            chosen = best[1]
-            return Placement(
-                host=best[0][1],
-                gpu_uuids=tuple(gpu.uuid for gpu in chosen),
-                shared=False,
-                memory_mib=None,
-                units=Fraction(len(chosen)),
-            )
+            return _exclusive_placement(demand, count, cluster, best[0][1], best[1])
     return None
+
+
+def _best_linked(demand: Demand, count: int, cluster: Cluster,
+                 fitting: list[tuple[tuple[int, str, int, str], list[GPU]]]
+                 ) -> tuple[tuple[int, str, int, str], list[GPU]] | None:
+    """Among the first :data:`TOPOLOGY_LOOKAHEAD` fitting candidates in best-fit order (with a
+    demanded level: those that keep it), the one whose best set has the best worst link; a
+    host without reported links counts as :attr:`LinkLevel.SYSTEM`. Ties: best fit. The walk
+    stops at the first NVLink set: no later host can beat it."""
+    fitting.sort(key=lambda candidate: candidate[0])
+    ranked: list[tuple[int, int]] = []
+    for position, (key, gpus) in enumerate(fitting):
+        links = _host_links(cluster, key[1], gpus)
+        demand_here = demand.topology if demand.demands_links else None
+        if links is None:
+            if demand_here is not None:
+                continue  # MIG instances, or GPUs the report of links does not list
+            tier = int(LinkLevel.SYSTEM)
+        else:
+            cost = best_set_cost(links, [g.uuid for g in gpus], count, demand_here)
+            if cost is None:
+                continue  # the demanded level cannot be kept here now
+            tier = cost.worst
+        ranked.append((tier, position))
+        if tier == LinkLevel.NVLINK or len(ranked) >= TOPOLOGY_LOOKAHEAD:
+            break  # nothing later can be better joined (or be looked at)
+    if not ranked:
+        return None
+    return fitting[min(ranked)[1]]
+
+
+def _exclusive_placement(demand: Demand, count: int, cluster: Cluster, host: str,
+                         gpus: list[GPU]) -> Placement:
+    """``count`` of the host's fitting ``gpus``: by links where it reported them, else the
+    lowest indices."""
+    links = _host_links(cluster, host, gpus)
+    chosen: GpuSet | Unmet | None = None
+    if links is not None:
+        chosen = _choose(links, [g.uuid for g in gpus], count,
+                         demand.topology if demand.demands_links else None)
+    if isinstance(chosen, GpuSet):
+        uuids, numa = chosen.gpus, chosen.numa_nodes
+    else:
+        # No links (or, by _best_linked's check, never an Unmet for a demanded level).
+        uuids, numa = tuple(gpu.uuid for gpu in gpus[:count]), ()
+    return Placement(host=host, gpu_uuids=uuids, shared=False, memory_mib=None,
+                     units=Fraction(count), numa_nodes=numa)
 
 
 def _whole_host(demand: Demand, cluster: Cluster, view: _View) -> Placement | None:
@@ -489,18 +658,33 @@ def _whole_host(demand: Demand, cluster: Cluster, view: _View) -> Placement | No
             # lease that silently got fewer would be a surprise.
             if not gpus or not all(gpu.placeable and cluster.is_free(gpu) for gpu in gpus):
                 continue
+            if demand.demands_links and not _keeps_level(demand, cluster, host, gpus):
+                continue
             key = (view.host_free[host], host)
             if best is None or key < best[0]:
                 best = (key, sorted(gpus, key=lambda g: g.order))
         if best is not None:
-            return Placement(
-                host=best[0][1],
-                gpu_uuids=tuple(gpu.uuid for gpu in best[1]),
-                shared=False,
-                memory_mib=None,
-                units=Fraction(len(best[1])),
-            )
+            host, gpus = best[0][1], best[1]
+            uuids = tuple(gpu.uuid for gpu in gpus)
+            numa: tuple[int, ...] = ()
+            links = _host_links(cluster, host, gpus)
+            if links is not None:
+                uuids, numa = visible_order(links, uuids), numa_nodes(links, uuids)
+            return Placement(host=host, gpu_uuids=uuids, shared=False, memory_mib=None,
+                             units=Fraction(len(gpus)), numa_nodes=numa)
     return None
+
+
+def _keeps_level(demand: Demand, cluster: Cluster, host: str, gpus: Sequence[GPU]) -> bool:
+    """Whether these GPUs of the host are all joined at the demanded level (one GPU is)."""
+    assert demand.topology is not None
+    if len(gpus) == 1:
+        return True
+    links = _host_links(cluster, host, gpus)
+    if links is None:
+        return False
+    worst = worst_link(links, [g.uuid for g in gpus])
+    return worst is None or worst <= DEMANDED_LEVEL[demand.topology]
 
 
 def _slice(demand: Demand, cluster: Cluster, view: _View) -> Placement | None:
@@ -581,7 +765,40 @@ def _no_capacity(demand: Demand, cluster: Cluster, now: float, down_after_s: flo
         sentences.append(_free_text("Free GPUs now", free))
     elif not (demand.shared and slots):
         sentences.append("No GPU is free anywhere at the moment.")
+    if demand.demands_links:
+        sentences.append(_links_unmet_now(demand, cluster, now, down_after_s))
+        details["topology"] = demand.topology
     return Refusal(ErrorCode.NO_CAPACITY, " ".join(sentences), details)
+
+
+def _links_unmet_now(demand: Demand, cluster: Cluster, now: float, down_after_s: float) -> str:
+    """Why a demanded level cannot be kept now, in one sentence: the first host (by name)
+    with enough free GPUs of one matching model, and what :func:`choose_gpus` says of it."""
+    assert demand.topology is not None
+    hosts = [demand.host] if demand.host is not None else sorted(cluster.nodes)
+    view = _view(cluster, hosts, now, down_after_s)
+    unreported = 0
+    for host in view.hosts:
+        by_model: dict[str, list[GPU]] = {}
+        for gpu in view.placeable[host]:
+            if _of_model(demand, gpu) and _suits(demand, gpu) and cluster.is_free(gpu):
+                by_model.setdefault(gpu.model, []).append(gpu)
+        for gpus in by_model.values():
+            if demand.count is not None and len(gpus) < demand.count:
+                continue
+            links = _host_links(cluster, host, gpus)
+            if links is None:
+                unreported += 1
+                continue
+            count = demand.count if demand.count is not None else len(gpus)
+            chosen = _choose(links, [g.uuid for g in gpus], count, demand.topology)
+            if isinstance(chosen, Unmet):
+                return f"On {host}, {chosen.reason}."
+    level = DEMANDED_LEVEL[demand.topology].words
+    if unreported:
+        return (f"{unreported} host(s) with enough free GPUs have not reported how their GPUs "
+                f"are joined, so they cannot promise {level}.")
+    return f"No host has enough free GPUs joined by {level} now."
 
 
 def nothing_fits_now() -> Refusal:
@@ -859,6 +1076,7 @@ def lease_env(placement: Placement, cluster: Cluster, lease_id: str) -> dict[str
         model=placement_model(placement, cluster), shared=placement.shared,
         memory_mib=placement.memory_mib,
         memory_total_mib=first.memory_total_mib if first is not None else None,
+        numa_nodes=placement.numa_nodes,
     )
 
 

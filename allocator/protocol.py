@@ -33,6 +33,8 @@ from pydantic import (
     model_validator,
 )
 
+from allocator.interconnect import HostInterconnect
+
 PROTOCOL_VERSION: Final = 1
 """The protocol version this code speaks. A message with any other ``v`` is refused."""
 
@@ -215,6 +217,29 @@ class ErrorCode(StrEnum):
     """Client side only: no reply arrived within the call's timeout."""
     UNAVAILABLE = "unavailable"
     """Client side only: the broker could not be reached."""
+    # What is wrong with a booking (0.3.0). Only the answer to a ``booking`` request carries
+    # these, and only a 0.3.0 client sends one: no older client ever reads them.
+    UNKNOWN_ZONE = "unknown_zone"
+    """A booking's time zone is not an IANA zone name the allocator knows."""
+    WINDOW_ENDS_BEFORE_START = "window_ends_before_start"
+    """A booking's window (or its recurrence) ends at or before its start."""
+    RECURRENCE_WITHOUT_END = "recurrence_without_end"
+    """A weekly booking without ``until``."""
+    WINDOWS_OVERLAP = "windows_overlap"
+    """A weekly window longer than the time to the next weekday it recurs on."""
+    NO_OCCURRENCE = "no_occurrence"
+    """A weekly booking none of whose weekdays falls between its first and last date."""
+    WINDOW_IN_PAST = "window_in_past"
+    """Every occurrence of a booking's window has already ended."""
+    TOO_FAR_AHEAD = "too_far_ahead"
+    """A booking's window reaches beyond the horizon bookings may be made for."""
+    UNKNOWN_GROUP = "unknown_group"
+    """A booking names a group no setting of the allocator names."""
+    COUNT_OVER_CAPACITY = "count_over_capacity"
+    """A booking asks more GPUs than the cluster (or the named host) has of the model."""
+    COLLIDES = "collides"
+    """A booking does not fit next to the bookings already made for its windows; the
+    details say what collides and what would fit."""
 
 
 class LeaseState(StrEnum):
@@ -362,6 +387,12 @@ class AllocateRequest(_Message):
         "capability.", examples=["8.0"])
     architecture: Architecture | None = Field(
         default=None, description="Only GPUs of this architecture.", examples=["ampere"])
+    topology: Literal["nvlink", "pcie-switch", "socket"] | None = Field(
+        default=None, json_schema_extra={SINCE: "0.3.0"},
+        description="Every pair of the lease's GPUs joined by NVLink, by one PCIe switch, or "
+        "within one CPU socket (or better); None: the best-connected GPUs free, whatever "
+        "their links. A host that has not reported its links cannot meet it. Send it only "
+        "to a 0.3.0 allocator: an older one grants GPUs without it.", examples=["nvlink"])
     count: StrictInt | Literal["all"] = Field(
         default=1,
         description='GPUs on one host, or "all" for every matching GPU of one host.',
@@ -410,6 +441,17 @@ class AllocateRequest(_Message):
             raise ValueError("a shared slice is always one GPU: count must be 1")
         return self
 
+    @model_serializer(mode="wrap")
+    def _without_an_unasked_topology(self, handler: SerializerFunctionWrapHandler
+                                     ) -> dict[str, Any]:
+        # 0.3.0's field is left off the wire (and the ledger) when not asked: an allocator of
+        # 0.1.0 refuses a request with a field it does not know, and one of 0.2.0 a stored
+        # request after a downgrade.
+        data: dict[str, Any] = handler(self)
+        if self.topology is None:
+            data.pop("topology", None)
+        return data
+
     def what_is_asked(self) -> dict[str, Any]:
         """The fields that say which GPUs are asked for, in wire form: a retry under the same
         ``request_key`` repeats them exactly; different ones are another request (``conflict``).
@@ -425,7 +467,7 @@ class AllocateRequest(_Message):
 
 
 WHAT_IS_ASKED: Final = ("model", "models", "min_memory_mib", "min_compute_capability",
-                        "architecture", "count", "host", "share")
+                        "architecture", "topology", "count", "host", "share")
 """The fields of :class:`AllocateRequest` that :meth:`AllocateRequest.what_is_asked` compares."""
 
 
@@ -494,6 +536,33 @@ class DrainRequest(_Message):
     deadline: float | None = None
 
 
+class BookingRequest(_Message):
+    """Admin (0.3.0): add, remove or list bookings (``allocator.bookings``).
+
+    ``add`` takes the booking's body (a JSON object, checked by
+    ``allocator.bookings.booking.read_booking``; its ``created_by`` is this request's ``by``),
+    ``remove`` the booking's ``name``, ``list`` neither.
+    """
+
+    kind: Literal["booking"] = "booking"
+    op: Literal["add", "remove", "list"]
+    booking: dict[str, Any] | None = Field(
+        default=None, description="With op add: the booking (name, group or users, gpus, "
+        "zone, window, lead_s, quota_applies).")
+    name: Name | None = Field(default=None, description="With op remove: the booking's name.")
+    by: Name = "admin"
+    reason: Text = ""
+    deadline: float | None = None
+
+    @model_validator(mode="after")
+    def _what_the_op_needs(self) -> BookingRequest:
+        if (self.op == "add") != (self.booking is not None):
+            raise ValueError("'booking' is given with op add, and only then")
+        if (self.op == "remove") != (self.name is not None):
+            raise ValueError("'name' is given with op remove, and only then")
+        return self
+
+
 class QueueRequest(_Message):
     """List the queued requests in the order they will be served."""
 
@@ -545,7 +614,8 @@ Request = Annotated[
     | DrainRequest
     | QueueRequest
     | QuotaRequest
-    | LeasesRequest,
+    | LeasesRequest
+    | BookingRequest,
     Field(discriminator="kind"),
 ]
 """Any request to the allocator's RPC exchange."""
@@ -753,6 +823,13 @@ class Heartbeat(_Message):
         "allocator then releases nothing on the strength of this heartbeat.",
     )
     source: Literal["nvml", "simulated"] = "nvml"
+    interconnect: HostInterconnect | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="(0.3.0) How the host's GPUs (not MIG instances) are joined: each pair's "
+        "link, each GPU's NUMA node and CPUs. Sent only to an allocator whose hello reads "
+        "``interconnect``, in the first full report after that hello and in a full report "
+        "where it changed; absent otherwise (never in a delta), and the allocator keeps the "
+        "last one it took. One that does not name exactly this report's GPUs is ignored.")
 
     @model_validator(mode="after")
     def _unique_gpus(self) -> Heartbeat:
@@ -850,6 +927,7 @@ AnyInbound = Annotated[
     | QueueRequest
     | QuotaRequest
     | LeasesRequest
+    | BookingRequest
     | Heartbeat
     | HeartbeatDelta
     | ContainerEvent,
@@ -911,6 +989,10 @@ GPU_PROCESSES: Final = "gpu_processes"
 """A part of node messages that an allocator may read (:class:`AllocatorHello`):
 ``GPUInfo.processes`` and ``GPUInfo.processes_omitted``."""
 
+INTERCONNECT: Final = "interconnect"
+"""A part of node messages that an allocator may read (:class:`AllocatorHello`, 0.3.0):
+``Heartbeat.interconnect``."""
+
 
 class AllocatorHello(_Message):
     """Sent by the allocator to one node agent: the parts of node messages it reads.
@@ -928,7 +1010,8 @@ class AllocatorHello(_Message):
     reads: list[Name] = Field(
         default_factory=list, max_length=32,
         description="Optional parts of node messages this allocator reads (a name the agent "
-        "does not know is ignored): ``gpu_processes``.", examples=[["gpu_processes"]])
+        "does not know is ignored): ``gpu_processes``, ``interconnect`` (0.3.0).",
+        examples=[["gpu_processes", "interconnect"]])
 
 
 AgentCommand = Annotated[StopContainer | AllocatorHello, Field(discriminator="kind")]
@@ -1019,6 +1102,21 @@ class Lease(_ReleaseAware):
         default=None, json_schema_extra={SINCE: "0.2.0"},
         description="A shared slice: since when its processes use more GPU "
         "memory than its budget; None: within it, or not measured.")
+    link: str | None = Field(
+        default=None, json_schema_extra={SINCE: "0.3.0"}, max_length=32,
+        description="The worst link between two of its GPUs: nvlink, board, pcie-switch, "
+        "pcie-switches, host-bridge, socket or system (allocator.interconnect.LINK_NAMES; a "
+        "later release may add names); None: one GPU, or its host has not reported its "
+        "links.", examples=["nvlink"])
+    booking: str | None = Field(
+        default=None, json_schema_extra={SINCE: "0.3.0"},
+        description="The booking whose window guarantees this lease now (it is not borrowed "
+        "while the window runs); None: none does.", examples=["CS101 lab"])
+    reclaim_booking: str | None = Field(
+        default=None, json_schema_extra={SINCE: "0.3.0"},
+        description="With reclaim_at: the booking its GPUs are reclaimed for (the warning "
+        "reads 'reclaimable at 10:00 for the booking CS101 lab'); None: not for a booking.",
+        examples=["CS101 lab"])
     usage: list[UsageSample] | None = Field(
         default=None, description="Per-minute use, oldest first: leases reply with "
         "include_usage only.")
@@ -1127,7 +1225,7 @@ class GPUView(_ReleaseAware):
         "known (see GPUInfo.processes).")
 
 
-class NodeView(BaseModel):
+class NodeView(_ReleaseAware):
     """One node in an inventory reply."""
 
     model_config = ConfigDict(extra="forbid")
@@ -1137,9 +1235,74 @@ class NodeView(BaseModel):
     drained: bool
     last_heartbeat: float | None
     gpus: int
+    interconnect: HostInterconnect | None = Field(
+        default=None, json_schema_extra={SINCE: "0.3.0"},
+        description="How its GPUs are joined (each pair's link, each GPU's NUMA node), as "
+        "its agent last reported; None: not reported (an agent before 0.3.0, or none since "
+        "the allocator started).")
 
 
-class InventoryReply(_Message):
+# --- What users see of bookings (0.3.0): InventoryReply.bookings -------------------------
+
+
+class BookedTime(BaseModel):
+    """One occurrence of a booking's window, in epoch seconds and on the booking zone's
+    wall clock."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: float
+    end: float = Field(description="Excluded.")
+    local_start: str = Field(description="ISO 8601 without an offset, in the booking's zone.",
+                             examples=["2026-12-08T10:00:00"])
+    local_end: str = Field(examples=["2026-12-08T12:00:00"])
+
+
+class BookingSchedule(BaseModel):
+    """One booking as users see it: who it is for, what it books, its windows of the coming
+    week, and what it takes back from others soon."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    group: str | None = Field(description="Its members: this group's users (or ``users``).")
+    users: list[str] | None = None
+    model: str = Field(description="The canonical model (or MIG instance model) it books.")
+    host: str | None = Field(description="Only this node's GPUs; null: any node's.")
+    count: int = Field(description="GPUs (or MIG instances) booked.")
+    zone: str = Field(description="The IANA zone its local times are in.",
+                      examples=["Europe/Berlin"])
+    windows: list[BookedTime] = Field(
+        description="Its occurrences that overlap the coming week (from ``week_from``), in "
+        "order; a booking with none there lists its next one.")
+    in_effect: bool = Field(description="A window runs now: its members' leases on its GPUs "
+                            "are guaranteed.")
+    guaranteed: int | None = Field(
+        default=None, description="In effect now or soon: the GPUs it can be given (fewer "
+        "than ``count`` when GPUs went away).")
+    takes_back_at: float | None = Field(
+        default=None, description="When it may reclaim non-members' leases on GPUs of its "
+        "kind (now, while in effect, or its start within ``soon_s``); null: it needs no GPU "
+        "beyond what is free.")
+    spare: int | None = Field(
+        default=None, description="With takes_back_at: GPUs of its kind (its model, on its "
+        "host if it names one) free now beyond what it and the bookings before it will take: "
+        "a non-member's lease of more than this many may be reclaimed then.")
+
+
+class BookingsView(BaseModel):
+    """Every booking with a window in the coming week (or a next one), as users see them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    week_from: float = Field(description="The start of the week the windows cover (now).")
+    week_to: float
+    soon_s: float = Field(description="How far ahead a booking's start counts as soon "
+                          "(``takes_back_at``, and the spawn form's marks).")
+    bookings: list[BookingSchedule]
+
+
+class InventoryReply(_Message, _ReleaseAware):
     """The cluster as the allocator sees it now."""
 
     kind: Literal["inventory"] = "inventory"
@@ -1150,6 +1313,11 @@ class InventoryReply(_Message):
     models: list[ModelSummary]
     queued: int
     leases: list[Lease] | None = None
+    bookings: BookingsView | None = Field(
+        default=None, json_schema_extra={SINCE: "0.3.0"},
+        description="The bookings with a window in the coming week (or a next one), each "
+        "with its members, its windows and what it takes back soon "
+        "(allocator.bookings.outlook reads it for one user); null: none is held.")
 
 
 class QueueReply(_Message):
@@ -1217,6 +1385,46 @@ class LeasesReply(_Message):
     reclaim_grace_s: float = Field(description="Time between a reclaim warning and the stop.")
 
 
+class BookingOccurrence(BaseModel):
+    """One occurrence of a booking's window."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: float = Field(description="Epoch seconds.")
+    end: float = Field(description="Epoch seconds (excluded).")
+    local_start: str = Field(description="The wall-clock start in the booking's zone, ISO 8601 "
+                             "without an offset.", examples=["2026-12-08T10:00:00"])
+
+
+class BookingView(BaseModel):
+    """A booking as the allocator keeps it, with what it will do next."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    booking: dict[str, Any] = Field(description="The booking as admitted (the body of an add, "
+                                    "with its defaults and created_by).")
+    model: str | None = Field(description="The canonical model (or MIG instance model) it "
+                              "books; null while the cluster knows no GPU of it.")
+    created_at: float
+    created_by: str = Field(description="Who added it, and the broker user that asked.")
+    next: list[BookingOccurrence] = Field(description="Its next occurrences (the running one "
+                                          "first), at most 3.")
+    shortfalls: list[str] = Field(description="Occurrences that cannot be given all their "
+                                  "GPUs since GPUs went away, for people; the booking is kept.")
+
+
+class BookingReply(_Message):
+    """The bookings an add or remove concerned (one), or every booking (list), in the order
+    they were admitted (0.3.0)."""
+
+    kind: Literal["booking"] = "booking"
+    ok: Literal[True] = True
+    op: Literal["add", "remove", "list"]
+    at: float
+    bookings: list[BookingView]
+
+
 class ErrorBody(BaseModel):
     """What went wrong, for programs (``code``) and people (``message``)."""
 
@@ -1237,7 +1445,7 @@ class ErrorReply(_Message):
 
 Reply = Annotated[
     LeaseReply | InventoryReply | QueueReply | DrainReply | QuotaReply | LeasesReply
-    | ErrorReply,
+    | BookingReply | ErrorReply,
     Field(discriminator="kind"),
 ]
 """Any reply from the allocator."""

@@ -1,6 +1,7 @@
 """The allocator's own CPU per unit of work, in process: no broker, no disk wait, no sockets.
 
     python bench/engine.py [--hosts 1000] [--gpus-per-host 8] [--leases 10000] [--calls 600]
+                           [--topology none|hgx|pcie-two-socket|nvlink-pairs]
 
 The wall-clock benchmarks (``rpc.py``, ``cluster.py``) measure what users see, and on a
 shared machine they move with everything else that runs. This one measures the part that is
@@ -11,6 +12,7 @@ same as ``cluster.py``: ``--hosts`` hosts, ``--leases`` bound leases, half of th
 slices), then times, each over many repetitions:
 
 - ``allocate``: one grant on the loaded cluster (the engine's decision, without the commit);
+- ``allocate_two``: one grant of two GPUs (a third as many repetitions), the same way;
 - ``heartbeat_full``: one host's full report (its GPUs and its lease containers), applied
   by the engine;
 - ``heartbeat_delta`` / ``heartbeat_delta_full_path``: one empty delta (nothing changed) of
@@ -29,6 +31,11 @@ slices), then times, each over many repetitions:
   those reports (each lifts its host's fence and tries the queue again) and how many of the
   requests were granted by the end (it stops after ``--fenced-cap-s`` of CPU, saying how many
   reports it applied).
+
+With ``--topology``, every host's full reports carry that interconnect (the simulated agent's
+preset, :func:`nodeagent.simulated.preset_interconnect`), so grants choose GPUs by their links;
+``none`` (the default) sends none, as an agent before 0.3.0 (and the code before links can run
+this script so).
 
 Prints one JSON object; the figures are medians in microseconds (``cold_load`` in seconds),
 with the ratios of each delta to a full heartbeat, all measured in this run.
@@ -119,7 +126,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "engine",
         "inventory": {"hosts": args.hosts, "gpus": args.hosts * args.gpus_per_host,
-                      "bound_leases": args.leases},
+                      "bound_leases": args.leases, "topology": args.topology},
         "machine": common.machine(),
         "ledger_built_s": round(built_s, 1),
         "cpu_us": figures,
@@ -155,6 +162,13 @@ def measure(engine: SwitchableEngine, ledger: Ledger, containers: dict[str, list
     now = time.time()
     seq: dict[str, int] = {}
 
+    links: dict[int, dict[str, Any]] = {}
+    if args.topology != "none":
+        from nodeagent.simulated import preset_interconnect  # 0.3.0: the code before has none
+        for h in range(args.hosts):
+            links[h] = {"interconnect": preset_interconnect(
+                args.topology, [g.uuid for g in gpu_infos(h, args.gpus_per_host)])}
+
     def full(index: int) -> Heartbeat:
         host = host_name(index % args.hosts)
         seq[host] = seq.get(host, 0) + 1
@@ -163,7 +177,7 @@ def measure(engine: SwitchableEngine, ledger: Ledger, containers: dict[str, list
             source="simulated", gpus=gpu_infos(index % args.hosts, args.gpus_per_host),
             containers=[ContainerInfo(container_id=c, lease_id=lease_id)
                         for c, lease_id in containers.get(host, [])],
-            containers_complete=True)
+            containers_complete=True, **links.get(index % args.hosts, {}))
 
     def delta(index: int, gpu: GPUInfo | None = None) -> HeartbeatDelta:
         host = host_name(index % args.hosts)
@@ -211,6 +225,10 @@ def measure(engine: SwitchableEngine, ledger: Ledger, containers: dict[str, list
         engine.handle(next(requests), HUB, now, last)
 
     allocate_us = cpu_us(allocate, args.calls)
+    pairs = iter([AllocateRequest(request_key=f"bench/two/{i}", user=f"u{i % 64}", count=2)
+                  for i in range(args.calls // 3)])
+    allocate_two_us = cpu_us(lambda: engine.handle(next(pairs), HUB, now, Changes()),
+                             args.calls // 3)
     commits = []
     for _ in range(COMMITS):
         allocate()
@@ -222,7 +240,8 @@ def measure(engine: SwitchableEngine, ledger: Ledger, containers: dict[str, list
             return time.thread_time() - started
         commits.append(ledger.call(commit))
     tick_us = cpu_us_batched(lambda: engine.tick(now, Changes()), 100, per_sample=5)
-    return {"allocate": allocate_us, "heartbeat_full": full_us, "heartbeat_delta": delta_us,
+    return {"allocate": allocate_us, "allocate_two": allocate_two_us,
+            "heartbeat_full": full_us, "heartbeat_delta": delta_us,
             "heartbeat_delta_full_path": delta_full_path_us,
             "heartbeat_delta_gpu": gpu_delta_us, "tick": tick_us,
             "commit_allocate": round(statistics.median(commits) * 1e6, 1)}
@@ -271,6 +290,9 @@ def main() -> None:
                         help="requests waiting behind the start fence in fenced_start")
     parser.add_argument("--fenced-cap-s", type=float, default=60.0,
                         help="fenced_start stops applying first reports after this much CPU")
+    parser.add_argument("--topology", default="none",
+                        choices=["none", "hgx", "pcie-two-socket", "nvlink-pairs"],
+                        help="the interconnect every host reports (none: no links reported)")
     print(json.dumps(bench(parser.parse_args()), indent=2))
 
 

@@ -1,6 +1,6 @@
 """How soon a guaranteed request gets a borrowed GPU: queued to granted by reclaim, grace excluded.
 
-    python bench/reclaim.py            # about 3 minutes; prints one JSON object
+    python bench/reclaim.py            # about 6 minutes; prints one JSON object
 
 Runs, on a fresh vhost of the local broker and on the shared Docker engine
 (``scripts/services start``; ``source .services/env``):
@@ -25,6 +25,14 @@ Rounds alternate:
 Figures: the waiter's ``granted_at - enqueued_at`` from the ledger (the allocator's clock), p50
 and p99, and the ratio reclaim / hub release. The reclaim path adds the tick that plans it
 (``tick_s``, default 0.5 s, here ``--tick``).
+
+Then ``--booking-rounds`` rounds of a booking's window (each waits for the next whole minute,
+since windows are in whole minutes): alice's borrowed notebook runs, a booking of 1 GPU for
+the group ``cs101`` starts at the next minute with a lead of 2 s, and erin, a member, asks
+before it starts (she would borrow until then, so she waits). alice is warned at the lead;
+at the start her container is stopped and erin granted. Figure: ``window_start_to_granted``,
+erin's ``granted_at`` less the window's start, against the hub release's queued-to-granted
+(the same stop, ``die`` event and grant after the decision).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +129,49 @@ async def a_round(kind: str, n: int, client: AllocatorClient, notebooks: Noteboo
     return waiter.lease_id
 
 
+BOOKING_LEAD_S = 2
+
+
+async def a_booked_round(n: int, client: AllocatorClient, notebooks: Notebooks,
+                         host: str) -> float:
+    """alice's borrowed notebook runs on the GPU a booking starting at the next whole minute
+    needs; erin, a member, waits for it. Returns the window's start (epoch seconds) once erin
+    is granted, then ends the booking and frees the GPU again."""
+    extra = await client.allocate(AllocateRequest(request_key=f"bench/alice/booked{n}",
+                                                  user="alice", host=host, model=MODEL))
+    assert extra.state is LeaseState.GRANTED and extra.borrowed, extra
+    await notebooks.run(extra.lease_id)
+    await until_state(client, extra.lease_id, {LeaseState.BOUND})
+    start = (int(time.time()) + BOOKING_LEAD_S + 5) // 60 * 60 + 60
+
+    def minute(at: int) -> str:
+        return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%dT%H:%M}"
+    name = f"bench-{n}"
+    await client.add_booking({
+        "name": name, "group": "cs101", "gpus": {"model": MODEL, "count": 1, "host": host},
+        "zone": "UTC", "lead_s": BOOKING_LEAD_S,
+        "window": {"kind": "once", "start": minute(start), "end": minute(start + 60)}},
+        by="bench")
+    member = await client.allocate(AllocateRequest(
+        request_key=f"bench/erin/{n}", user="erin", groups=["cs101"], host=host, model=MODEL,
+        wait_s=120))
+    assert member.state is LeaseState.QUEUED, member
+    await until_state(client, member.lease_id, {LeaseState.GRANTED},
+                      within=start - time.time() + 60)
+    ended = await until_state(client, extra.lease_id, {LeaseState.RELEASED})
+    assert ended.release_reason == "reclaimed", ended
+    await client.remove_booking(name, by="bench")
+    await client.release(lease_id=member.lease_id, reason="round over")
+    await until_state(client, member.lease_id, {LeaseState.RELEASED})
+    return float(start)
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     broker = services.rabbitmq_from_env()
     docker = aiodocker.Docker(url=services.docker_host())
     notebooks = Notebooks(docker)
     waits: dict[str, list[str]] = {"reclaim": [], "hub_release": []}
+    booked: dict[str, float] = {}  # erin's lease id -> its window's start
     try:
         # A host name of its own: the agent sees every lease container of the shared engine,
         # and one that another run granted on this node's name must not be adopted here.
@@ -139,8 +186,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             config.write_text(
                 f'ledger_path = "{ledger}"\nallow_any_node_user = true\n'
                 f"reclaim_grace_s = 0\ntick_s = {args.tick}\ncontainer_stop_grace_s = 5\n"
+                'admin_users = ["guest"]\n'
                 "[user_quota]\nalice = 1\nbob = 1\ndave = 0\n"
-                "[user_borrow_limit]\nalice = 2\ndave = 1\n")
+                "[user_borrow_limit]\nalice = 2\ndave = 1\n"
+                "[group_quota]\ncs101 = 0\n[group_borrow_limit]\ncs101 = 1\n")
             agent_env = {"SWARM_GPU_AGENT_HOST": host, "SWARM_GPU_AGENT_AMQP_URL": vhost.url,
                          "SWARM_GPU_AGENT_INVENTORY": "simulated",
                          "SWARM_GPU_AGENT_SIMULATED_FILE": str(inventory),
@@ -167,6 +216,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                             for kind in ("reclaim", "hub_release"):
                                 waits[kind].append(
                                     await a_round(kind, n, client, notebooks, host))
+                        for n in range(args.booking_rounds):
+                            start = await a_booked_round(n, client, notebooks, host)
+                            booked[(await client.status(
+                                request_key=f"bench/erin/{n}")).lease_id] = start
                 except BaseException:
                     _print_logs(tmp)
                     raise
@@ -174,6 +227,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     stop_process(process)
             figures = {kind: summary_ms(_queued_to_granted(ledger, ids))
                        for kind, ids in waits.items()}
+            from_start = summary_ms(_granted_after(ledger, booked))
     finally:
         await notebooks.remove_all()
         await docker.close()
@@ -184,6 +238,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_reclaim_to_hub_release": {
             stat: round(figures["reclaim"][stat] / figures["hub_release"][stat], 2)
             for stat in ("p50_ms", "p99_ms")},
+        "booking_lead_s": BOOKING_LEAD_S,
+        "window_start_to_granted": from_start,
+        "ratio_window_start_to_hub_release": {
+            stat: round(from_start[stat] / figures["hub_release"][stat], 2)
+            for stat in ("p50_ms", "p99_ms") if stat in from_start},
     }
 
 
@@ -207,9 +266,22 @@ def _queued_to_granted(ledger: Path, lease_ids: list[str]) -> list[float]:
     return [float(seconds) for (seconds,) in rows if seconds is not None]
 
 
+def _granted_after(ledger: Path, starts: dict[str, float]) -> list[float]:
+    """Each lease's ``granted_at`` less its window's start."""
+    if not starts:
+        return []
+    marks = ", ".join("?" for _ in starts)
+    rows = read_ledger(ledger, f"SELECT lease_id, granted_at FROM leases WHERE lease_id IN "
+                               f"({marks})", tuple(starts))
+    return [float(granted) - starts[lease_id] for lease_id, granted in rows
+            if granted is not None]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=30, help="rounds of each kind")
+    parser.add_argument("--booking-rounds", type=int, default=3,
+                        help="rounds of a booking's window (about a minute each)")
     parser.add_argument("--tick", type=float, default=0.5, help="the allocator's tick_s")
     parser.add_argument("--interval", type=float, default=2.0, help="heartbeat interval (s)")
     args = parser.parse_args()

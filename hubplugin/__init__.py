@@ -4,6 +4,9 @@
   policy; builds the allocator's ``AllocateRequest``.
 - :mod:`hubplugin.form`: the spawn form's HTML from the allocator's inventory.
 - :mod:`hubplugin.borrowing`: which of the form's choices the allocator says would be borrowed.
+- :mod:`hubplugin.booked`: the form's marks for bookings (booked for you, reclaimable soon).
+- :mod:`hubplugin.links`: how GPUs are joined, in words: a multi-GPU choice's best connection
+  now, the form's topology choice, a lease's connection on the page.
 - :mod:`hubplugin.templating`: the Jinja2 templates of the form and the page (admins override).
 - :mod:`hubplugin.page`: the GPU page, a hub service at ``/services/gpu/``.
 - :mod:`hubplugin.builders`: a lease turned into env, placement constraints and labels.
@@ -15,7 +18,9 @@
 - :mod:`hubplugin.login`: who may log in: NativeAuthenticator accounts an admin authorized.
 
 It imports only the allocator's public surface, these modules exactly:
-:mod:`allocator.broker`, :mod:`allocator.capacity`, :mod:`allocator.client`,
+:mod:`allocator.bookings.outlook`, :mod:`allocator.broker`, :mod:`allocator.capacity`,
+:mod:`allocator.client`,
+:mod:`allocator.gpu_sets`, :mod:`allocator.interconnect`,
 :mod:`allocator.lease_container`, :mod:`allocator.logs`,
 :mod:`allocator.model_names`, :mod:`allocator.protocol`, :mod:`allocator.settings_files` and
 :mod:`allocator.tasks`

@@ -14,7 +14,8 @@ attributes, never interpolated text.
 
 The field names match :func:`hubplugin.options.options_from_form`: ``profile``, ``mode``,
 ``model``, ``count`` (a number or ``all``), ``host`` and ``share_memory_mib`` (and ``image``
-when the admin offers images).
+when the admin offers images, ``topology`` when a host reported how its GPUs are joined:
+:mod:`hubplugin.links`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from allocator.bookings.outlook import UserOutlook
 from allocator.model_names import display_name
 from allocator.protocol import InventoryReply, ModelSummary
 
+from .booked import booking_notes, mark_models, mark_profiles
 from .borrowing import BorrowOutlook, choice_units
+from .links import TIMES, best_link_of, link_words, reports_topology, topology_choices
 from .options import (
     ANY_MODEL,
     CUSTOM_PROFILE,
@@ -192,15 +196,43 @@ def _count_options(permissions: GPUPermissions, current: GPUOptions,
     options = [
         {"value": str(n), "label": f"{n} GPU{'' if n == 1 else 's'}",
          "selected": not current.all_gpus_of_host and current.count == n,
-         "borrowed": borrow is not None and borrow.would_borrow(float(n))}
+         "borrowed": borrow is not None and borrow.would_borrow(float(n)), "links": []}
         for n in range(1, max(permissions.max_gpus, 1) + 1)
     ]
     if permissions.allow_all_gpus_of_host:
         options.append({"value": "all", "label": "All GPUs of one host",
                         "selected": current.all_gpus_of_host,
                         # every GPU of a host is at least one: borrowed if one would be
-                        "borrowed": borrow is not None and borrow.would_borrow(1.0)})
+                        "borrowed": borrow is not None and borrow.would_borrow(1.0),
+                        "links": []})
     return options
+
+
+def _with_links(count_options: list[dict[str, Any]], inventory: InventoryReply,
+                models: Sequence[ModelSummary], current: GPUOptions) -> None:
+    """Each multi-GPU count says the best connection that many free GPUs of one host could
+    get now: "2 GPUs, NVLink" for any model, "2 x A100, NVLink" (with a multiplication sign)
+    for one. The label is the chosen model's; ``data-link-any`` and ``data-link-m<i>`` (the
+    model options' keys) hold each model's, which the script puts in the label when the
+    model changes (empty: no host has that many free GPUs whose links it reported; the
+    plain label then)."""
+    catalog = ModelCatalog(models)
+    chosen = None if current.any_model else catalog.canonical(current.model)
+    for option in count_options:
+        if not option["value"].isdigit() or int(option["value"]) < 2:
+            continue
+        count = int(option["value"])
+        any_link = best_link_of(inventory, models, count)
+        labels = {"any": f"{option['label']}, {link_words(any_link)}"
+                  if any_link is not None else ""}
+        for i, m in enumerate(models):
+            level = best_link_of(inventory, [m], count)
+            labels[f"m{i}"] = (f"{count} {TIMES} {display_name(m.model)}, {link_words(level)}"
+                               if level is not None else "")
+        option["links"] = [("data-label", option["label"])]
+        option["links"] += [(f"data-link-{key}", text) for key, text in labels.items()]
+        key = next((f"m{i}" for i, m in enumerate(models) if m.model == chosen), "any")
+        option["label"] = labels[key] or option["label"]
 
 
 def _availability(
@@ -244,6 +276,7 @@ def render_form(
     current_image: str | None = None,
     template_paths: Sequence[str] = (),
     borrow: BorrowOutlook | None = None,
+    bookings: UserOutlook | None = None,
 ) -> str:
     """The HTML snippet the hub puts inside its spawn ``<form>`` (it adds the Start button).
 
@@ -252,6 +285,7 @@ def render_form(
     ``images`` (display name -> image) adds an image choice, as DockerSpawner's own form does.
     ``template_paths``: directories searched for an admin's own ``spawn_form.html.j2`` first.
     ``borrow``: the allocator's answers on which choices would be borrowed (marked so).
+    ``bookings``: what the inventory's bookings mean for this user (:mod:`hubplugin.booked`).
     """
     # What the template shows: plain data (strings, numbers, lists, dicts), nothing to call.
     gpus_reachable = inventory is not None
@@ -282,6 +316,18 @@ def render_form(
         limits.append(f"if nothing fits now, your request waits up to {wait_text} in the queue")
     if borrow is not None and (borrowing := borrow.summary()):
         limits.append(borrowing)
+    count_options = _count_options(permissions, current, borrow)
+    # Only where a host reported its topology: the form of any other cluster stays as it was.
+    topology_options: Sequence[dict[str, object]] = []
+    if may_use and inventory is not None and reports_topology(inventory):
+        _with_links(count_options, inventory, models, current)
+        topology_options = topology_choices(current.topology)
+    model_options = _model_options(models, current, borrow)
+    # Bookings (0.3.0): the choices a booking of the user's covers or others' take back soon.
+    outlook, at = bookings or UserOutlook(), inventory.at if inventory is not None else 0.0
+    mark_models(model_options, outlook, at)
+    mark_profiles(cards, profiles, ModelCatalog(inventory.models) if inventory else None,
+                  outlook, at)
     context = {
         "gpus_reachable": gpus_reachable,
         "may_use_gpus": permissions.may_use_gpus,
@@ -299,8 +345,10 @@ def render_form(
                 (GPUMode.SHARED, "Shared slice of one GPU", may_use and any_shareable),
             )
         ],
-        "model_options": _model_options(models, current, borrow),
-        "count_options": _count_options(permissions, current, borrow),
+        "model_options": model_options,
+        "booking_notes": booking_notes(outlook, at),
+        "count_options": count_options,
+        "topology_options": topology_options,
         "host_options": _host_options(inventory, models, permissions, current),
         "memory_max": memory_max,
         "memory_max_text": format_mib(memory_max) if memory_max else "",

@@ -11,6 +11,7 @@ Both input paths produce the same model. REST clients send::
     {"mode": "exclusive", "model": "1070", "count": 2}
     {"mode": "exclusive", "model": "any", "all_gpus_of_host": true, "host": "gpu-a"}
     {"mode": "shared", "model": "1070", "share_memory_mib": 2048}
+    {"mode": "exclusive", "model": "a100", "count": 4, "topology": "nvlink"}
     {"profile": "small-share"}
     {"mode": "none"}
 
@@ -27,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from allocator.capacity import gpu_groups, most_per_host
+from allocator.gpu_sets import DEMANDED_LEVEL, TopologyDemand
 from allocator.model_names import ModelNameError, ModelNames, same_model
 from allocator.protocol import (
     MAX_COUNT,
@@ -105,6 +107,11 @@ class GPUOptions(BaseModel):
         default=None, description='Only GPUs of at least this CUDA compute capability ("8.0").')
     architecture: Architecture | None = Field(
         default=None, description='Only GPUs of this architecture ("ampere").')
+    topology: TopologyDemand | None = Field(
+        default=None,
+        description='Several whole GPUs all joined at least this well: "nvlink", '
+        '"pcie-switch" (one PCIe switch) or "socket" (one CPU socket); None: the best '
+        "available, whatever it is.")
     profile: str | None = Field(
         default=None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Slug of one of the admin's named profiles.",
@@ -151,7 +158,11 @@ class GPUOptions(BaseModel):
         if self.mode is GPUMode.NONE:
             return GPUOptions(mode=GPUMode.NONE, profile=self.profile)
         if self.mode is GPUMode.SHARED:
-            return self.model_copy(update={"count": 1, "all_gpus_of_host": False})
+            return self.model_copy(update={"count": 1, "all_gpus_of_host": False,
+                                           "topology": None})
+        if self.count == 1 and not self.all_gpus_of_host:
+            # one GPU has no link to another: a demanded level means nothing
+            return self.model_copy(update={"share_memory_mib": None, "topology": None})
         return self.model_copy(update={"share_memory_mib": None})
 
     def describe(self) -> str:
@@ -169,6 +180,8 @@ class GPUOptions(BaseModel):
             needs = [f"compute capability {self.min_compute_capability}+"
                      if self.min_compute_capability else "", self.architecture or ""]
             where += " (" + ", ".join(n for n in needs if n) + ")"
+        if self.topology is not None:
+            where += f", joined by {DEMANDED_LEVEL[self.topology].words} or better"
         plural = "GPU" if self.count == 1 else "GPUs"
         return f"{self.count} whole {plural} ({model}){where}"
 
@@ -187,6 +200,7 @@ def _field_label(loc: Sequence[Any]) -> str:
         "share_memory_mib": "shared memory budget (MiB)",
         "min_compute_capability": "minimum compute capability",
         "architecture": "GPU architecture",
+        "topology": "GPU connection",
         "profile": "profile",
     }
     name = str(loc[0]) if loc else ""
@@ -207,6 +221,8 @@ def _describe(exc: ValidationError) -> OptionsError:
             continue
         if err["type"] == "enum":
             msg = "must be one of: none, exclusive, shared"
+        if loc and loc[0] == "topology":
+            msg = f"must be one of: any, {', '.join(DEMANDED_LEVEL)} (not {err['input']!r})"
         msg = msg.removeprefix("Value error, ")
         parts.append(f"{label}: {msg}")
     return OptionsError("Invalid GPU options: " + "; ".join(parts) + ".", field=first_field)
@@ -248,11 +264,13 @@ def options_from_form(formdata: Mapping[str, Sequence[str]]) -> dict[str, Any]:
     """Turn the spawn form's fields (``{name: [values]}``) into JSON ``user_options``.
 
     Fields of the form: ``profile`` (a slug or ``custom``), ``mode``, ``model``, ``count``
-    (a number or ``all``), ``host`` (empty = any), ``share_memory_mib``, and ``image`` if the
-    admin offers images. Unknown fields (the hub's ``_xsrf``...) are ignored. Choosing a
-    profile ignores the custom fields, as a browser would still submit them. A form with none
-    of the GPU fields (:data:`GPU_FORM_FIELDS`) chooses nothing: only ``image`` is kept, and
-    the spawn gets the default choice, as a REST spawn without GPU options does.
+    (a number or ``all``), ``host`` (empty = any), ``share_memory_mib``, ``topology``
+    (``any`` or a demanded level; only the forms of clusters whose hosts report their links
+    have it), and ``image`` if the admin offers images. Unknown fields (the hub's
+    ``_xsrf``...) are ignored. Choosing a profile ignores the custom fields, as a browser
+    would still submit them. A form with none of the GPU fields (:data:`GPU_FORM_FIELDS`)
+    chooses nothing: only ``image`` is kept, and the spawn gets the default choice, as a
+    REST spawn without GPU options does.
     """
     out: dict[str, Any] = {}
     image = _first(formdata, "image")
@@ -289,6 +307,9 @@ def options_from_form(formdata: Mapping[str, Sequence[str]]) -> dict[str, Any]:
         raw["share_memory_mib"] = _whole_number(
             memory, "Shared memory budget", "share_memory_mib"
         )
+    topology = _first(formdata, "topology")
+    if topology is not None and topology.lower() != "any":
+        raw["topology"] = topology
     options = parse_user_options(raw).normalized()
     return {**out, **options.to_user_options()}
 
@@ -322,6 +343,7 @@ class Profile(BaseModel):
     share_memory_mib: int | None = Field(default=None, ge=1)
     min_compute_capability: ComputeCapability | None = None
     architecture: Architecture | None = None
+    topology: TopologyDemand | None = None
     spawner_override: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("slug")
@@ -342,6 +364,7 @@ class Profile(BaseModel):
             share_memory_mib=self.share_memory_mib,
             min_compute_capability=self.min_compute_capability,
             architecture=self.architecture,
+            topology=self.topology,
             profile=self.slug,
         ).normalized()
 
@@ -600,7 +623,9 @@ def check_options(
     Returns None for "no GPU". ``trusted`` (an admin's profile) skips the per-user limits:
     models, count, hosts and share size; sanity checks against the inventory still apply.
     One check per field, in this order: may use GPUs, model, host, then the shared slice or
-    the number of whole GPUs.
+    the number of whole GPUs and their connection (``topology``: refused where the inventory
+    shows no host that reported its links; the caller reads the inventory for a choice that
+    demands one).
     """
     options = options.normalized()
     if not options.wants_gpu:
@@ -624,7 +649,22 @@ def check_options(
             share_memory_mib=memory, shared=True,
         )
     count = _check_count(ctx, per_host, host, what, one_model=model is not None)
+    _check_topology(ctx)
     return CheckedRequest(options=options, model=model, models=models, count=count, host=host)
+
+
+def _check_topology(ctx: _Context) -> None:
+    """A demanded connection goes only to an allocator known to read it: one whose inventory
+    shows a host that reported its links (docs/protocol.md, "Compatibility": an older
+    allocator would ignore the demand and grant any GPUs)."""
+    if ctx.options.topology is None or ctx.inventory is None:
+        return
+    if not any(node.interconnect is not None for node in ctx.inventory.nodes):
+        raise OptionsError(
+            "No GPU host has reported how its GPUs are joined, so no connection can be "
+            "promised; ask without one (connection: any).",
+            field="topology",
+        )
 
 
 def _check_may_use_gpus(ctx: _Context) -> None:
@@ -848,6 +888,7 @@ def build_allocate_request(
         share=share,
         min_compute_capability=checked.min_compute_capability,
         architecture=checked.architecture,
+        topology=checked.options.topology,
         wait_s=min(max(wait_s, 0.0), MAX_WAIT_S),
         priority=priority,
     )

@@ -56,6 +56,7 @@ from traitlets import (
     Callable as CallableTrait,
 )
 
+from allocator.bookings.outlook import outlook_for
 from allocator.broker import DEFAULT_AMQP_URL, with_tls
 from allocator.client import AllocatorClient, AllocatorError
 from allocator.protocol import ErrorCode, InventoryReply, Lease, LeaseState
@@ -541,11 +542,16 @@ class GPUSwarmSpawner(SwarmSpawner):
                 self.allocator_client(), self.user.name, self.user_groups(),
                 amounts_offered(permissions, profiles, catalog),
                 timeout_s=self.allocator_form_timeout)
+        # What the inventory's bookings (0.3.0) mean for this user: the allocator's rule.
+        bookings = (outlook_for(inventory.bookings, self.user.name, self.user_groups(),
+                                inventory.at)
+                    if inventory is not None and permissions.may_use_gpus else None)
         return render_form(
             inventory,
             permissions=permissions,
             profiles=profiles,
             borrow=borrow,
+            bookings=bookings,
             current=current,
             default_mode=self.gpu_default_mode(),
             unavailable=unavailable,
@@ -590,7 +596,15 @@ class GPUSwarmSpawner(SwarmSpawner):
         # with its own text. Only a user held to a list of models needs the cluster's model
         # names first (aliases, and which of the allowed models exist to ask for).
         restricted = profile is None and self.gpu_permissions().allowed_models is not None
-        inventory = await self._inventory_or_none() if restricted else None
+        # A demanded connection goes only to an allocator whose inventory shows it reads it
+        # (an older one would ignore the demand): check_options refuses it otherwise.
+        demands_links = options.normalized().topology is not None
+        inventory = (await self._inventory_or_none() if restricted or demands_links
+                     else None)
+        if demands_links and inventory is None:
+            raise user_error(503, "The GPU allocator's inventory could not be read, so a GPU "
+                                  "connection cannot be promised now; ask without one "
+                                  "(connection: any), or try again in a minute.")
         checked = self.check_choice(options, profile, inventory)
         if checked is None:
             return None

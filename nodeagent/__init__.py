@@ -5,7 +5,8 @@ GPUs), judges their health, watches the Docker engine for containers that carry 
 label, and publishes heartbeats and container events to the broker.
 
 It imports only the allocator's public surface, these modules exactly: :mod:`allocator.broker`,
-:mod:`allocator.heartbeat_delta`, :mod:`allocator.lease_container`, :mod:`allocator.logs`,
+:mod:`allocator.heartbeat_delta`, :mod:`allocator.interconnect`,
+:mod:`allocator.lease_container`, :mod:`allocator.logs`,
 :mod:`allocator.metrics_http`, :mod:`allocator.model_names`, :mod:`allocator.protocol`,
 :mod:`allocator.settings_files`, :mod:`allocator.tasks` and :mod:`allocator.topology`
 (``tests/test_design_map.py`` holds this list to the code).
@@ -15,6 +16,7 @@ Modules, one concept each:
 - :mod:`nodeagent.config`     settings (environment ``SWARM_GPU_AGENT_*`` over a TOML file)
 - :mod:`nodeagent.inventory`  the :class:`~nodeagent.inventory.InventorySource` protocol and samples
 - :mod:`nodeagent.nvml`       the real inventory source (nvidia-ml-py)
+- :mod:`nodeagent.interconnect_nvml` how the GPUs are joined, from NVML (NVLink, PCIe, NUMA, CPUs)
 - :mod:`nodeagent.simulated`  the simulated inventory source (a JSON file) and its writer
 - :mod:`nodeagent.health`     pure health evaluation with recovery
 - :mod:`nodeagent.mig`        MIG: parent health on instances, held instances through a re-partition

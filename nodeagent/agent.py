@@ -8,7 +8,9 @@ One :class:`NodeAgent` runs per GPU host. Its parts run side by side:
   containers' use; with ``gpu_processes``, every process on each GPU:
   :mod:`nodeagent.gpu_processes`), and publishes a heartbeat: in full at least every
   ``full_report_s`` and after an allocator's hello, else as a delta of what changed
-  (:mod:`allocator.heartbeat_delta`);
+  (:mod:`allocator.heartbeat_delta`); to an allocator that reads it, the host's interconnect
+  (how its GPUs are joined) in the first full report after its hello and in the full report
+  after any change of it, never in a delta;
 - the **Docker watcher** (:mod:`nodeagent.containers`): every start/die/oom/destroy of a lease
   container becomes a :class:`~allocator.protocol.ContainerEvent` at once;
 - the **XID thread**: blocks in the inventory source's ``wait_xids`` (NVML's event wait is a
@@ -35,9 +37,11 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from allocator.heartbeat_delta import Thresholds, apply_delta, delta_between
+from allocator.interconnect import HostInterconnect
 from allocator.metrics_http import MetricsServer, ProcessHealth
 from allocator.protocol import (
     GPU_PROCESSES,
+    INTERCONNECT,
     AllocatorHello,
     ContainerAction,
     ContainerEvent,
@@ -195,6 +199,10 @@ class _Snapshot:
     cgroup)."""
     command_names: dict[int, str]
     """The command name of each listed pid (read only while processes are reported)."""
+    interconnect: HostInterconnect | None = None
+    """How the GPUs are joined, as the source says (read only while it is reported)."""
+    interconnect_read: bool = False
+    """Whether ``interconnect`` was read (else it says nothing)."""
 
 
 class NodeAgent:
@@ -260,6 +268,11 @@ class NodeAgent:
         """Container id -> when its lookup failed (monotonic), retried after DETAILS_RETRY_S."""
         self._describing: dict[str, asyncio.Task[None]] = {}
         """Container id -> its Docker lookup under way."""
+        self.interconnect: HostInterconnect | None = None
+        """How the host's GPUs are joined, as last read (only while it is reported)."""
+        self.interconnect_sent: HostInterconnect | None = None
+        """The interconnect of the last full report published since the newest hello; None:
+        none yet, so the next full report carries it."""
 
     # ------------------------------------------------------------------ counters
 
@@ -293,6 +306,12 @@ class NodeAgent:
         if mode == "auto":
             return self.allocator_reads is not None and GPU_PROCESSES in self.allocator_reads
         return mode == "on"
+
+    @property
+    def reports_interconnect(self) -> bool:
+        """Whether full reports carry the host's interconnect: once the newest allocator
+        hello said the allocator reads it (an older allocator refuses the field)."""
+        return self.allocator_reads is not None and INTERCONNECT in self.allocator_reads
 
     @property
     def command_counters(self) -> Counter[str]:
@@ -483,7 +502,16 @@ class NodeAgent:
                 if proc.pid not in names:
                     names[proc.pid] = (proc.name if proc.name is not None
                                        else self.cgroups.command_name(proc.pid))
-        return _Snapshot(samples, containers, names)
+        if not self.reports_interconnect:
+            return _Snapshot(samples, containers, names)
+        try:
+            interconnect = self.source.read_interconnect()
+        except Exception as exc:
+            # The links are an extra of the report: the GPUs go out without them.
+            log.warning("reading how the GPUs are joined failed (%s: %s)",
+                        type(exc).__name__, exc)
+            interconnect = None
+        return _Snapshot(samples, containers, names, interconnect, interconnect_read=True)
 
     async def _read_inventory(self) -> _Snapshot:
         """One inventory snapshot, bounded by ``inventory_timeout_s``.
@@ -513,6 +541,8 @@ class NodeAgent:
             samples, pid_containers = snapshot.samples, snapshot.pid_containers
             command_names = snapshot.command_names
             self._last_samples = samples
+            if snapshot.interconnect_read:
+                self.interconnect = snapshot.interconnect
         except Exception as exc:
             # A heartbeat without the GPUs would read as "GPUs gone" and release their leases;
             # report the last known GPUs as unhealthy instead, so nothing new lands on them.
@@ -591,11 +621,18 @@ class NodeAgent:
         if heartbeat is None:
             self._full_due |= full_due
             return False
+        interconnect = self._interconnect_due()
+        if interconnect is not None:
+            # A full report, whatever else is due: a delta never carries it.
+            heartbeat = heartbeat.model_copy(update={"interconnect": interconnect})
         self.last_heartbeat = heartbeat
         assert self.publisher is not None
-        message = heartbeat if full_due else self._message_for(heartbeat)
+        message = (heartbeat if full_due or interconnect is not None
+                   else self._message_for(heartbeat))
         ok = await self.publisher.publish_heartbeat(message)
         self.last_message = message
+        if ok and interconnect is not None:
+            self.interconnect_sent = interconnect
         if not ok:
             self._reported = None  # the allocator may not have it: the next one is full
         elif isinstance(message, HeartbeatDelta):
@@ -611,6 +648,15 @@ class NodeAgent:
             log.info("first heartbeat sent: %d GPU(s), %d lease container(s)",
                      len(heartbeat.gpus), len(heartbeat.containers))
         return ok
+
+    def _interconnect_due(self) -> HostInterconnect | None:
+        """The interconnect the next report carries: the one read, when the allocator reads
+        it and it is not the one the last full report since the newest hello carried."""
+        current = self.interconnect
+        if (current is None or not self.reports_interconnect
+                or current is self.interconnect_sent or current == self.interconnect_sent):
+            return None
+        return current
 
     def _message_for(self, heartbeat: Heartbeat) -> Heartbeat | HeartbeatDelta:
         """What to publish for ``heartbeat``: a delta of the report the allocator holds, or
@@ -636,11 +682,14 @@ class NodeAgent:
     # ------------------------------------------------------------------ GPU processes
 
     def _on_hello(self, hello: AllocatorHello) -> None:
-        """An allocator said what it reads: report processes or not from now on, and send
-        the next heartbeat at once and in full (this allocator may hold no report of this
-        host, or one without processes)."""
+        """An allocator said what it reads: report processes or not from now on (and the
+        interconnect, in the next full report, when it reads that), and send the next
+        heartbeat at once and in full (this allocator may hold no report of this host, or
+        one without processes)."""
         before = self.reports_processes
         self.allocator_reads = frozenset(hello.reads)
+        # This allocator may hold no interconnect of this host: the next full report says it.
+        self.interconnect_sent = None
         if self.reports_processes != before:
             log.info("the allocator %s GPU processes: heartbeats list them %s",
                      "reads" if self.reports_processes else "does not read",

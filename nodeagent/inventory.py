@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from allocator.interconnect import HostInterconnect
+
 SourceKind = Literal["nvml", "simulated"]
 
 class InventoryUnavailable(RuntimeError):
@@ -110,6 +112,12 @@ class InventorySource(Protocol):
 
     def wait_xids(self, timeout_s: float) -> list[XidEvent]:
         """Wait at most ``timeout_s`` for XID events and return those that arrived (maybe none)."""
+        ...
+
+    def read_interconnect(self) -> HostInterconnect | None:
+        """How the host's GPUs (not MIG instances) are joined: each pair's link, each GPU's
+        NUMA node and CPUs; None where the source cannot tell. Blocks; cheap after the first
+        call (the links of a host do not change while it runs)."""
         ...
 
     def close(self) -> None:

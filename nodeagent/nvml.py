@@ -24,6 +24,9 @@ instance's profile (``nvmlDeviceGetGpuInstanceId`` → ``nvmlDeviceGetGpuInstanc
 written against nvidia-ml-py's API and tested only through the simulated inventory and for
 a host without the library; ``python -m nodeagent.nvml_check`` prints them on a GPU machine.
 
+How the GPUs are joined (NVLink, PCIe, NUMA node, CPUs) is read by
+:mod:`nodeagent.interconnect_nvml`, once per number of GPUs NVML lists.
+
 XIDs come from an NVML event set registered for ``nvmlEventTypeXidCriticalError`` on every
 GPU that supports it; :meth:`NvmlSource.wait_xids` blocks in ``nvmlEventSetWait_v2`` for at
 most its timeout, so the agent calls it from a thread of its own.
@@ -38,7 +41,9 @@ import threading
 import time
 from typing import Any
 
+from allocator.interconnect import HostInterconnect
 from allocator.model_names import mig_parts
+from nodeagent.interconnect_nvml import InterconnectReader
 from nodeagent.inventory import (
     GPUSample,
     InventoryUnavailable,
@@ -116,6 +121,9 @@ class NvmlSource:
         self._event_set: Any = None
         self.xid_supported: dict[str, bool] = {}
         self._register_xid_events()
+        self._interconnect: HostInterconnect | None = None
+        self._interconnect_of: int | None = None
+        """The number of GPUs NVML listed when the interconnect was read (None: not yet)."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -433,6 +441,18 @@ class NvmlSource:
                 )
             )
         return tuple(result)
+
+    def read_interconnect(self) -> HostInterconnect | None:
+        """How the GPUs are joined (:mod:`nodeagent.interconnect_nvml`): read at the first
+        call and again only when NVML lists another number of GPUs; None where it cannot
+        be read."""
+        nvml = self._nvml
+        with self._lock:
+            count = int(nvml.nvmlDeviceGetCount())
+            if count != self._interconnect_of:
+                self._interconnect = InterconnectReader(nvml).read()
+                self._interconnect_of = count
+            return self._interconnect
 
     def wait_xids(self, timeout_s: float) -> list[XidEvent]:
         """Block in ``nvmlEventSetWait_v2`` for at most ``timeout_s``; XIDs that arrived."""

@@ -6,9 +6,12 @@ the driver version, every GPU sample (with its processes, each with its containe
 for a GPU in MIG mode each MIG instance as a sample of its own), the health
 verdict of each under the default health rules (or the agent's settings from the environment /
 ``--config``), the raw MIG reads per GPU (current and pending mode, MIG device slots, the GPU
-instance profiles with their free capacity), whether XID events could be registered, and the
-XIDs seen while waiting ``--xid-wait`` seconds. Everything is read only: no MIG setting is
-changed. On a machine without NVML it prints ``{"ok": false, "error": ...}`` and exits 2.
+instance profiles with their free capacity), how the GPUs are joined (``interconnect``, as
+heartbeats carry it, and ``topology``, its matrix as ``nvidia-smi topo -m`` prints it: NVLink
+or PCIe level per pair, each GPU's CPUs and NUMA node), whether XID events could be
+registered, and the XIDs seen while waiting ``--xid-wait`` seconds. With ``--topo`` it prints
+only that matrix, as text. Everything is read only: no MIG setting is changed. On a machine
+without NVML it prints ``{"ok": false, "error": ...}`` and exits 2.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from allocator.interconnect import matrix_lines
 from nodeagent.cgroups import CgroupReader
 from nodeagent.health import HealthRules, HealthTracker
 from nodeagent.inventory import InventoryUnavailable
@@ -47,6 +51,7 @@ def check(xid_wait_s: float, rules: HealthRules) -> dict[str, Any]:
         samples = source.read_gpus()
         read_s = time.perf_counter() - read_started
         mig = source.mig_report()
+        interconnect = source.read_interconnect()
         xids = source.wait_xids(xid_wait_s) if xid_wait_s > 0 else []
         tracker = HealthTracker(rules)
         now = time.time()
@@ -79,6 +84,8 @@ def check(xid_wait_s: float, rules: HealthRules) -> dict[str, Any]:
             "gpu_count": len(samples),
             "gpus": gpus,
             "mig": mig,
+            "interconnect": None if interconnect is None else interconnect.model_dump(),
+            "topology": None if interconnect is None else matrix_lines(interconnect),
             "xid_events_registered": source.xid_supported,
             "xids_seen": [dataclasses.asdict(event) for event in xids],
             "read_s": round(read_s, 4),
@@ -96,12 +103,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--xid-wait", type=float, default=1.0,
                         help="seconds to wait for XID events (default 1)")
     parser.add_argument("--config", default=None, help="agent TOML file for the health rules")
+    parser.add_argument("--topo", action="store_true",
+                        help="print only how the GPUs are joined, as nvidia-smi topo -m does")
     args = parser.parse_args(argv)
     try:
         report = check(args.xid_wait, rules_from_settings(args.config))
     except InventoryUnavailable as exc:
         print(json.dumps({"ok": False, "error": str(exc)}))
         return 2
+    if args.topo:
+        print("\n".join(report["topology"] or ["How the GPUs are joined cannot be read here."]))
+        return 0
     print(json.dumps(report, default=str))
     return 0
 

@@ -43,6 +43,22 @@ keeps the lease's own)::
 
 This is how tests and the demo make one notebook idle and another busy.
 
+A top-level ``topology`` object says how a host's GPUs are joined (what NVML's topology calls
+tell on a real host), by host: a preset, applied to the host's GPUs in index order (MIG
+instances aside), or the interconnect itself (:class:`~allocator.interconnect.HostInterconnect`:
+``gpus`` with ``uuid``, ``numa_node``, ``cpus``, and ``links`` with ``a``, ``b``, ``level``
+0-6, ``nvlinks``), naming exactly the host's GPUs::
+
+    {"hosts": {...}, "topology": {"gpu-a": "hgx", "gpu-b": "pcie-two-socket"}}
+
+The presets (:data:`TOPOLOGY_PRESETS`): ``hgx``, every pair joined by 18 NVLink links through
+NVSwitches, the first half of the GPUs on NUMA node 0 (CPUs ``0-31``) and the rest on node 1
+(``32-63``); ``pcie-two-socket``, the same two sockets, each pair of GPUs (0-1, 2-3, ...)
+behind one PCIe switch (``PIX``), other pairs of a socket across its host bridges (``NODE``),
+pairs of two sockets ``SYS``; ``nvlink-pairs``, GPUs 0-1, 2-3, ... joined by 4 NVLink links,
+every other pair through the one host bridge (``PHB``), one NUMA node (CPUs ``0-31``). A host
+the object does not name reports no interconnect.
+
 The file is re-read whenever it changes (inode, mtime or size), so a test or a demo changes
 load and health while the agent runs. Every entry appended to a GPU's ``xids`` list is
 delivered once as an XID event (entries present at the first read too); shortening the list
@@ -65,10 +81,11 @@ import time
 import uuid as uuid_module
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from allocator.interconnect import GpuLink, HostGpu, HostInterconnect, LinkLevel
 from allocator.model_names import mig_model_name
 from allocator.protocol import MAX_MIB
 from nodeagent.inventory import (
@@ -222,13 +239,73 @@ class SimulatedLeaseUse(BaseModel):
     memory_used_mib: int = Field(default=0, ge=0)
 
 
+TopologyPreset = Literal["hgx", "pcie-two-socket", "nvlink-pairs"]
+"""The interconnects a simulated host may name instead of writing one out."""
+
+TOPOLOGY_PRESETS: tuple[TopologyPreset, ...] = get_args(TopologyPreset)
+
+_SOCKET_CPUS = ("0-31", "32-63")
+"""The CPUs of each NUMA node of a preset host."""
+
+
+def preset_interconnect(preset: TopologyPreset, uuids: Sequence[str]) -> HostInterconnect:
+    """The interconnect of ``preset`` (see the module's documentation) over GPUs ``uuids``,
+    in index order."""
+    count = len(uuids)
+    two_sockets = preset != "nvlink-pairs"
+
+    def node(i: int) -> int:
+        return i * 2 // count if two_sockets else 0
+
+    def link(i: int, j: int) -> tuple[LinkLevel, int]:
+        if preset == "hgx":
+            return LinkLevel.NVLINK, 18
+        same_pair = i // 2 == j // 2
+        if preset == "nvlink-pairs":
+            return (LinkLevel.NVLINK, 4) if same_pair else (LinkLevel.HOSTBRIDGE, 0)
+        if node(i) != node(j):
+            return LinkLevel.SYSTEM, 0
+        return (LinkLevel.SINGLE if same_pair else LinkLevel.NODE), 0
+
+    return HostInterconnect(
+        gpus=tuple(HostGpu(uuid=uuid, numa_node=node(i), cpus=_SOCKET_CPUS[node(i)])
+                   for i, uuid in enumerate(uuids)),
+        links=tuple(GpuLink(a=uuids[i], b=uuids[j], level=level, nvlinks=nvlinks)
+                    for i in range(count) for j in range(i + 1, count)
+                    for level, nvlinks in [link(i, j)]))
+
+
 class SimulatedInventory(BaseModel):
-    """The whole file: host name → its GPUs, and per-lease use (lease id → use)."""
+    """The whole file: host name → its GPUs, per-lease use (lease id → use), and how hosts'
+    GPUs are joined (host name → a preset or the interconnect)."""
 
     model_config = ConfigDict(extra="forbid")
 
     hosts: dict[str, list[SimulatedGPU]] = Field(default_factory=dict)
     leases: dict[str, SimulatedLeaseUse] = Field(default_factory=dict)
+    topology: dict[str, TopologyPreset | HostInterconnect] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _topology_of_listed_gpus(self) -> SimulatedInventory:
+        for host in self.topology:
+            self.interconnect_of(host)  # raises for a host it cannot describe
+        return self
+
+    def interconnect_of(self, host: str) -> HostInterconnect | None:
+        """The interconnect of ``host``'s GPUs; None where ``topology`` does not name it.
+        ValueError when it names a host without GPUs, or other GPUs than the host's."""
+        described = self.topology.get(host)
+        if described is None:
+            return None
+        uuids = [gpu.uuid for gpu in sorted(self.hosts.get(host, []), key=lambda g: g.index)]
+        if not uuids:
+            raise ValueError(f"topology of {host!r}: the host lists no GPUs")
+        if isinstance(described, str):
+            return preset_interconnect(described, uuids)
+        if set(described.uuids) != set(uuids):
+            raise ValueError(f"topology of {host!r} names GPUs {sorted(described.uuids)}, "
+                             f"the host lists {sorted(uuids)}")
+        return described
 
 
 def parse_inventory(text: str) -> SimulatedInventory:
@@ -255,6 +332,7 @@ class SimulatedSource:
         self._signature: tuple[int, int, int] | None = None
         self._gpus: list[SimulatedGPU] = []
         self._lease_use: dict[str, SimulatedLeaseUse] = {}
+        self._interconnect: HostInterconnect | None = None
         self._xids_seen: dict[str, int] = {}
         self._pending: list[XidEvent] = []
         self._closed = False
@@ -275,6 +353,13 @@ class SimulatedSource:
         with self._lock:
             self._refresh_locked(strict=False)
             return [sample for gpu in self._gpus for sample in gpu.samples()]
+
+    def read_interconnect(self) -> HostInterconnect | None:
+        """How this host's GPUs are joined as the file's ``topology`` says now; None where it
+        does not name this host."""
+        with self._lock:
+            self._refresh_locked(strict=False)
+            return self._interconnect
 
     def lease_use(self) -> dict[str, SimulatedLeaseUse]:
         """Per lease id: the use the file sets for that lease's container (``leases``)."""
@@ -326,6 +411,7 @@ class SimulatedSource:
         self._signature = signature
         self._gpus = sorted(inventory.hosts.get(self.host, []), key=lambda gpu: gpu.index)
         self._lease_use = dict(inventory.leases)
+        self._interconnect = inventory.interconnect_of(self.host)
         self.reloads += 1
         now = self._clock()
         for gpu in self._gpus:
@@ -445,9 +531,11 @@ def make_hosts(
 
 
 def write_inventory(path: Path | str, hosts: dict[str, list[dict[str, Any]]],
-                    leases: dict[str, dict[str, Any]] | None = None) -> None:
+                    leases: dict[str, dict[str, Any]] | None = None,
+                    topology: dict[str, str | dict[str, Any]] | None = None) -> None:
     """Write (atomically: temp file + rename) a simulated inventory file, with per-lease use
-    (``leases``: lease id -> ``{"utilization_pct": ..., "memory_used_mib": ...}``) if given.
+    (``leases``: lease id -> ``{"utilization_pct": ..., "memory_used_mib": ...}``) and how
+    hosts' GPUs are joined (``topology``: host -> a preset name or an interconnect) if given.
 
     Atomic so a running agent never reads half a file, and so every write changes the
     inode and is noticed even when it lands in the same mtime tick as the last one.
@@ -456,6 +544,8 @@ def write_inventory(path: Path | str, hosts: dict[str, list[dict[str, Any]]],
     content: dict[str, Any] = {"hosts": hosts}
     if leases:
         content["leases"] = leases
+    if topology:
+        content["topology"] = topology
     parse_inventory(json.dumps(content))  # refuse to write what the agent would refuse
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
@@ -475,16 +565,18 @@ def read_inventory(path: Path | str) -> dict[str, list[dict[str, Any]]]:
 
 def update_gpu(path: Path | str, host: str, index: int, **changes: Any) -> dict[str, Any]:
     """Change fields of one GPU in the file (e.g. ``temperature_c=95``); returns the entry.
+    The file's ``topology`` is kept.
 
     ``xid=N`` is a shorthand that appends N to the GPU's ``xids``.
     """
     hosts = read_inventory(path)
+    topology = json.loads(Path(path).read_text()).get("topology")
     for entry in hosts.get(host, []):
         if entry["index"] == index:
             if "xid" in changes:
                 entry.setdefault("xids", []).append(int(changes.pop("xid")))
             entry.update(changes)
-            write_inventory(path, hosts)
+            write_inventory(path, hosts, topology=topology)
             return entry
     raise KeyError(f"no GPU {index} on host {host!r} in {path}")
 
@@ -501,13 +593,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="also add this host name (e.g. this machine's), repeatable")
     parser.add_argument("--model", action="append", default=None,
                         help="model to mix in (repeatable); default: all known models")
+    parser.add_argument("--topology", choices=TOPOLOGY_PRESETS, default=None,
+                        help="how every host's GPUs are joined (default: not described)")
     parser.add_argument("--out", required=True, help="file to write")
     args = parser.parse_args(argv)
     hosts = make_hosts(args.hosts, args.gpus, args.model, args.prefix)
     models = list(args.model or MODELS)
     for i, name in enumerate(args.host):
         hosts[name] = [make_gpu(name, j, models[i % len(models)]) for j in range(args.gpus)]
-    write_inventory(args.out, hosts)
+    topology: dict[str, str | dict[str, Any]] = {
+        name: args.topology for name, gpus in hosts.items() if gpus and args.topology}
+    write_inventory(args.out, hosts, topology=topology)
     print(json.dumps({"path": str(args.out), "hosts": len(hosts),
                       "gpus": sum(len(g) for g in hosts.values())}))
 

@@ -21,6 +21,7 @@ from faults import running_allocator
 from support import GTX1070, NodeSimulator, gpus, heartbeat
 
 from allocator.client import AllocatorClient, UnreadableReply
+from allocator.interconnect import HostGpu, HostInterconnect
 from allocator.protocol import (
     CLIENT_RELEASE_HEADER,
     REPLY_ADAPTER,
@@ -31,6 +32,7 @@ from allocator.protocol import (
     LeaseState,
     decode_inbound,
     encode,
+    release_tuple,
 )
 from allocator.topology import (
     DIRECT_REPLY_TO,
@@ -261,37 +263,55 @@ async def test_replies_carry_the_fields_of_the_release_the_client_reads(amqp_vho
     """A request without the swarm-gpu-release header (a 0.1.0 client) gets 0.1.0's fields
     only, in its reply and in the push after a queued answer; with the header, the fields of
     that release: the keys themselves, whatever their values."""
-    added_to_lease = {"outside_grant", "over_budget_since"}
-    added_to_gpu = {"process_state", "processes"}
+    # Each reply object's fields added after 0.1.0, with the release that added them.
+    added = {
+        "lease": {"outside_grant": "0.2.0", "over_budget_since": "0.2.0", "link": "0.3.0"},
+        "gpu": {"process_state": "0.2.0", "processes": "0.2.0"},
+        "node": {"interconnect": "0.3.0"},
+    }
+
+    def fields_match(kind: str, body: dict[str, Any], reads: str) -> bool:
+        """``body`` has exactly the fields added up to release ``reads``."""
+        wanted = {name for name, since in added[kind].items()
+                  if release_tuple(since) <= release_tuple(reads)}  # type: ignore[operator]
+        return {name for name in added[kind] if name in body} == wanted
+
+    the_gpu = gpus("gpu-a", GTX1070, 1)
+    links = HostInterconnect(gpus=(HostGpu(uuid=the_gpu[0].uuid, numa_node=0),), links=())
     async with running_allocator(amqp_vhost.url, tmp_path / "ledger.sqlite",
                                  start_fence_s=0), NodeSimulator(amqp_vhost.url) as nodes:
-        await nodes.beat("gpu-a", gpus("gpu-a", GTX1070, 1))
-        for n, (headers, reads_new) in enumerate((
-                (None, False), ({CLIENT_RELEASE_HEADER: "0.1.0"}, False),
-                ({CLIENT_RELEASE_HEADER: "not a release"}, False),
-                ({CLIENT_RELEASE_HEADER: "0.2.0"}, True),
-                ({CLIENT_RELEASE_HEADER: "7.0.0"}, True))):
+        nodes.inventory["gpu-a"] = the_gpu
+        await nodes.publish(heartbeat("gpu-a", the_gpu).model_copy(
+            update={"interconnect": links}))
+        for n, (headers, reads) in enumerate((
+                (None, "0.1.0"), ({CLIENT_RELEASE_HEADER: "0.1.0"}, "0.1.0"),
+                ({CLIENT_RELEASE_HEADER: "not a release"}, "0.1.0"),
+                ({CLIENT_RELEASE_HEADER: "0.2.0"}, "0.2.0"),
+                ({CLIENT_RELEASE_HEADER: "0.3.0"}, "0.3.0"),
+                ({CLIENT_RELEASE_HEADER: "7.0.0"}, "7.0.0"))):
             async with _RawClient(amqp_vhost.url, headers) as client:
                 granted = await client.call(kind="allocate", request_key=f"a/{n}/",
                                             user="alice")
                 assert granted["lease"]["state"] == "granted", granted
-                assert (added_to_lease <= granted["lease"].keys()) is reads_new, granted
-                assert reads_new or not added_to_lease & granted["lease"].keys()
+                assert fields_match("lease", granted["lease"], reads), (headers, granted)
                 # Queued behind the first: the answer says queued, the push says granted.
                 queued = await client.call(kind="allocate", request_key=f"b/{n}/",
                                            user="bob", wait_s=30)
                 assert queued["lease"]["state"] == "queued", queued
                 inventory = await client.call(kind="inventory", include_leases=True)
                 for gpu in inventory["gpus"]:
-                    assert (added_to_gpu <= gpu.keys()) is reads_new, (headers, gpu)
-                    assert reads_new or not added_to_gpu & gpu.keys()
+                    assert fields_match("gpu", gpu, reads), (headers, gpu)
                 for lease in inventory["leases"]:
-                    assert (added_to_lease <= lease.keys()) is reads_new, (headers, lease)
+                    assert fields_match("lease", lease, reads), (headers, lease)
+                (node,) = inventory["nodes"]
+                assert fields_match("node", node, reads), (headers, node)
+                if "interconnect" in node:  # as the agent reported it, for a 0.3.0 reader
+                    assert HostInterconnect.model_validate_json(
+                        json.dumps(node["interconnect"])) == links
                 await client.call(kind="release", request_key=f"a/{n}/")
                 await nodes.beat("gpu-a")  # no container of it: the release ends
                 pushed = await client.next_answer()
                 assert pushed["lease"]["state"] == "granted", pushed
-                assert (added_to_lease <= pushed["lease"].keys()) is reads_new, pushed
-                assert reads_new or not added_to_lease & pushed["lease"].keys()
+                assert fields_match("lease", pushed["lease"], reads), (headers, pushed)
                 await client.call(kind="release", request_key=f"b/{n}/")
                 await nodes.beat("gpu-a")

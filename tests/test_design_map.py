@@ -24,7 +24,7 @@ LEFT_OUT = frozenset({"__init__.py", "__main__.py"})
 
 BLOCK_HEADER = re.compile(r"^\*\*`(?P<package>[\w/]+/)`\*\*")
 BACKTICKED = re.compile(r"`([^`]+)`")
-ALLOCATOR_MODULE = re.compile(r"\ballocator\.\w+")
+ALLOCATOR_MODULE = re.compile(r"\ballocator(?:\.\w+)+")  # allocator.bookings.outlook too
 
 
 def module_map_section(text: str) -> str:

@@ -26,6 +26,7 @@ from allocator.ledger import Changes, Ledger, LoadedState
 from allocator.ledger_cli import render_status
 from allocator.protocol import (
     GPU_PROCESSES,
+    INTERCONNECT,
     AllocateRequest,
     AllocatorHello,
     ContainerAction,
@@ -471,7 +472,7 @@ def test_a_mig_parent_is_not_judged_its_instances_are(tmp_path: Path) -> None:
 def test_each_agent_is_told_once_what_the_allocator_reads(tmp_path: Path) -> None:
     engine = loaded(tmp_path)
     changes = Changes()
-    hello = AllocatorHello(host="a", reads=[GPU_PROCESSES])
+    hello = AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT])
     engine.handle(beat(1.0), NODE, 1.0, changes)
     assert engine.take_agent_commands() == [hello]
     engine.handle(beat(2.0), NODE, 2.0, changes)

@@ -287,6 +287,8 @@ FORGED: list[tuple[dict[str, Any], int, str]] = [
     ({"mode": "exclusive", "profile": "two-3090"}, 400, "Unknown profile 'two-3090'"),
     ({"mode": "root"}, 400, "GPU mode"),
     ({"gpus": "all"}, 400, "unknown option 'gpus'"),
+    ({"mode": "exclusive", "topology": "fast"}, 400,
+     "GPU connection: must be one of: any, nvlink, pcie-switch, socket"),
 ]
 
 

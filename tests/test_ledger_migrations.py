@@ -9,6 +9,7 @@ in a subprocess).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sqlite3
@@ -25,6 +26,7 @@ from allocator.invariants import check_ledger
 from allocator.ledger import (
     MIGRATIONS,
     SCHEMA_VERSION,
+    BookingRow,
     Changes,
     Ledger,
     LedgerCorrupt,
@@ -48,12 +50,13 @@ T0 = 1_750_000_100.0
 """The fixtures' clock (``tests/data/make_ledger_fixture.py``: its T0 plus 100)."""
 
 FIXTURES = {1: "93c7617", 2: "40bfd06", 3: "25e3269", 4: "712b0e4", 5: "de14dc7",
-            6: "lease owners"}
+            6: "lease owners", 7: "bookings"}
 """Schema version -> the commit whose code wrote ``tests/data/ledger-v<version>.db`` (with
 ``tests/data/make_ledger_fixture.py``): the last commit before schema 2 (MIG), the MIG commit,
 the merge that put the log position after MIG as schema 3, fair share, the last commit
 before migrations became atomic (schema 5 as release 0.1.0 writes it), and the change that
-recorded each lease's owner (schema 6, 0.2.0)."""
+recorded each lease's owner (schema 6, 0.2.0), and the change that kept bookings (schema 7,
+0.3.0)."""
 
 
 def fixture(version: int, tmp_path: Path) -> Path:
@@ -292,6 +295,10 @@ def test_a_ledger_of_every_schema_is_migrated_whole_and_sound(version: int,
     # Before schema 6 nobody recorded who asked: the owner is unknown, never made up.
     owners = {lease.owner for lease in (*loaded.leases, *loaded.finished)}
     assert owners == ({"hub"} if version >= 6 else {None})
+    # Bookings from schema 7 on; a ledger from before has none, and the table to keep them.
+    assert [(row.name, row.booking["gpus"]["count"], row.created_by)
+            for row in loaded.bookings] == ([("CS101 lab", 2, "admin (admin)")]
+                                            if version >= 7 else [])
     if version >= 3:
         assert position == LogPosition("log-fixture", 41, "entry-41", 2, "allocator-1")
     else:
@@ -428,3 +435,91 @@ def test_the_allocator_says_in_one_line_that_a_migration_failed(tmp_path: Path) 
     assert lines[0].startswith("gpu-allocator: cannot migrate the ledger ")
     assert "from schema 3 to 4" in lines[0] and "restore a backup" in lines[0]
     assert user_version(path) == 3
+
+
+RELEASE_0_2_0 = "885a655"
+"""The commit of release 0.2.0 (schema 6)."""
+
+
+@pytest.fixture(scope="module")
+def release_0_2_0_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """0.2.0's ``allocator`` package, read out of the history (``git archive``: the clone
+    is not changed); it runs on this environment's packages, which 0.2.0's also are."""
+    git = shutil.which("git")
+    found = git is not None and subprocess.run(
+        [git, "-C", str(REPO), "rev-parse", "--verify", "--quiet",
+         f"{RELEASE_0_2_0}^{{commit}}"], capture_output=True, check=False).returncode == 0
+    if not found:
+        pytest.skip(f"commit {RELEASE_0_2_0} (0.2.0) is not in this clone's history")
+    assert git is not None
+    where = tmp_path_factory.mktemp("release-0.2.0")
+    archive = subprocess.run([git, "-C", str(REPO), "archive", RELEASE_0_2_0, "allocator"],
+                             capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
+    return where
+
+
+def test_a_0_2_0_allocator_refuses_a_schema_7_ledger_in_one_line(
+        release_0_2_0_code: Path, tmp_path: Path) -> None:
+    """Rolling back to 0.2.0 after this release migrated the ledger is refused, in one line,
+    and the ledger (with its bookings) is left as it was."""
+    path = fixture(6, tmp_path)
+    ledger = Ledger(path)
+    ledger.open()
+    ledger.close()
+    before = schema(path)
+    assert user_version(path) == 7
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_")}
+    env.update(SWARM_GPU_AMQP_URL=UNREACHABLE, SWARM_GPU_LEDGER_PATH=str(path),
+               PYTHONPATH=str(release_0_2_0_code))
+    served = subprocess.run([sys.executable, "-m", "allocator.cli", "serve"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert served.returncode == 1, served
+    lines = served.stderr.strip().splitlines()
+    assert len(lines) == 1, served.stderr
+    assert "schema version 7, newer than this release understands (6)" in lines[0]
+    assert "upgrade swarm-gpu" in lines[0]
+    assert user_version(path) == 7 and schema(path) == before
+
+
+_OLD_REPLICA = """
+import json, sys
+from allocator.ledger import ChangeSet, Ledger, LogPosition
+from allocator.log_snapshot import Table
+batch, tables, path = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+ledger = Ledger(path)
+ledger.open()
+ledger.call(lambda: ledger.commit(ChangeSet.parse(batch).to_changes()))
+ledger.call(lambda: ledger.load_snapshot(
+    {name: Table(t["columns"], t["rows"]) for name, t in tables.items()},
+    LogPosition("log", 5, "entry-5", 1, "writer")))
+ledger.close()
+"""
+
+
+def test_a_0_2_0_replica_follows_batches_and_snapshots_with_bookings(
+        release_0_2_0_code: Path, tmp_path: Path) -> None:
+    """0.2.0's own ledger code on this release's batch and snapshot that carry bookings:
+    it writes the rest and ignores the bookings (its ledger has no table for them)."""
+    changes = Changes()
+    changes.booking(BookingRow("CS101 lab", {"name": "CS101 lab"}, T0, "admin (admin)"))
+    changes.event(T0, "booking_added", booking="CS101 lab", by="admin (admin)")
+    source = fresh(tmp_path)
+    ledger = Ledger(source)
+    ledger.open()
+    try:
+        ledger.call(lambda: ledger.commit(changes))
+        _, tables = ledger.call(lambda: ledger.snapshot_tables(trail=False))
+    finally:
+        ledger.close()
+    assert tables["bookings"].rows
+    old = tmp_path / "old.sqlite"
+    env = {**os.environ, "PYTHONPATH": str(release_0_2_0_code)}
+    ran = subprocess.run(
+        [sys.executable, "-c", _OLD_REPLICA, json.dumps(changes.to_json()),
+         json.dumps({name: {"columns": t.columns, "rows": t.rows} for name, t in tables.items()}),
+         str(old)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert user_version(old) == 6
+    with contextlib.closing(sqlite3.connect(old)) as conn:
+        assert conn.execute("SELECT kind FROM events").fetchall() == [("booking_added",)]

@@ -33,6 +33,7 @@ from allocator.heartbeat_delta import apply_delta
 from allocator.lease_container import HOST_LABEL, LEASE_LABEL, MEMORY_LABEL, grant_labels
 from allocator.protocol import (
     GPU_PROCESSES,
+    INTERCONNECT,
     NODE_MESSAGE_ADAPTER,
     AllocatorHello,
     ContainerAction,
@@ -51,7 +52,14 @@ from allocator.topology import AGENTS_EXCHANGE, NODES_EXCHANGE, command_routing_
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
-from nodeagent.simulated import make_gpu, simulated_uuid, update_gpu, write_inventory
+from nodeagent.simulated import (
+    make_gpu,
+    preset_interconnect,
+    read_inventory,
+    simulated_uuid,
+    update_gpu,
+    write_inventory,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -872,3 +880,91 @@ async def test_a_death_brings_a_fresh_reading_at_once(
         after = await inbox.heartbeat(host, lambda b: b.containers == [], after=mark,
                                       within=WAIT_S)
         assert after.gpus[0].processes == []
+
+
+# ------------------------------------------------------------------ how the GPUs are joined
+
+
+def _joined_as(inventory: Path, host: str, preset: str) -> None:
+    """Describe ``host``'s GPUs in the file as joined like ``preset`` (the rest kept)."""
+    write_inventory(inventory, read_inventory(inventory), topology={host: preset})
+
+
+def _carries_interconnect(received: Received) -> bool:
+    return isinstance(received.message, Heartbeat) and b'"interconnect"' in received.body
+
+
+async def _full_reports(inbox: Inbox, host: str, count: int) -> int:
+    """Wait for ``count`` more full heartbeats of ``host``; the mark from before them."""
+    mark = position = inbox.mark()
+    for _ in range(count):
+        await inbox.wait_for(lambda r: isinstance(r.message, Heartbeat) and not r.delta
+                             and r.message.host == host, after=position, what="a full report")
+        position = inbox.mark()
+    return mark
+
+
+async def test_an_agent_no_allocator_said_hello_to_sends_no_interconnect(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path) -> None:
+    """The file describes the GPUs' links, but no allocator said it reads them (one before
+    0.3.0 never does; this agent has no command queue at all): not a byte of them goes out,
+    in full reports or deltas."""
+    _joined_as(inventory, host, "hgx")
+    settings = agent_settings(host, amqp_vhost.url, inventory, full_report_s=0.5)
+    async with running(settings) as agent:
+        await _full_reports(inbox, host, 3)
+        assert not agent.reports_interconnect
+    sent = [r for r in inbox.messages if isinstance(r.message, Heartbeat)]
+    assert any(r.delta for r in sent), "deltas were sent too"
+    assert not any(_carries_interconnect(r) for r in sent)
+
+
+@pytest.mark.docker
+async def test_the_interconnect_goes_out_once_the_allocator_said_it_reads_it(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, docker_engine: str) -> None:
+    """A hello that reads processes only changes nothing; one that reads the interconnect
+    makes the next report full and carries it; the reports after leave it out; a change of
+    it goes out at once, in full; each hello that reads it brings it again; after a hello
+    that does not, it stays home."""
+    _joined_as(inventory, host, "nvlink-pairs")
+    uuids = [simulated_uuid(host, i) for i in range(2)]
+    settings = agent_settings(host, amqp_vhost.url, inventory, docker=True,
+                              docker_url=docker_engine, command_users=["guest"],
+                              full_report_s=0.5)
+    async with running(settings) as agent:
+        await inbox.heartbeat(host)
+        await say_hello(amqp_vhost.url, host, [GPU_PROCESSES])
+        await eventually(lambda: agent.command_counters["hellos"] == 1, "the first hello")
+        await _full_reports(inbox, host, 2)
+        assert not any(_carries_interconnect(r) for r in inbox.messages)
+
+        mark = inbox.mark()
+        await say_hello(amqp_vhost.url, host, [GPU_PROCESSES, INTERCONNECT])
+        first = await inbox.wait_for(_carries_interconnect, after=mark,
+                                     what="a heartbeat with the interconnect")
+        assert not first.delta
+        assert isinstance(first.message, Heartbeat)
+        assert first.message.interconnect == preset_interconnect("nvlink-pairs", uuids)
+        later = await _full_reports(inbox, host, 2)
+        assert not any(_carries_interconnect(r) for r in inbox.messages[later:])
+        assert any(r.delta for r in inbox.messages[later:])
+
+        mark = inbox.mark()
+        _joined_as(inventory, host, "pcie-two-socket")
+        changed = await inbox.wait_for(_carries_interconnect, after=mark,
+                                       what="the changed interconnect")
+        assert not changed.delta and isinstance(changed.message, Heartbeat)
+        assert changed.message.interconnect == preset_interconnect("pcie-two-socket", uuids)
+
+        mark = inbox.mark()
+        await say_hello(amqp_vhost.url, host, [INTERCONNECT])
+        again = await inbox.wait_for(_carries_interconnect, after=mark,
+                                     what="the interconnect after another hello")
+        assert not again.delta and isinstance(again.message, Heartbeat)
+        assert again.message.interconnect == changed.message.interconnect
+
+        await say_hello(amqp_vhost.url, host, [GPU_PROCESSES])
+        await eventually(lambda: agent.command_counters["hellos"] == 4, "the last hello")
+        _joined_as(inventory, host, "hgx")
+        quiet = await _full_reports(inbox, host, 3)
+        assert not any(_carries_interconnect(r) for r in inbox.messages[quiet:])

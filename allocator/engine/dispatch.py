@@ -15,6 +15,8 @@ from allocator import policy
 from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, Counters
+from allocator.engine.booking_windows import BookingWindows
+from allocator.engine.bookings import BookingBook
 from allocator.engine.containers import GRACE_ENDS, NodeReconciliation, listing_order
 from allocator.engine.fence import StartFence
 from allocator.engine.gpus import GpuInventory
@@ -38,6 +40,7 @@ from allocator.protocol import (
     AgentCommand,
     AllocateRequest,
     AnyInbound,
+    BookingRequest,
     ContainerEvent,
     DrainReply,
     DrainRequest,
@@ -80,17 +83,20 @@ class Engine:
         self.start_fence = StartFence(started_at)
         self.nodes = NodeReports(settings, counters, cluster, index, started_at)
         self.gpus = GpuInventory(settings, counters, cluster, index, self.nodes)
-        self.placer = Placer(settings, cluster, index, self.nodes, self.start_fence)
+        self.bookings = BookingBook(settings, cluster, self.nodes)
+        self.windows = BookingWindows(settings, self.bookings)
+        self.placer = Placer(settings, cluster, index, self.nodes, self.start_fence,
+                             self.windows)
         self.processes = ProcessWatch(settings, counters, cluster, index, self.nodes)
         self.book = LeaseBook(settings, counters, cluster, index, self.idle, self.outbox,
-                              self.placer, self.processes, new_lease_id)
+                              self.placer, self.processes, self.windows, new_lease_id)
         self.requests = LeaseRequests(settings, counters, self.book, self.placer, self.start_fence,
                                       self.outbox)
         self.truth = NodeTruth(counters, cluster, index, self.book)
         self.containers = NodeReconciliation(settings, counters, self.book, self.truth,
                                              self.idle, self.outbox, self.requests, self.nodes)
         self.reclaim = Reclaimer(settings, counters, self.book, self.idle, self.placer,
-                                 self.start_fence)
+                                 self.start_fence, self.windows)
         self.views = Views(settings, cluster, self.book, self.idle, self.nodes, self.processes)
 
     def load(self, state: LoadedState, now: float, *, fenced: bool = False) -> None:
@@ -112,6 +118,7 @@ class Engine:
         self.gpus.load()
         self.index.rebuild(cluster)
         self.placer.inventory_changed()
+        self.bookings.load(state)
         self.outbox.load()
 
     # ------------------------------------------------------------------ messages
@@ -163,6 +170,8 @@ class Engine:
             return self.views.quota(message)
         if isinstance(message, LeasesRequest):
             return self.views.leases_reply(message, now, visible)
+        if isinstance(message, BookingRequest):
+            return self.bookings.handle(message, sender, now, changes)
         raise TypeError(f"unhandled message kind {type(message).__name__}")
 
     def unreadable_heartbeat(self, host: str, sender: Sender, now: float,
@@ -226,9 +235,12 @@ class Engine:
         agent_changed = node.agent_id != beat.agent_id
         node.agent_id = beat.agent_id
         inventory_changed = self.gpus.upsert(node, beat, now, changes)
+        # A new interconnect may let a request wait no longer (its links now known).
+        inventory_changed = self.nodes.take_interconnect(node, beat) or inventory_changed
         if inventory_changed:
             self.index.refresh(self.cluster, host)
             self.placer.inventory_changed()
+            self.bookings.inventory_changed()
         nodes.alive_and_telemetry(node, sender, now, changes,
                                   due=new_node or agent_changed or inventory_changed,
                                   new_node=new_node)

@@ -16,10 +16,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from allocator import policy
+from allocator import gpu_sets, policy
 from allocator.cluster import Cluster
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, Counters, Family
+from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.idle import IdleWatch
 from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
@@ -61,9 +62,10 @@ class LeaseBook:
 
     def __init__(self, settings: AllocatorSettings, counters: Counters, cluster: Cluster,
                  index: PlacementIndex, idle: IdleWatch, outbox: CommandOutbox,
-                 placer: Placer, processes: ProcessWatch,
+                 placer: Placer, processes: ProcessWatch, windows: BookingWindows,
                  new_lease_id: Callable[[], str]) -> None:
         self.settings = settings
+        self.windows = windows
         self.counters = counters
         self.cluster = cluster
         self.index = index
@@ -136,6 +138,21 @@ class LeaseBook:
         self.queue = [entry for entry in self.queue if entry[1] != lease_id]
         self.demands.pop(lease_id, None)
 
+    def serving_order(self) -> list[str]:
+        """The queued leases in the order they are served: the queue's, with the requests
+        of members of a booking in effect (with room for them) ahead of the others."""
+        ids = [lease_id for _, lease_id in self.queue]
+        if not self.windows.rooms:
+            return ids
+        ahead: list[str] = []
+        behind: list[str] = []
+        for lease_id in ids:
+            demand = self.queued_demand(self.leases[lease_id])
+            member = isinstance(demand, policy.Demand) and self.windows.booked_share(
+                demand.user, demand.groups, demand.models, demand.host) is not None
+            (ahead if member else behind).append(lease_id)
+        return ahead + behind
+
     def holding(self) -> list[LeaseRecord]:
         """The leases that hold GPUs (granted, bound, releasing)."""
         return [r for r in self.leases.values() if r.state.holds_gpus]
@@ -187,9 +204,17 @@ class LeaseBook:
         record.env = policy.lease_env(placement, self.cluster, record.lease_id)
         record.granted_at = now
         record.bind_deadline = now + self.settings.bind_timeout_s
-        record.borrowed = policy.would_borrow(placement.units, policy.quota_standings(
-            record.user, record.groups, self.cluster, self.settings, limited_only=True,
-            model=record.model))
+        share = self.windows.booked_share(record.user, record.groups, demand.models,
+                                          demand.host)
+        if share is not None and self.windows.in_room(share, record.model, record.host,
+                                                      record.units):
+            self.windows.take(share, record.units)  # within a booking: not borrowed
+            self.windows.booking_of[record.lease_id] = share.name
+            record.borrowed = False
+        else:
+            record.borrowed = policy.would_borrow(placement.units, policy.quota_standings(
+                record.user, record.groups, self.cluster, self.settings, limited_only=True,
+                model=record.model))
         policy.apply_placement(self.cluster, placement, record.lease_id, demand)
         self.index.refresh(self.cluster, placement.host)
         self.by_key[record.request_key] = record.lease_id
@@ -243,6 +268,8 @@ class LeaseBook:
             # Ended otherwise during a warning's grace: the warning did not happen.
             record.reclaim_at = record.reclaim_reason = record.reclaim_for = None
         self.idle.lease_ended(record, now)
+        self.windows.reclaim_for_booking.pop(record.lease_id, None)
+        self.windows.booking_of.pop(record.lease_id, None)
         if old.holds_gpus:
             # Its GPUs drain (before the index sees them free): placed again once a report
             # shows its container's processes gone from them.
@@ -338,8 +365,8 @@ class LeaseBook:
         return newest
 
     def queue_position(self, lease_id: str) -> int | None:
-        """1-based position of a queued lease, or None."""
-        for position, (_, queued_id) in enumerate(self.queue, start=1):
+        """1-based position of a queued lease in the order it is served, or None."""
+        for position, queued_id in enumerate(self.serving_order(), start=1):
             if queued_id == lease_id:
                 return position
         return None
@@ -357,7 +384,25 @@ class LeaseBook:
             lease.utilization_pct, lease.gpu_memory_used_mib = latest
         lease.outside_grant = list(self.processes.outside_grant.get(record.lease_id, ()))
         lease.over_budget_since = self.idle.over_budget_since(record.lease_id)
+        lease.booking = self.windows.booking_of.get(record.lease_id)
+        if record.reclaim_at is not None:
+            lease.reclaim_booking = self.windows.reclaim_for_booking.get(record.lease_id)
+        lease.link = self.link(record)
         return lease
+
+    def link(self, record: LeaseRecord) -> str | None:
+        """The worst link between the lease's GPUs, by its host's links as last reported:
+        worked out at each reply (links are in memory, the ledger keeps only the GPUs), so
+        None for one GPU and while the host has not reported them (as after a restart, until
+        its agent answers the ``hello``)."""
+        node = self.cluster.nodes.get(record.host or "")
+        if node is None or node.interconnect is None or len(record.gpu_uuids) < 2:
+            return None
+        try:
+            worst = gpu_sets.worst_link(node.interconnect, record.gpu_uuids)
+        except ValueError:  # GPUs the report of links does not list (MIG instances)
+            return None
+        return None if worst is None else worst.wire_name
 
     def reply(self, record: LeaseRecord) -> LeaseReply:
         """A reply carrying one lease."""

@@ -16,6 +16,7 @@ from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, Counters, Family
 from allocator.engine.state import CLOCK_SKEW_WARN_S, Sender, count_anomaly, log
+from allocator.interconnect import HostInterconnect
 from allocator.ledger import Changes, LoadedState
 from allocator.placement_index import PlacementIndex
 from allocator.protocol import (
@@ -103,6 +104,9 @@ class NodeReports:
         """Hosts whose clock skew was logged (once until it is back within bounds)."""
         self.refusal_budget = EventBudget(settings.refused_events_per_minute)
         """The ledger events refused node messages may still write this minute."""
+        self.interconnect_judged: dict[str, HostInterconnect] = {}
+        """host -> the interconnect its reports last carried, taken or ignored: the reports a
+        delta stands for carry it again, and it is judged once (memory only)."""
 
     def load(self, state: LoadedState, now: float) -> None:
         """A rebuild from the ledger (the cluster's nodes already loaded). A node whose last
@@ -117,6 +121,7 @@ class NodeReports:
         self.newest_beat.clear()
         self.reported.clear()
         self.cannot_list.clear()
+        self.interconnect_judged.clear()
 
     # ------------------------------------------------------------------ who may report
 
@@ -225,6 +230,30 @@ class NodeReports:
                 changes.event(now, "clock_skew", host=beat.host, skew_s=round(skew, 1))
         else:
             self.skewed.discard(beat.host)
+
+    def take_interconnect(self, node: Node, beat: Heartbeat) -> bool:
+        """The interconnect ``beat`` carries, kept on ``node`` when it names exactly the GPUs
+        (MIG instances aside) the report lists; True when the node's interconnect changed.
+
+        One that names other GPUs is ignored (counted, logged), the heartbeat is not: the
+        node keeps the interconnect it had. A report without one keeps it too. Judged once
+        per interconnect received: the reports its host's deltas stand for carry the same
+        object, and cost nothing here.
+        """
+        interconnect = beat.interconnect
+        if interconnect is None or self.interconnect_judged.get(node.host) is interconnect:
+            return False
+        self.interconnect_judged[node.host] = interconnect
+        listed = {gpu.uuid for gpu in beat.gpus if not gpu.is_mig_instance}
+        if set(interconnect.uuids) != listed:
+            if count_anomaly(self.counters, Count.INTERCONNECT_MISMATCH):
+                log.warning("ignored the interconnect of %s: it names GPUs %s, its report "
+                            "lists %s", node.host, sorted(interconnect.uuids), sorted(listed))
+            return False
+        if node.interconnect == interconnect:
+            return False
+        node.interconnect = interconnect
+        return True
 
     def delta_unapplied(self, delta: HeartbeatDelta, base: Heartbeat | None, sender: Sender,
                         now: float, changes: Changes) -> None:

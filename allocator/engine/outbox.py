@@ -16,6 +16,7 @@ from allocator.engine.state import RECENT_FINAL_LEASES
 from allocator.ledger import Changes
 from allocator.protocol import (
     GPU_PROCESSES,
+    INTERCONNECT,
     AgentCommand,
     AllocatorHello,
     StopContainer,
@@ -75,13 +76,14 @@ class CommandOutbox:
         """Tell the agent ``agent_id`` of ``host`` what this allocator reads, unless it has
         been told since the last :meth:`load`: the first message taken from each agent.
 
-        An agent sends ``GPUInfo.processes`` only after such a hello, since an allocator
-        before 0.2.0 refuses a heartbeat with a field it does not know.
+        An agent sends ``GPUInfo.processes`` (and, from 0.3.0, ``Heartbeat.interconnect``)
+        only after such a hello, since an older allocator refuses a heartbeat with a field it
+        does not know.
         """
         if self.greeted.get(host) == agent_id:
             return
         self.greeted[host] = agent_id
-        self.hellos.append(AllocatorHello(host=host, reads=[GPU_PROCESSES]))
+        self.hellos.append(AllocatorHello(host=host, reads=[GPU_PROCESSES, INTERCONNECT]))
 
     def ask_stop(self, host: str | None, lease_id: str, container_id: str | None,
                  reason: StopReason, now: float, changes: Changes, *,

@@ -1,5 +1,6 @@
 """Where a demand fits: best-fit placement over the nodes that may be placed on now, narrowed by
-the placement index, then the quota; and the model catalog that demands are resolved against.
+the placement index, then the quota (lifted within a booking that says so); and the model
+catalog that demands are resolved against.
 
 A node may be placed on when it is up, not drained, and not behind the start fence
 (:mod:`allocator.engine.fence`).
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from allocator import policy
 from allocator.cluster import GPU, Cluster, Node
 from allocator.config import AllocatorSettings
+from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.fence import StartFence
 from allocator.engine.nodes import NodeReports
 from allocator.placement_index import PlacementIndex
@@ -25,8 +27,9 @@ class Placer:
     """
 
     def __init__(self, settings: AllocatorSettings, cluster: Cluster, index: PlacementIndex,
-                 nodes: NodeReports, start_fence: StartFence) -> None:
+                 nodes: NodeReports, start_fence: StartFence, windows: BookingWindows) -> None:
         self.settings = settings
+        self.windows = windows
         self.cluster = cluster
         self.index = index
         self.nodes = nodes
@@ -84,9 +87,16 @@ class Placer:
         # place first and check the quota of the actual placement.
         if isinstance(placement, policy.Refusal):
             return placement
+        model = policy.placement_model(placement, self.cluster)
         refusal = policy.check_quota(placement.units, demand.user, demand.groups,
-                                     self.cluster, self.settings,
-                                     policy.placement_model(placement, self.cluster))
+                                     self.cluster, self.settings, model)
+        if refusal is not None and self.windows.rooms:
+            # A booking whose quota does not apply: its room is the member's limit there.
+            share = self.windows.booked_share(demand.user, demand.groups, demand.models,
+                                              demand.host)
+            if share is not None and not share.guarantee.quota_applies \
+                    and self.windows.in_room(share, model, placement.host, placement.units):
+                return placement
         return refusal if refusal is not None else placement
 
     def view(self, now: float) -> Cluster:

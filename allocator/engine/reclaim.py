@@ -5,13 +5,24 @@ On every tick while requests wait, and when a request queues (the dispatcher cal
 ``reclaim_warning``), warnings the plan no longer needs are withdrawn, and a warned lease whose
 grace is over has its container stopped with the command the agents already obey; the lease
 then ends with its reason (``reclaimed`` or ``idle``) however its end is noticed.
+
+Bookings (:mod:`allocator.engine.booking_windows`): from a booking's lead until its window
+ends, the leases of non-members standing on the GPUs it lacks (beyond those free) are warned,
+for the window's start (``reclaim_at``; the warning's event names the booking); they are
+stopped only when a member's request needs them, as any reclaim. Members' leases it covers
+are never borrowed, and members' requests that fit in its room may reclaim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from allocator import fairshare, policy
+from allocator.bookings.in_effect import Occupant, Share, Shares, on_its_gpus, to_clear
+from allocator.cluster import Cluster
 from allocator.config import AllocatorSettings
 from allocator.counters import Counters, Family
+from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.fence import StartFence
 from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
@@ -19,11 +30,17 @@ from allocator.engine.placement import Placer
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
 from allocator.protocol import (
+    Health,
     LeaseState,
     ReclaimReason,
     ReleaseReason,
     StopReason,
 )
+
+
+def _booked(share: Share) -> fairshare.Booked:
+    g = share.guarantee
+    return fairshare.Booked(g.booking, g.model, g.host, g.quota_applies)
 
 
 class Reclaimer:
@@ -36,8 +53,10 @@ class Reclaimer:
     """
 
     def __init__(self, settings: AllocatorSettings, counters: Counters, book: LeaseBook,
-                 idle: IdleWatch, placer: Placer, start_fence: StartFence) -> None:
+                 idle: IdleWatch, placer: Placer, start_fence: StartFence,
+                 windows: BookingWindows) -> None:
         self.settings = settings
+        self.windows = windows
         self.counters = counters
         self.book = book
         self.idle = idle
@@ -56,43 +75,105 @@ class Reclaimer:
     def run(self, now: float, changes: Changes) -> bool:
         """Plan, warn, withdraw and stop (see the module). True when GPUs were freed (the
         caller serves the queue)."""
-        if not self._fair_share_active() or self.start_fence.holds(now):
-            return False
-        self._recompute_borrowed(changes)
+        # Without bookings this costs one call that finds none (bench/engine.py's tick).
+        booked = bool(self.windows.now(now))
+        boundary = self.windows.take_changed()
+        if (not booked and not self._fair_share_active()) or self.start_fence.holds(now):
+            return boundary  # a window that just ended: the queue's order changed
         book = self.book
+        shares = self.windows.shares(now, book.holding()) if booked else Shares()
+        # Covered by a window that runs: before it starts a member's lease is ordinary.
+        self._recompute_borrowed(changes, self.windows.booking_of)
         warned = [r for r in book.holding() if r.reclaim_at is not None
                   and r.reclaim_stopped_at is None]
-        if not book.queue and not warned:
-            return False
-        candidates = self._candidates(now)
+        if not book.queue and not warned and not shares.shares:
+            return boundary
+        candidates = self._candidates(now, shares)
         if not candidates and not warned:
-            return False  # nothing could go: no need to simulate the queue
+            return boundary  # nothing could go: no need to simulate the queue
         leaving = {r.lease_id: r.gpu_uuids for r in book.holding()
                    if r.state is LeaseState.RELEASING or r.reclaim_stopped_at is not None}
+        view = self.placer.view(now)
         plan = fairshare.plan_reclaims(
             self._waiters() if book.queue else [], candidates,
-            self.placer.view(now), self.settings, now=now,
+            view, self.settings, now=now,
             down_after_s=self.settings.node_down_after_s,
-            idle_window_s=self.settings.idle_window_s, leaving=leaving)
+            idle_window_s=self.settings.idle_window_s, leaving=leaving,
+            rooms=dict(self.windows.rooms))
+        ahead = self._before_windows(now, view, shares, candidates, leaving, plan)
         for record in warned:
-            if record.lease_id not in plan:
+            if record.lease_id not in plan and record.lease_id not in ahead:
                 self._withdraw(record, now, changes)
         freed = False
         for lease_id, reclaim in plan.items():
             record = book.leases[lease_id]
             if record.reclaim_at is None or record.reclaim_reason is not reclaim.reason:
                 self._warn(record, reclaim, now, changes)
+            elif record.reclaim_for is None and reclaim.for_lease is not None:
+                # Warned before a booking's window: now a member waits for it.
+                record.reclaim_for = reclaim.for_lease
+                changes.lease(record)
             if record.reclaim_at is not None and now >= record.reclaim_at:
                 freed = self._carry_out(record, now, changes) or freed
-        return freed
+        for lease_id, (reclaim, at) in ahead.items():
+            record = book.leases[lease_id]
+            if record.reclaim_at is None or record.reclaim_reason is not reclaim.reason:
+                self._warn(record, reclaim, now, changes, at=at)
+            elif reclaim.booking is not None:
+                # Warned already (before a restart, which keeps no booking names): name it.
+                self.windows.reclaim_for_booking.setdefault(lease_id, reclaim.booking)
+        return freed or boundary
 
-    def _recompute_borrowed(self, changes: Changes) -> None:
+    def _before_windows(self, now: float, usable: Cluster, shares: Shares,
+                        candidates: list[fairshare.Candidate],
+                        leaving: dict[str, tuple[str, ...]],
+                        plan: dict[str, fairshare.Reclaim]
+                        ) -> dict[str, tuple[fairshare.Reclaim, float]]:
+        """Warnings only, none carried out here: for each booking from its lead to its
+        window's end, the fewest non-members' leases standing on the GPUs it lacks beyond
+        those free (:func:`allocator.bookings.in_effect.to_clear`), each with its deadline
+        (the window's start, or a grace from now once it runs). A free GPU counts for one
+        booking only, the earliest admitted; ``usable`` is the cluster as placement sees it."""
+        found: dict[str, tuple[fairshare.Reclaim, float]] = {}
+        if not shares.shares:
+            return found
+        claimed_by: dict[str, frozenset[str]] = {
+            uuid: frozenset(c.lease_id for c in claims if c.lease_id not in leaving)
+            for uuid, claims in self.book.cluster.claims.items()}
+        down_after = self.settings.node_down_after_s
+        grace_end = now + self.settings.reclaim_grace_s
+        counted: set[str] = set()  # free GPUs an earlier booking counts on
+        for share in shares.shares:
+            g = share.guarantee
+            free = [gpu.uuid for gpu in usable.gpus.values()
+                    if on_its_gpus(g, gpu.model, gpu.host) and gpu.uuid not in counted
+                    and gpu.present and gpu.health is Health.HEALTHY
+                    and not gpu.mig_enabled and not gpu.drained
+                    and not claimed_by.get(gpu.uuid)
+                    and gpu.host in usable.nodes
+                    and not usable.nodes[gpu.host].drained
+                    and usable.nodes[gpu.host].is_up(now, down_after)]
+            free = sorted(free)[:max(int(share.room), 0)]
+            counted.update(free)
+            occupants = [
+                Occupant(c.lease_id, frozenset(c.gpu_uuids), c.idle_s, c.granted_at, c.warned)
+                for c in candidates if share.name in c.displaceable_by
+                and c.lease_id not in plan and c.lease_id not in found]
+            at = float(g.starts_at) if g.starts_at > now else grace_end
+            for lease_id in to_clear(share, len(free), occupants, claimed_by,
+                                     self.settings.idle_window_s):
+                found[lease_id] = (fairshare.Reclaim(
+                    ReclaimReason.RECLAIMED, None, share.name), at)
+        return found
+
+    def _recompute_borrowed(self, changes: Changes, covered: Collection[str]) -> None:
         """Recompute which holding leases are borrowed (an older lease of the same scope may
-        have ended); a lease moved within its guarantee loses a pending reclaim warning."""
+        have ended, a booking's window begun or ended); a lease moved within its guarantee
+        loses a pending reclaim warning. ``covered``: leases a booking in effect covers."""
         holding = self.book.holding()
         borrowed = fairshare.borrowed_leases(
             [fairshare.Holding(r.lease_id, r.user, r.groups, r.units, r.granted_at or 0.0,
-                               r.borrowed, r.model) for r in holding], self.settings)
+                               r.borrowed, r.model) for r in holding], self.settings, covered)
         for record in holding:
             now_borrowed = record.lease_id in borrowed
             if record.borrowed != now_borrowed:
@@ -100,42 +181,61 @@ class Reclaimer:
                 changes.lease(record)
 
     def _waiters(self) -> list[fairshare.Waiter]:
+        """The queued requests in the order they are served (members of a booking in
+        effect first), each with the booking it may be placed in."""
         waiters = []
-        for _, lease_id in self.book.queue:
+        for lease_id in self.book.serving_order():
             demand = self.book.queued_demand(self.book.leases[lease_id])
             if isinstance(demand, policy.Demand):
-                waiters.append(fairshare.Waiter(lease_id, demand))
+                share = self.windows.booked_share(demand.user, demand.groups, demand.models,
+                                                  demand.host)
+                waiters.append(fairshare.Waiter(lease_id, demand, None if share is None else
+                                                _booked(share)))
         return waiters
 
-    def _candidates(self, now: float) -> list[fairshare.Candidate]:
+    def _candidates(self, now: float, shares: Shares) -> list[fairshare.Candidate]:
         release_after = self.settings.idle_release_after_s
+        covered = self.windows.booking_of
         candidates = []
         for record in self.book.holding():
-            if record.state is LeaseState.RELEASING or record.reclaim_stopped_at is not None:
+            if record.state is LeaseState.RELEASING or record.reclaim_stopped_at is not None \
+                    or record.lease_id in covered:
                 continue
             idle_s = self.idle.idle_for(record, now)
             releasable = release_after is not None and idle_s >= release_after
-            if record.borrowed or releasable:
+            displaceable = frozenset(
+                s.name for s in shares.shares
+                if on_its_gpus(s.guarantee, record.model, record.host)
+                and not s.guarantee.covers(record.user, record.groups))
+            if record.borrowed or releasable or displaceable:
                 candidates.append(fairshare.Candidate(
                     lease_id=record.lease_id, gpu_uuids=record.gpu_uuids,
                     granted_at=record.granted_at or 0.0, idle_s=idle_s,
                     warned=record.reclaim_at is not None, borrowed=record.borrowed,
-                    idle_releasable=releasable))
+                    idle_releasable=releasable, displaceable_by=displaceable))
         return candidates
 
     def _warn(self, record: LeaseRecord, reclaim: fairshare.Reclaim, now: float,
-              changes: Changes) -> None:
+              changes: Changes, *, at: float | None = None) -> None:
         if record.reclaim_at is None:
-            record.reclaim_at = now + self.settings.reclaim_grace_s
+            record.reclaim_at = at if at is not None else now + self.settings.reclaim_grace_s
         record.reclaim_reason = reclaim.reason
         record.reclaim_for = reclaim.for_lease
         changes.lease(record)
+        extra: dict[str, object] = {}
+        if reclaim.booking is not None:
+            self.windows.reclaim_for_booking[record.lease_id] = reclaim.booking
+            extra = {"booking": reclaim.booking,
+                     "note": self.windows.reclaim_text(reclaim.booking, record.reclaim_at)}
+        else:
+            self.windows.reclaim_for_booking.pop(record.lease_id, None)
         changes.event(now, "reclaim_warning", host=record.host, lease_id=record.lease_id,
                       user=record.user, reason=reclaim.reason.value,
-                      reclaim_at=record.reclaim_at, for_lease=reclaim.for_lease)
+                      reclaim_at=record.reclaim_at, for_lease=reclaim.for_lease, **extra)
         self.counters.add_to(Family.RECLAIM_WARNED, reclaim.reason.value)
 
     def _withdraw(self, record: LeaseRecord, now: float, changes: Changes) -> None:
+        self.windows.reclaim_for_booking.pop(record.lease_id, None)
         changes.event(now, "reclaim_withdrawn", host=record.host, lease_id=record.lease_id,
                       user=record.user, reason=(record.reclaim_reason.value
                                                 if record.reclaim_reason else None))

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from allocator import policy
+from allocator.bookings.in_effect import Held
+from allocator.bookings.schedule import bookings_view
 from allocator.cluster import Cluster
 from allocator.config import AllocatorSettings
 from allocator.engine.idle import IdleWatch
@@ -20,11 +22,13 @@ from allocator.engine.nodes import NodeReports
 from allocator.engine.processes import ProcessWatch
 from allocator.lease import LeaseRecord
 from allocator.protocol import (
+    BookingsView,
     GPUView,
     InventoryReply,
     LeasesReply,
     LeasesRequest,
     LeaseState,
+    ModelSummary,
     NodeView,
     QueueReply,
     QuotaReply,
@@ -78,9 +82,10 @@ class Views:
         return QuotaReply(user=request.user, quotas=views, would_borrow=would_borrow)
 
     def queue(self, visible: Visible = everything) -> QueueReply:
-        """The queued leases in queue order (those ``visible``; positions count them all)."""
+        """The queued leases in the order they are served (those ``visible``; positions count
+        them all)."""
         book = self.book
-        return QueueReply(leases=[book.view(book.leases[i]) for _, i in book.queue
+        return QueueReply(leases=[book.view(book.leases[i]) for i in book.serving_order()
                                   if visible(book.leases[i])])
 
     def leases_reply(self, request: LeasesRequest, now: float,
@@ -120,7 +125,8 @@ class Views:
                     if r.container_id is not None}
         nodes = [
             NodeView(host=n.host, up=self.nodes.up(n, now), drained=n.drained,
-                     last_heartbeat=n.last_heartbeat, gpus=len(n.gpu_uuids))
+                     last_heartbeat=n.last_heartbeat, gpus=len(n.gpu_uuids),
+                     interconnect=n.interconnect)
             for n in sorted(self.cluster.nodes.values(), key=lambda n: n.host)
         ]
         gpus = [
@@ -150,4 +156,19 @@ class Views:
         if include_leases:
             leases = [self.book.view(r) for r in self.book.leases.values() if visible(r)]
         return InventoryReply(at=now, nodes=nodes, gpus=gpus, models=models,
-                              queued=len(self.book.queue), leases=leases)
+                              queued=len(self.book.queue), leases=leases,
+                              bookings=self.bookings_view(now, models))
+
+    # --- What users see of bookings (allocator.bookings.schedule) -------------------------
+
+    def bookings_view(self, now: float, models: list[ModelSummary]) -> BookingsView | None:
+        """The bookings of the coming week as users see them; None while none is held. Read
+        from the bookings the engine's windows draw on, never changing those windows."""
+        bookings = self.book.windows.bookings
+        resolved = bookings.resolved()
+        if not resolved:
+            return None
+        held = [Held(r.lease_id, r.user, r.groups, r.model, r.host or "", r.units,
+                     r.granted_at or 0.0) for r in self.book.holding()]
+        free = {(m.model, host): n for m in models for host, n in m.hosts.items()}
+        return bookings_view(resolved, now, bookings.capacity(now), held, free)

@@ -86,7 +86,8 @@ class GPUPage:
         see the cluster."""
         groups = set(model.get("groups") or ())
         admin = bool(model.get("admin")) or bool(groups & set(self.settings.admin_groups))
-        return Viewer(name=str(model["name"]), is_admin=admin)
+        return Viewer(name=str(model["name"]), is_admin=admin,
+                      groups=tuple(sorted(str(g) for g in groups)))
 
     async def render(self, viewer: Viewer, hub_prefix: str) -> str:
         """The page's HTML for this viewer."""

@@ -3,12 +3,16 @@
 From one inventory reply (with its leases), the page's usage history and who is looking:
 
 - *your GPUs*: each lease of the viewer on this hub (held or queued) with its host, model,
-  GPUs, utilization and memory now and as a chart over the history, how long it has been idle,
-  whether it is guaranteed or borrowed, and a pending reclaim with its deadline;
+  GPUs and how they are joined ("2 GPUs, NVLink"), utilization and memory now and as a chart
+  over the history, how long it has been idle, whether it is guaranteed or borrowed, and a
+  pending reclaim with its deadline;
 - *warnings on your GPUs*: a shared slice over its memory budget, a container that uses GPUs it
   was not granted, a process outside swarm-gpu on a GPU you hold;
-- *the cluster* (admins only): every GPU with its holders, their idle time and borrowing, the
-  processes that keep it out of placement (container, image, pids), and the queue;
+- *the cluster* (admins only): every GPU with its holders (and their GPUs' links), their idle
+  time and borrowing, the processes that keep it out of placement (container, image, pids),
+  and the queue;
+- *bookings* (:mod:`hubplugin.page.calendar`): the viewer's own, and for admins the week's
+  calendar; a reclaim warning for a booking names it;
 - *GPUs kept out* (everyone else): which GPUs are draining, stuck or in use outside swarm-gpu,
   without whose containers or processes those are.
 
@@ -23,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from allocator.bookings.outlook import outlook_for
 from allocator.model_names import display_name
 from allocator.protocol import (
     GPUView,
@@ -34,8 +39,10 @@ from allocator.protocol import (
     ReclaimReason,
 )
 
+from ..links import lease_link
 from ..options import request_key
 from ..templating import format_mib
+from .calendar import my_bookings, week_calendar
 from .chart import usage_chart
 from .usage import UsagePoint, gpus_by_uuid, lease_usage
 
@@ -46,6 +53,8 @@ class Viewer:
 
     name: str
     is_admin: bool
+    groups: tuple[str, ...] = ()
+    """The hub groups they are in (whose bookings are theirs)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,9 @@ def _fair_share(lease: Lease, now: float) -> dict[str, Any]:
         why = ("it has been idle while others wait for a GPU"
                if lease.reclaim_reason is ReclaimReason.IDLE
                else "it is borrowed beyond your guarantee, and someone within theirs waits")
+        if lease.reclaim_booking is not None:  # the allocator names the booking (0.3.0)
+            why = (f"its GPUs are booked for {lease.reclaim_booking}, whose members need "
+                   "them then")
         reclaim = {"at": clock(lease.reclaim_at), "in": duration(lease.reclaim_at - now),
                    "why": why, "epoch": f"{lease.reclaim_at:.0f}"}
     return {
@@ -146,6 +158,7 @@ def lease_card(lease: Lease, gpus: Mapping[str, GPUView], history: Sequence[Usag
         "host": lease.host or "—",
         "model": model,
         "what": what,
+        "link": lease_link(lease),
         "whole_gpu": lease.shared and lease.utilization_pct is None,
         "since": f"{clock(since)} ({duration(now - since)} ago)",
         "utilization": _percent(point.utilization_pct if point else None),
@@ -269,9 +282,10 @@ def _gpu_row(gpu: GPUView, leases: Mapping[str, Lease], gpus: Mapping[str, GPUVi
         lease = leases.get(lease_id)
         if lease is None:
             holders.append({"user": "?", "server": lease_id, "share": None, "idle": None,
-                            "reclaim": None, "warnings": []})
+                            "reclaim": None, "warnings": [], "link": None})
             continue
         holders.append({"user": lease.user, "server": server_label(lease),
+                        "link": lease_link(lease),
                         "warnings": _holder_warnings(lease, gpus), **_fair_share(lease, now)})
     if gpu.health.value != "healthy":
         state = "unhealthy"
@@ -311,9 +325,15 @@ def page_context(inventory: InventoryReply | None, viewer: Viewer,
         "unavailable": unavailable, "span": duration(window.span_s), "hub_prefix": hub_prefix,
         "held": [], "queued": [], "cluster": None, "kept_out": [],
         "as_of": clock(inventory.at) if inventory is not None else None,
+        "bookings": [], "calendar": None,
     }
     if inventory is None:
         return context
+    # Bookings (0.3.0): the viewer's own, and for admins the week's calendar.
+    context["bookings"] = my_bookings(
+        outlook_for(inventory.bookings, viewer.name, viewer.groups, now), now)
+    if viewer.is_admin:
+        context["calendar"] = week_calendar(inventory.bookings, now)
     gpus = gpus_by_uuid(inventory.gpus)
     leases = {lease.lease_id: lease for lease in inventory.leases or []}
     mine = [lease for lease in leases.values()

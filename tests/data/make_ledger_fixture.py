@@ -12,7 +12,8 @@ The commits each fixture was made with are in ``tests/test_ledger_migrations.py`
 only features the release has are used (a log position from schema 3 on). The contents, for
 the tests to check after the migration: two hosts, four GPUs, five leases (bound, a bound
 slice, granted, queued, released; owned by the broker user ``hub`` from schema 6 on), their
-history and three events; all times fixed.
+history and three events (from schema 7 on, two bookings, one of them removed, and a fourth
+event); all times fixed.
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ def main() -> None:
     changes.event(T0, "node_joined", host="gpu-b")
     changes.event(T0 + 50, "lease_released", lease_id="L-done", user="erin", host="gpu-b",
                   reason="container_exited")
+    booking_row = getattr(ledger_module, "BookingRow", None)
+    if booking_row is not None:  # schema 7 on: a weekly lab, and one removed
+        lab = {"name": "CS101 lab", "group": "lab", "users": None,
+               "gpus": {"model": GTX1070, "mig_profile": None, "count": 2, "host": None},
+               "zone": "Europe/Berlin",
+               "window": {"kind": "weekly", "weekdays": ["tue"], "start": "10:00:00",
+                          "duration_s": 7200, "starts_on": None, "until": "2025-08-26"},
+               "lead_s": 900, "quota_applies": True, "created_by": "admin"}
+        changes.booking(booking_row("CS101 lab", lab, T0 + 5, "admin (admin)"))
+        changes.booking(booking_row("old lab", {**lab, "name": "old lab"}, T0 + 6,
+                                    "admin (admin)", removed_at=T0 + 7,
+                                    removed_by="admin (admin)"))
+        changes.event(T0 + 5, "booking_added", booking="CS101 lab", by="admin (admin)")
     position_class = getattr(ledger_module, "LogPosition", None)
     if position_class is not None and "position" in inspect.signature(Ledger.commit).parameters:
         position = position_class(log_id="log-fixture", offset=41, entry_id="entry-41",
