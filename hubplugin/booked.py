@@ -22,7 +22,7 @@ from .options import ModelCatalog, Profile
 
 def choice_text(outlook: UserOutlook, model: str, units: float | None, now: float) -> str | None:
     """What bookings mean for a choice of ``units`` GPUs of ``model`` (None: nothing)."""
-    booked = outlook.booked_for(model)
+    booked = outlook.booked_for(model, units)
     if booked is not None:
         return booked.text(now)
     taken = outlook.take_back_for(model, units)

@@ -108,7 +108,9 @@ def test_a_member_sees_their_booking_and_others_see_what_it_takes_back() -> None
     assert [b.name for b in alice.mine] == ["CS101 lab", "Exam"]
     booked = alice.booked_for(GTX1070)
     assert booked is not None and booked.text(NINE) == "booked for CS101 lab until 12:00"
-    assert alice.take_back_for(GTX1070, 4.0) is None, "her own booking covers the model"
+    assert alice.take_back_for(GTX1070, 2.0) is None, "her own booking covers 2 GPUs"
+    beyond = alice.take_back_for(GTX1070, 4.0)  # 4 GPUs are more than her booking's 2
+    assert beyond is not None and beyond.schedule.name == "ML lab", beyond
     bob = outlook_for(reply, "bob", ["students"], NINE)
     assert bob.mine == [] and bob.booked_for(GTX1070) is None
     # One GPU: CS101 (now) leaves 1 spare, ML (at 10:00) none; two: CS101 already.

@@ -94,3 +94,15 @@ def test_a_borrower_is_warned_that_a_booking_takes_their_gpus_back() -> None:
                   gpu_uuids=["GPU-gpu-a-1"], gpu_indices=[1], borrowed=True,
                   reclaim_at=NINE + 3600, reclaim_reason="reclaimed")
     assert "booked for" not in render(booked([plain]), Viewer("bob", is_admin=False))
+
+
+def test_the_admins_table_says_which_booking_a_stop_is_for() -> None:
+    warned = lease(lease_id="L-bob", request_key="hub/bob/", user="bob", host="gpu-a",
+                   gpu_uuids=["GPU-gpu-a-1"], gpu_indices=[1], borrowed=False,
+                   reclaim_at=NINE + 3600, reclaim_reason="reclaimed",
+                   reclaim_booking="ML lab")
+    html = render(booked([warned]), Viewer("root", is_admin=True))
+    assert "· stop at 09:00 UTC for ML lab</strong>" in html
+    plain = warned.model_copy(update={"reclaim_booking": None})
+    html = render(booked([plain]), Viewer("root", is_admin=True))
+    assert "· stop at 09:00 UTC</strong>" in html and "for ML lab" not in html

@@ -10,6 +10,7 @@ from test_hub_form import PROFILES, STAFF, parse
 from allocator.bookings.outlook import outlook_for
 from allocator.bookings.schedule import bookings_view
 from allocator.protocol import InventoryReply
+from hubplugin.booked import choice_text
 from hubplugin.form import render_form
 
 
@@ -43,6 +44,16 @@ def test_a_members_choices_say_booked_for_their_booking_until_its_end() -> None:
     assert "booked for CS101 lab until 12:00" in html.split('value="one-1070"')[1] \
         .split("</label>")[0]
     assert "sg-booking" not in html.split('value="cpu"')[1].split("</label>")[0]
+
+
+def test_a_choice_of_more_gpus_than_booked_is_not_marked_booked() -> None:
+    """CS101 books 2 GTX 1070: a choice of 1 or 2 is covered, one of 3 is not (its third GPU
+    is ordinary capacity), and so is not said to be booked."""
+    reply = booked_cluster()
+    alice = outlook_for(reply.bookings, "alice", ["cs101"], reply.at)
+    covered = {units: choice_text(alice, GTX1070, units, reply.at) for units in (1.0, 2.0, 3.0)}
+    assert covered[1.0] == covered[2.0] == "booked for CS101 lab until 12:00", covered
+    assert covered[3.0] is None or "booked for" not in covered[3.0], covered
 
 
 def test_others_see_which_choices_a_booking_reclaims_soon() -> None:

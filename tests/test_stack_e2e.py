@@ -26,6 +26,7 @@ import base64
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import secrets
@@ -42,10 +43,13 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
+from zoneinfo import ZoneInfo
 
 import pytest
+from hub_browser import Browser
 from services import REQUIRE_ENV, require_service
 
 from allocator.client import (
@@ -148,12 +152,13 @@ class Cluster:
         return subprocess.run([str(CLUSTER_SCRIPT), *args], capture_output=True, text=True,
                               timeout=timeout, env=script_env(self.dir), stdin=subprocess.DEVNULL)
 
-    def docker(self, node: str, *args: str, timeout: float = 120,
-               check: bool = True) -> subprocess.CompletedProcess[str]:
+    def docker(self, node: str, *args: str, timeout: float = 120, check: bool = True,
+               stdin_text: str | None = None) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, **self.env,
                "DOCKER_HOST": self.env[f"SWARM_GPU_CLUSTER_DOCKER_{node.replace('-', '_')}"]}
         result = subprocess.run(["docker", *args], capture_output=True, text=True, env=env,
-                                timeout=timeout, stdin=subprocess.DEVNULL)
+                                timeout=timeout, input=stdin_text,
+                                stdin=subprocess.DEVNULL if stdin_text is None else None)
         if check and result.returncode != 0:
             raise AssertionError(f"docker {shlex.join(args)} on {node}: {result.stderr}")
         return result
@@ -201,6 +206,21 @@ class Cluster:
             self._active = (node, container)
         if check and result.returncode != 0:
             raise AssertionError(f"gpu-ledger {shlex.join(args)} on {node}: {result.stderr}")
+        return result
+
+    def admin_gpu_ledger(self, *args: str, check: bool = True
+                         ) -> subprocess.CompletedProcess[str]:
+        """``gpu-ledger ARGS`` in the active replica as the admin's broker user (an admin
+        command: ``admin_users``), the URL on stdin as docs/operations.md has it ("The
+        gpu-ledger command"): never on a command line, where ``ps`` and the logs show it."""
+        node, container = self.active_allocator()
+        url = (f"amqps://admin:{self.secret('broker-passwords/admin')}@rabbitmq:"
+               f"{self.env['SWARM_GPU_BROKER_PORT']}/swarm-gpu\n")
+        result = self.docker(node, "exec", "-i", "-e", "SWARM_GPU_AMQP_URL_FILE=/dev/stdin",
+                             container, "gpu-ledger", *args, check=False, stdin_text=url)
+        if check and result.returncode != 0:
+            raise AssertionError(f"gpu-ledger {shlex.join(args)} on {node}: "
+                                 f"{result.stdout}{result.stderr}")
         return result
 
     def ledger_status(self, on: tuple[str, str] | None = None) -> dict[str, Any]:
@@ -564,40 +584,45 @@ def test_stopping_the_server_frees_its_gpu(cluster: Cluster) -> None:
     assert cluster.container_on(node, lease_id) is None
 
 
+def sign_up(browser: Browser, page: str, hub_url: str, name: str) -> str:
+    """``name`` signs up at /hub/signup in ``page`` with a new password, which it returns."""
+    password = secrets.token_urlsafe(16)
+    browser.navigate(page, f"{hub_url}/hub/signup")
+    browser.submit(page, f"""
+        document.querySelector('#username_input').value = {json.dumps(name)};
+        document.querySelector('#password_input').value = {json.dumps(password)};
+        document.querySelector('#password_confirmation_input').value =
+            {json.dumps(password)};
+        document.querySelector('form').submit();
+    """)
+    return password
+
+
+def authorize(browser: Browser, admin_page: str, hub_url: str, name: str) -> None:
+    """An admin logged in at ``admin_page`` authorizes ``name``'s signup from the list at
+    /hub/authorize."""
+    browser.navigate(admin_page, f"{hub_url}/hub/authorize")
+    browser.submit(admin_page,
+                   f"document.querySelector('a[href$=\"/authorize/{name}\"]').click()")
+
+
 def test_the_spawn_form_in_chromium(cluster: Cluster, chromium_path: Path,
                                     tmp_path: Path) -> None:
-    from hub_browser import Browser
-
     cluster.user("carol", "students")
-    password = secrets.token_urlsafe(16)
     hub_host = urllib.parse.urlsplit(cluster.hub_url).hostname or ""
     with Browser(chromium_path, tmp_path / "chromium", timeout=60,
                  hosts=(hub_host,)) as browser:
         # carol signs up; the first admin, logged in with the password scripts/cluster made,
         # authorizes her from the list at /hub/authorize; then she logs in.
         page = browser.page()
-        browser.navigate(page, f"{cluster.hub_url}/hub/signup")
-        browser.submit(page, f"""
-            document.querySelector('#username_input').value = 'carol';
-            document.querySelector('#password_input').value = {json.dumps(password)};
-            document.querySelector('#password_confirmation_input').value =
-                {json.dumps(password)};
-            document.querySelector('form').submit();
-        """)
+        password = sign_up(browser, page, cluster.hub_url, "carol")
         with Browser(chromium_path, tmp_path / "chromium-admin", timeout=60,
                      hosts=(hub_host,)) as admins_browser:  # cookies of its own
             admin = admins_browser.page()
             admins_browser.log_in(admin, cluster.hub_url, "admin",
                                   cluster.secret("hub-admin-password"))
-            admins_browser.navigate(admin, f"{cluster.hub_url}/hub/authorize")
-            admins_browser.submit(
-                admin, "document.querySelector('a[href$=\"/authorize/carol\"]').click()")
-        browser.navigate(page, f"{cluster.hub_url}/hub/login")
-        browser.submit(page, f"""
-            document.querySelector('#username_input').value = 'carol';
-            document.querySelector('#password_input').value = {json.dumps(password)};
-            document.querySelector('form').submit();
-        """)
+            authorize(admins_browser, admin, cluster.hub_url, "carol")
+        browser.log_in(page, cluster.hub_url, "carol", password)
         browser.navigate(page, f"{cluster.hub_url}/hub/spawn")
         profiles = browser.evaluate(
             page, "[...document.querySelectorAll('input[name=profile]')].map(e => e.value)")
@@ -617,6 +642,126 @@ def test_the_spawn_form_in_chromium(cluster: Cluster, chromium_path: Path,
     assert env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"]
     cluster.stop("carol")
     eventually(lambda: cluster.lease(lease_id) is None, "carol's GPU free")
+
+
+BOOKING_ZONE = "Europe/Berlin"
+"""The bookings' zone: their times are its wall clock (whole hours from UTC, so its whole
+minutes are UTC's)."""
+EXAM = "DL101 exam"
+EXAM_LEAD_S = 15
+"""The exam booking's lead: kate, who holds its GPU, is warned this long before it starts."""
+BEFORE_LEAD_S = 10
+"""At least this long from computing the window to its lead: ``gpu-ledger booking add``."""
+
+
+def booking_time(instant: float, zone: ZoneInfo) -> str:
+    """An instant as a booking's window takes it: local, in whole minutes."""
+    return datetime.fromtimestamp(instant, zone).strftime("%Y-%m-%dT%H:%M")
+
+
+def test_a_class_booking_takes_its_gpu_back_for_a_member_at_the_start(
+        cluster: Cluster, chromium_path: Path, tmp_path: Path) -> None:
+    """docs/operations.md, "Bookings", with the real clock: the admin books the RTX 3090 for
+    a class (``gpu-ledger booking add`` in the allocator's container) while kate, not in
+    it, holds it. kate is warned at the lead, naming the booking; liam, in the class, spawns
+    through the hub and gets kate's GPU at the start, and kate's notebook is stopped. liam's
+    spawn form marks the booked choices, the admin's GPU page shows the week's calendar and
+    kate's warning (with SWARM_GPU_UPDATE_DOCS=1 both become the README's pictures).
+
+    Bookings are in whole minutes, so the window starts at the first whole minute that
+    leaves time to add it before its lead: the test waits for the lead and up to a minute
+    more, and the browsers do their part meanwhile."""
+    began = time.monotonic()
+    zone = ZoneInfo(BOOKING_ZONE)
+    kates_lease, node, _, gpu, _ = cluster.granted("kate", "staff",
+                                                   {"mode": "exclusive", "model": "3090"})
+    assert node == "gpu-2" and gpu["model"] == RTX3090
+    cluster.user("liam", "staff")
+    start = math.ceil((time.time() + EXAM_LEAD_S + BEFORE_LEAD_S) / 60) * 60
+    today = datetime.fromtimestamp(start, zone).date()
+    lab_days = [today + timedelta(days=2), today + timedelta(days=4)]
+    added_at = time.time()
+    shots = {"form": tmp_path / "bookings-spawn-form.png",
+             "calendar": tmp_path / "bookings-calendar.png"}
+    hub, hub_host = cluster.hub_url, urllib.parse.urlsplit(cluster.hub_url).hostname or ""
+    try:
+        added = cluster.admin_gpu_ledger(
+            "booking", "add", "--name", EXAM, "--users", "liam,mona", "--model", "3090",
+            "--count", "1", "--zone", BOOKING_ZONE, "--once", booking_time(start, zone),
+            booking_time(start + 600, zone), "--lead", f"{EXAM_LEAD_S}s", "--by", "admin")
+        assert f"booking {EXAM!r} added" in added.stdout, added.stdout
+        assert time.time() < start - EXAM_LEAD_S, "the booking was added after its lead"
+        # A weekly lab of the students' group, days ahead: for the calendar.
+        cluster.admin_gpu_ledger(
+            "booking", "add", "--name", "CS101 lab", "--group", "students", "--model", "1070",
+            "--count", "2", "--zone", BOOKING_ZONE,
+            "--weekly", ",".join(f"{day:%a}".lower() for day in lab_days), "--at", "10:00",
+            "--duration", "2h", "--from", f"{lab_days[0]}",
+            "--until", f"{lab_days[0] + timedelta(days=14)}", "--by", "admin")
+        listed = json.loads(cluster.admin_gpu_ledger("booking", "list", "--json").stdout)
+        assert sorted(view["name"] for view in listed) == ["CS101 lab", EXAM], listed
+
+        def warning() -> dict[str, Any] | None:
+            events = json.loads(cluster.gpu_ledger(
+                "export", "events", "--user", "kate", "--since", f"{added_at:.0f}",
+                "--format", "json", "--time-format", "epoch").stdout)
+            return next((e for e in events if e["kind"] == "reclaim_warning"
+                         and e["lease_id"] == kates_lease), None)
+        with Browser(chromium_path, tmp_path / "chromium", timeout=60,
+                     hosts=(hub_host,)) as browser, \
+                Browser(chromium_path, tmp_path / "chromium-admin", timeout=60,
+                        hosts=(hub_host,)) as admins_browser:
+            page, admin = browser.page(), admins_browser.page()
+            password = sign_up(browser, page, hub, "liam")
+            admins_browser.log_in(admin, hub, "admin", cluster.secret("hub-admin-password"))
+            authorize(admins_browser, admin, hub, "liam")
+            browser.log_in(page, hub, "liam", password)
+            browser.navigate(page, f"{hub}/hub/spawn")
+            form = str(browser.evaluate(page, "document.body.innerText"))
+            browser.screenshot(page, shots["form"], full_page=True)
+            warned = eventually(warning, "kate warned for the booking",
+                                within=start - time.time() + WITHIN_S)
+            admins_browser.navigate(admin, f"{hub}/services/gpu/")
+            page_text = str(admins_browser.evaluate(admin, "document.body.innerText"))
+            admins_browser.screenshot(admin, shots["calendar"], full_page=True)
+        assert f"booked for {EXAM}" in form, form
+        assert start - EXAM_LEAD_S - 1 <= warned["at"] < start, (warned, start)
+        assert warned["detail"]["booking"] == EXAM, warned
+        assert warned["detail"]["reclaim_at"] == start, warned
+        assert "Bookings this week" in page_text and "CS101 lab" in page_text, page_text
+        assert EXAM in page_text and "liam, mona" in page_text, page_text
+        for name, shot in shots.items():
+            assert shot.stat().st_size > 10_000, name
+            if os.environ.get("SWARM_GPU_UPDATE_DOCS") == "1":
+                shutil.copyfile(shot, REPO_ROOT / "docs" / shot.name)
+
+        # liam asks (before the start unless the browsers took long): granted at the start.
+        asked = time.time()
+        cluster.spawn("liam", {"mode": "exclusive", "model": "3090"})
+        cluster.ready("liam")
+        ready = time.time()
+        liams_lease, liams_node, env = cluster.lease_of("liam")
+        liams_gpu, _ = eventually(lambda: cluster.lease(liams_lease), "liam's lease")
+        assert liams_node == "gpu-2" and liams_gpu["uuid"] == gpu["uuid"]
+        assert env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"]
+        leases = {row["lease_id"]: row for row in json.loads(cluster.gpu_ledger(
+            "export", "leases", "--since", f"{added_at:.0f}", "--format", "json",
+            "--time-format", "epoch").stdout)}
+        assert leases[liams_lease]["granted_at"] >= start, leases[liams_lease]
+        kates = leases[kates_lease]
+        assert kates["release_reason"] == "reclaimed" and kates["released_at"] >= start, kates
+        assert cluster.container_on("gpu-2", kates_lease) is None
+        print(f"liam asked {asked - start:+.1f} s from the window's start, his server was "
+              f"ready {ready - start:.1f} s after it; "
+              f"waited for the window (lead {EXAM_LEAD_S} s, whole minutes): "
+              f"{start - added_at:.0f} s; the whole test: {time.monotonic() - began:.0f} s")
+    finally:
+        for name in (EXAM, "CS101 lab"):
+            cluster.admin_gpu_ledger("booking", "remove", name, "--by", "admin", check=False)
+        cluster.stop("liam")
+        cluster.stop("kate")  # the hub's record of it: the reclaim stopped the container
+    assert json.loads(cluster.admin_gpu_ledger("booking", "list", "--json").stdout) == []
+    eventually(lambda: cluster.free() == {"gpu-1": 2, "gpu-2": 2}, "every GPU free")
 
 
 UPGRADED_VERSION_SUFFIX = "+upgrade"

@@ -130,14 +130,17 @@ class UserOutlook:
     take_backs: list[TakeBack] = field(default_factory=list)
     """Others' bookings that take back GPUs now or soon, soonest first."""
 
-    def booked_for(self, model: str) -> Booked | None:
-        """The first booking of the user's on GPUs of ``model`` in effect or soon."""
-        return next((b for b in self.booked if b.schedule.model == model), None)
+    def booked_for(self, model: str, units: float | None = None) -> Booked | None:
+        """The first booking of the user's on GPUs of ``model`` in effect or soon that covers a
+        choice of ``units`` GPUs (None: any number; a choice of more GPUs than the booking
+        has is not covered by it, its excess being ordinary capacity)."""
+        return next((b for b in self.booked if b.schedule.model == model
+                     and (units is None or units <= b.schedule.count)), None)
 
     def take_back_for(self, model: str, units: float | None) -> TakeBack | None:
         """The soonest of others' bookings that may reclaim a choice of ``units`` GPUs of
         ``model`` (None when the user's own booking covers that model now or soon)."""
-        if self.booked_for(model) is not None:
+        if self.booked_for(model, units) is not None:
             return None
         return next((t for t in self.take_backs
                      if t.schedule.model == model and t.applies(units)), None)

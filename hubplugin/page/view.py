@@ -129,7 +129,8 @@ def _fair_share(lease: Lease, now: float) -> dict[str, Any]:
             why = (f"its GPUs are booked for {lease.reclaim_booking}, whose members need "
                    "them then")
         reclaim = {"at": clock(lease.reclaim_at), "in": duration(lease.reclaim_at - now),
-                   "why": why, "epoch": f"{lease.reclaim_at:.0f}"}
+                   "why": why, "epoch": f"{lease.reclaim_at:.0f}",
+                   "booking": lease.reclaim_booking}
     return {
         "share": "borrowed" if lease.borrowed else "guaranteed",
         "idle": None if lease.idle_since is None else duration(now - lease.idle_since),
