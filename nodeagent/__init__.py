@@ -22,6 +22,7 @@ Modules, one concept each:
 - :mod:`nodeagent.mig`        MIG: parent health on instances, held instances through a re-partition
 - :mod:`nodeagent.cgroups`    process → container mapping through ``/proc/<pid>/cgroup``
 - :mod:`nodeagent.containers` lease-labelled containers and their events (aiodocker)
+- :mod:`nodeagent.cpu_pinning` ``pin_cpus``: lease containers pinned to the CPUs near their GPUs
 - :mod:`nodeagent.publisher`  bounded, buffered publishing to the nodes exchange (aio-pika)
 - :mod:`nodeagent.commands`   the allocator's stop commands for this host's lease containers
 - :mod:`nodeagent.metrics`    Prometheus metrics on a port of its own (``metrics_port``)

@@ -18,7 +18,12 @@ One :class:`NodeAgent` runs per GPU host. Its parts run side by side:
 - the **publisher** (:mod:`nodeagent.publisher`): bounded publishes, buffered events;
 - the **command consumer** (:mod:`nodeagent.commands`): stops a lease container at once when
   the allocator asks (the hub released its lease), through the Docker watcher's client, and
-  hands over the allocator's hello (what it reads: whether to report GPU processes).
+  hands over the allocator's hello (what it reads: whether to report GPU processes);
+- with ``pin_cpus``, the **CPU pinner** (:mod:`nodeagent.cpu_pinning`): pins each lease
+  container to the CPUs near its GPUs at its start event, and, from the heartbeat loop, the
+  running ones not pinned yet (those running when the agent started, or started while the
+  event stream was down, or in listing mode), once the interconnect (read for it whether the
+  allocator reads it or not) and the MIG instances' parents are known.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from nodeagent.cgroups import CgroupReader
 from nodeagent.commands import CommandConsumer
 from nodeagent.config import AgentSettings, resolve_host
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
+from nodeagent.cpu_pinning import CpuPinner
 from nodeagent.gpu_processes import (
     ContainerDetails,
     GPUProcesses,
@@ -273,6 +279,13 @@ class NodeAgent:
         self.interconnect_sent: HostInterconnect | None = None
         """The interconnect of the last full report published since the newest hello; None:
         none yet, so the next full report carries it."""
+        self.pinner: CpuPinner | None = None
+        """Pins lease containers to their GPUs' CPUs (``pin_cpus``); None when off."""
+        self._pinning_ready = False
+        """An inventory read gave the interconnect and the MIG instances' parents: pinning
+        may start (a container seen before waits for that heartbeat)."""
+        self._mig_parents: dict[str, str] = {}
+        """MIG instance uuid -> its parent GPU's uuid, as last read."""
 
     # ------------------------------------------------------------------ counters
 
@@ -349,6 +362,11 @@ class NodeAgent:
                 events=settings.docker_events,
                 on_call=self.metrics.observe_docker_call,
             )
+        if settings.pin_cpus:
+            if self.watcher is None:
+                log.warning("pin_cpus is on but docker is off: no container is pinned")
+            else:
+                self.pinner = CpuPinner(self.watcher.update_cpuset)
         engine_name = None
         if settings.host is None and self.watcher is not None:
             engine_name = await self.watcher.engine_name()
@@ -410,6 +428,8 @@ class NodeAgent:
                                *self._describing.values()])
         self._heartbeat_task = self._health_task = None
         self._describing.clear()
+        if self.pinner is not None:
+            await self.pinner.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         self._xid_stop.set()
@@ -502,7 +522,7 @@ class NodeAgent:
                 if proc.pid not in names:
                     names[proc.pid] = (proc.name if proc.name is not None
                                        else self.cgroups.command_name(proc.pid))
-        if not self.reports_interconnect:
+        if not self.reports_interconnect and self.pinner is None:
             return _Snapshot(samples, containers, names)
         try:
             interconnect = self.source.read_interconnect()
@@ -559,6 +579,12 @@ class NodeAgent:
             await self.watcher.refresh()  # listing mode: the list is only as fresh as this
         running: list[LeaseContainer] = self.watcher.running() if self.watcher else []
         samples = self.mig_layout.apply(samples, held_gpu_uuids(running))
+        if self.pinner is not None and unreadable is None:
+            self._mig_parents = {sample.uuid: sample.mig_parent_uuid for sample in samples
+                                 if sample.mig_parent_uuid is not None}
+            self._pinning_ready = True
+        if self.pinner is not None and self._pinning_ready:
+            self.pinner.pin_unseen(running, self.interconnect, self._mig_parents)
         self.tracker.forget(sample.uuid for sample in samples)
         own: dict[str, Verdict] = {}
         for sample in samples:
@@ -772,6 +798,10 @@ class NodeAgent:
                  " (inferred after a gap in the event stream)" if change.synthesized else "",
                  extra={"lease_id": change.lease_id, "host": self.host})
         self.publisher.submit_event(event)
+        if change.action == "start" and self.pinner is not None and self._pinning_ready:
+            self.pinner.pin(LeaseContainer(change.container_id, change.lease_id, change.name,
+                                           change.at, change.grant),
+                            self.interconnect, self._mig_parents)
         if change.action != "start":
             # The heartbeat's container list changed too: send it now, not in an interval.
             self.wake()

@@ -183,6 +183,16 @@ class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings, MetricsTokenSe
         "reported when they run on the host (not in a container): they hold a context on "
         "every GPU and use none of it for anyone. Compared as the kernel keeps a command "
         "name, cut to 15 characters.")
+    pin_cpus: bool = Field(
+        default=False,
+        description="Pin each lease container to the CPUs near its GPUs (the union of their "
+        "CPU affinity, from this agent's reading of how the GPUs are joined; a MIG instance: "
+        "its parent GPU's) with Docker's container update (docker update --cpuset-cpus), at "
+        "its start and, for those already running, at the agent's start. A Swarm service "
+        "cannot be given a cpuset; Swarm does not know of this one, and a restarted task is "
+        "pinned again when it starts. Where the CPUs are not known the container is left "
+        "alone (counted). Needs docker.",
+    )
     proc_root: Path = Field(
         default=Path("/proc"),
         description="Where the host's /proc is visible, to map GPU processes to containers. "

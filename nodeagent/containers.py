@@ -24,6 +24,9 @@ a broken stream, and then:
 (see :mod:`nodeagent.commands`): only a container that carries the lease label with the very
 lease id named, never anything else on the host.
 
+:meth:`ContainerWatcher.update_cpuset` sets a container's cpuset for
+:mod:`nodeagent.cpu_pinning` (the ``pin_cpus`` setting).
+
 With ``events=False`` (the agent's ``docker_events`` setting) the watcher follows no event
 stream at all: :meth:`ContainerWatcher.refresh` re-lists the running lease containers, which
 the agent does before every heartbeat, and nothing is reported between heartbeats. A death is
@@ -348,6 +351,16 @@ class ContainerWatcher:
                 return StopOutcome.GONE
             raise
         return StopOutcome.STOPPED
+
+    async def update_cpuset(self, container_id: str, cpus: str) -> None:
+        """Set a running container's cpuset (``docker update --cpuset-cpus``: ``POST
+        /containers/{id}/update`` with ``CpusetCpus``), bounded by the timeout. Raises
+        :class:`aiodocker.DockerError` when Docker refuses (a CPU the host does not have, no
+        such container) and TimeoutError when the engine does not answer."""
+        assert self._docker is not None, "start() first"
+        async with self._timed("update"), asyncio.timeout(self.timeout_s):
+            await self._docker._query_json(f"containers/{container_id}/update", method="POST",
+                                           data={"CpusetCpus": cpus})
 
     async def describe(self, container_id: str) -> ContainerDetails:
         """The name and image (as it was given: ``busybox:1.36``) of any container of this

@@ -7,9 +7,9 @@ Two parts, as in :mod:`allocator.metrics`, so that the agent's loops pay (almost
   and their failures. The agent calls its ``observe_*`` and ``count_*`` methods (a lock and
   an add each).
 - :class:`AgentCollector` reads everything else *at scrape time* from what the agent already
-  keeps: its publisher's and command consumer's counters, and the newest heartbeat it built,
-  which gives each GPU's health, utilization, memory and temperature and the lease containers
-  with their grants (users, groups, GPUs held).
+  keeps: its publisher's, command consumer's and CPU pinner's counters, and the newest
+  heartbeat it built, which gives each GPU's health, utilization, memory and temperature and
+  the lease containers with their grants (users, groups, GPUs held).
 
 The per-GPU gauges carry the labels NVIDIA's DCGM exporter uses where they mean the same,
 ``gpu`` (the index), ``UUID``, ``modelName`` and ``Hostname`` (and, for a MIG instance,
@@ -40,22 +40,25 @@ from prometheus_client.registry import Collector
 
 from allocator.metrics_http import MetricsServer, ProcessHealth, serve_registry
 from allocator.protocol import Health, Heartbeat
+from nodeagent.cpu_pinning import PIN_OUTCOMES
 
 if TYPE_CHECKING:
     from nodeagent.commands import CommandConsumer
     from nodeagent.containers import ContainerWatcher
+    from nodeagent.cpu_pinning import CpuPinner
     from nodeagent.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 
-DOCKER_CALLS = ("list", "inspect", "stop", "info", "ping")
+DOCKER_CALLS = ("list", "inspect", "stop", "info", "ping", "update")
 """The Docker API calls the agent makes, as :class:`~nodeagent.containers.ContainerWatcher`
 names them: list the lease containers, inspect one before a stop command (or a container
 without a lease that runs a process on a GPU, for its name and image), stop it, ``docker
-info`` for the node's name, and the liveness ping of a quiet event stream. Every one has its
-series from the start, at 0."""
+info`` for the node's name, the liveness ping of a quiet event stream, and the update that
+pins a lease container to its GPUs' CPUs (``pin_cpus``). Every one has its series from the
+start, at 0."""
 
 CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                 10.0, 30.0)
@@ -98,7 +101,8 @@ class AgentMetrics:
         self.inventory_read_seconds.labels(source)
         self.docker_call_seconds = Histogram(
             "swarm_gpu_agent_docker_call_seconds",
-            "Seconds one Docker API call took, by call (list, inspect, stop, info, ping), "
+            "Seconds one Docker API call took, by call (list, inspect, stop, info, ping, "
+            "update), "
             "failed calls included", ["call"], buckets=CALL_BUCKETS, registry=self.registry)
         for call in DOCKER_CALLS:
             self.docker_call_seconds.labels(call)
@@ -144,6 +148,7 @@ class Observed(Protocol):
     publisher: Publisher | None
     commands: CommandConsumer | None
     watcher: ContainerWatcher | None
+    pinner: CpuPinner | None
     last_heartbeat: Heartbeat | None
     deltas_sent: int
     xids_received: int
@@ -174,6 +179,7 @@ class Figures:
     docker_complete: bool = False
     docker_reconnects: int = 0
     deaths_inferred: int = 0
+    cpu_pinning: dict[str, int] = field(default_factory=dict)
     xids: int = 0
     inventory_errors: int = 0
     docker_errors: dict[str, int] = field(default_factory=dict)
@@ -208,6 +214,9 @@ def read_figures(agent: Observed, metrics: AgentMetrics) -> Figures:
         figures.docker_complete = watcher.complete
         figures.docker_reconnects = watcher.reconnects
         figures.deaths_inferred = watcher.deaths_inferred
+    pinner = agent.pinner
+    if pinner is not None:
+        figures.cpu_pinning = dict(pinner.counters)  # one C-level copy, as the commands'
     figures.inventory_errors, figures.docker_errors = metrics.failures()
     return figures
 
@@ -359,6 +368,14 @@ def agent_families(figures: Figures) -> Iterator[Metric]:
     for call, count in sorted(figures.docker_errors.items()):
         errors.add_metric([call], count)
     yield errors
+    pinning = CounterMetricFamily(
+        "swarm_gpu_agent_cpu_pinning", "Pinnings of lease containers to the CPUs near their "
+        "GPUs (pin_cpus), by outcome: pinned, failed (Docker refused, the container was "
+        "gone, no answer), unknown (the CPUs of its GPUs are not known: left alone)",
+        labels=["outcome"])
+    for outcome in PIN_OUTCOMES:
+        pinning.add_metric([outcome.value], figures.cpu_pinning.get(outcome.value, 0))
+    yield pinning
     yield _counter("swarm_gpu_agent_inventory_errors", "Reads of the GPUs that failed or ran "
                    "past inventory_timeout_s (the GPUs are then reported unhealthy)",
                    figures.inventory_errors)
