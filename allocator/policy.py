@@ -29,11 +29,12 @@ Rules, as in ``docs/design.md``:
   request takes the best-connected free GPUs of the host (one GPU: the one whose taking
   leaves the best sets whole), and its container sees them best-connected adjacent. For
   ``count > 1`` the host is chosen among the first :data:`TOPOLOGY_LOOKAHEAD` fitting hosts
-  in best-fit order: the one whose best set has the best worst link (a host without
-  reported links counts as joined across sockets), ties in best-fit order. A demanded level
-  (``topology``) is never broken: only hosts with reported links whose free GPUs keep it
-  fit, and one GPU always keeps it (it has no link). Whole-host requests keep their GPUs
-  and get the container's order; slices and MIG instances are not placed by links.
+  in best-fit order: first those where the grant leaves the host's free all-NVLink set of
+  4 GPUs whole (or that had none), then the one whose best set has the best worst link (a
+  host without reported links counts as joined across sockets), ties in best-fit order. A
+  demanded level (``topology``) is never broken: only hosts with reported links whose free
+  GPUs keep it fit, and one GPU always keeps it (it has no link). Whole-host requests keep
+  their GPUs and get the container's order; slices and MIG instances are not placed by links.
 * A shared slice takes one slot and a memory budget of one GPU whose model has more than one
   slot and which no exclusive lease holds; slices are packed onto GPUs already shared.
 """
@@ -599,29 +600,51 @@ def _best_linked(demand: Demand, count: int, cluster: Cluster,
                  fitting: list[tuple[tuple[int, str, int, str], list[GPU]]]
                  ) -> tuple[tuple[int, str, int, str], list[GPU]] | None:
     """Among the first :data:`TOPOLOGY_LOOKAHEAD` fitting candidates in best-fit order (with a
-    demanded level: those that keep it), the one whose best set has the best worst link; a
-    host without reported links counts as :attr:`LinkLevel.SYSTEM`. Ties: best fit. The walk
-    stops at the first NVLink set: no later host can beat it."""
+    demanded level: those that keep it): first those where the grant leaves the host's free
+    NVLink set of :data:`PROTECTED_NVLINK_SET` GPUs whole (or the host had none), then the
+    one whose best set has the best worst link; a host without reported links counts as
+    :attr:`LinkLevel.SYSTEM` and breaks no set. Ties: best fit.
+
+    Why the first rule: ranked by the link alone, a pair goes to the first host offering
+    NVLink, which is often the only kind of host with an NVLink 4-set (an HGX board), and the
+    next 4-GPU NVLink request finds none (``bench/fragmentation.py``)."""
     fitting.sort(key=lambda candidate: candidate[0])
-    ranked: list[tuple[int, int]] = []
-    for position, (key, gpus) in enumerate(fitting):
+    ranked: list[tuple[bool, int, int]] = []
+    for position, (key, gpus) in enumerate(fitting[:TOPOLOGY_LOOKAHEAD]):
         links = _host_links(cluster, key[1], gpus)
         demand_here = demand.topology if demand.demands_links else None
         if links is None:
             if demand_here is not None:
                 continue  # MIG instances, or GPUs the report of links does not list
-            tier = int(LinkLevel.SYSTEM)
-        else:
-            cost = best_set_cost(links, [g.uuid for g in gpus], count, demand_here)
-            if cost is None:
-                continue  # the demanded level cannot be kept here now
-            tier = cost.worst
-        ranked.append((tier, position))
-        if tier == LinkLevel.NVLINK or len(ranked) >= TOPOLOGY_LOOKAHEAD:
-            break  # nothing later can be better joined (or be looked at)
+            ranked.append((False, int(LinkLevel.SYSTEM), position))
+            continue
+        free = [g.uuid for g in gpus]
+        chosen = _choose(links, free, count, demand_here)
+        if not isinstance(chosen, GpuSet):
+            continue  # the demanded level cannot be kept here now
+        ranked.append((_breaks_nvlink_set(links, free, chosen.gpus),
+                       int(chosen.worst_level if chosen.worst_level is not None
+                           else LinkLevel.NVLINK), position))
     if not ranked:
         return None
-    return fitting[min(ranked)[1]]
+    return fitting[min(ranked)[2]]
+
+
+PROTECTED_NVLINK_SET = 4
+"""The size of the all-NVLink set that host choice avoids breaking (the largest that
+:data:`allocator.gpu_sets.PROTECTED_SIZES` protects within a host)."""
+
+
+def _breaks_nvlink_set(links: HostInterconnect, free: Sequence[str],
+                       taken: Sequence[str]) -> bool:
+    """Whether taking ``taken`` of the host's ``free`` GPUs leaves no all-NVLink set of
+    :data:`PROTECTED_NVLINK_SET` where there was one."""
+    before = best_set_cost(links, free, PROTECTED_NVLINK_SET)
+    if before is None or before.worst != LinkLevel.NVLINK:
+        return False
+    left = [uuid for uuid in free if uuid not in set(taken)]
+    after = best_set_cost(links, left, PROTECTED_NVLINK_SET)
+    return after is None or after.worst != LinkLevel.NVLINK
 
 
 def _exclusive_placement(demand: Demand, count: int, cluster: Cluster, host: str,

@@ -24,14 +24,14 @@ Where 0.1.0 is too old for something, the test uses what 0.1.0 has:
   module's own (``services.private_docker``, no Swarm) rather than a Swarm service on the
   shared engine: binding and death are the same for the agent, and the shared engine's
   tests, the suite's longest chain, do not wait for this module.
-- 0.1.0 writes schema 5 and refuses a ledger of schema 6, so the replicas never share a
+- 0.1.0 writes schema 5 and refuses a ledger of a later schema, so the replicas never share a
   file: each has its own, as with the ledger log anyway, and the killed replica comes back
   on this release (0.1.0 on that file is refused, which is checked). The notes' promise is
   what is checked: a 0.1.0 replica follows this release's batches and snapshots (each
   writer appends one at its first batch and per 4 KiB of log here) without stopping, and
-  takes over; its ledger stays schema 5 and records no owner; this release's ledger is
-  schema 6, with the owner of the leases it granted and none for the leases 0.1.0 granted
-  (anyone's, as in 0.1.0).
+  takes over; its ledger stays schema 5 and records no owner; this release's ledger is of
+  its schema (6 or later), with the owner of the leases it granted and none for the leases
+  0.1.0 granted (anyone's, as in 0.1.0).
 - 0.1.0 knows no lease owners: every client here is the broker user ``guest``, so a release
   through either client is allowed whoever granted the lease.
 - Loading a snapshot of the other release to catch up (a replica whose place in the log is
@@ -64,6 +64,7 @@ from services import require_service
 from support import RTX3090, LabelledDocker, beat_until, gpus, wait_until
 
 from allocator.client import AllocatorClient
+from allocator.ledger import SCHEMA_VERSION
 from allocator.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 from allocator.reports import open_readonly
 from nodeagent.simulated import make_gpu, write_inventory
@@ -430,12 +431,13 @@ async def test_replicas_of_both_releases_on_one_ledger_log(
         for replica in (first, second):
             await replica.stop()
 
-    # The first replica's file is on this release now (it came back on it): schema 6. The
+    # The first replica's file is on this release now (it came back on it): its schema. The
     # second's is schema 5 where 0.1.0 ran on it, with no owner column; leases granted by
     # 0.1.0 have no owner in this release's ledgers, those granted by this release do.
     first_version, first_leases = _ledger(ledger_first)
     second_version, second_leases = _ledger(ledger_second)
-    assert (first_version, second_version) == ((6, 6) if first_is_old else (6, 5))
+    ours = SCHEMA_VERSION
+    assert (first_version, second_version) == ((ours, ours) if first_is_old else (ours, 5))
     assert set(first_leases) == set(second_leases) == set(granted)
     owner = None if first_is_old else "guest"
     for leases in (first_leases, second_leases) if first_is_old else (first_leases,):
