@@ -55,6 +55,10 @@ SCHEMA_VERSION = 7
 
 LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
 
+BOOKING_ALERT_KINDS = ("booking_short", "booking_whole")
+"""The events that tell the admin a booking became short of GPUs, or whole again
+(:mod:`allocator.engine.booking_alerts`); the newest of each booking is loaded at start."""
+
 
 class LedgerError(Exception):
     """The ledger cannot be opened or written; the message says why in plain words."""
@@ -683,6 +687,10 @@ class LoadedState:
     a restart is still known as a zombie, not adopted as a lease the ledger forgot."""
     bookings: list[BookingRow] = field(default_factory=list)
     """The bookings not removed, in the order they were admitted."""
+    booking_alerts: dict[str, str] = field(default_factory=dict)
+    """Booking name -> the kind of the newest of its events among
+    :data:`BOOKING_ALERT_KINDS` (bookings not removed that have one): what the admin was
+    last told of it, so that a restart does not tell it again."""
 
 
 @dataclass(frozen=True)
@@ -1072,8 +1080,29 @@ class Ledger:
             f"state IN ({', '.join('?' for _ in final)}) ORDER BY created_at DESC LIMIT ?",
             [*final, finished_limit])]
         finished.reverse()
+        bookings = self.bookings()
         return LoadedState(list(nodes.values()), gpus, leases, agent_users, finished,
-                           self.bookings())
+                           bookings, self.booking_alerts(bookings) if bookings else {})
+
+    def booking_alerts(self, bookings: Sequence[BookingRow]) -> dict[str, str]:
+        """Booking name -> the kind of its newest event among :data:`BOOKING_ALERT_KINDS`
+        since its ``booking_added`` (a booking of the same name removed before says nothing of
+        it), for ``bookings`` (on the ledger thread). Those events are few (one per booking
+        and per change of state), and the events' ``kind`` index finds them."""
+        held = {row.name for row in bookings}
+        kinds = ("booking_added", *BOOKING_ALERT_KINDS)
+        newest: dict[str, str] = {}
+        for kind, detail in self.db.conn.execute(
+                f"SELECT kind, detail FROM events WHERE kind IN ({', '.join('?' for _ in kinds)})"
+                " ORDER BY id", kinds):
+            name = json.loads(detail or "{}").get("booking")
+            if name not in held:
+                continue
+            if kind == "booking_added":
+                newest.pop(name, None)
+            else:
+                newest[name] = kind
+        return newest
 
     def bookings(self) -> list[BookingRow]:
         """The bookings not removed, oldest first: the order they were admitted in (on the

@@ -203,6 +203,8 @@ class ScrapeReading:
     queue_oldest_wait_s: float = 0.0
     nodes: dict[str, tuple[bool, bool, float | None]] = field(default_factory=dict)
     """host -> (up, drained, last heartbeat)"""
+    booking_short: dict[str, int] = field(default_factory=dict)
+    """booking -> GPUs missing in its next short occurrence (0 when whole)"""
     engine_counters: Counters = field(default_factory=Counters)
     service_counters: Counters = field(default_factory=Counters)
     log: LogFigures | None = None
@@ -287,6 +289,7 @@ def read_scrape(service: Observed, now: float) -> ScrapeReading:
             since = record.enqueued_at or record.created_at
             oldest = since if oldest is None else min(oldest, since)
     snap.queue_oldest_wait_s = max(now - oldest, 0.0) if oldest is not None else 0.0
+    snap.booking_short = engine.short_watch.missing()
     return snap
 
 
@@ -378,6 +381,12 @@ def metric_families(snap: ScrapeReading) -> Iterator[Metric]:
             beat.add_metric([host], last)
     yield node_up
     yield beat
+    short = GaugeMetricFamily("swarm_gpu_booking_short_gpus", "GPUs a booking lacks in its "
+                              "next short occurrence within a week, a node or GPU gone or "
+                              "drained (0 when whole)", labels=["booking"])
+    for booking, missing in sorted(snap.booking_short.items()):
+        short.add_metric([booking], missing)
+    yield short
 
     yield from counter_families(snap.engine_counters, snap.service_counters)
     if snap.log is not None:

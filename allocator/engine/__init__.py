@@ -40,6 +40,8 @@ calls per message, in order (a part calls only the parts it was given):
   held against the lease book;
 - :mod:`allocator.engine.booking_windows` - ``BookingWindows``: the bookings' guarantees now,
   computed at their boundaries, the leases they cover and the room they have left;
+- :mod:`allocator.engine.booking_alerts` - ``BookingShortWatch``: the admin told when a
+  booking becomes short of GPUs or whole again;
 - :mod:`allocator.engine.reclaim` - ``Reclaimer``: fair share in action: warn, withdraw and
   carry out reclaims and idle releases (and warn before a booking's window);
 - :mod:`allocator.engine.views` - ``Views``: read-only answers (inventory, quota, leases,

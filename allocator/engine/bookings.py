@@ -97,6 +97,9 @@ class BookingBook:
         """By name, in the order admitted (a dict keeps the order of insertion)."""
         self._resolved: tuple[ResolvedBooking, ...] | None = None
         """:meth:`resolved`'s answer until the bookings or the inventory change."""
+        self.version = 0
+        """Goes up whenever the bookings or the GPUs change (memory only; compared, never
+        read as a number)."""
 
     # ------------------------------------------------------------------ state
 
@@ -113,10 +116,12 @@ class BookingBook:
                 continue
             self._stored[row.name] = StoredBooking(row, booking)
         self._resolved = None
+        self.version += 1
 
     def inventory_changed(self) -> None:
         """The GPUs changed: resolve the bookings' models again when next asked."""
         self._resolved = None
+        self.version += 1
 
     def all(self) -> Sequence[Booking]:
         """Every booking held, in the order admitted."""
@@ -190,6 +195,7 @@ class BookingBook:
         row = BookingRow(booking.name, booking.model_dump(mode="json"), now, by)
         self._stored[booking.name] = StoredBooking(row, booking)
         self._resolved = None
+        self.version += 1
         changes.booking(row)
         gpus = booking.gpus
         changes.event(now, "booking_added", host=gpus.host, booking=booking.name, by=by,
@@ -209,6 +215,7 @@ class BookingBook:
         view = self.views(now, only=name)
         del self._stored[name]
         self._resolved = None
+        self.version += 1
         row = stored.row
         changes.booking(BookingRow(row.name, row.booking, row.created_at, row.created_by,
                                    removed_at=now, removed_by=by))

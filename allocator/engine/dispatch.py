@@ -15,6 +15,7 @@ from allocator import policy
 from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
 from allocator.counters import Count, Counters
+from allocator.engine.booking_alerts import BookingShortWatch
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.bookings import BookingBook
 from allocator.engine.containers import GRACE_ENDS, NodeReconciliation, listing_order
@@ -85,6 +86,7 @@ class Engine:
         self.gpus = GpuInventory(settings, counters, cluster, index, self.nodes)
         self.bookings = BookingBook(settings, cluster, self.nodes)
         self.windows = BookingWindows(settings, self.bookings)
+        self.short_watch = BookingShortWatch(self.bookings, self.nodes, self.start_fence)
         self.placer = Placer(settings, cluster, index, self.nodes, self.start_fence,
                              self.windows)
         self.processes = ProcessWatch(settings, counters, cluster, index, self.nodes)
@@ -119,6 +121,7 @@ class Engine:
         self.index.rebuild(cluster)
         self.placer.inventory_changed()
         self.bookings.load(state)
+        self.short_watch.load(state.booking_alerts)
         self.outbox.load()
 
     # ------------------------------------------------------------------ messages
@@ -171,7 +174,7 @@ class Engine:
         if isinstance(message, LeasesRequest):
             return self.views.leases_reply(message, now, visible)
         if isinstance(message, BookingRequest):
-            return self.bookings.handle(message, sender, now, changes)
+            return self._booking(message, sender, now, changes)
         raise TypeError(f"unhandled message kind {type(message).__name__}")
 
     def unreadable_heartbeat(self, host: str, sender: Sender, now: float,
@@ -204,6 +207,16 @@ class Engine:
         reply = self.requests.allocate(request, sender, now, changes)
         if isinstance(reply, LeaseReply) and reply.lease.state is LeaseState.QUEUED:
             self._reclaim(now, changes)
+        return reply
+
+    def _booking(self, request: BookingRequest, sender: Sender, now: float,
+                 changes: Changes) -> BaseModel:
+        """An admin's booking request; a booking added (or removed) short, or that makes
+        another short (or whole), is told at once."""
+        version = self.bookings.version
+        reply = self.bookings.handle(request, sender, now, changes)
+        if self.bookings.version != version:
+            self.short_watch.check(now, changes)
         return reply
 
     def _drain(self, request: DrainRequest, sender: Sender, now: float,
@@ -329,8 +342,8 @@ class Engine:
 
     def tick(self, now: float, changes: Changes) -> None:
         """Run the timers: the start fence, queue waits, bind deadlines, release
-        verification (``release_verify_s``), node silence, and fair share's reclaim warnings
-        and their deadlines."""
+        verification (``release_verify_s``), node silence, fair share's reclaim warnings
+        and their deadlines, and bookings become short or whole again."""
         if self.start_fence.expired(now):
             # start_fence_s ran out with nodes that never reported in full: they are placed
             # as usual from now on, before the requests that waited only for it expire.
@@ -342,6 +355,7 @@ class Engine:
         if freed:
             self.requests.serve_queue(now, changes)
         self._reclaim(now, changes)
+        self.short_watch.tick(now, changes)
 
     def _reclaim(self, now: float, changes: Changes) -> None:
         """Plan reclaims; GPUs a reclaim freed go to the queue at once."""

@@ -95,6 +95,10 @@ class NodeReports:
         self.telemetry_saved: dict[str, float] = {}
         """host -> when its GPU telemetry rows were last written (memory only)."""
         self.down: set[str] = set()
+        self.availability_version = 0
+        """Goes up whenever a node goes down or comes back, or a node or GPU is drained or
+        undrained: what bookings may count on may have changed (memory only; compared, never
+        read as a number)."""
         self.hosts_of_user: Counter[str] = Counter()
         """broker user -> hosts its heartbeats brought in (``max_hosts_per_node_user``)."""
         self.cannot_list: set[str] = set()
@@ -118,6 +122,7 @@ class NodeReports:
         self.down.clear()
         self.down.update(host for host, node in self.cluster.nodes.items()
                          if not node.is_up(now, self.settings.node_down_after_s))
+        self.availability_version += 1
         self.newest_beat.clear()
         self.reported.clear()
         self.cannot_list.clear()
@@ -296,6 +301,7 @@ class NodeReports:
         node.last_heartbeat = now
         if node.host in self.down:
             self.down.discard(node.host)
+            self.availability_version += 1
             if not new_node:
                 changes.event(now, "node_up", host=node.host)
         # The node row (last heartbeat) is written every time so that a standby taking over
@@ -317,6 +323,7 @@ class NodeReports:
             if node.host not in self.down and not node.is_up(now,
                                                              self.settings.node_down_after_s):
                 self.down.add(node.host)
+                self.availability_version += 1
                 changes.event(now, "node_down", host=node.host,
                               last_heartbeat=node.last_heartbeat)
                 self.counters.add(Count.NODE_DOWN)
@@ -347,6 +354,7 @@ class NodeReports:
         else:
             node.drained = request.drained
             changes.node(node, drain_reason=request.reason, drained_by=by, drained_at=now)
+        self.availability_version += 1
         changes.event(now, "drain" if request.drained else "undrain", host=request.host,
                       gpu_uuid=request.gpu_uuid, by=by, reason=request.reason)
         return DrainReply(host=request.host, gpu_uuid=request.gpu_uuid, drained=request.drained)
