@@ -25,6 +25,7 @@ from allocator.protocol import (
     ContainerAction,
     ContainerEvent,
     ContainerInfo,
+    DrainRequest,
     GPUInfo,
     Heartbeat,
     LeaseReply,
@@ -251,6 +252,25 @@ def test_a_tick_between_boundaries_does_not_compute_the_guarantees_again(tmp_pat
     assert windows.computed_at == computed
     cluster.until(at("09:55"))
     assert windows.computed_at == at("09:55") and windows.next_at == at("10:00")
+
+
+def test_a_drain_in_the_window_is_judged_at_once_not_at_the_next_boundary(
+        tmp_path: Path) -> None:
+    """The guarantees are judged against the GPUs placeable now: a GPU drained in the middle
+    of a window leaves the booking short at once, and undrained, whole again."""
+    cluster = BookedCluster(tmp_path, gpus=2)
+    cluster.book(count=2, lead_s=0)
+    cluster.until(at("10:10"))
+    (guarantee,) = cluster.engine.windows.now(cluster.now)
+    before = cluster.engine.windows.computed_at
+    assert guarantee.guaranteed == 2, guarantee
+    cluster.send(DrainRequest(host=HOST, gpu_uuid="GPU-1"), ADMIN)
+    cluster.until(at("10:11"))
+    (guarantee,) = cluster.engine.windows.now(cluster.now)
+    assert guarantee.guaranteed == 1 and cluster.engine.windows.computed_at != before, guarantee
+    cluster.send(DrainRequest(host=HOST, gpu_uuid="GPU-1", drained=False), ADMIN)
+    (guarantee,) = cluster.engine.windows.now(cluster.now)
+    assert guarantee.guaranteed == 2, guarantee
 
 
 def test_a_free_gpu_counts_for_one_booking_only(tmp_path: Path) -> None:

@@ -2,12 +2,13 @@
 leases that hold GPUs (:mod:`allocator.bookings.in_effect`), and the next instant either can
 change.
 
-The guarantees are computed at a booking boundary (a lead's start, a window's start or end)
-or when the bookings or the GPUs change (``BookingBook.resolved()`` is then another object),
-never on a tick between two boundaries: a tick compares the
-clock with the next boundary and, without bookings, does nothing else. The capacity they are
-judged against (:meth:`allocator.engine.bookings.BookingBook.capacity`) is read at those
-instants too.
+The guarantees are computed at a booking boundary (a lead's start, a window's start or end),
+when the bookings or the GPUs change (``BookingBook.resolved()`` is then another object), or
+when a node or GPU is drained, undrained, lost or back (``NodeReports.availability_version``:
+the capacity the guarantees are judged against changed), never on a tick between those: a
+tick compares the clock with the next boundary and, without bookings, does nothing else. The
+capacity they are judged against (:meth:`allocator.engine.bookings.BookingBook.capacity`) is
+read at those instants too.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class BookingWindows:
         self.resolved: Sequence[ResolvedBooking] = ()
         self.guarantees: tuple[Guarantee, ...] = ()
         self.computed_at: int | None = None
+        self.availability_seen = -1
+        """``NodeReports.availability_version`` when the guarantees were computed."""
         self.next_at: int = 0
         """The next instant (epoch seconds) a guarantee begins, changes state or ends."""
         self.booking_of: dict[str, str] = {}
@@ -74,13 +77,15 @@ class BookingWindows:
         t = int(now)
         # A new object: bookings added or removed, or the inventory changed (capacity).
         if resolved is not self.resolved or self.computed_at is None or t >= self.next_at \
-                or t < self.computed_at:
+                or t < self.computed_at \
+                or self.bookings.nodes.availability_version != self.availability_seen:
             self._compute(resolved, t)
         return self.guarantees
 
     def _compute(self, resolved: Sequence[ResolvedBooking], t: int) -> None:
         lead_default = self.settings.booking_lead_s
         self.resolved = resolved
+        self.availability_seen = self.bookings.nodes.availability_version
         self.guarantees = tuple(guarantees_at(resolved, t, self.bookings.capacity(float(t)),
                                               default_lead_s=lead_default))
         self.computed_at = t
