@@ -589,16 +589,18 @@ def _exclusive(demand: Demand, count: int, cluster: Cluster, view: _View) -> Pla
                     fitting.append((key, gpus))
                 elif best is None or key < best[0]:
                     best = (key, gpus)
+        chosen: GpuSet | None = None
         if by_links:
-            best = _best_linked(demand, count, cluster, fitting)
+            linked = _best_linked(demand, count, cluster, fitting)
+            best, chosen = linked if linked is not None else (None, None)
         if best is not None:
-            return _exclusive_placement(demand, count, cluster, best[0][1], best[1])
+            return _exclusive_placement(demand, count, cluster, best[0][1], best[1], chosen)
     return None
 
 
 def _best_linked(demand: Demand, count: int, cluster: Cluster,
                  fitting: list[tuple[tuple[int, str, int, str], list[GPU]]]
-                 ) -> tuple[tuple[int, str, int, str], list[GPU]] | None:
+                 ) -> tuple[tuple[tuple[int, str, int, str], list[GPU]], GpuSet | None] | None:
     """Among the first :data:`TOPOLOGY_LOOKAHEAD` fitting candidates in best-fit order (with a
     demanded level: those that keep it): first those where the grant leaves the host's free
     NVLink set of :data:`PROTECTED_NVLINK_SET` GPUs whole (or the host had none), then the
@@ -610,6 +612,8 @@ def _best_linked(demand: Demand, count: int, cluster: Cluster,
     next 4-GPU NVLink request finds none (``bench/fragmentation.py``)."""
     fitting.sort(key=lambda candidate: candidate[0])
     ranked: list[tuple[bool, int, int]] = []
+    chosen_at: dict[int, GpuSet] = {}
+    """Position -> the set chosen there, kept so that the placement does not choose again."""
     for position, (key, gpus) in enumerate(fitting[:TOPOLOGY_LOOKAHEAD]):
         links = _host_links(cluster, key[1], gpus)
         demand_here = demand.topology if demand.demands_links else None
@@ -622,12 +626,14 @@ def _best_linked(demand: Demand, count: int, cluster: Cluster,
         chosen = _choose(links, free, count, demand_here)
         if not isinstance(chosen, GpuSet):
             continue  # the demanded level cannot be kept here now
+        chosen_at[position] = chosen
         ranked.append((_breaks_nvlink_set(links, free, chosen.gpus),
                        int(chosen.worst_level if chosen.worst_level is not None
                            else LinkLevel.NVLINK), position))
     if not ranked:
         return None
-    return fitting[min(ranked)[2]]
+    position = min(ranked)[2]
+    return fitting[position], chosen_at.get(position)
 
 
 PROTECTED_NVLINK_SET = 4
@@ -642,17 +648,17 @@ def _breaks_nvlink_set(links: HostInterconnect, free: Sequence[str],
     before = best_set_cost(links, free, PROTECTED_NVLINK_SET)
     if before is None or before.worst != LinkLevel.NVLINK:
         return False
-    left = [uuid for uuid in free if uuid not in set(taken)]
+    taken_set = set(taken)
+    left = [uuid for uuid in free if uuid not in taken_set]
     after = best_set_cost(links, left, PROTECTED_NVLINK_SET)
     return after is None or after.worst != LinkLevel.NVLINK
 
 
 def _exclusive_placement(demand: Demand, count: int, cluster: Cluster, host: str,
-                         gpus: list[GPU]) -> Placement:
-    """``count`` of the host's fitting ``gpus``: by links where it reported them, else the
-    lowest indices."""
-    links = _host_links(cluster, host, gpus)
-    chosen: GpuSet | Unmet | None = None
+                         gpus: list[GPU], chosen: GpuSet | Unmet | None = None) -> Placement:
+    """``count`` of the host's fitting ``gpus``: by links where it reported them (``chosen``:
+    the set :func:`_best_linked` already chose there), else the lowest indices."""
+    links = _host_links(cluster, host, gpus) if chosen is None else None
     if links is not None:
         chosen = _choose(links, [g.uuid for g in gpus], count,
                          demand.topology if demand.demands_links else None)
