@@ -32,13 +32,13 @@ Rules, as in ``docs/design.md`` (fair share):
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from allocator import policy
 from allocator.cluster import Claim, Cluster
 from allocator.config import PolicySettings
-from allocator.protocol import ReclaimReason
+from allocator.protocol import ProcessState, ReclaimReason
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,18 @@ def victim_order(candidates: Sequence[Candidate], idle_window_s: float) -> list[
     ))
 
 
-def _copy(cluster: Cluster) -> Cluster:
-    return Cluster(nodes=cluster.nodes, gpus=cluster.gpus,
+def _copy(cluster: Cluster, draining: Collection[str]) -> Cluster:
+    """The planner's own cluster: claims it may change, and the GPUs in ``draining`` shown
+    free of the processes they wait to see gone (the GPU objects themselves are shared)."""
+    gpus = cluster.gpus
+    drained_soon = [uuid for uuid in draining
+                    if (gpu := gpus.get(uuid)) is not None
+                    and gpu.process_state is ProcessState.DRAINING]
+    if drained_soon:
+        gpus = dict(gpus)
+        for uuid in drained_soon:
+            gpus[uuid] = replace(gpus[uuid], process_state=None)
+    return Cluster(nodes=cluster.nodes, gpus=gpus,
                    claims={uuid: list(claims) for uuid, claims in cluster.claims.items()})
 
 
@@ -180,6 +190,7 @@ def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cl
                   settings: PolicySettings, *, now: float, down_after_s: float,
                   idle_window_s: float,
                   leaving: Mapping[str, Sequence[str]] | None = None,
+                  draining: Collection[str] = (),
                   rooms: Mapping[str, Fraction] | None = None) -> dict[str, Reclaim]:
     """Which leases must go, and why, so that the waiters that may reclaim fit.
 
@@ -187,14 +198,18 @@ def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cl
     holding leases that may be reclaimed (borrowed) or released (idle-releasable);
     ``leaving`` (lease id → its GPU uuids) are holding leases already on their way out (being
     released, or a reclaim's stop sent): their GPUs count as free, so that nobody else is
-    warned for a waiter that a stopping container is about to make room for. ``rooms``
+    warned for a waiter that a stopping container is about to make room for. ``draining``
+    (GPU uuids) are GPUs whose lease has ended and that wait for a report without its
+    container's processes: they count as free for the same reason (a GPU kept out by a
+    process left behind or by outside use does not; see :meth:`ProcessWatch.draining`).
+    ``rooms``
     (booking → its room) are the bookings in effect that waiters are ``booked`` in; a
     member placed in its booking's room uses it up for the waiters after it.
     """
     plan: dict[str, Reclaim] = {}
     if not waiters:
         return plan
-    view = _copy(cluster)
+    view = _copy(cluster, draining)
     for lease_id, gpu_uuids in (leaving or {}).items():
         view.drop_claims(lease_id, list(gpu_uuids))
     ordered = victim_order(candidates, idle_window_s)

@@ -43,7 +43,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 import services  # noqa: E402  (the test helpers that create and delete vhosts)
+from ports import free_port  # noqa: E402
 
 from allocator import broker  # noqa: E402
 from allocator.client import AllocatorClient, AllocatorError  # noqa: E402
@@ -149,12 +149,6 @@ def phase_means_ms(before: dict[str, tuple[float, float]],
         if count > count_before:
             means[phase] = round((total - total_before) / (count - count_before) * 1000, 3)
     return means
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def percentile(values: list[float], fraction: float) -> float:

@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = REPO_ROOT / "compose" / "jupyterhub_config.py"
@@ -97,12 +97,6 @@ c.GPUSwarmSpawner.extra_container_spec = {"stop_grace_period": 1_000_000_000,
 for key, value in SETTINGS["extra"].items():
     setattr(c.GPUSwarmSpawner, key, value)
 """
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class HubError(AssertionError):

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+from ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REQUIRE_ENV = "SWARM_GPU_REQUIRE_SERVICES"
@@ -249,12 +250,6 @@ def delete_stale_vhosts(broker: RabbitMQ) -> list[str]:
 # --------------------------------------------------------------- a private RabbitMQ node
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def rabbitmq_bin_dir() -> Path | None:
     """The folder of RabbitMQ's own scripts (not Debian's ``su rabbitmq`` wrappers)."""
     candidates = [os.environ.get("SWARM_GPU_RABBITMQ_BIN"), "/usr/lib/rabbitmq/bin"]
@@ -284,8 +279,8 @@ class PrivateRabbitMQ:
         self.bin_dir = bin_dir
         self.home = home or base
         """HOME: where the Erlang cookie is (the nodes of one cluster share it)."""
-        self.port = _free_port()
-        self.dist_port = _free_port()
+        self.port = free_port()
+        self.dist_port = free_port()
         self.node = node or f"swarm-gpu-faults-{os.getpid()}-{uuid.uuid4().hex[:6]}@localhost"
         self.pid_file = base / "rabbitmq.pid"
         for folder in ("mnesia", "log"):

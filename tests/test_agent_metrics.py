@@ -20,6 +20,7 @@ from typing import Any
 import aio_pika
 import aiodocker
 import pytest
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from support import wait_until
@@ -47,13 +48,6 @@ A100 = "NVIDIA A100-SXM4-40GB"
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 """Sample name -> (labels, value) of each of its samples."""
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the agent binds it a moment later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def scrape_text(port: int) -> str:

@@ -17,7 +17,6 @@ import json
 import os
 import pwd
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import aio_pika
 import aiormq.exceptions
 import pytest
 import services
+from ports import free_port
 from support import GTX1070, gpus, heartbeat, wait_until
 from tls_certs import issue, make_ca
 
@@ -553,12 +553,6 @@ async def test_definitions_from_before_stop_commands_leave_the_allocator_working
 # ----------------------------------------------------------------------------- at boot
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class BootedBroker:
     """A node booted with the stack's config: its TLS ports and the CA of its certificate."""
@@ -585,7 +579,7 @@ def booted_broker(definitions: dict) -> Iterator[BootedBroker]:
         services.require_service("rabbitmq-server", "not installed on this machine")
     base = Path(tempfile.mkdtemp(prefix="swarm-gpu-boot-", dir="/tmp"))
     node = f"sgboot{os.getpid()}{uuid.uuid4().hex[:6]}@localhost"
-    amqp_port, management_port = _free_port(), _free_port()
+    amqp_port, management_port = free_port(), free_port()
     tls = base / "tls"
     tls.mkdir()
     ca, ca_key, ca_cert = make_ca(tls, "ca")
@@ -605,7 +599,7 @@ def booted_broker(definitions: dict) -> Iterator[BootedBroker]:
     (conf / "30-test-ports.conf").write_text(
         f"listeners.ssl.default = {amqp_port}\nmanagement.ssl.port = {management_port}\n")
     (base / "enabled_plugins").write_text("[rabbitmq_management].\n")
-    env = {**os.environ, "RABBITMQ_NODENAME": node, "RABBITMQ_DIST_PORT": str(_free_port()),
+    env = {**os.environ, "RABBITMQ_NODENAME": node, "RABBITMQ_DIST_PORT": str(free_port()),
            "RABBITMQ_MNESIA_BASE": str(base / "mnesia"), "RABBITMQ_LOG_BASE": str(base / "log"),
            "RABBITMQ_CONFIG_FILES": str(conf), "RABBITMQ_PID_FILE": str(base / "pid"),
            "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins")}

@@ -7,10 +7,10 @@ three-node cluster dies under load is tests/test_fault_broker_cluster.py.
 
 from __future__ import annotations
 
-import socket
 import urllib.parse
 
 import pytest
+from ports import free_port
 
 from allocator import broker
 from allocator.client import AllocatorClient, AllocatorUnavailable
@@ -54,10 +54,8 @@ def test_rotating_the_nodes_puts_the_chosen_one_first_and_keeps_the_rest() -> No
 
 
 def dead_address() -> str:
-    """host:port on loopback where nothing listens (a port just freed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+    """host:port on loopback where nothing listens."""
+    return f"127.0.0.1:{free_port()}"
 
 
 def with_dead_node_first(url: str) -> str:

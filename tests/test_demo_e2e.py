@@ -30,17 +30,12 @@ from typing import Any
 import aiohttp
 import pytest
 import services
+from ports import free_port
 from services import REPO_ROOT, require_service
 
 DEMO = REPO_ROOT / "scripts" / "demo"
 COLD_DEMO_S = 600
 """A cold scripts/demo builds the base and notebook images: about 3 min on a 2-core machine."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_demo(args: list[str], env: dict[str, str], timeout: float,

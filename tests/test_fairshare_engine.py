@@ -26,6 +26,7 @@ from allocator.protocol import (
     ContainerInfo,
     ErrorReply,
     GPUInfo,
+    GPUProcess,
     Heartbeat,
     LeaseReply,
     LeasesReply,
@@ -44,7 +45,8 @@ MODEL = "NVIDIA GeForce GTX 1070"
 class FairCluster:
     """One engine over one host of ``gpus`` GPUs, with a clock the test moves."""
 
-    def __init__(self, tmp_path: Path, gpus: int = 3, **settings: Any) -> None:
+    def __init__(self, tmp_path: Path, gpus: int = 3, *, processes_known: bool = False,
+                 **settings: Any) -> None:
         self.settings = AllocatorSettings(
             ledger_path=tmp_path / "ledger.sqlite", allow_any_node_user=True,
             start_fence_s=0, **settings)
@@ -55,6 +57,10 @@ class FairCluster:
         self.changes = Changes()
         self.running: dict[str, ContainerInfo] = {}
         self.pct: dict[str, float] = {}
+        self.processes_known = processes_known
+        """Whether heartbeats list each GPU's processes (one per running container on it)."""
+        self.left_behind: dict[str, list[str]] = {}
+        """Container id -> the GPUs a process of it is still listed on after its death."""
         self.beat()
 
     def tick(self) -> None:
@@ -71,9 +77,20 @@ class FairCluster:
                       for lease_id, info in self.running.items()]
         self.send(Heartbeat(
             host=HOST, agent_id="a1", seq=self.seq, sent_at=self.now, interval_s=2,
-            gpus=[GPUInfo(uuid=f"GPU-{i}", index=i, model=MODEL, memory_total_mib=8192)
+            gpus=[GPUInfo(uuid=f"GPU-{i}", index=i, model=MODEL, memory_total_mib=8192,
+                          processes=self._processes_on(f"GPU-{i}"))
                   for i in range(self.gpus)],
             containers=containers, source="simulated"), NODE)
+
+    def _processes_on(self, gpu_uuid: str) -> list[GPUProcess] | None:
+        if not self.processes_known:
+            return None
+        on_it = [info.container_id for lease_id, info in self.running.items()
+                 if lease_id in self.engine.leases
+                 and gpu_uuid in self.engine.leases[lease_id].gpu_uuids]
+        on_it += [c for c, uuids in self.left_behind.items() if gpu_uuid in uuids]
+        return [GPUProcess(pid=100 + n, memory_used_mib=700, name="python", container_id=c)
+                for n, c in enumerate(on_it)]
 
     def grant(self, user: str, server: str = "", **fields: Any) -> LeaseReply:
         reply = self.send(AllocateRequest(request_key=f"hub/{user}/{server}", user=user,
@@ -573,18 +590,26 @@ def test_a_per_model_borrow_limit_below_its_guarantee_is_refused(settings: dict[
         AllocatorSettings(**settings)
 
 
-def test_nobody_else_is_warned_while_a_reclaimed_container_stops(tmp_path: Path):
-    """Between the reclaim's stop command and the container's death the waiter still does not
-    fit, but the stopping lease's GPU is already its: a busy borrower gets no warning."""
+def idle_borrower_stopped(tmp_path: Path, **fields: Any) -> tuple[FairCluster, str, str, str]:
+    """An idle and a busy borrower, and carol's queued request that the idle one's reclaim is
+    for, past the grace: the idle lease's stop has just gone out. The cluster and the idle,
+    busy and waiting lease ids."""
     cluster = reclaim_cluster(tmp_path, user_quota={"alice": 0, "bob": 0, "carol": 1},
-                              user_borrow_limit={"alice": 1, "bob": 1, "carol": 1})
+                              user_borrow_limit={"alice": 1, "bob": 1, "carol": 1}, **fields)
     idle_lease = hold(cluster, "bob", "", 0.0)
     cluster.now += 1
     busy_lease = hold(cluster, "alice", "", 70.0)
     heartbeats(cluster, 40)
     waiter = cluster.grant("carol", wait_s=3600).lease.lease_id
-    heartbeats(cluster, 65)  # past the grace: the idle lease's stop goes out
+    heartbeats(cluster, 65)
     assert [s.lease_id for s in cluster.engine.take_commands()] == [idle_lease]
+    return cluster, idle_lease, busy_lease, waiter
+
+
+def test_nobody_else_is_warned_while_a_reclaimed_container_stops(tmp_path: Path):
+    """Between the reclaim's stop command and the container's death the waiter still does not
+    fit, but the stopping lease's GPU is already its: a busy borrower gets no warning."""
+    cluster, idle_lease, busy_lease, waiter = idle_borrower_stopped(tmp_path)
     assert cluster.engine.leases[idle_lease].state is LeaseState.RELEASING
     heartbeats(cluster, 30)  # the container takes its time to stop
     assert cluster.engine.leases[busy_lease].reclaim_at is None
@@ -593,6 +618,29 @@ def test_nobody_else_is_warned_while_a_reclaimed_container_stops(tmp_path: Path)
     died(cluster, idle_lease)
     assert cluster.engine.leases[waiter].state is LeaseState.GRANTED
     assert cluster.engine.leases[busy_lease].state is LeaseState.BOUND
+
+
+def test_nobody_else_is_warned_while_a_reclaimed_gpu_drains(tmp_path: Path):
+    """After the reclaimed container's death its GPU drains until a report no longer lists
+    the container's processes. The waiter still does not fit then, yet the GPU is already
+    its: the busy borrower gets no warning, and the waiter gets the GPU once it is clean."""
+    cluster, idle_lease, busy_lease, waiter = idle_borrower_stopped(tmp_path,
+                                                                    processes_known=True)
+    reclaimed_gpus = list(cluster.engine.leases[idle_lease].gpu_uuids)
+    container_id = cluster.running[idle_lease].container_id
+    died(cluster, idle_lease)
+    cluster.left_behind[container_id] = reclaimed_gpus  # its process is listed a while yet
+    heartbeats(cluster, 6, step=2)  # three reports, within release_verify_s
+    assert cluster.engine.leases[waiter].state is LeaseState.QUEUED  # the GPU still drains
+    assert cluster.engine.leases[busy_lease].reclaim_at is None
+    assert not [e for e in cluster.changes.events
+                if e["kind"] == "reclaim_warning" and e.get("lease_id") == busy_lease]
+    del cluster.left_behind[container_id]
+    heartbeats(cluster, 2, step=2)
+    assert cluster.engine.leases[waiter].state is LeaseState.GRANTED
+    assert list(cluster.engine.leases[waiter].gpu_uuids) == reclaimed_gpus
+    assert cluster.engine.leases[busy_lease].state is LeaseState.BOUND
+    assert cluster.engine.leases[busy_lease].reclaim_at is None
 
 
 def test_a_per_model_guarantee_applies_however_the_admin_spelled_the_model(tmp_path: Path):

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import services
 from faults import AllocatorProcess, Proxy
+from ports import free_port
 from prometheus_client import CollectorRegistry
 from services import REPO_ROOT
 
@@ -34,13 +35,6 @@ from allocator.metrics_http import HEALTH_PATH, MetricsServer, ProcessHealth, se
 from nodeagent.simulated import make_gpu, write_inventory
 
 TOKEN = "health-test-token-0123456789"
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get(port: int, path: str = HEALTH_PATH) -> tuple[int, str]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -533,4 +534,7 @@ def test_a_steady_host_takes_the_short_path_and_a_changed_one_does_not() -> None
 
 FastPathMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                              deadline=None)
-test_the_short_path_ends_where_the_full_path_ends = FastPathMachine.TestCase
+# 150 runs of up to 40 steps, each with two engines and two ledger files: about 50 s alone,
+# too near the 60 s that unit tests get on a loaded machine.
+test_the_short_path_ends_where_the_full_path_ends = pytest.mark.timeout(300)(
+    FastPathMachine.TestCase)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 import services
 from faults import AllocatorProcess, allocator_env
+from ports import free_port
 from services import REPO_ROOT
 
 from allocator.cli import main as allocator_main
@@ -165,12 +165,6 @@ def test_agent_help_gives_each_flag_its_setting_default_and_environment(
 # ----------------------------------------------------------------------------- start-up
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_every_start_up_failure_is_one_line_that_says_what_to_fix(
         rabbitmq: services.RabbitMQ, tmp_path: Path) -> None:
     broker = f"{rabbitmq.host}:{rabbitmq.port}"
@@ -184,10 +178,10 @@ def test_every_start_up_failure_is_one_line_that_says_what_to_fix(
         "password": (f"amqp://{rabbitmq.user}:{SECRET}@{broker}/", {},
                      [f"refused the login of user '{rabbitmq.user}'",
                       "check the user and password of amqp_url"]),
-        "unreachable": (f"amqp://guest:{SECRET}@127.0.0.1:{closed_port()}/", {},
+        "unreachable": (f"amqp://guest:{SECRET}@127.0.0.1:{free_port()}/", {},
                         ["cannot reach the broker", "broker_wait_s = 0 s",
                          "check the host and port of amqp_url"]),
-        "ledger": (f"amqp://guest:{SECRET}@127.0.0.1:{closed_port()}/",
+        "ledger": (f"amqp://guest:{SECRET}@127.0.0.1:{free_port()}/",
                    {"ledger_path": str(garbage)}, ["is not a readable ledger", "restore it"]),
     }
     running = {}

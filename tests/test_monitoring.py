@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import urllib.request
 import uuid
@@ -37,6 +36,7 @@ import aiodocker
 import pytest
 import yaml
 from faults import running_allocator
+from ports import free_port
 from services import require_service
 from support import started, wait_until
 
@@ -299,12 +299,6 @@ class Scrape:
 def scrape_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         return str(response.read().decode())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def promtool_findings(promtool: Path, text: str) -> list[str]:

@@ -168,14 +168,15 @@ def management(cluster: Cluster, method: str, path: str) -> Any:
     return json.loads(body) if body else None
 
 
-def active_consumer(cluster: Cluster) -> dict[str, Any]:
+def active_consumer(cluster: Cluster) -> dict[str, Any] | None:
     """The channel of the allocator's single active consumer of the inbound queue: its
-    connection's ``name`` and the broker ``node`` it is on."""
+    connection's ``name`` and the broker ``node`` it is on. None: not known yet (the API lists
+    a new consumer's ``channel_details`` as ``[]`` until its channel's first statistics)."""
     consumers = [c for c in management(cluster, "GET", f"/consumers/{VHOST}")
                  if c["queue"]["name"] == INBOUND and c["active"]]
     assert len(consumers) == 1, consumers
-    details: dict[str, Any] = consumers[0]["channel_details"]
-    return details
+    details = consumers[0]["channel_details"]
+    return details if isinstance(details, dict) and "node" in details else None
 
 
 def serving_broker_node(cluster: Cluster) -> str:
@@ -186,6 +187,8 @@ def serving_broker_node(cluster: Cluster) -> str:
 
     def on_a_worker() -> str | None:
         channel = active_consumer(cluster)
+        if channel is None:
+            return None
         if channel["node"] in workers:
             return workers[channel["node"]]
         management(cluster, "DELETE", "/connections/"
@@ -256,8 +259,10 @@ def serves_through(cluster: Cluster, what: str, fault: Callable[[], None], lost:
     finally:
         poller.stop()
     # (The management API lists consumers from statistics a few seconds old.)
-    eventually(lambda: active_consumer(cluster)["node"] != BROKERS[lost][1],
-               "the allocator consuming through another broker node")
+    def elsewhere() -> bool:
+        channel = active_consumer(cluster)
+        return channel is not None and channel["node"] != BROKERS[lost][1]
+    eventually(elsewhere, "the allocator consuming through another broker node")
     # No decision lost: every lease of before, on the same GPUs, in the ledger of the
     # replica serving now (the other one, if the active one was on the lost node).
     after = json.loads(cluster.gpu_ledger("export", "leases", "--format", "json").stdout)

@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 import services
 from faults import REPO_ROOT, AllocatorProcess
+from ports import free_port
 from support import wait_until
-from test_agent_metrics import free_port, scrape, value
+from test_agent_metrics import scrape, value
 from test_broker_permissions import TEMPLATE, loaded_broker
 
 from allocator.client import AllocatorClient

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 import services
+from ports import free_port
 from support import GTX1070, started, wait_until
 from tls_certs import Issued, issue, make_ca
 
@@ -63,12 +63,6 @@ class TLSBroker:
         return f"amqps://guest:guest@127.0.0.1:{self.port}/"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSBroker]:
     """A private RabbitMQ node with a TLS listener that requires a client certificate."""
@@ -77,7 +71,7 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSBroker]:
     server = issue(folder, "broker", ca_key, ca_cert, server=True)
     client = issue(folder, "client", ca_key, ca_cert, server=False)
     wrong_ca, _, _ = make_ca(folder, "other-ca")
-    port = _free_port()
+    port = free_port()
     config = (f"listeners.ssl.1 = 127.0.0.1:{port}\n"
               f"ssl_options.cacertfile = {ca.cert}\n"
               f"ssl_options.certfile = {server.cert}\n"
@@ -123,7 +117,7 @@ async def test_allocator_agent_and_client_work_over_mutual_tls(
 
 async def test_a_url_naming_a_dead_node_first_reaches_the_tls_node(tls_broker: TLSBroker
                                                                   ) -> None:
-    dead = _free_port()
+    dead = free_port()
     url = broker.with_tls(
         f"amqps://guest:guest@127.0.0.1:{dead},127.0.0.1:{tls_broker.port}/",
         ca_file=tls_broker.ca, cert_file=tls_broker.client.cert,

@@ -98,7 +98,7 @@ class Engine:
         self.containers = NodeReconciliation(settings, counters, self.book, self.truth,
                                              self.idle, self.outbox, self.requests, self.nodes)
         self.reclaim = Reclaimer(settings, counters, self.book, self.idle, self.placer,
-                                 self.start_fence, self.windows)
+                                 self.start_fence, self.windows, self.processes)
         self.views = Views(settings, cluster, self.book, self.idle, self.nodes, self.processes)
 
     def load(self, state: LoadedState, now: float, *, fenced: bool = False) -> None:

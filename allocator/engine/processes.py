@@ -112,6 +112,12 @@ class ProcessWatch:
             drain.containers[record.container_id] = record.lease_id
             self._show(gpu)  # the caller refreshes the index when it drops the claims
 
+    def draining(self) -> list[str]:
+        """The GPUs that wait only for a report without an ended lease's processes (neither
+        stuck nor in outside use): fair share counts them as free for the waiters."""
+        return [uuid for uuid, drain in self.drains.items()
+                if drain.stuck_since is None and uuid not in self.outside]
+
     def draining_on(self, host: str) -> bool:
         """Whether a GPU of ``host`` waits for a report (the heartbeat's short path must not
         skip it)."""

@@ -27,6 +27,7 @@ from allocator.engine.fence import StartFence
 from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.placement import Placer
+from allocator.engine.processes import ProcessWatch
 from allocator.lease import LeaseRecord
 from allocator.ledger import Changes
 from allocator.protocol import (
@@ -54,7 +55,7 @@ class Reclaimer:
 
     def __init__(self, settings: AllocatorSettings, counters: Counters, book: LeaseBook,
                  idle: IdleWatch, placer: Placer, start_fence: StartFence,
-                 windows: BookingWindows) -> None:
+                 windows: BookingWindows, processes: ProcessWatch) -> None:
         self.settings = settings
         self.windows = windows
         self.counters = counters
@@ -62,6 +63,7 @@ class Reclaimer:
         self.idle = idle
         self.placer = placer
         self.start_fence = start_fence
+        self.processes = processes
 
     def _fair_share_active(self) -> bool:
         """Whether anything could ever be reclaimed: a borrow limit above a guarantee, or
@@ -99,7 +101,7 @@ class Reclaimer:
             view, self.settings, now=now,
             down_after_s=self.settings.node_down_after_s,
             idle_window_s=self.settings.idle_window_s, leaving=leaving,
-            rooms=dict(self.windows.rooms))
+            draining=self.processes.draining(), rooms=dict(self.windows.rooms))
         ahead = self._before_windows(now, view, shares, candidates, leaving, plan)
         for record in warned:
             if record.lease_id not in plan and record.lease_id not in ahead:
