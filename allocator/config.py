@@ -22,13 +22,13 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeInt, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
-from allocator.log_snapshot import SNAPSHOT_BYTES
+from allocator.amqp.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
+from allocator.ledger.log_snapshot import SNAPSHOT_BYTES
 from allocator.logs import LogSettings
-from allocator.metrics_http import HealthSettings, MetricsTokenSettings
-from allocator.model_names import ModelNames, unbranded
+from allocator.metrics.endpoint import HealthSettings, MetricsTokenSettings
 from allocator.settings_files import FileSettings, secret_file_field
-from allocator.topology import ALLOCATOR_QUEUE, LEDGER_LOG_STREAM, RABBITMQ_SEGMENT_BYTES
+from allocator.wire.model_names import ModelNames, unbranded
+from allocator.wire.topology import ALLOCATOR_QUEUE, LEDGER_LOG_STREAM, RABBITMQ_SEGMENT_BYTES
 
 ENV_PREFIX = "SWARM_GPU_"
 
@@ -136,9 +136,9 @@ def borrow_limit_problems(settings: PolicySettings) -> list[str]:
 class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSettings,
                         MetricsTokenSettings, HealthSettings):
     """Everything the allocator process reads at start (``config``: the TOML file); the
-    broker's TLS files: :class:`allocator.broker.BrokerTLSSettings`; ``log_level`` and
+    broker's TLS files: :class:`allocator.amqp.broker.BrokerTLSSettings`; ``log_level`` and
     ``log_format``: :class:`allocator.logs.LogSettings`; ``health_stale_s``:
-    :class:`allocator.metrics_http.HealthSettings`."""
+    :class:`allocator.metrics.endpoint.HealthSettings`."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
@@ -146,7 +146,7 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         default=DEFAULT_AMQP_URL,
         description="Broker URL; a broker cluster's nodes may all be named in it "
         "(amqp://user:pw@node1:5672,node2:5672,node3:5672/vhost): the allocator connects to "
-        "the first that answers and, after a drop, to the next (allocator/broker.py).",
+        "the first that answers and, after a drop, to the next (allocator/amqp/broker.py).",
     )
     amqp_url_file: Path | None = secret_file_field("amqp_url")
     broker_wait_s: float = Field(
@@ -277,8 +277,8 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
     history_retention_days: float = Field(
         default=400.0, ge=0,
         description="Events, and finished leases with their state history, older than this "
-        "are deleted from the ledger (allocator/retention.py); active leases are kept however "
-        "old. 0 keeps everything forever. Export first what must be kept longer "
+        "are deleted from the ledger (allocator/ledger/retention.py); active leases are kept "
+        "however old. 0 keeps everything forever. Export first what must be kept longer "
         "(gpu-ledger export; docs/operations.md, Retention).",
     )
     history_prune_interval_s: float = Field(

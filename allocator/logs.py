@@ -19,7 +19,7 @@ its ``log_format`` is text. For JSON, ``jupyterhub_config.py`` sets
 the hub's lines are then these JSON lines too, logger ``JupyterHub``.
 
 Whatever the format, :func:`hide_passwords` runs over every finished line: a URL with a
-password in it (``amqp://user:secret@broker/``) is written as :func:`allocator.broker.redact`
+password in it (``amqp://user:secret@broker/``) is written as :func:`allocator.amqp.broker.redact`
 writes it (``amqp://user:***@broker/``), whether it came from our own messages, a library's
 or a traceback.
 """
@@ -37,7 +37,7 @@ from pydantic_settings import BaseSettings
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-from allocator.broker import redact
+from allocator.amqp.broker import redact
 
 __all__ = [
     "CONTEXT_FIELDS",
@@ -103,7 +103,7 @@ password of a valid URL has no ``/``, space or quote: those are percent-encoded)
 
 def hide_passwords(text: str) -> str:
     """``text`` with the password of every URL in it replaced as
-    :func:`allocator.broker.redact` replaces it (``user:***@``)."""
+    :func:`allocator.amqp.broker.redact` replaces it (``user:***@``)."""
     return _URL_CREDENTIALS.sub(lambda match: redact(match.group(0)), text)
 
 

@@ -4,19 +4,19 @@
 
 What runs, each in its own process, on a fresh vhost of the local broker:
 
-- the real allocator (``python -m allocator.cli serve``), started on a ledger that already
+- the real allocator (``python -m allocator.admin.cli serve``), started on a ledger that already
   holds ``--leases`` (10,000) active leases: half exclusive GPUs, half shared slices of the
   GTX 1070s (4 slots each), all bound to containers — a busy cluster. The ledger is written
   by the allocator's own :class:`~allocator.engine.Engine` and
-  :class:`~allocator.ledger.Ledger`, in this process, without the broker;
+  :class:`~allocator.ledger.store.Ledger`, in this process, without the broker;
 - a heartbeat simulator: one process publishing, for every host, every ``--interval`` seconds
   (phases spread evenly) what a node agent publishes (same routing key, ``user_id``,
-  expiration of two intervals): in ``full`` phases the real :class:`~allocator.protocol.Heartbeat`
-  every time, with the host's 8 GPUs and the lease containers running there; in ``delta``
-  phases that full heartbeat every ``--full-report-s`` (as the agent's ``full_report_s``) and
-  a :class:`~allocator.protocol.HeartbeatDelta` in between: empty (a steady host), except one
-  in four that carries one GPU whose utilization moved;
-- here: 64 :class:`~allocator.client.AllocatorClient` connections, each in a loop of
+  expiration of two intervals): in ``full`` phases the real
+  :class:`~allocator.wire.protocol.Heartbeat` every time, with the host's 8 GPUs and the lease
+  containers running there; in ``delta`` phases that full heartbeat every ``--full-report-s`` (as
+  the agent's ``full_report_s``) and a :class:`~allocator.wire.protocol.HeartbeatDelta` in between:
+  empty (a steady host), except one in four that carries one GPU whose utilization moved;
+- here: 64 :class:`~allocator.amqp.client.AllocatorClient` connections, each in a loop of
   ``allocate`` (mixed: a model or any model, one GPU or two) then ``release(force=True)`` as
   an admin, so every GPU comes back at once.
 
@@ -83,11 +83,11 @@ from common import (
     wait_for_allocator,
 )
 
-from allocator.client import AllocatorClient, AllocatorError
+from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import (
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerEvent,
@@ -100,7 +100,7 @@ from allocator.protocol import (
     decode_inbound,
     encode,
 )
-from allocator.topology import NODES_EXCHANGE, heartbeat_routing_key
+from allocator.wire.topology import NODES_EXCHANGE, heartbeat_routing_key
 
 MODELS = [("NVIDIA GeForce GTX 1070", 8192), ("NVIDIA GeForce RTX 3090", 24576),
           ("NVIDIA A100-SXM4-80GB", 81920), ("NVIDIA RTX A6000", 49152)]

@@ -30,7 +30,7 @@ for entry in (str(REPO), str(REPO / "tests")):
 
 import services  # noqa: E402  (tests/services.py: vhosts of the local broker)
 
-from allocator.client import AllocatorClient, AllocatorError  # noqa: E402
+from allocator.amqp.client import AllocatorClient, AllocatorError  # noqa: E402
 from nodeagent.simulated import write_inventory  # noqa: E402
 
 __all__ = ["services"]
@@ -95,7 +95,7 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def allocator_command() -> list[str]:
-    return [sys.executable, "-m", "allocator.cli", "serve"]
+    return [sys.executable, "-m", "allocator.admin.cli", "serve"]
 
 
 async def wait_for_allocator(amqp_url: str, within: float = 30.0) -> None:

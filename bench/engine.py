@@ -58,8 +58,8 @@ from cluster import SHARE_SLOTS, SHARED_MODEL, build_ledger, gpu_infos, host_nam
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import (
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerInfo,
     GPUInfo,

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from allocator.ledger import Ledger
+from allocator.ledger.store import Ledger
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = [("NVIDIA GeForce GTX 1070", 8192, 4), ("NVIDIA GeForce RTX 3090", 24576, 1),
@@ -110,7 +110,7 @@ def build_ledger(path: Path, count: int) -> float:
 
 def run_export(ledger: Path, fmt: str) -> dict[str, float]:
     """Export all leases to /dev/null in a child; wall time and the child's peak RSS."""
-    command = [sys.executable, "-m", "allocator.ledger_cli", "export", "leases",
+    command = [sys.executable, "-m", "allocator.admin.ledger_cli", "export", "leases",
                "--ledger", str(ledger), "--format", fmt]
     began = time.perf_counter()
     with open(os.devnull, "wb") as sink:
@@ -126,7 +126,7 @@ def run_export(ledger: Path, fmt: str) -> dict[str, float]:
 def baseline(runs: int = 3) -> dict[str, float]:
     """The CLI doing no export (interpreter and imports only): seconds (best of ``runs``) and
     peak RSS."""
-    command = [sys.executable, "-c", "import allocator.ledger_cli"]
+    command = [sys.executable, "-c", "import allocator.admin.ledger_cli"]
     best, rss = float("inf"), 0.0
     for _ in range(runs):
         began = time.perf_counter()

@@ -1,18 +1,18 @@
 """Benchmark: how well multi-GPU grants are joined after a long random mix of requests and
 releases, the placement by links (0.3.0) against the release before, in the real policy.
 
-A fleet of simulated hosts (``allocator.interconnect``'s builders: 8-GPU HGX boards, 8-GPU
+A fleet of simulated hosts (``allocator.wire.interconnect``'s builders: 8-GPU HGX boards, 8-GPU
 two-socket PCIe servers, 4-GPU workstations with two NVLink pairs) takes a random stream of
 1-, 2- and 4-GPU requests (any model) and releases of running leases. Every policy is
-:func:`allocator.policy.place` on a :class:`~allocator.cluster.Cluster`, its grants recorded
-with :func:`allocator.policy.apply_placement` and its releases dropping the lease's claims; a
-request that does not fit is counted as refused (not queued). The policies:
+:func:`allocator.placement.policy.place` on a :class:`~allocator.placement.cluster.Cluster`, its
+grants recorded with :func:`allocator.placement.policy.apply_placement` and its releases dropping
+the lease's claims; a request that does not fit is counted as refused (not queued). The policies:
 
 - ``release_before``: no node carries ``interconnect`` (what every host looks like to 0.2.0,
   whose rule this code path keeps: best fit, the lowest GPU indices);
-- ``links_host_by_best_fit``: links on every node, but :data:`allocator.policy.TOPOLOGY_LOOKAHEAD`
-  set to 1, so the host is best fit's and only the GPUs within it are chosen by links (this
-  bench's figures before the host choice was built);
+- ``links_host_by_best_fit``: links on every node, but
+  :data:`allocator.placement.policy.TOPOLOGY_LOOKAHEAD` set to 1, so the host is best fit's and only
+  the GPUs within it are chosen by links (this bench's figures before the host choice was built);
 - ``links``: links on every node and the policy as released: one GPU by what its taking
   leaves whole, several GPUs on the best-joined of the first ``TOPOLOGY_LOOKAHEAD`` fitting
   hosts.
@@ -47,10 +47,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from allocator import policy
-from allocator.cluster import GPU, Cluster, Node
-from allocator.gpu_sets import GpuSet, choose_gpus, set_cost
-from allocator.interconnect import (
+from allocator.placement import policy
+from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.gpu_sets import GpuSet, choose_gpus, set_cost
+from allocator.wire.interconnect import (
     HostInterconnect,
     LinkLevel,
     hgx_host,
@@ -255,7 +255,7 @@ def main() -> None:
     summary = {name: {k: spread([r[k] for r in rows]) for k in keys}
                for name, rows in runs.items()}
     result = {
-        "benchmark": "fragmentation: allocator.policy.place with links (0.3.0) against "
+        "benchmark": "fragmentation: allocator.placement.policy.place with links (0.3.0) against "
                      "without (the release before)",
         "fleet": {"hgx_8_gpu": args.hgx, "pcie_2_socket_8_gpu": args.pcie,
                   "nvlink_pairs_4_gpu": args.pairs},

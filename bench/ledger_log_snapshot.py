@@ -4,7 +4,7 @@ replica's catch-up from the newest snapshot against a replay of the log from its
     python3 bench/ledger_log_snapshot.py [--hosts 1000] [--gpus-per-host 8] [--leases 20000]
 
 On the local broker (a vhost of its own per run, tests/services.py) with real SQLite files.
-A writer (:class:`allocator.replication.ReplicatedLog`, as the allocator uses it) builds the
+A writer (:class:`allocator.ledger.replication.ReplicatedLog`, as the allocator uses it) builds the
 ledger through the log as an allocator would: one batch per host registering its GPUs, then
 the leases in batches of ``--leases-per-batch`` (granted, and all but one per GPU released
 again, so the ledger has a past), then rounds of GPU telemetry (one batch per
@@ -36,14 +36,14 @@ import aio_pika
 from common import machine, services
 from faults import first_kept_offset
 
-from allocator.cluster import GPU, Node
 from allocator.config import AllocatorSettings
-from allocator.lease import LeaseRecord
-from allocator.ledger import Changes, Ledger
-from allocator.log_snapshot import encode_parts
-from allocator.protocol import LeaseState, ReleaseReason
-from allocator.replication import ENTRY_OVERHEAD_BYTES, SNAPSHOT_PART_BYTES, ReplicatedLog
-from allocator.topology import LEDGER_LOG_STREAM
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.log_snapshot import encode_parts
+from allocator.ledger.replication import ENTRY_OVERHEAD_BYTES, SNAPSHOT_PART_BYTES, ReplicatedLog
+from allocator.ledger.store import Changes, Ledger
+from allocator.placement.cluster import GPU, Node
+from allocator.wire.protocol import LeaseState, ReleaseReason
+from allocator.wire.topology import LEDGER_LOG_STREAM
 
 STREAM = LEDGER_LOG_STREAM
 MODEL = "NVIDIA A100-SXM4-80GB"

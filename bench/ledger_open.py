@@ -29,7 +29,7 @@ from pathlib import Path
 
 from export import build_ledger  # bench/export.py: the same ledger of plausible leases
 
-from allocator.ledger import Ledger
+from allocator.ledger.store import Ledger
 
 
 def timed(action: Callable[[], object], runs: int) -> dict[str, float]:

@@ -5,7 +5,7 @@
 Runs, on a fresh vhost of the local broker and on the shared Docker engine
 (``scripts/services start``; ``source .services/env``):
 
-- the real allocator (``python -m allocator.cli serve``) with a fresh ledger, ``alice``
+- the real allocator (``python -m allocator.admin.cli serve``) with a fresh ledger, ``alice``
   guaranteed 1 GPU and allowed to borrow a second, ``bob`` guaranteed 1, ``dave`` guaranteed
   none and allowed to borrow 1; ``reclaim_grace_s = 0``, so the figure excludes the grace
   (with a grace, the stop comes that much later and nothing else changes);
@@ -62,9 +62,9 @@ from common import (
     wait_for_allocator,
 )
 
-from allocator.client import AllocatorClient
-from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import AllocateRequest, Lease, LeaseState
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.lease_container import LEASE_LABEL
+from allocator.wire.protocol import AllocateRequest, Lease, LeaseState
 from nodeagent.simulated import make_gpu, write_inventory
 
 MODEL = "NVIDIA GeForce GTX 1070"
@@ -199,7 +199,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                          "SWARM_GPU_AGENT_COMMAND_USERS": "guest"}
             with processes() as started:
                 started.append(start_process(
-                    [sys.executable, "-m", "allocator.cli", "serve", "--config", str(config)],
+                    [sys.executable, "-m", "allocator.admin.cli", "serve", "--config", str(config)],
                     {"SWARM_GPU_AMQP_URL": vhost.url}, tmp / "allocator.log"))
                 await wait_for_allocator(vhost.url)
                 started.append(start_process([sys.executable, "-m", "nodeagent"], agent_env,

@@ -5,7 +5,7 @@
 Runs, on a fresh vhost of the local broker and on the shared Docker engine in Swarm mode
 (``scripts/services start``; ``source .services/env``):
 
-- the real allocator (``python -m allocator.cli serve``) with a fresh ledger;
+- the real allocator (``python -m allocator.admin.cli serve``) with a fresh ledger;
 - the real node agent (``python -m nodeagent``) for this engine's node, with a simulated
   inventory of ``--gpus`` GPUs, heartbeating every ``--interval`` seconds, watching the engine;
 - for every lease: an allocation over RPC, then a Swarm service carrying the lease label,
@@ -72,9 +72,9 @@ from common import (
     wait_running,
 )
 
-from allocator.client import AllocatorClient
-from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import AllocateRequest, Lease, LeaseState
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.lease_container import LEASE_LABEL
+from allocator.wire.protocol import AllocateRequest, Lease, LeaseState
 from nodeagent.simulated import make_gpu
 
 MODEL = "NVIDIA GeForce GTX 1070"
@@ -147,7 +147,7 @@ async def run_mode(mode: str, args: argparse.Namespace, vhost_url: str, tmp: Pat
     missing = 0
     rng = random.Random(mode)
     with processes() as started:
-        started.append(start_process([sys.executable, "-m", "allocator.cli", "serve"], env,
+        started.append(start_process([sys.executable, "-m", "allocator.admin.cli", "serve"], env,
                                      tmp / f"allocator-{mode}.log"))
         await wait_for_allocator(vhost_url)
         started.append(start_process(agent_command(mode), agent_env, tmp / f"agent-{mode}.log"))

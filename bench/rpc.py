@@ -13,7 +13,7 @@ the ledger log's stream are replicated by Raft as on a three-node broker):
   (quorum, single-active-consumer) and answering every call with a canned lease reply
   through direct reply-to — the floor no allocator on this transport can beat.
 
-Then the same client code (:class:`allocator.client.AllocatorClient`) makes allocation
+Then the same client code (:class:`allocator.amqp.client.AllocatorClient`) makes allocation
 calls, first with one client, then with ``--clients`` concurrent clients (one connection
 each), against each server. Prints one JSON object: calls/s, p50 and p99 per case, and the
 allocator/floor ratios.
@@ -63,9 +63,9 @@ sys.path.insert(0, str(REPO / "tests"))
 import services  # noqa: E402  (the test helpers that create and delete vhosts)
 from ports import free_port  # noqa: E402
 
-from allocator import broker  # noqa: E402
-from allocator.client import AllocatorClient, AllocatorError  # noqa: E402
-from allocator.protocol import (  # noqa: E402
+from allocator.amqp import broker  # noqa: E402
+from allocator.amqp.client import AllocatorClient, AllocatorError  # noqa: E402
+from allocator.wire.protocol import (  # noqa: E402
     AllocateRequest,
     GPUInfo,
     Heartbeat,
@@ -74,7 +74,7 @@ from allocator.protocol import (  # noqa: E402
     LeaseState,
     encode,
 )
-from allocator.topology import (  # noqa: E402
+from allocator.wire.topology import (  # noqa: E402
     NODES_EXCHANGE,
     allocator_queue_spec,
     heartbeat_routing_key,
@@ -324,7 +324,7 @@ async def bench_on(url: str, args: argparse.Namespace) -> dict[str, Any]:
             "SWARM_GPU_METRICS_PORT": str(metrics_port),
         }
         allocator_log, echo_log = Path(tmp) / "allocator.log", Path(tmp) / "echo.log"
-        allocator = start_process([sys.executable, "-m", "allocator.cli", "serve"],
+        allocator = start_process([sys.executable, "-m", "allocator.admin.cli", "serve"],
                                   allocator_env, allocator_log)
         echo = start_process([sys.executable, __file__, "--echo-server", url], {}, echo_log)
         try:

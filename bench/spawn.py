@@ -5,7 +5,7 @@
 Runs, on a fresh vhost of the local broker and the shared Docker engine in Swarm mode
 (``scripts/services start``; ``source .services/env``):
 
-- the real allocator (``python -m allocator.cli serve``) with a fresh ledger;
+- the real allocator (``python -m allocator.admin.cli serve``) with a fresh ledger;
 - the real node agent (``python -m nodeagent``) for this engine's node, with a simulated
   inventory of one GTX 1070, watching the engine (it binds and frees the leases, and stops a
   released lease's container);
@@ -41,7 +41,7 @@ import aiodocker
 import common
 from hub_harness import Hub  # tests/ (on the path through common): the tests' real JupyterHub
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from nodeagent.simulated import make_gpu, write_inventory
 
 MODEL = "NVIDIA GeForce GTX 1070"
@@ -100,7 +100,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             inventory = tmp / "inventory.json"
             write_inventory(inventory, {host: [make_gpu(host, 0, MODEL)]})
             started.append(common.start_process(
-                [sys.executable, "-m", "allocator.cli", "serve"],
+                [sys.executable, "-m", "allocator.admin.cli", "serve"],
                 {"SWARM_GPU_AMQP_URL": vhost.url, "SWARM_GPU_LEDGER_PATH": str(tmp / "l.sqlite"),
                  "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
                  "SWARM_GPU_ALIASES": json.dumps({"1070": MODEL})}, tmp / "allocator.log"))

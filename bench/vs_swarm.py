@@ -80,9 +80,9 @@ from common import (
     wait_running,
 )
 
-from allocator.client import AllocatorClient
-from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import AllocateRequest
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.lease_container import LEASE_LABEL
+from allocator.wire.protocol import AllocateRequest
 from nodeagent.simulated import make_gpu
 
 MODEL = "NVIDIA GeForce GTX 1070"
@@ -394,7 +394,7 @@ async def run_swarm_gpu(args: argparse.Namespace, docker: aiodocker.Docker,
         listing = ProcessListing(inventory, host, [make_gpu(host, i, MODEL, uuid=gpu)
                                                    for i, gpu in enumerate(gpus)])
         started.append(start_process(
-            [sys.executable, "-m", "allocator.cli", "serve"],
+            [sys.executable, "-m", "allocator.admin.cli", "serve"],
             {"SWARM_GPU_AMQP_URL": vhost.url, "SWARM_GPU_LEDGER_PATH": str(tmp / "l.sqlite"),
              "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
              "SWARM_GPU_STOP_CONTAINERS": str(stop_commands).lower()}, tmp / "allocator.log"))

@@ -18,11 +18,12 @@
 - :mod:`hubplugin.login`: who may log in: NativeAuthenticator accounts an admin authorized.
 
 It imports only the allocator's public surface, these modules exactly:
-:mod:`allocator.bookings.outlook`, :mod:`allocator.broker`, :mod:`allocator.capacity`,
-:mod:`allocator.client`,
-:mod:`allocator.gpu_sets`, :mod:`allocator.interconnect`,
-:mod:`allocator.lease_container`, :mod:`allocator.logs`,
-:mod:`allocator.model_names`, :mod:`allocator.protocol`, :mod:`allocator.settings_files` and
+:mod:`allocator.bookings.outlook`, :mod:`allocator.amqp.broker`, :mod:`allocator.wire.capacity`,
+:mod:`allocator.amqp.client`,
+:mod:`allocator.placement.gpu_sets`, :mod:`allocator.wire.interconnect`,
+:mod:`allocator.wire.lease_container`, :mod:`allocator.logs`,
+:mod:`allocator.wire.model_names`, :mod:`allocator.wire.protocol`, :mod:`allocator.settings_files`
+and
 :mod:`allocator.tasks`
 (``tests/test_design_map.py`` holds this list to the code).
 """

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from allocator.bookings.outlook import UserOutlook, gpus_text
-from allocator.model_names import display_name
+from allocator.wire.model_names import display_name
 
 from .borrowing import choice_units
 from .options import ModelCatalog, Profile

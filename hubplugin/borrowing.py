@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.protocol import QuotaView
+from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.wire.protocol import QuotaView
 
 from .options import GPUMode, GPUOptions, GPUPermissions, ModelCatalog, Profile
 

@@ -1,16 +1,16 @@
 """Turn a lease into what the Swarm service needs: environment, placement, labels.
 
 Pure functions over plain data, like kubespawner's ``objects.py``: given a
-:class:`~allocator.protocol.Lease` (or None for "no GPU") and the admin's own
+:class:`~allocator.wire.protocol.Lease` (or None for "no GPU") and the admin's own
 ``SwarmSpawner`` settings, they return new dicts and never modify their inputs.
 
 - environment: the lease's own env, exactly as the allocator computed it
-  (:func:`allocator.lease_container.lease_env`), checked for control characters;
+  (:func:`allocator.wire.lease_container.lease_env`), checked for control characters;
   ``NVIDIA_VISIBLE_DEVICES=void`` without a GPU, so the NVIDIA runtime exposes none;
 - placement: the admin's constraints plus ``node.hostname == <lease host>``;
-- labels: :func:`allocator.lease_container.grant_labels` on the container (the lease id, what
+- labels: :func:`allocator.wire.lease_container.grant_labels` on the container (the lease id, what
   node agents look for, and the whole grant, which they report so that an allocator that lost
-  the lease adopts it), :func:`allocator.lease_container.lease_labels`
+  the lease adopts it), :func:`allocator.wire.lease_container.lease_labels`
   (``swarm-gpu.lease=<lease id>``) on the service (for ``docker service ls --filter label=...``);
 - restart policy: ``none`` for a service that holds a lease. Swarm's default restarts a dead
   task in a *new* container with the same environment, but the lease was released the moment
@@ -25,14 +25,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from allocator.lease_container import (
+from allocator.wire.lease_container import (
     GRANT_LABELS,
     LEASE_LABEL,
     grant_labels,
     lease_labels,
     no_gpu_env,
 )
-from allocator.protocol import Lease, LeaseState
+from allocator.wire.protocol import Lease, LeaseState
 
 __all__ = [
     "LEASE_LABEL", "BuildError", "ServiceGPUSpec", "build_service_spec", "describe_lease",
@@ -152,7 +152,7 @@ def build_service_spec(
     """Everything the service needs for this lease, merged with the admin's settings.
 
     The admin's dicts are copied, never modified. The container carries the whole grant
-    (:func:`~allocator.lease_container.grant_labels`, with ``server_name``, the JupyterHub
+    (:func:`~allocator.wire.lease_container.grant_labels`, with ``server_name``, the JupyterHub
     server's name, empty for a user's default server, and the user's ``groups`` the lease was
     asked with), the service the lease label. Without
     a lease the placement is the admin's own and any stale lease or grant label is removed.

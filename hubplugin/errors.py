@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from tornado import web
 
-from allocator.client import AllocatorError
-from allocator.protocol import ErrorCode
+from allocator.amqp.client import AllocatorError
+from allocator.wire.protocol import ErrorCode
 
 __all__ = ["allocator_http_error", "holds_no_lease", "user_error"]
 

@@ -1,6 +1,6 @@
 """The spawn form: named profiles first, then "choose the GPU yourself", then availability.
 
-Pure: the form's data from an :class:`~allocator.protocol.InventoryReply` (or None when the
+Pure: the form's data from an :class:`~allocator.wire.protocol.InventoryReply` (or None when the
 allocator cannot be reached), the admin's profiles and the user's
 :class:`~hubplugin.options.GPUPermissions`, rendered by the Jinja2 template
 ``hubplugin/templates/spawn_form.html.j2`` (JupyterHub ships Jinja2). An admin overrides the
@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from allocator.bookings.outlook import UserOutlook
-from allocator.model_names import display_name
-from allocator.protocol import InventoryReply, ModelSummary
+from allocator.wire.model_names import display_name
+from allocator.wire.protocol import InventoryReply, ModelSummary
 
 from .booked import booking_notes, mark_models, mark_profiles
 from .borrowing import BorrowOutlook, choice_units

@@ -14,8 +14,8 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from allocator.client import AllocatorClient, AllocatorError, StillQueued
-from allocator.protocol import AllocateRequest, ErrorCode, Lease
+from allocator.amqp.client import AllocatorClient, AllocatorError, StillQueued
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Lease
 
 from .progress import queue_message
 

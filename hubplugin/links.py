@@ -3,8 +3,8 @@ could get now, the form's topology choice, and a lease's connection on the GPU p
 
 Pure: no I/O, no clock. The rule of which GPUs a request gets, and so the best connection
 ``count`` free GPUs of a host could have, is the allocator's
-(:func:`allocator.gpu_sets.best_link`); this module only reads it over an
-:class:`~allocator.protocol.InventoryReply` and puts it in words. A cluster where no host
+(:func:`allocator.placement.gpu_sets.best_link`); this module only reads it over an
+:class:`~allocator.wire.protocol.InventoryReply` and puts it in words. A cluster where no host
 reported how its GPUs are joined (agents before 0.3.0) gets no words and no choice at all.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from allocator.gpu_sets import TopologyDemand, best_link
-from allocator.interconnect import LINK_NAMES, LinkLevel
-from allocator.protocol import GPUView, Health, InventoryReply, Lease, ModelSummary
+from allocator.placement.gpu_sets import TopologyDemand, best_link
+from allocator.wire.interconnect import LINK_NAMES, LinkLevel
+from allocator.wire.protocol import GPUView, Health, InventoryReply, Lease, ModelSummary
 
 TIMES = "\u00d7"
 """The multiplication sign of "2 x A100, NVLink"."""
@@ -29,7 +29,7 @@ TOPOLOGY_CHOICES: tuple[tuple[str, str], ...] = (
     ("socket", "same socket"),
 )
 """The form's topology choices, ``(value, label)``: ``any``, then
-:data:`allocator.gpu_sets.DEMANDED_LEVEL`'s keys (a test holds them equal)."""
+:data:`allocator.placement.gpu_sets.DEMANDED_LEVEL`'s keys (a test holds them equal)."""
 
 
 def reports_topology(inventory: InventoryReply | None) -> bool:

@@ -3,8 +3,8 @@
 Pure: no I/O, no clock. The spawner parses user input into :class:`GPUOptions`, resolves a
 named profile, checks the result against the user's :class:`GPUPermissions` (from the
 admin's settings) and, when it has one, the allocator's current
-:class:`~allocator.protocol.InventoryReply` (for better messages), and builds the
-:class:`~allocator.protocol.AllocateRequest`.
+:class:`~allocator.wire.protocol.InventoryReply` (for better messages), and builds the
+:class:`~allocator.wire.protocol.AllocateRequest`.
 
 Both input paths produce the same model. REST clients send::
 
@@ -27,10 +27,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from allocator.capacity import gpu_groups, most_per_host
-from allocator.gpu_sets import DEMANDED_LEVEL, TopologyDemand
-from allocator.model_names import ModelNameError, ModelNames, same_model
-from allocator.protocol import (
+from allocator.placement.gpu_sets import DEMANDED_LEVEL, TopologyDemand
+from allocator.wire.capacity import gpu_groups, most_per_host
+from allocator.wire.model_names import ModelNameError, ModelNames, same_model
+from allocator.wire.protocol import (
     MAX_COUNT,
     MAX_GROUPS,
     MAX_MIB,
@@ -545,7 +545,7 @@ def permissions_for(
 class ModelCatalog:
     """The models the allocator's inventory lists, matched by the allocator's own rule.
 
-    Spellings are :mod:`allocator.model_names`' (case, spaces, punctuation and vendor words
+    Spellings are :mod:`allocator.wire.model_names`' (case, spaces, punctuation and vendor words
     do not matter; aliases count), so the hub accepts exactly what the allocator accepts.
     """
 
@@ -637,7 +637,7 @@ def check_options(
     eligible = _eligible_models(ctx, model, models)
     host = _check_host(ctx)
     # A request that names no model, nor a list, is the one whose "all GPUs of a host" may
-    # mix models (allocator.capacity); the allocator gets exactly that request.
+    # mix models (allocator.wire.capacity); the allocator gets exactly that request.
     per_host = _gpus_per_host(ctx, eligible, host, any_model=model is None and models is None)
     what = "any model you may use" if model is None else model
     if options.mode is GPUMode.SHARED:
@@ -742,7 +742,7 @@ def _check_host(ctx: _Context) -> str | None:
 def _gpus_per_host(ctx: _Context, eligible: list[ModelSummary] | None,
                    host: str | None, *, any_model: bool) -> dict[str, int]:
     """Host -> the most GPUs (total, not just free) one request of the eligible models can
-    get there, by the allocator's own rule (:mod:`allocator.capacity`: a count is of one
+    get there, by the allocator's own rule (:mod:`allocator.wire.capacity`: a count is of one
     model); empty when unknown."""
     if ctx.inventory is None or eligible is None:
         return {}

@@ -56,11 +56,11 @@ from traitlets import (
     Callable as CallableTrait,
 )
 
+from allocator.amqp.broker import DEFAULT_AMQP_URL, with_tls
+from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.bookings.outlook import outlook_for
-from allocator.broker import DEFAULT_AMQP_URL, with_tls
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.protocol import ErrorCode, InventoryReply, Lease, LeaseState
 from allocator.settings_files import setting_or_file
+from allocator.wire.protocol import ErrorCode, InventoryReply, Lease, LeaseState
 
 from .borrowing import amounts_offered, borrow_outlook
 from .builders import BuildError, build_service_spec, describe_lease
@@ -477,7 +477,7 @@ class GPUSwarmSpawner(SwarmSpawner):
 
     def allocator_broker_url(self) -> str:
         """``allocator_url``, or the content of ``allocator_url_file``, with the TLS files
-        (``allocator_ca_file``...: :func:`allocator.broker.with_tls`).
+        (``allocator_ca_file``...: :func:`allocator.amqp.broker.with_tls`).
 
         ``allocator_url`` counts as set only when it differs from its default: traitlets
         cannot tell a default from a configured value, and the default has no password.

@@ -8,11 +8,11 @@ One :class:`NodeAgent` runs per GPU host. Its parts run side by side:
   containers' use; with ``gpu_processes``, every process on each GPU:
   :mod:`nodeagent.gpu_processes`), and publishes a heartbeat: in full at least every
   ``full_report_s`` and after an allocator's hello, else as a delta of what changed
-  (:mod:`allocator.heartbeat_delta`); to an allocator that reads it, the host's interconnect
+  (:mod:`allocator.wire.heartbeat_delta`); to an allocator that reads it, the host's interconnect
   (how its GPUs are joined) in the first full report after its hello and in the full report
   after any change of it, never in a delta;
 - the **Docker watcher** (:mod:`nodeagent.containers`): every start/die/oom/destroy of a lease
-  container becomes a :class:`~allocator.protocol.ContainerEvent` at once;
+  container becomes a :class:`~allocator.wire.protocol.ContainerEvent` at once;
 - the **XID thread**: blocks in the inventory source's ``wait_xids`` (NVML's event wait is a
   blocking C call) and hands XIDs to the loop;
 - the **publisher** (:mod:`nodeagent.publisher`): bounded publishes, buffered events;
@@ -41,10 +41,11 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from allocator.heartbeat_delta import Thresholds, apply_delta, delta_between
-from allocator.interconnect import HostInterconnect
-from allocator.metrics_http import MetricsServer, ProcessHealth
-from allocator.protocol import (
+from allocator.metrics.endpoint import MetricsServer, ProcessHealth
+from allocator.tasks import cancel_and_wait
+from allocator.wire.heartbeat_delta import Thresholds, apply_delta, delta_between
+from allocator.wire.interconnect import HostInterconnect
+from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
     AllocatorHello,
@@ -57,7 +58,6 @@ from allocator.protocol import (
     HeartbeatDelta,
     ProcessUse,
 )
-from allocator.tasks import cancel_and_wait
 from nodeagent.cgroups import CgroupReader
 from nodeagent.commands import CommandConsumer
 from nodeagent.config import AgentSettings, resolve_host

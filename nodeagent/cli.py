@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic_settings import CliSettingsSource
 
 from allocator.logs import configure_logging
-from allocator.metrics_http import ask_health, health_address
+from allocator.metrics.endpoint import ask_health, health_address
 from allocator.settings_files import setting_help, settings_error_line
 from nodeagent.config import AgentSettings, load_settings
 from nodeagent.inventory import InventoryUnavailable

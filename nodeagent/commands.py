@@ -7,18 +7,18 @@ the GPU is free in milliseconds. The allocator also asks when an admin force-rel
 and when a container runs for a lease that is already finished.
 
 The agent consumes a queue of its own, ``swarm-gpu.agent.<host>`` (classic, not durable, gone
-a while after its agent: :func:`allocator.topology.agent_queue_spec`), bound to the agents
+a while after its agent: :func:`allocator.wire.topology.agent_queue_spec`), bound to the agents
 exchange with ``stop.<host>`` only. A command is carried out only if
 
 1. its AMQP ``user_id`` (which the broker verifies) is one of ``command_users``: defense in
    depth on top of the broker's permissions, which let only the allocator write there;
-2. it decodes as a command (:data:`~allocator.protocol.AgentCommand`) for this very host;
-3. for a :class:`~allocator.protocol.StopContainer`, the container carries the label
+2. it decodes as a command (:data:`~allocator.wire.protocol.AgentCommand`) for this very host;
+3. for a :class:`~allocator.wire.protocol.StopContainer`, the container carries the label
    ``swarm-gpu.lease`` with the command's lease id
    (:meth:`~nodeagent.containers.ContainerWatcher.stop_lease_container`): nothing else on the
    host is ever touched.
 
-An :class:`~allocator.protocol.AllocatorHello` (the allocator says which optional parts of
+An :class:`~allocator.wire.protocol.AllocatorHello` (the allocator says which optional parts of
 node messages it reads: the agent then sends them, see ``gpu_processes`` in
 :mod:`nodeagent.config`) goes to the agent at once; it arrives through the same queue, so an
 agent without this consumer (``docker`` or ``stop_commands`` off) never gets one.
@@ -48,10 +48,10 @@ import aio_pika
 import aio_pika.abc
 import aiormq
 
-from allocator import broker
-from allocator.protocol import AllocatorHello, StopContainer, decode_agent_command
+from allocator.amqp import broker
 from allocator.tasks import cancel_and_wait
-from allocator.topology import (
+from allocator.wire.protocol import AllocatorHello, StopContainer, decode_agent_command
+from allocator.wire.topology import (
     AGENTS_EXCHANGE,
     agent_queue_spec,
     command_routing_key,
@@ -68,7 +68,7 @@ Stopper = Callable[[str, str, float], Awaitable[StopOutcome]]
 """``(container_id, lease_id, grace_s) -> outcome``: stops a lease container."""
 
 HelloHandler = Callable[[AllocatorHello], None]
-"""Told every :class:`~allocator.protocol.AllocatorHello` for this host (in the event loop)."""
+"""Told every :class:`~allocator.wire.protocol.AllocatorHello` for this host (in the event loop)."""
 
 
 class CommandConsumer:

@@ -26,9 +26,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from allocator.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
+from allocator.amqp.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
 from allocator.logs import LogSettings
-from allocator.metrics_http import HealthSettings, MetricsTokenSettings
+from allocator.metrics.endpoint import HealthSettings, MetricsTokenSettings
 from allocator.settings_files import FileSettings, list_from_text, secret_file_field
 from nodeagent.gpu_processes import DEFAULT_DRIVER_PROCESSES
 
@@ -66,9 +66,9 @@ def docker_host_or_standard_socket() -> str:
 class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings, MetricsTokenSettings,
                     HealthSettings):
     """Everything the node agent reads at start (``config``: the TOML file); the broker's
-    TLS files: :class:`allocator.broker.BrokerTLSSettings`; ``log_level`` and ``log_format``:
+    TLS files: :class:`allocator.amqp.broker.BrokerTLSSettings`; ``log_level`` and ``log_format``:
     :class:`allocator.logs.LogSettings`; ``health_stale_s``:
-    :class:`allocator.metrics_http.HealthSettings`."""
+    :class:`allocator.metrics.endpoint.HealthSettings`."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -90,7 +90,7 @@ class AgentSettings(FileSettings, BrokerTLSSettings, LogSettings, MetricsTokenSe
     amqp_url: str = Field(
         default=DEFAULT_AMQP_URL,
         description="Broker URL (several nodes of a broker cluster: host1:port1,host2:port2; "
-        "allocator/broker.py). Its user is sent as the AMQP user_id of every message.",
+        "allocator/amqp/broker.py). Its user is sent as the AMQP user_id of every message.",
     )
     amqp_url_file: Path | None = secret_file_field("amqp_url")
     interval_s: float = Field(default=5.0, gt=0, le=3600, description="Heartbeat period.")

@@ -53,10 +53,12 @@ import aiohttp
 from aiodocker.containers import DockerContainer
 from aiodocker.events import DockerEvents
 
-from allocator.lease_container import LEASE_LABEL as LEASE_LABEL  # re-exported: the agent's label
-from allocator.lease_container import grant_from_labels
-from allocator.protocol import ContainerGrant
 from allocator.tasks import Backoff, cancel_and_wait
+from allocator.wire.lease_container import (
+    LEASE_LABEL as LEASE_LABEL,  # re-exported: the agent's label
+)
+from allocator.wire.lease_container import grant_from_labels
+from allocator.wire.protocol import ContainerGrant
 from nodeagent.gpu_processes import ContainerDetails
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ class LeaseContainer:
     started_at: float | None = None
     """Epoch seconds: from the start event, or the creation time when only listed."""
     grant: ContainerGrant | None = None
-    """The grant its labels carry (see :mod:`allocator.lease_container`); None without grant
+    """The grant its labels carry (see :mod:`allocator.wire.lease_container`); None without grant
     labels."""
 
 

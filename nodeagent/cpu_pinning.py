@@ -5,7 +5,7 @@ running container's (``POST /containers/{id}/update`` with ``CpusetCpus``, what 
 update --cpuset-cpus`` sends), a Swarm task's container too. So, with ``pin_cpus`` on, the
 agent pins each lease container it sees start (and each one already running when it starts)
 to the union of the CPUs near the GPUs its grant labels name, from the agent's own reading
-of the host's interconnect (:attr:`allocator.interconnect.HostGpu.cpus`). A MIG instance
+of the host's interconnect (:attr:`allocator.wire.interconnect.HostGpu.cpus`). A MIG instance
 takes its parent GPU's CPUs; a shared slice is pinned as its GPU's socket too.
 
 :func:`cpus_near` is the pure part. :class:`CpuPinner` carries it out through a call it is
@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from allocator.interconnect import HostInterconnect, cpulist_ranges
 from allocator.tasks import cancel_and_wait
+from allocator.wire.interconnect import HostInterconnect, cpulist_ranges
 
 if TYPE_CHECKING:
     from nodeagent.containers import LeaseContainer
@@ -60,7 +60,7 @@ UpdateCpuset = Callable[[str, str], Awaitable[None]]
 def cpulist_union(cpulists: Iterable[str]) -> str:
     """The CPUs of several Linux cpulists as one (``"0-3"`` and ``"4,8"`` → ``"0-4,8"``):
     ranges in increasing order, those that touch or overlap joined. ValueError for a list not
-    in Linux's form (:func:`allocator.interconnect.cpulist_ranges`)."""
+    in Linux's form (:func:`allocator.wire.interconnect.cpulist_ranges`)."""
     ranges = sorted(r for cpulist in cpulists for r in cpulist_ranges(cpulist))
     joined: list[list[int]] = []
     for low, high in ranges:

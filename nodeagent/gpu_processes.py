@@ -13,8 +13,8 @@ not a lease container its name and image (Docker). This module turns that into t
   command name is one of the driver's own daemons (``driver_processes``): they hold a context
   on every GPU and say nothing about who uses it;
 - a GPU whose listing failed reports None (not known), never "none";
-- a report lists at most :data:`~allocator.protocol.MAX_GPU_PROCESSES` per GPU and
-  :data:`~allocator.protocol.MAX_REPORTED_PROCESSES` in all, those using the most memory first;
+- a report lists at most :data:`~allocator.wire.protocol.MAX_GPU_PROCESSES` per GPU and
+  :data:`~allocator.wire.protocol.MAX_REPORTED_PROCESSES` in all, those using the most memory first;
   each GPU counts the ones left out in ``processes_omitted``.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from allocator.protocol import MAX_GPU_PROCESSES, MAX_REPORTED_PROCESSES, GPUProcess
+from allocator.wire.protocol import MAX_GPU_PROCESSES, MAX_REPORTED_PROCESSES, GPUProcess
 from nodeagent.inventory import GPUSample, ProcessSample
 
 COMMAND_NAME_BYTES = 15

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from allocator.protocol import Health
+from allocator.wire.protocol import Health
 from nodeagent.inventory import GPUSample
 
 MAX_REASONS = 32

@@ -1,5 +1,5 @@
 """How the host's GPUs are joined, read from NVML: the link of every pair, each GPU's NUMA node
-and the CPUs near it (an :class:`~allocator.interconnect.HostInterconnect`).
+and the CPUs near it (an :class:`~allocator.wire.interconnect.HostInterconnect`).
 
 Per pair of GPUs (never MIG instances): NVLink links first, from each GPU's links
 ``0 .. NVML_NVLINK_MAX_LINKS - 1`` (``nvmlDeviceGetNvLinkState``; an active link's far end by
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from allocator.interconnect import (
+from allocator.wire.interconnect import (
     CPULIST_PATTERN,
     MAX_CPULIST,
     MAX_GPUS_PER_HOST,
@@ -77,7 +77,7 @@ def pci_address(bus_id: str | bytes) -> str | None:
 def cpulist_of(words: Sequence[int], word_bits: int = 64) -> str | None:
     """A CPU bitmask (NVML's array of words, lowest CPUs in the first word) in Linux's cpulist
     form (``0-15,32-47``); None when no bit is set or the list would be longer than
-    :data:`~allocator.interconnect.MAX_CPULIST`."""
+    :data:`~allocator.wire.interconnect.MAX_CPULIST`."""
     ranges: list[tuple[int, int]] = []
     for position, word in enumerate(words):
         value = int(word)

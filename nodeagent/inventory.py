@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from allocator.interconnect import HostInterconnect
+from allocator.wire.interconnect import HostInterconnect
 
 SourceKind = Literal["nvml", "simulated"]
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the node agent, on a port of their own (``metrics_port``, 9465).
 
-Two parts, as in :mod:`allocator.metrics`, so that the agent's loops pay (almost) nothing:
+Two parts, as in :mod:`allocator.metrics.exporter`, so that the agent's loops pay (almost) nothing:
 
 - :class:`AgentMetrics` holds what must be recorded when it happens: the latency of each
   inventory read (NVML, or the simulated file) and of each Docker API call, in histograms,
@@ -38,8 +38,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from allocator.metrics_http import MetricsServer, ProcessHealth, serve_registry
-from allocator.protocol import Health, Heartbeat
+from allocator.metrics.endpoint import MetricsServer, ProcessHealth, serve_registry
+from allocator.wire.protocol import Health, Heartbeat
 from nodeagent.cpu_pinning import PIN_OUTCOMES
 
 if TYPE_CHECKING:
@@ -408,7 +408,7 @@ def serve(agent: Observed, metrics: AgentMetrics, port: int, addr: str,
           health: ProcessHealth | None = None) -> MetricsServer | None:
     """Serve the agent's metrics on ``addr:port`` (``/metrics``) from a daemon thread; with
     ``token`` (``metrics_token``), only to requests that send it
-    (:func:`allocator.metrics_http.serve_registry`); with ``health``, ``/healthz`` too.
+    (:func:`allocator.metrics.endpoint.serve_registry`); with ``health``, ``/healthz`` too.
 
     None when the port cannot be bound (in use, or an address this host does not have): the
     error is logged and the agent runs on, since its heartbeats matter more than its metrics

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
-from allocator.protocol import Health
+from allocator.wire.protocol import Health
 from nodeagent.health import Verdict
 from nodeagent.inventory import GPUSample
 

@@ -41,8 +41,8 @@ import threading
 import time
 from typing import Any
 
-from allocator.interconnect import HostInterconnect
-from allocator.model_names import mig_parts
+from allocator.wire.interconnect import HostInterconnect
+from allocator.wire.model_names import mig_parts
 from nodeagent.interconnect_nvml import InterconnectReader
 from nodeagent.inventory import (
     GPUSample,

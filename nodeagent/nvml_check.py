@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from allocator.interconnect import matrix_lines
+from allocator.wire.interconnect import matrix_lines
 from nodeagent.cgroups import CgroupReader
 from nodeagent.health import HealthRules, HealthTracker
 from nodeagent.inventory import InventoryUnavailable

@@ -1,7 +1,7 @@
 """Publishing node messages to the broker: bounded in time, buffered for events.
 
-Messages go to :data:`~allocator.topology.NODES_EXCHANGE` with the routing keys of
-:mod:`allocator.topology`, as JSON, with the AMQP ``user_id`` set to the broker user of the
+Messages go to :data:`~allocator.wire.topology.NODES_EXCHANGE` with the routing keys of
+:mod:`allocator.wire.topology`, as JSON, with the AMQP ``user_id`` set to the broker user of the
 URL (RabbitMQ refuses a ``user_id`` that is not the connection's user, so the allocator
 can trust it to tell which agent sent a heartbeat).
 
@@ -48,11 +48,11 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
 
-from allocator import broker
-from allocator.broker import broker_user
-from allocator.protocol import ContainerEvent, Heartbeat, HeartbeatDelta, encode
+from allocator.amqp import broker
+from allocator.amqp.broker import broker_user
 from allocator.tasks import cancel_and_wait
-from allocator.topology import (
+from allocator.wire.protocol import ContainerEvent, Heartbeat, HeartbeatDelta, encode
+from allocator.wire.topology import (
     ALLOCATOR_QUEUE,
     NODES_EXCHANGE,
     event_routing_key,
@@ -324,7 +324,7 @@ class Publisher:
         """Publish on a new channel from now on: the broker refused a publish of the one
         ``refused`` is on, or did not confirm it in time. A refusal means the channel refuses
         every publish for as long as it lives (a quorum queue's leader lost just before that
-        channel first used it, :func:`allocator.broker.is_refused`). The message fails as
+        channel first used it, :func:`allocator.amqp.broker.is_refused`). The message fails as
         before (a heartbeat is counted and dropped, an event stays buffered) and the next one
         goes out on the new channel."""
         connection, channel = self._connection, self._channel

@@ -45,8 +45,9 @@ This is how tests and the demo make one notebook idle and another busy.
 
 A top-level ``topology`` object says how a host's GPUs are joined (what NVML's topology calls
 tell on a real host), by host: a preset, applied to the host's GPUs in index order (MIG
-instances aside), or the interconnect itself (:class:`~allocator.interconnect.HostInterconnect`:
-``gpus`` with ``uuid``, ``numa_node``, ``cpus``, and ``links`` with ``a``, ``b``, ``level``
+instances aside), or the interconnect itself
+(:class:`~allocator.wire.interconnect.HostInterconnect`: ``gpus`` with ``uuid``, ``numa_node``,
+``cpus``, and ``links`` with ``a``, ``b``, ``level``
 0-6, ``nvlinks``), naming exactly the host's GPUs::
 
     {"hosts": {...}, "topology": {"gpu-a": "hgx", "gpu-b": "pcie-two-socket"}}
@@ -85,9 +86,9 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from allocator.interconnect import GpuLink, HostGpu, HostInterconnect, LinkLevel
-from allocator.model_names import mig_model_name
-from allocator.protocol import MAX_MIB
+from allocator.wire.interconnect import GpuLink, HostGpu, HostInterconnect, LinkLevel
+from allocator.wire.model_names import mig_model_name
+from allocator.wire.protocol import MAX_MIB
 from nodeagent.inventory import (
     GPUSample,
     InventoryUnavailable,

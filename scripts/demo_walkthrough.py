@@ -199,7 +199,7 @@ async def walk(args: argparse.Namespace) -> dict[str, float]:
 
         step("gpu-ledger status")
         ledger = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "allocator.ledger_cli", "status",
+            sys.executable, "-m", "allocator.admin.ledger_cli", "status",
             "--ledger", str(demo_dir / "ledger.sqlite"),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         async with asyncio.timeout(STEP_TIMEOUT_S):

@@ -263,7 +263,7 @@ async def allocator(amqp_vhost: services.AmqpVhost, ledger_path: Path):
 @pytest.fixture
 async def client(allocator, amqp_vhost: services.AmqpVhost):
     """An RPC client connected to the test's allocator."""
-    from allocator.client import AllocatorClient
+    from allocator.amqp.client import AllocatorClient
 
     async with AllocatorClient(amqp_vhost.url, timeout_s=10) as rpc:
         yield rpc

@@ -1,7 +1,7 @@
 """Helpers of the fault tests: allocator processes, ledger audits, figures to report.
 
 Every fault test ends with :func:`audit_ledger`, which runs the invariant checker
-(:func:`allocator.invariants.check_ledger`) on the ledger file and adds the accounting the
+(:func:`allocator.ledger.invariants.check_ledger`) on the ledger file and adds the accounting the
 fault tests promise: one lease per request key, no GPU in two holding leases, and the GPUs
 held equal to the GPUs of the leases that hold them.
 """
@@ -28,8 +28,8 @@ from typing import Any
 
 import aio_pika
 
-from allocator.invariants import NodeReport, Violation, check_ledger
-from allocator.reports import open_readonly
+from allocator.admin.reports import open_readonly
+from allocator.ledger.invariants import NodeReport, Violation, check_ledger
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,9 +136,9 @@ async def first_kept_offset(url: str, stream: str = "swarm-gpu.ledger-log") -> i
 
 async def log_entries(url: str, through: int, stream: str = "swarm-gpu.ledger-log"
                       ) -> dict[int, Any]:
-    """offset -> entry (:mod:`allocator.log_entries`) of the ledger log's stream, from the
+    """offset -> entry (:mod:`allocator.ledger.log_entries`) of the ledger log's stream, from the
     oldest entry it keeps through offset ``through``."""
-    from allocator.log_entries import decode_entry
+    from allocator.ledger.log_entries import decode_entry
 
     connection = await aio_pika.connect(url, timeout=10)
     async with connection:
@@ -190,7 +190,7 @@ def gpu_ledger_check(path: Path, *, live_amqp: str | None = None,
                      listen_s: float = 2.0) -> subprocess.CompletedProcess[str]:
     """``gpu-ledger check --ledger PATH``, the operator's command after a fault; with
     ``live_amqp``, ``--live``: the ledger against what the nodes' heartbeats say runs."""
-    command = [sys.executable, "-m", "allocator.ledger_cli", "check", "--ledger", str(path)]
+    command = [sys.executable, "-m", "allocator.admin.ledger_cli", "check", "--ledger", str(path)]
     if live_amqp is not None:
         command += ["--live", "--amqp", live_amqp, "--listen", str(listen_s), "--grace", "1",
                     "--json"]
@@ -210,7 +210,7 @@ def assert_sound(audit: LedgerAudit) -> None:
 
 
 def allocator_env(amqp_url: str, ledger_path: Path, **settings: Any) -> dict[str, str]:
-    """The environment of ``python -m allocator.cli serve``: ``SWARM_GPU_*`` settings."""
+    """The environment of ``python -m allocator.admin.cli serve``: ``SWARM_GPU_*`` settings."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("SWARM_GPU_") or k in ("SWARM_GPU_SERVICES_DIR",)}
     values: dict[str, Any] = {
@@ -231,7 +231,7 @@ def allocator_env(amqp_url: str, ledger_path: Path, **settings: Any) -> dict[str
 
 
 class AllocatorProcess:
-    """``python -m allocator.cli serve`` as a child process, its output in a log file."""
+    """``python -m allocator.admin.cli serve`` as a child process, its output in a log file."""
 
     def __init__(self, name: str, amqp_url: str, ledger_path: Path, log_dir: Path,
                  **settings: Any) -> None:
@@ -244,7 +244,7 @@ class AllocatorProcess:
         log = open(self.log_path, "ab")  # noqa: ASYNC230, SIM115 - handed to the child
         try:
             self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "allocator.cli", "serve", cwd=REPO_ROOT, env=self.env,
+                sys.executable, "-m", "allocator.admin.cli", "serve", cwd=REPO_ROOT, env=self.env,
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT)
         finally:
             log.close()
@@ -463,8 +463,8 @@ class CycleLoad:
 async def until_answered(load: CycleLoad, call: Any) -> Any:
     """Call until the allocator answers; a timeout, an outage or a ``storage_error`` (nothing
     recorded for sure) is sent again as it is, with the same request key."""
-    from allocator.client import AllocatorError, AllocatorTimeout, AllocatorUnavailable
-    from allocator.protocol import ErrorCode
+    from allocator.amqp.client import AllocatorError, AllocatorTimeout, AllocatorUnavailable
+    from allocator.wire.protocol import ErrorCode
 
     while True:
         load.calls += 1
@@ -491,8 +491,8 @@ async def cycle(number: int, url: str, load: CycleLoad, *, cycles_after_fault: i
     """One worker: allocate (a new request key each time), then release at once, until it
     has done ``cycles_after_fault`` cycles after the fault. Each call is retried until it is
     answered (:func:`until_answered`)."""
-    from allocator.client import AllocatorClient
-    from allocator.protocol import AllocateRequest, LeaseState
+    from allocator.amqp.client import AllocatorClient
+    from allocator.wire.protocol import AllocateRequest, LeaseState
 
     async with AllocatorClient(url, timeout_s=call_timeout_s, connect_timeout_s=3) as client:
         n = 0

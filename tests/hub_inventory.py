@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from allocator.protocol import (
+from allocator.wire.protocol import (
     GPUView,
     Health,
     InventoryReply,

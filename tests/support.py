@@ -20,8 +20,8 @@ import aio_pika.abc
 import aiodocker
 
 from allocator.engine import Sender
-from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import (
+from allocator.wire.lease_container import LEASE_LABEL
+from allocator.wire.protocol import (
     ContainerAction,
     ContainerEvent,
     ContainerInfo,
@@ -30,7 +30,7 @@ from allocator.protocol import (
     Heartbeat,
     encode,
 )
-from allocator.topology import (
+from allocator.wire.topology import (
     DEAD_LETTER_QUEUE,
     NODES_EXCHANGE,
     event_routing_key,

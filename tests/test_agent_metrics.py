@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from support import wait_until
 
-from allocator.lease_container import grant_labels
-from allocator.protocol import Lease, LeaseState, StopContainer, StopReason, encode
-from allocator.topology import AGENTS_EXCHANGE, NODES_EXCHANGE, command_routing_key
+from allocator.wire.lease_container import grant_labels
+from allocator.wire.protocol import Lease, LeaseState, StopContainer, StopReason, encode
+from allocator.wire.topology import AGENTS_EXCHANGE, NODES_EXCHANGE, command_routing_key
 from nodeagent import containers
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings

@@ -10,7 +10,7 @@ import aio_pika
 import pytest
 from support import GTX1070, RawRPC, drain_queue, gpus, settled_dead_letters, wait_until
 
-from allocator.protocol import (
+from allocator.wire.protocol import (
     MAX_BODY_BYTES,
     AllocateRequest,
     ErrorCode,
@@ -18,7 +18,7 @@ from allocator.protocol import (
     LeaseState,
     encode,
 )
-from allocator.topology import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_QUEUE
+from allocator.wire.topology import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_QUEUE
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import time
 import pytest
 from support import A100, GTX1070, RTX3090, gpus, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError, StillQueued
-from allocator.protocol import (
+from allocator.amqp.client import AllocatorClient, AllocatorError, StillQueued
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerInfo,
@@ -322,7 +322,7 @@ async def test_a_standby_neither_writes_nor_reloads_while_the_active_one_works(
 
 @pytest.mark.parametrize(("mode", "pragma"), [("full", 2), ("normal", 1)])
 def test_ledger_synchronous_setting(tmp_path, mode, pragma):
-    from allocator.ledger import Ledger
+    from allocator.ledger.store import Ledger
 
     ledger = Ledger(tmp_path / "ledger.sqlite", synchronous=mode)
     ledger.open()

@@ -6,7 +6,7 @@ A real allocator process on the real broker; a real node agent with simulated GP
 a Docker engine of the module's own (``services.private_docker``: only this module's
 containers run there, so the agent's listings are this test's alone); lease containers
 labelled with their whole grant, as the spawner labels them
-(:func:`allocator.lease_container.grant_labels`).
+(:func:`allocator.wire.lease_container.grant_labels`).
 
 1. Two notebooks run (``nb0``, ``nb1``, one RTX 3090 each). 64 clients allocate and release
    GTX 1070s as fast as they are answered; a third spawn is granted but has no container yet
@@ -60,9 +60,9 @@ from faults import (
 )
 from support import GTX1070, RTX3090, LabelledDocker, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.lease_container import grant_labels
-from allocator.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
+from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.wire.lease_container import grant_labels
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory

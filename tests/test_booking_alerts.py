@@ -16,12 +16,12 @@ import pytest
 from support import GTX1070, gpus
 from test_bookings_engine import NOW, Cluster, lab
 
-from allocator import metrics
-from allocator.counters import ServiceStats
 from allocator.engine import Engine
 from allocator.engine.booking_alerts import RECHECK_S
-from allocator.ledger import Changes
-from allocator.protocol import BookingReply, DrainRequest, ErrorReply
+from allocator.ledger.store import Changes
+from allocator.metrics import exporter as metrics
+from allocator.metrics.counters import ServiceStats
+from allocator.wire.protocol import BookingReply, DrainRequest, ErrorReply
 
 LAB_START = int(NOW) + 3600
 """The lab's first occurrence: Tuesday 2026-12-01 10:00 in Berlin, an hour after NOW."""

@@ -18,8 +18,8 @@ from support import GTX1070, RTX3090, gpus
 from allocator.bookings.local_time import instant_of
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import (
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.protocol import (
     BookingReply,
     BookingRequest,
     DrainRequest,

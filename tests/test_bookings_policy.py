@@ -21,7 +21,7 @@ from allocator.bookings.local_time import instant_of, local_at
 from allocator.bookings.shortfall import shortfalls
 from allocator.bookings.supply import Capacity
 from allocator.bookings.windows import occurrences
-from allocator.model_names import ModelNames, mig_model_name
+from allocator.wire.model_names import ModelNames, mig_model_name
 
 GTX = "NVIDIA GeForce GTX 1070"
 A100 = "NVIDIA A100-SXM4-40GB"

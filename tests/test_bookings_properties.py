@@ -28,7 +28,7 @@ from allocator.bookings.local_time import instant_of, local_at
 from allocator.bookings.shortfall import shortfalls
 from allocator.bookings.supply import Capacity
 from allocator.bookings.windows import occurrences
-from allocator.model_names import ModelNames
+from allocator.wire.model_names import ModelNames
 
 # Days the clocks change (and one on which they do not), by zone.
 CHANGES = {

@@ -15,8 +15,8 @@ from test_ledger_log import replica
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger import Changes, Ledger, LogPosition
-from allocator.protocol import BookingReply, BookingRequest
+from allocator.ledger.store import Changes, Ledger, LogPosition
+from allocator.wire.protocol import BookingReply, BookingRequest
 
 
 def rows(path: Path, sql: str) -> list[tuple[Any, ...]]:

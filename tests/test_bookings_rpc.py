@@ -16,10 +16,10 @@ import pytest
 from support import GTX1070, RawRPC, gpus, started, wait_until
 from test_ledger_cli import assert_one_line_error, gpu_ledger
 
-from allocator.client import AllocatorClient, AllocatorError
+from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
-from allocator.protocol import AllocateRequest, ErrorCode, LeaseState
 from allocator.service import AllocatorService
+from allocator.wire.protocol import AllocateRequest, ErrorCode, LeaseState
 
 BERLIN = ZoneInfo("Europe/Berlin")
 TOMORROW = (datetime.now(BERLIN) + timedelta(days=1)).date()

@@ -16,14 +16,14 @@ import pytest
 from support import GTX1070, NodeSimulator, gpus, started, wait_until
 from test_compatibility import _RawClient
 
+from allocator.amqp.client import AllocatorClient
 from allocator.bookings.booking import Booking, read_booking
 from allocator.bookings.checks import ResolvedBooking
 from allocator.bookings.in_effect import Held
 from allocator.bookings.outlook import is_member, outlook_for, window_text
 from allocator.bookings.schedule import SOON_S, WEEK_S, bookings_view
 from allocator.bookings.supply import Capacity
-from allocator.client import AllocatorClient
-from allocator.protocol import (
+from allocator.wire.protocol import (
     CLIENT_RELEASE_HEADER,
     AllocateRequest,
     BookingsView,
@@ -181,7 +181,7 @@ async def test_the_inventory_carries_the_bookings_to_a_0_3_0_client_only(
                                                    model="1070"))
         assert bob.state is LeaseState.GRANTED
     # A client that says it reads 0.3.0 gets them; 0.2.0 and 0.1.0 (no header) do not.
-    monkeypatch.setattr("allocator.client.__version__", "0.2.0")  # the client of 0.2.0
+    monkeypatch.setattr("allocator.amqp.client.__version__", "0.2.0")  # the client of 0.2.0
     async with AllocatorClient(amqp_vhost.url, timeout_s=10) as older:
         assert (await older.inventory()).bookings is None
     for headers, reads in ((None, False), ({CLIENT_RELEASE_HEADER: "0.2.0"}, False),
@@ -189,7 +189,7 @@ async def test_the_inventory_carries_the_bookings_to_a_0_3_0_client_only(
         async with _RawClient(amqp_vhost.url, headers) as raw:
             body = await raw.call(kind="inventory")
             assert body["ok"] is True and ("bookings" in body) is reads, (headers, body)
-    monkeypatch.setattr("allocator.client.__version__", "0.3.0")
+    monkeypatch.setattr("allocator.amqp.client.__version__", "0.3.0")
     async with AllocatorClient(amqp_vhost.url, timeout_s=10) as hub:
         reply = await hub.inventory()
     assert isinstance(reply, InventoryReply) and reply.bookings is not None

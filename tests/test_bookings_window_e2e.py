@@ -20,10 +20,10 @@ from support import GTX1070, started, wait_until
 from test_fairshare_e2e import Site, bound_lease
 from test_stop_on_release import plain_containers
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
-from allocator.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 from allocator.service import AllocatorService
+from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 
 pytestmark = pytest.mark.docker
 

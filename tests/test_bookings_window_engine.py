@@ -17,8 +17,8 @@ from support import ADMIN, HUB, NODE
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import (
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.protocol import (
     AllocateRequest,
     BookingReply,
     BookingRequest,

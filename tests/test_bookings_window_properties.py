@@ -23,7 +23,7 @@ from support import ADMIN
 from test_bookings_window_engine import NINE, BookedCluster
 
 from allocator.bookings.guarantees import GuaranteeState
-from allocator.protocol import (
+from allocator.wire.protocol import (
     AllocateRequest,
     BookingReply,
     BookingRequest,

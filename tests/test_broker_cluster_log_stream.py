@@ -1,7 +1,7 @@
 """The ledger log's stream on a three-node broker: where it is placed, and where it is read.
 
 Three RabbitMQ nodes of this machine's rabbitmq-server form one cluster (fixture
-``rabbitmq_cluster``); a real allocator process (``python -m allocator.cli serve``) with
+``rabbitmq_cluster``); a real allocator process (``python -m allocator.admin.cli serve``) with
 ``ledger_log = "stream"`` and one AMQP URL naming the three nodes. Each test has a vhost of
 its own, so the stream is new to it.
 
@@ -28,9 +28,9 @@ from faults import AllocatorProcess
 from services import PrivateRabbitMQ, PrivateRabbitMQCluster
 from support import wait_until
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
-from allocator.replication import stream_arguments
+from allocator.ledger.replication import stream_arguments
 
 pytestmark = pytest.mark.slow  # three broker nodes and a real process: a minute or so
 

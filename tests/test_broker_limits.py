@@ -18,9 +18,9 @@ import services
 from support import GTX1070, gpus, heartbeat
 from test_broker_permissions import TEMPLATE, Broker, loaded_broker, render_definitions
 
-from allocator.client import AllocatorClient, AllocatorQueueFull
-from allocator.protocol import ErrorCode
-from allocator.topology import (
+from allocator.amqp.client import AllocatorClient, AllocatorQueueFull
+from allocator.wire.protocol import ErrorCode
+from allocator.wire.topology import (
     ALLOCATOR_QUEUE,
     ALLOCATOR_QUEUE_POLICY,
     allocator_queue_policy,

@@ -38,10 +38,11 @@ from ports import free_port
 from support import GTX1070, gpus, heartbeat, wait_until
 from tls_certs import issue, make_ca
 
-from allocator.broker import open_connection, with_tls
-from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
+from allocator.amqp.broker import open_connection, with_tls
+from allocator.amqp.client import AllocatorClient, AllocatorError, AllocatorTimeout
 from allocator.config import AllocatorSettings
-from allocator.protocol import (
+from allocator.service import AllocatorService
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerEvent,
@@ -51,8 +52,7 @@ from allocator.protocol import (
     StopReason,
     encode,
 )
-from allocator.service import AllocatorService
-from allocator.topology import (
+from allocator.wire.topology import (
     AGENTS_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
     DEAD_LETTER_QUEUE,
@@ -90,7 +90,7 @@ TEMPLATE = json.loads((COMPOSE / "rabbitmq-definitions.json").read_text())
 
 
 def test_topology_is_exactly_what_the_allocator_declares():
-    """Same names, types and arguments as allocator.topology (a mismatch would make the
+    """Same names, types and arguments as allocator.wire.topology (a mismatch would make the
     allocator's own declaration fail with PRECONDITION_FAILED at start)."""
     queues = {q["name"]: q for q in TEMPLATE["queues"]}
     for spec in (allocator_queue_spec(), dead_letter_queue_spec()):

@@ -1,4 +1,4 @@
-"""One AMQP URL naming several broker nodes (``allocator/broker.py``).
+"""One AMQP URL naming several broker nodes (``allocator/amqp/broker.py``).
 
 The parsing is pure; the connections are made to the real broker, with a dead address (a
 port nothing listens on) before it in the list. What happens when a node of a real
@@ -12,8 +12,8 @@ import urllib.parse
 import pytest
 from ports import free_port
 
-from allocator import broker
-from allocator.client import AllocatorClient, AllocatorUnavailable
+from allocator.amqp import broker
+from allocator.amqp.client import AllocatorClient, AllocatorUnavailable
 from nodeagent.publisher import Publisher
 
 

@@ -20,11 +20,11 @@ import aio_pika
 from faults import Proxy, running_allocator
 from support import GTX1070, NodeSimulator, gpus, wait_until
 
-from allocator.client import AllocatorClient
-from allocator.counters import Count
-from allocator.protocol import AllocateRequest
+from allocator.amqp.client import AllocatorClient
+from allocator.metrics.counters import Count
 from allocator.service import AllocatorService
 from allocator.service.intake import TICK as _TICK
+from allocator.wire.protocol import AllocateRequest
 
 
 @contextlib.asynccontextmanager

@@ -20,9 +20,9 @@ import pytest
 from faults import running_allocator
 from support import GTX1070, NodeSimulator, gpus, heartbeat
 
-from allocator.client import AllocatorClient, UnreadableReply
-from allocator.interconnect import HostGpu, HostInterconnect
-from allocator.protocol import (
+from allocator.amqp.client import AllocatorClient, UnreadableReply
+from allocator.wire.interconnect import HostGpu, HostInterconnect
+from allocator.wire.protocol import (
     CLIENT_RELEASE_HEADER,
     REPLY_ADAPTER,
     AllocateRequest,
@@ -34,7 +34,7 @@ from allocator.protocol import (
     encode,
     release_tuple,
 )
-from allocator.topology import (
+from allocator.wire.topology import (
     DIRECT_REPLY_TO,
     NODES_EXCHANGE,
     RPC_EXCHANGE,

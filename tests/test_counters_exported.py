@@ -1,4 +1,4 @@
-"""Every counter declared in ``allocator.counters`` reaches ``/metrics``, under its name.
+"""Every counter declared in ``allocator.metrics.counters`` reaches ``/metrics``, under its name.
 
 The declaration (``Count``, ``Family`` and how each is exported) is the one list; these
 tests walk the enums themselves, so a counter added without its export, or an export the
@@ -15,9 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from allocator import counters, metrics
-from allocator.counters import COUNT_EXPORTED, Count, Counters, Family
 from allocator.engine import CLOCK_SKEW_WARN_S
+from allocator.metrics import counters
+from allocator.metrics import exporter as metrics
+from allocator.metrics.counters import COUNT_EXPORTED, Count, Counters, Family
 
 PUBLISHED = {
     # Dashboards and alerts use these names: a rename is a breaking change, made here too.

@@ -24,8 +24,8 @@ import aiodocker
 import pytest
 import services
 
-from allocator.interconnect import GpuLink, HostGpu, HostInterconnect, LinkLevel
-from allocator.lease_container import (
+from allocator.wire.interconnect import GpuLink, HostGpu, HostInterconnect, LinkLevel
+from allocator.wire.lease_container import (
     GPUS_LABEL,
     HOST_LABEL,
     LEASE_LABEL,

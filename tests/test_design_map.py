@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from allocator import PUBLIC_SURFACE
 
 REPO = Path(__file__).resolve().parent.parent
 DESIGN = REPO / "docs" / "design.md"
@@ -86,9 +90,15 @@ def test_the_map_names_no_left_out_file(mapped: set[str]) -> None:
     assert not named, f"the map says it leaves these out: {named}"
 
 
+def is_module(dotted: str) -> bool:
+    """Whether ``dotted`` (``allocator.amqp.broker``) names a module or a package of the tree."""
+    path = REPO.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def allocator_imports(package: str) -> set[str]:
-    """The allocator modules a package's code imports (``from allocator import broker`` counts
-    as ``allocator.broker`` when that is a module)."""
+    """The allocator modules a package's code imports (``from allocator.amqp import broker``
+    counts as ``allocator.amqp.broker``, as it is a module)."""
     found: set[str] = set()
     for path in (REPO / package).rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -98,16 +108,11 @@ def allocator_imports(package: str) -> set[str]:
                     alias.name for alias in node.names
                     if alias.name == "allocator" or alias.name.startswith("allocator.")
                 )
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                if node.module == "allocator":
-                    for alias in node.names:
-                        submodule = f"allocator.{alias.name}"
-                        is_module = (REPO / "allocator" / f"{alias.name}.py").exists() or (
-                            REPO / "allocator" / alias.name / "__init__.py"
-                        ).exists()
-                        found.add(submodule if is_module else "allocator")
-                elif node.module.startswith("allocator."):
-                    found.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                    node.module == "allocator" or node.module.startswith("allocator.")):
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    found.add(submodule if is_module(submodule) else node.module)
     return found
 
 
@@ -132,3 +137,22 @@ def test_a_packages_allocator_imports_are_the_ones_its_docstring_states(package:
     assert imported == stated, (
         f"{package}/__init__.py states {sorted(stated)}; the code imports {sorted(imported)}"
     )
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_SURFACE))
+def test_a_surface_module_loads_only_the_surface(module: str) -> None:
+    """Imported alone, in a fresh interpreter, a module of the public surface pulls in no other
+    allocator module: its package's ``__init__`` imports nothing, and it imports only surface
+    modules. Otherwise the agent or the hub would load the engine or the ledger with it."""
+    code = (f"import importlib, sys; importlib.import_module({module!r}); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('allocator'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert module in loaded
+    assert loaded <= {"allocator", *PUBLIC_SURFACE}, sorted(loaded - PUBLIC_SURFACE)
+
+
+def test_the_surface_names_only_modules_of_the_tree() -> None:
+    assert not [m for m in PUBLIC_SURFACE if not is_module(m)]

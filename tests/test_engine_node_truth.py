@@ -11,9 +11,9 @@ from pathlib import Path
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.invariants import NodeReport, check_ledger
-from allocator.ledger import Changes, Ledger, LoadedState
-from allocator.protocol import (
+from allocator.ledger.invariants import NodeReport, check_ledger
+from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerEvent,

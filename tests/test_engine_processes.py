@@ -18,13 +18,14 @@ import pytest
 from pydantic import ValidationError
 from rich.console import Console
 
-from allocator import metrics, reports
+from allocator.admin import reports
+from allocator.admin.ledger_cli import render_status
 from allocator.config import AllocatorSettings
-from allocator.counters import ServiceStats
 from allocator.engine import Engine, Sender
-from allocator.ledger import Changes, Ledger, LoadedState
-from allocator.ledger_cli import render_status
-from allocator.protocol import (
+from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.metrics import exporter as metrics
+from allocator.metrics.counters import ServiceStats
+from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
     AllocateRequest,

@@ -23,9 +23,9 @@ from support import ADMIN, NODE
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.invariants import check_ledger
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import (
+from allocator.ledger.invariants import check_ledger
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerEvent,

@@ -9,8 +9,8 @@ from support import HUB, NODE
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger import Changes, LoadedState
-from allocator.protocol import AllocateRequest, GPUInfo, Heartbeat, LeaseReply, LeaseState
+from allocator.ledger.store import Changes, LoadedState
+from allocator.wire.protocol import AllocateRequest, GPUInfo, Heartbeat, LeaseReply, LeaseState
 
 A100 = "NVIDIA A100-SXM4-80GB"
 GTX1070 = "NVIDIA GeForce GTX 1070"

@@ -14,9 +14,9 @@ from support import A100, ADMIN, HUB, NODE, gpus
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.interconnect import HostInterconnect
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import (
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.interconnect import HostInterconnect
+from allocator.wire.protocol import (
     AllocateRequest,
     ErrorCode,
     ErrorReply,

@@ -20,11 +20,11 @@ import pytest
 from support import GTX1070, started, wait_until
 from test_stop_on_release import plain_containers
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
-from allocator.counters import Family
-from allocator.protocol import AllocateRequest, Lease, LeaseState, ReclaimReason, ReleaseReason
+from allocator.metrics.counters import Family
 from allocator.service import AllocatorService
+from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReclaimReason, ReleaseReason
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
@@ -67,7 +67,7 @@ class Site:
 async def cli_lines(amqp_url: str, *args: str) -> list[str]:
     """Run ``gpu-allocator ARGS`` against the broker; its output lines."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "allocator.cli", *args, "--amqp", amqp_url,
+        sys.executable, "-m", "allocator.admin.cli", *args, "--amqp", amqp_url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode == 0, err.decode()

@@ -18,8 +18,8 @@ from support import HUB, NODE
 
 from allocator.config import AllocatorSettings, guarantee_problem
 from allocator.engine import Engine
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import (
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerEvent,
@@ -306,7 +306,7 @@ def serve_error_lines(tmp_path: Path, toml: str) -> list[str]:
     lines on stderr."""
     config = tmp_path / "allocator.toml"
     config.write_text(f'ledger_path = "{tmp_path / "ledger.sqlite"}"\n{toml}')
-    done = subprocess.run([sys.executable, "-m", "allocator.cli", "serve", "--config",
+    done = subprocess.run([sys.executable, "-m", "allocator.admin.cli", "serve", "--config",
                            str(config)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "SWARM_GPU_AMQP_URL": "amqp://127.0.0.1:1/"})
     assert done.returncode == 1
@@ -644,7 +644,7 @@ def test_nobody_else_is_warned_while_a_reclaimed_gpu_drains(tmp_path: Path):
 
 
 def test_a_per_model_guarantee_applies_however_the_admin_spelled_the_model(tmp_path: Path):
-    """Per-model keys are matched as a user's request is (allocator.model_names): "gtx 1070"
+    """Per-model keys are matched as a user's request is (allocator.wire.model_names): "gtx 1070"
     is the reported "NVIDIA GeForce GTX 1070"."""
     cluster = FairCluster(tmp_path, gpus=3, user_model_quota={"alice": {"gtx 1070": 1}},
                           user_model_borrow_limit={"alice": {"gtx 1070": 2}})

@@ -1,5 +1,5 @@
-"""The pure fair-share policy (allocator.fairshare), over generated clusters: nothing within a
-guarantee is ever reclaimed, nobody is reclaimed when nobody waits, and what is reclaimed
+"""The pure fair-share policy (allocator.placement.fairshare), over generated clusters: nothing
+within a guarantee is ever reclaimed, nobody is reclaimed when nobody waits, and what is reclaimed
 lets a waiter fit."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator import fairshare, policy
-from allocator.cluster import GPU, Cluster, Node
 from allocator.config import PolicySettings
-from allocator.protocol import Health, ReclaimReason
+from allocator.placement import fairshare, policy
+from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.wire.protocol import Health, ReclaimReason
 
 USERS = ("ann", "ben", "cat", "dan")
 GROUPS = ("lab", "course")

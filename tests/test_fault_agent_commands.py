@@ -25,11 +25,11 @@ import pytest
 from faults import report
 from support import GTX1070, NodeSimulator, gpus, wait_until
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
-from allocator.protocol import AllocateRequest, ContainerAction, LeaseState, StopReason
 from allocator.service import AllocatorService
-from allocator.topology import agent_queue_name
+from allocator.wire.protocol import AllocateRequest, ContainerAction, LeaseState, StopReason
+from allocator.wire.topology import agent_queue_name
 from nodeagent.commands import CommandConsumer
 from nodeagent.containers import StopOutcome
 

@@ -1,6 +1,6 @@
 """``kill -9`` of the active allocator under a stream of requests: the standby takes over.
 
-Two real allocator processes (``python -m allocator.cli serve``) consume one quorum queue with
+Two real allocator processes (``python -m allocator.admin.cli serve``) consume one quorum queue with
 single-active-consumer; the second is a standby. Both ways of keeping the ledger
 (``ledger_log``): one ledger file they share (``off``), or the replicated log (``stream``),
 each process applying it to a file of its own; there the standby takes over by claiming the
@@ -41,8 +41,8 @@ from faults import (
 )
 from support import RTX3090, NodeSimulator, gpus, wait_until
 
-from allocator.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
-from allocator.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
+from allocator.amqp.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
+from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 
 pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
 

@@ -2,7 +2,7 @@
 
 Three RabbitMQ nodes of this machine's rabbitmq-server form one cluster (fixture
 ``rabbitmq_cluster``: own node names, ports on 127.0.0.1, data folders, one Erlang cookie).
-A real allocator process (``python -m allocator.cli serve``) with the replicated ledger log
+A real allocator process (``python -m allocator.admin.cli serve``) with the replicated ledger log
 (``ledger_log = "stream"``) and the clients use one AMQP URL naming the three nodes
 (``amqp://guest:guest@127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3/``); the heartbeats go to node
 3, which stays up. Queues are declared once the three nodes run, so the inbound quorum queue
@@ -20,7 +20,7 @@ answers are measured); and a new replica on an empty ledger, replaying the log f
 nodes left, ends with the same leases as the allocator: no decision was lost from the log.
 
 The first test pins down what the load test found on a loaded machine (RabbitMQ 3.10,
-:func:`allocator.broker.is_refused`): a client or a node agent that reconnects to a surviving
+:func:`allocator.amqp.broker.is_refused`): a client or a node agent that reconnects to a surviving
 node while the inbound quorum queue elects its new leader gets a channel whose every publish
 to the queue is refused (nacked, or dropped without a trace without confirms). Each test
 starts by starting again a node an earlier test killed, and declares its queues anew (the
@@ -53,10 +53,10 @@ from faults import (
 )
 from support import RTX3090, gpus, heartbeat, wait_until
 
-from allocator.client import AllocatorClient
-from allocator.protocol import GPUInfo
+from allocator.amqp.client import AllocatorClient
 from allocator.service import declare_topology
-from allocator.topology import ALLOCATOR_QUEUE
+from allocator.wire.protocol import GPUInfo
+from allocator.wire.topology import ALLOCATOR_QUEUE
 from nodeagent.publisher import Publisher
 
 pytestmark = pytest.mark.slow  # three broker nodes and real processes: a minute or two

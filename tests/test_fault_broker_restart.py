@@ -37,10 +37,10 @@ from faults import LEDGER_LOGS, AllocatorProcess, assert_sound, audit_ledger, fa
 from services import port_open
 from support import wait_until
 
-from allocator.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
+from allocator.amqp.client import AllocatorClient, AllocatorTimeout, AllocatorUnavailable
 from allocator.config import AllocatorSettings
-from allocator.protocol import AllocateRequest, ContainerAction, ContainerEvent, LeaseState
 from allocator.service import AllocatorService
+from allocator.wire.protocol import AllocateRequest, ContainerAction, ContainerEvent, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory

@@ -51,8 +51,8 @@ from faults import (
 )
 from support import GTX1070, NodeSimulator, gpus, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
-from allocator.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
+from allocator.amqp.client import AllocatorClient, AllocatorError, AllocatorTimeout
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
 
 pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
 
@@ -90,7 +90,7 @@ async def answered(call: Callable[[], Awaitable[T]], within: float = 30.0) -> T:
 async def serve_once(env: dict[str, str]) -> tuple[int | None, list[str]]:
     """``gpu-allocator serve`` expected to exit at once: its exit status and its stderr lines."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "allocator.cli", "serve", cwd=REPO_ROOT, env=env,
+        sys.executable, "-m", "allocator.admin.cli", "serve", cwd=REPO_ROOT, env=env,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     try:

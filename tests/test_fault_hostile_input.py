@@ -59,8 +59,8 @@ from support import (
     wait_until,
 )
 
-from allocator.client import AllocatorClient
-from allocator.protocol import (
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.protocol import (
     MAX_BODY_BYTES,
     REPLY_ADAPTER,
     AllocateRequest,
@@ -86,7 +86,7 @@ from allocator.protocol import (
     decode_inbound,
     encode,
 )
-from allocator.topology import DEAD_LETTER_QUEUE, NODES_EXCHANGE, RPC_EXCHANGE
+from allocator.wire.topology import DEAD_LETTER_QUEUE, NODES_EXCHANGE, RPC_EXCHANGE
 
 pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
 
@@ -873,7 +873,7 @@ async def test_an_outsider_cannot_use_the_holes_replay_bloat_reply_to_dead_lette
     heartbeats under other agent ids, oversized strings, invented hosts and cycling GPU
     uuids, reply_to naming queues of the vhost, and a flood of large unreadable messages
     into the dead-letter queue."""
-    from allocator.topology import DEAD_LETTER_MAX_BYTES
+    from allocator.wire.topology import DEAD_LETTER_MAX_BYTES
 
     replays, bloated, invented, cycled, hostile_replies = 20, 10, 10, 20, 20
     started = time.monotonic()

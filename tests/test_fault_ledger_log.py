@@ -1,7 +1,7 @@
 """High availability across nodes: allocator replicas, each with its own ledger, share the
 replicated ledger log (``ledger_log = "stream"``, a RabbitMQ stream).
 
-Real allocator processes (``python -m allocator.cli serve``), the real broker, nodes simulated
+Real allocator processes (``python -m allocator.admin.cli serve``), the real broker, nodes simulated
 by their heartbeats. Each replica has a ledger folder of its own, as on two machines.
 
 - **active and its disk lost**: the active process is killed with SIGKILL and its ledger
@@ -45,9 +45,9 @@ from faults import (
 )
 from support import RTX3090, beat_until, gpus, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
+from allocator.amqp.client import AllocatorClient, AllocatorError, AllocatorTimeout
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
 
 HOSTS = ("gpu-a", "gpu-b")
 GPUS_PER_HOST = 4

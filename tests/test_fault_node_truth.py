@@ -1,8 +1,8 @@
 """The ledger lost or rolled back under running notebooks: node truth gives it back.
 
 A real allocator process, a real node agent against the real Docker engine, real containers
-labelled with their whole grant (``allocator.lease_container.grant_labels``, what the spawner sets).
-Then the allocator is killed with SIGKILL and
+labelled with their whole grant (``allocator.wire.lease_container.grant_labels``, what the spawner
+sets). Then the allocator is killed with SIGKILL and
 
 - **deleted**: its ledger file (with ``-wal`` and ``-shm``) is removed, or
 - **restored**: the ledger is replaced by a backup (``VACUUM INTO``, as docs/operations.md
@@ -43,9 +43,9 @@ from faults import (
 )
 from support import GTX1070, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError, AllocatorTimeout
-from allocator.lease_container import grant_labels
-from allocator.protocol import AllocateRequest, ErrorCode, Lease, LeaseState, ShareRequest
+from allocator.amqp.client import AllocatorClient, AllocatorError, AllocatorTimeout
+from allocator.wire.lease_container import grant_labels
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Lease, LeaseState, ShareRequest
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory

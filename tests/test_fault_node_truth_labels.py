@@ -30,9 +30,9 @@ from faults import assert_sound, audit_ledger, report, running_allocator
 from support import GTX1070, NodeSimulator, gpus, heartbeat, wait_until
 from test_fault_hostile_input import broker_user
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.lease_container import grant_labels
-from allocator.protocol import AllocateRequest, GPUView, InventoryReply, LeaseState
+from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.wire.lease_container import grant_labels
+from allocator.wire.protocol import AllocateRequest, GPUView, InventoryReply, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory

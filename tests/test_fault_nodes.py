@@ -50,9 +50,9 @@ from faults import (
 )
 from support import GTX1070, LabelledDocker, NodeSimulator, gpus, started, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.invariants import NodeReport
-from allocator.protocol import (
+from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.ledger.invariants import NodeReport
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerInfo,

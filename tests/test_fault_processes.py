@@ -39,9 +39,10 @@ from faults import assert_sound, audit_ledger, await_state, report, running_allo
 from support import GTX1070, started, wait_until
 from test_fault_nodes import agent_settings, host_up
 
-from allocator.client import AllocatorClient
-from allocator.lease_container import grant_labels
-from allocator.protocol import (
+from allocator.admin.reports import open_readonly
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.lease_container import grant_labels
+from allocator.wire.protocol import (
     AllocateRequest,
     GPUView,
     Lease,
@@ -50,7 +51,6 @@ from allocator.protocol import (
     ReleaseReason,
     ShareRequest,
 )
-from allocator.reports import open_readonly
 from nodeagent.agent import NodeAgent
 from nodeagent.simulated import make_gpu, simulated_uuid, write_inventory
 

@@ -12,8 +12,8 @@ from support import GTX1070, HUB, NODE, gpus, heartbeat
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger import Changes
-from allocator.protocol import (
+from allocator.ledger.store import Changes
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerInfo,
     ErrorReply,

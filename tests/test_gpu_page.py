@@ -27,8 +27,8 @@ from hub_browser import Browser
 from hub_harness import Hub
 from support import GTX1070, RTX3090, NodeSimulator, gpus, started, wait_until
 
-from allocator.client import AllocatorClient
-from allocator.protocol import (
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerInfo,
     GPUInfo,

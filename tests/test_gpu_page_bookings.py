@@ -25,7 +25,7 @@ from test_gpu_page import (
     page_hub,  # noqa: F401  (a fixture: the real hub with the GPU page)
 )
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 
 pytestmark = [pytest.mark.hub, pytest.mark.browser, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ from test_bookings_seen import CS101, FOUR, LATER, ML, NINE, WEEKLY, held
 from test_gpu_page_view import WINDOW, cluster_with
 
 from allocator.bookings.schedule import bookings_view
-from allocator.protocol import InventoryReply, Lease
+from allocator.wire.protocol import InventoryReply, Lease
 from hubplugin.page.app import TEMPLATE
 from hubplugin.page.calendar import week_calendar
 from hubplugin.page.view import Viewer, page_context

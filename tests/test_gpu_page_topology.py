@@ -16,9 +16,9 @@ from hub_harness import Hub
 from support import GTX1070, RTX3090, NodeSimulator, gpus, heartbeat, started, wait_until
 from test_gpu_page import SEEN, TEST_BUDGET_S, USERS, open_page
 
-from allocator.client import AllocatorClient
-from allocator.interconnect import HostInterconnect, LinkLevel, build_interconnect
-from allocator.protocol import AllocateRequest, GPUInfo, LeaseState
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.interconnect import HostInterconnect, LinkLevel, build_interconnect
+from allocator.wire.protocol import AllocateRequest, GPUInfo, LeaseState
 
 pytestmark = [pytest.mark.hub, pytest.mark.browser, pytest.mark.slow]
 

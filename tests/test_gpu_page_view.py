@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hub_inventory import GTX1070, RTX3090, inventory, lease
 
-from allocator.protocol import InventoryReply, Lease, LeaseState, ProcessState, ProcessView
+from allocator.wire.protocol import InventoryReply, Lease, LeaseState, ProcessState, ProcessView
 from hubplugin.page.app import TEMPLATE
 from hubplugin.page.chart import usage_chart
 from hubplugin.page.history import UsageHistory

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from allocator.protocol import (
+from allocator.wire.protocol import (
     MAX_GPU_PROCESSES,
     MAX_REPORTED_PROCESSES,
     NODE_MESSAGE_ADAPTER,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from allocator.lease_container import (
+from allocator.wire.lease_container import (
     GPUS_LABEL,
     GROUPS_LABEL,
     HOST_LABEL,
@@ -14,7 +14,7 @@ from allocator.lease_container import (
     grant_from_labels,
     grant_labels,
 )
-from allocator.protocol import ContainerGrant, Lease, LeaseState
+from allocator.wire.protocol import ContainerGrant, Lease, LeaseState
 
 
 def lease(**fields: object) -> Lease:

@@ -8,7 +8,7 @@ from typing import cast
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.protocol import Health
+from allocator.wire.protocol import Health
 from nodeagent.health import HealthRules, HealthTracker
 from nodeagent.inventory import GPUSample
 

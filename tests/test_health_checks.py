@@ -1,5 +1,5 @@
 """The processes' health checks, as Swarm's healthcheck runs them: ``GET /healthz`` on the
-metrics port (allocator/metrics_http.py), and ``gpu-allocator health`` / ``gpu-nodeagent
+metrics port (allocator/metrics/endpoint.py), and ``gpu-allocator health`` / ``gpu-nodeagent
 health``.
 
 The endpoint is checked in this process on a real HTTP server and a real event loop: ok
@@ -31,7 +31,7 @@ from ports import free_port
 from prometheus_client import CollectorRegistry
 from services import REPO_ROOT
 
-from allocator.metrics_http import HEALTH_PATH, MetricsServer, ProcessHealth, serve_registry
+from allocator.metrics.endpoint import HEALTH_PATH, MetricsServer, ProcessHealth, serve_registry
 from nodeagent.simulated import make_gpu, write_inventory
 
 TOKEN = "health-test-token-0123456789"
@@ -183,7 +183,7 @@ class HealthCommand:
     process: str
 
 
-ALLOCATOR = HealthCommand("allocator.cli", "gpu-allocator", "allocator")
+ALLOCATOR = HealthCommand("allocator.admin.cli", "gpu-allocator", "allocator")
 AGENT = HealthCommand("nodeagent.cli", "gpu-nodeagent", "agent")
 
 
@@ -313,7 +313,7 @@ async def test_gpu_nodeagent_health_follows_the_running_agent(
 async def test_the_health_commands_say_when_there_is_no_endpoint_to_ask() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_")}
     env["SWARM_GPU_AGENT_METRICS_PORT"] = "0"
-    allocator, agent = await asyncio.gather(run_health(["allocator.cli", "health"], env),
+    allocator, agent = await asyncio.gather(run_health(["allocator.admin.cli", "health"], env),
                                             run_health(["nodeagent.cli", "health"], env))
     assert (allocator.returncode, allocator.lines) == (1, [
         "gpu-allocator: metrics_port is not set, so the allocator serves no /healthz to "
@@ -338,7 +338,7 @@ async def test_the_health_commands_ask_no_broker_so_its_tls_files_do_not_matter(
     env.update(SWARM_GPU_AMQP_CA_FILE=str(ca_file), SWARM_GPU_METRICS_PORT=str(port),
                SWARM_GPU_AGENT_AMQP_CA_FILE=str(ca_file),
                SWARM_GPU_AGENT_METRICS_PORT=str(port))
-    allocator, agent = await asyncio.gather(run_health(["allocator.cli", "health"], env),
+    allocator, agent = await asyncio.gather(run_health(["allocator.admin.cli", "health"], env),
                                             run_health(["nodeagent.cli", "health"], env))
     for program, done in (("gpu-allocator", allocator), ("gpu-nodeagent", agent)):
         assert done.returncode == 1, done

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from support import GTX1070, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.protocol import AllocateRequest, ErrorCode, Health, LeaseState
+from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Health, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, simulated_uuid, update_gpu, write_inventory

@@ -2,7 +2,7 @@
 holds what an engine fed the full reports holds, a gap is detected and repaired by the next full
 report, a delta never ends a running container's lease, and deltas alone keep a node alive.
 
-The pure parts (:mod:`allocator.heartbeat_delta`) and the engine over real SQLite ledgers; the
+The pure parts (:mod:`allocator.wire.heartbeat_delta`) and the engine over real SQLite ledgers; the
 end-to-end test with a real agent and allocator is in ``tests/test_heartbeat_delta_e2e.py``.
 """
 
@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from support import HUB, NODE
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count
 from allocator.engine import Engine
-from allocator.heartbeat_delta import EXACT, Thresholds, apply_delta, delta_between
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import (
+from allocator.ledger.store import Changes, Ledger
+from allocator.metrics.counters import Count
+from allocator.wire.heartbeat_delta import EXACT, Thresholds, apply_delta, delta_between
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerEvent,

@@ -13,10 +13,10 @@ from typing import Any
 
 from support import GTX1070, RTX3090, wait_until
 
-from allocator.client import AllocatorClient
-from allocator.counters import Count
-from allocator.protocol import GPUView, Health
+from allocator.amqp.client import AllocatorClient
+from allocator.metrics.counters import Count
 from allocator.service import AllocatorService
+from allocator.wire.protocol import GPUView, Health
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, update_gpu, write_inventory

@@ -31,13 +31,13 @@ from support import ADMIN, NODE
 from test_engine_properties import BIG, MEMORY, SMALL
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Counters
 from allocator.engine import Engine, Sender
-from allocator.heartbeat_delta import EXACT, apply_delta, delta_between
-from allocator.lease_use import UseBook
-from allocator.ledger import Changes, Ledger
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import (
+from allocator.engine.lease_use import UseBook
+from allocator.ledger.store import Changes, Ledger
+from allocator.metrics.counters import Counters
+from allocator.placement.index import PlacementIndex
+from allocator.wire.heartbeat_delta import EXACT, apply_delta, delta_between
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerEvent,

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 from support import GTX1070, NodeSimulator, gpus, started, wait_until
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
-from allocator.counters import Count
-from allocator.protocol import (
+from allocator.metrics.counters import Count
+from allocator.service import AllocatorService
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerInfo,
     GPUProcess,
     LeaseState,
 )
-from allocator.service import AllocatorService
 
 
 def _allocator(url: str, ledger_path: Path, linger_s: float) -> AllocatorService:

@@ -8,11 +8,11 @@ from fractions import Fraction
 import pytest
 from hub_inventory import GTX1070, lease
 
-from allocator import policy
-from allocator.cluster import GPU, Cluster
-from allocator.lease_container import grant_from_labels
-from allocator.policy import Placement
-from allocator.protocol import ContainerGrant, LeaseState
+from allocator.placement import policy
+from allocator.placement.cluster import GPU, Cluster
+from allocator.placement.policy import Placement
+from allocator.wire.lease_container import grant_from_labels
+from allocator.wire.protocol import ContainerGrant, LeaseState
 from hubplugin.builders import (
     LEASE_LABEL,
     BuildError,

@@ -1,4 +1,4 @@
-"""One capacity rule (allocator.capacity) for the hub and the allocator: how many GPUs of one
+"""One capacity rule (allocator.wire.capacity) for the hub and the allocator: how many GPUs of one
 request one host can give. The hub's early refusal and the policy's answer agree.
 
 Pure, no services: the policy over a :class:`Cluster`, the hub over the inventory reply the
@@ -14,11 +14,11 @@ from hub_inventory import A100, GTX1070, MEMORY, RTX3090
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.capacity import GPUGroup, fits_count, gpu_groups, largest_group, most_per_host
-from allocator.cluster import GPU, Cluster, Node
 from allocator.config import PolicySettings
-from allocator.policy import Placement, Refusal, make_demand, place, summarize_models
-from allocator.protocol import (
+from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.policy import Placement, Refusal, make_demand, place, summarize_models
+from allocator.wire.capacity import GPUGroup, fits_count, gpu_groups, largest_group, most_per_host
+from allocator.wire.protocol import (
     MAX_COUNT,
     AllocateRequest,
     ErrorCode,

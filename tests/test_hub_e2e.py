@@ -24,9 +24,9 @@ import pytest
 from hub_harness import Hub
 from support import GTX1070, RTX3090, started, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.lease_container import LEASE_LABEL, grant_labels
-from allocator.protocol import ErrorCode, Lease, LeaseState
+from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.wire.lease_container import LEASE_LABEL, grant_labels
+from allocator.wire.protocol import ErrorCode, Lease, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
@@ -349,7 +349,7 @@ async def test_silent_allocator_times_out_with_a_clear_message(
     import aio_pika
 
     from allocator.service import declare_topology
-    from allocator.topology import ALLOCATOR_QUEUE
+    from allocator.wire.topology import ALLOCATOR_QUEUE
 
     async with asyncio.timeout(TEST_BUDGET_S):
         # the broker and the queue are there, but no allocator consumes it

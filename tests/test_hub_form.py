@@ -284,7 +284,7 @@ def test_an_admin_template_replaces_the_whole_form(tmp_path) -> None:
 
 
 def test_choices_the_allocator_says_would_be_borrowed_are_marked() -> None:
-    from allocator.protocol import QuotaView
+    from allocator.wire.protocol import QuotaView
     from hubplugin.borrowing import BorrowOutlook, amounts_offered, choice_units
     from hubplugin.options import ModelCatalog
 
@@ -317,7 +317,7 @@ def test_choices_the_allocator_says_would_be_borrowed_are_marked() -> None:
 
 
 def test_the_guarantees_that_allow_borrowing_are_listed() -> None:
-    from allocator.protocol import QuotaView
+    from allocator.wire.protocol import QuotaView
     from hubplugin.borrowing import BorrowOutlook
 
     def quota(scope: str, name: str, guaranteed: float | None, limit: float | None,

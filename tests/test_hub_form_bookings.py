@@ -9,7 +9,7 @@ from test_hub_form import PROFILES, STAFF, parse
 
 from allocator.bookings.outlook import outlook_for
 from allocator.bookings.schedule import bookings_view
-from allocator.protocol import InventoryReply
+from allocator.wire.protocol import InventoryReply
 from hubplugin.booked import choice_text
 from hubplugin.form import render_form
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hub_inventory import A100, GTX1070, RTX3090, inventory
 
-from allocator.cluster import GPU, Cluster
-from allocator.policy import resolve_models
-from allocator.protocol import AllocateRequest
+from allocator.placement.cluster import GPU, Cluster
+from allocator.placement.policy import resolve_models
+from allocator.wire.protocol import AllocateRequest
 from hubplugin.options import (
     GPUMode,
     GPUOptions,

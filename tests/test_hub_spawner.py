@@ -13,8 +13,8 @@ from tornado import web
 from traitlets import TraitError
 
 from allocator import PUBLIC_SURFACE
-from allocator.client import AllocatorError, AllocatorTimeout, AllocatorUnavailable
-from allocator.protocol import ErrorCode
+from allocator.amqp.client import AllocatorError, AllocatorTimeout, AllocatorUnavailable
+from allocator.wire.protocol import ErrorCode
 from hubplugin.options import GPUMode, options_from_form
 from hubplugin.spawner import GPUSwarmSpawner, allocator_http_error
 

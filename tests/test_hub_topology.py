@@ -9,8 +9,8 @@ from hub_inventory import A100, GTX1070, RTX3090, inventory, lease
 from test_gpu_page_view import NOW, WINDOW, cluster_with
 from test_hub_form import STAFF, parse
 
-from allocator.gpu_sets import DEMANDED_LEVEL, best_link, choose_gpus
-from allocator.interconnect import (
+from allocator.placement.gpu_sets import DEMANDED_LEVEL, best_link, choose_gpus
+from allocator.wire.interconnect import (
     LINK_NAMES,
     HostInterconnect,
     LinkLevel,
@@ -18,7 +18,7 @@ from allocator.interconnect import (
     hgx_host,
     pcie_two_socket_host,
 )
-from allocator.protocol import InventoryReply, LeaseState
+from allocator.wire.protocol import InventoryReply, LeaseState
 from hubplugin.form import render_form
 from hubplugin.links import TOPOLOGY_CHOICES, best_link_of, lease_link, reports_topology
 from hubplugin.options import (

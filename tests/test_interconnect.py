@@ -1,6 +1,6 @@
-"""Topology-aware choice of GPUs within one host (allocator.interconnect, allocator.gpu_sets):
-examples on the three host builders, a demanded level refused in words, bad input refused,
-and properties against brute force over random small hosts."""
+"""Topology-aware choice of GPUs within one host (allocator.wire.interconnect,
+allocator.placement.gpu_sets): examples on the three host builders, a demanded level refused in
+words, bad input refused, and properties against brute force over random small hosts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from allocator.gpu_sets import (
+from allocator.placement.gpu_sets import (
     DEMANDED_LEVEL,
     GpuSet,
     TopologyDemand,
@@ -22,7 +22,7 @@ from allocator.gpu_sets import (
     set_cost,
     visible_order,
 )
-from allocator.interconnect import (
+from allocator.wire.interconnect import (
     GpuLink,
     HostGpu,
     HostInterconnect,

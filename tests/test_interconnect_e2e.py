@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from support import wait_until
 
-from allocator.interconnect import HostInterconnect
+from allocator.wire.interconnect import HostInterconnect
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import (

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.interconnect import (
+from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.wire.interconnect import (
     MAX_CPULIST,
     HostGpu,
     HostInterconnect,
@@ -28,8 +29,7 @@ from allocator.interconnect import (
     matrix_lines,
     nvlink_pairs_host,
 )
-from allocator.ledger import Changes, Ledger, LoadedState
-from allocator.protocol import (
+from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
     AllocatorHello,

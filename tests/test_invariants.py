@@ -1,7 +1,7 @@
 """The invariant checker: silent on sound ledgers, and finds each kind of damage on purpose.
 
 Damaged ledgers are written row by row with sqlite3 into a real ledger schema (created by
-:class:`allocator.ledger.Ledger`), since the allocator itself must never produce them. The
+:class:`allocator.ledger.store.Ledger`), since the allocator itself must never produce them. The
 sound ones include a ledger written by the real allocator over the real broker.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from support import GTX1070, RTX3090, gpus, wait_until
 
-from allocator.invariants import NodeReport, Violation, check_ledger
-from allocator.ledger import Ledger
-from allocator.protocol import AllocateRequest, ContainerAction, LeaseState, ShareRequest
-from allocator.reports import open_readonly
+from allocator.admin.reports import open_readonly
+from allocator.ledger.invariants import NodeReport, Violation, check_ledger
+from allocator.ledger.store import Ledger
+from allocator.wire.protocol import AllocateRequest, ContainerAction, LeaseState, ShareRequest
 
 NOW = 1_700_000_000.0
 

@@ -22,9 +22,9 @@ from faults import AllocatorProcess, running_allocator
 from prometheus_client.parser import text_string_to_metric_families
 from support import GTX1070, started, wait_until
 
-from allocator import metrics as allocator_metrics
-from allocator.client import AllocatorClient
-from allocator.protocol import AllocateRequest, Lease, LeaseState
+from allocator.amqp.client import AllocatorClient
+from allocator.metrics import exporter as allocator_metrics
+from allocator.wire.protocol import AllocateRequest, Lease, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory

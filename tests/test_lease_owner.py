@@ -35,10 +35,12 @@ from test_broker_permissions import (
     publish,
 )
 
-from allocator.client import AllocatorClient, AllocatorError
+from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger import (
+from allocator.ledger.log_entries import Batch, decode_entry
+from allocator.ledger.log_snapshot import decode_parts, encode_parts
+from allocator.ledger.store import (
     LEASE_OWNERS,
     BrokenChanges,
     Changes,
@@ -46,9 +48,8 @@ from allocator.ledger import (
     Ledger,
     LogPosition,
 )
-from allocator.log_entries import Batch, decode_entry
-from allocator.log_snapshot import decode_parts, encode_parts
-from allocator.protocol import (
+from allocator.service import AllocatorService
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerEvent,
@@ -71,8 +72,7 @@ from allocator.protocol import (
     StatusRequest,
     encode,
 )
-from allocator.service import AllocatorService
-from allocator.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
+from allocator.wire.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
 from nodeagent.commands import CommandConsumer
 from nodeagent.containers import StopOutcome
 
@@ -322,7 +322,7 @@ def test_a_lease_whose_owner_is_unknown_is_anyones_as_before(tmp_path: Path) -> 
 
 def owned_changes() -> Changes:
     """A batch of two new leases, one owned by hub-a and one whose owner is unknown."""
-    from allocator.lease import LeaseRecord
+    from allocator.ledger.lease import LeaseRecord
 
     changes = Changes()
     for lease_id, owner in (("l-owned", "hub-a"), ("l-unknown", None)):

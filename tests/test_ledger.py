@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from allocator.cluster import Node
-from allocator.ledger import Changes, Ledger, LedgerError
+from allocator.ledger.store import Changes, Ledger, LedgerError
+from allocator.placement.cluster import Node
 
 
 def _rows(path: Path, sql: str) -> list[tuple[object, ...]]:

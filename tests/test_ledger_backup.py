@@ -26,14 +26,14 @@ from typing import Any
 import aio_pika
 import pytest
 
-from allocator.backup import BACKUP_EVENT, RESTORE_EVENT
-from allocator.cluster import Node
-from allocator.invariants import check_ledger
-from allocator.lease import LeaseRecord
-from allocator.ledger import SCHEMA_VERSION, Changes, Ledger, LedgerInUse, LedgerLock
-from allocator.log_entries import Claim
-from allocator.protocol import LeaseState
-from allocator.replication import LogMismatch, ReplicatedLog
+from allocator.ledger.backup import BACKUP_EVENT, RESTORE_EVENT
+from allocator.ledger.invariants import check_ledger
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.log_entries import Claim
+from allocator.ledger.replication import LogMismatch, ReplicatedLog
+from allocator.ledger.store import SCHEMA_VERSION, Changes, Ledger, LedgerInUse, LedgerLock
+from allocator.placement.cluster import Node
+from allocator.wire.protocol import LeaseState
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

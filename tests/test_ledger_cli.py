@@ -28,11 +28,12 @@ from pathlib import Path
 import pytest
 from support import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
 
-from allocator import reports
-from allocator.client import AllocatorClient
+from allocator.admin import reports
+from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
-from allocator.ledger import Ledger
-from allocator.protocol import (
+from allocator.ledger.store import Ledger
+from allocator.service import AllocatorService
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ContainerInfo,
@@ -40,7 +41,6 @@ from allocator.protocol import (
     ReleaseReason,
     ShareRequest,
 )
-from allocator.service import AllocatorService
 
 pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
 
@@ -64,7 +64,7 @@ async def gpu_ledger(*args: str | Path, env: dict[str, str] | None = None,
                      limit_s: float = 60) -> Run:
     """Run ``gpu-ledger`` in a subprocess without blocking the allocator's event loop."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "allocator.ledger_cli", *map(str, args), cwd=REPO,
+        sys.executable, "-m", "allocator.admin.ledger_cli", *map(str, args), cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "COLUMNS": "200", **(env or {})})
     out, err = await asyncio.wait_for(process.communicate(), limit_s)
@@ -286,7 +286,7 @@ async def test_export_events_and_gpus(cluster):
 async def test_export_to_a_closed_pipe_is_not_an_error(cluster):
     await cluster.stop()
     process = await asyncio.create_subprocess_shell(
-        f"{sys.executable} -m allocator.ledger_cli export events --ledger {cluster.ledger} "
+        f"{sys.executable} -m allocator.admin.ledger_cli export events --ledger {cluster.ledger} "
         "| head -c 10 >/dev/null; echo ${PIPESTATUS[0]}", executable="/bin/bash",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO)
     out, err = await process.communicate()

@@ -9,8 +9,8 @@ from faults import running_allocator
 from support import A100, GTX1070, NodeSimulator, gpus, heartbeat, wait_until
 from test_ledger_cli import assert_one_line_error, gpu_ledger
 
-from allocator.client import AllocatorClient
-from allocator.interconnect import HostInterconnect, LinkLevel, build_interconnect
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.interconnect import HostInterconnect, LinkLevel, build_interconnect
 
 
 def two_nvlink_pairs(uuids: list[str]) -> HostInterconnect:

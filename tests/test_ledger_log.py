@@ -16,9 +16,9 @@ import aio_pika
 import pytest
 from support import wait_until
 
-from allocator.ledger import Changes, ChangeSet, Ledger
-from allocator.log_entries import Batch
-from allocator.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
+from allocator.ledger.log_entries import Batch
+from allocator.ledger.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
+from allocator.ledger.store import Changes, ChangeSet, Ledger
 
 STREAM = "swarm-gpu.ledger-log"
 

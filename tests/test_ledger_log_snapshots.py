@@ -21,11 +21,11 @@ from faults import Proxy, first_kept_offset
 from support import wait_until
 from test_ledger_log import STREAM, batch, lease_ids, replica
 
-from allocator import metrics
-from allocator.ledger import Changes, ChangeSet, Ledger, LogPosition
-from allocator.log_entries import Batch, SnapshotPart
-from allocator.log_snapshot import AsOf, PartHeader, encode_parts
-from allocator.replication import ReplicatedLog
+from allocator.ledger.log_entries import Batch, SnapshotPart
+from allocator.ledger.log_snapshot import AsOf, PartHeader, encode_parts
+from allocator.ledger.replication import ReplicatedLog
+from allocator.ledger.store import Changes, ChangeSet, Ledger, LogPosition
+from allocator.metrics import exporter as metrics
 
 TINY: dict[str, Any] = {"max_bytes": 64 << 10, "segment_bytes": 4 << 10,
                         "snapshot_bytes": 12 << 10, "snapshot_part_bytes": 1 << 10}
@@ -146,7 +146,7 @@ class DropWhenSnapshotFound(logging.Handler):
 async def test_a_replica_catching_up_when_its_broker_connection_drops_still_catches_up(
         amqp_vhost, tmp_path: Path) -> None:
     url = amqp_vhost.url
-    replication_log = logging.getLogger("allocator.replication")
+    replication_log = logging.getLogger("allocator.ledger.replication")
     async with replica(url, tmp_path / "a.sqlite", **TINY) as a:
         await a.claim()
         for n in range(BATCHES):

@@ -23,8 +23,8 @@ from services import require_service
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.invariants import check_ledger
-from allocator.ledger import (
+from allocator.ledger.invariants import check_ledger
+from allocator.ledger.store import (
     MIGRATIONS,
     SCHEMA_VERSION,
     BookingRow,
@@ -34,7 +34,7 @@ from allocator.ledger import (
     LedgerError,
     LogPosition,
 )
-from allocator.protocol import (
+from allocator.wire.protocol import (
     ErrorCode,
     ErrorReply,
     LeaseReply,
@@ -155,7 +155,7 @@ def test_ddl_stays_in_an_explicit_transaction_without_pythons_isolation(
 
 _CRASH_AT = """
 import os, sys
-import allocator.ledger as ledger
+import allocator.ledger.store as ledger
 def crash(number, sql):
     if number == int(sys.argv[2]):
         os._exit(75)  # no rollback, no close: as a killed process
@@ -167,7 +167,7 @@ os._exit(0)
 
 def _statements_from_v1(tmp_path: Path) -> list[str]:
     """Every statement the migration of the schema-1 fixture runs, in order."""
-    import allocator.ledger as ledger_module
+    import allocator.ledger.store as ledger_module
 
     seen: list[str] = []
     ledger_module.migration_hook = lambda number, sql: seen.append(sql)
@@ -233,7 +233,7 @@ def test_two_allocators_migrating_one_file_migrate_it_once(tmp_path: Path) -> No
     """The version is read again inside each migration's transaction: a standby that
     opens the file the active one is migrating finds each migration done, never runs one
     twice (a duplicate column)."""
-    import allocator.ledger as ledger_module
+    import allocator.ledger.store as ledger_module
 
     path = fixture(1, tmp_path)
     second = Ledger(path)
@@ -474,7 +474,7 @@ def test_a_0_2_0_allocator_refuses_a_schema_7_ledger_in_one_line(
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_")}
     env.update(SWARM_GPU_AMQP_URL=UNREACHABLE, SWARM_GPU_LEDGER_PATH=str(path),
                PYTHONPATH=str(release_0_2_0_code))
-    served = subprocess.run([sys.executable, "-m", "allocator.cli", "serve"],
+    served = subprocess.run([sys.executable, "-m", "allocator.cli", "serve"],  # 0.2.0's
                             capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert served.returncode == 1, served
     lines = served.stderr.strip().splitlines()

@@ -1,5 +1,5 @@
-"""The ledger log's entries as strict models (allocator/log_entries.py, ChangeSet in
-allocator/ledger.py): every kind round-trips with the previous release's bytes, an entry of a
+"""The ledger log's entries as strict models (allocator/ledger/log_entries.py, ChangeSet in
+allocator/ledger/store.py): every kind round-trips with the previous release's bytes, an entry of a
 newer release with fields this one does not know is read, a field of the wrong type is a
 broken entry, and a change naming a column the schema does not have is refused before any
 SQL runs. (On the real broker: tests/test_ledger_log.py.)"""
@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from allocator.ledger import (
+from allocator.ledger.log_entries import (
+    Batch,
+    BrokenEntry,
+    Claim,
+    SnapshotPart,
+    decode_entry,
+)
+from allocator.ledger.log_snapshot import AsOf, PartHeader, Table, encode_parts
+from allocator.ledger.store import (
     COLUMNS,
     BrokenChanges,
     Changes,
@@ -21,14 +29,6 @@ from allocator.ledger import (
     Ledger,
     LedgerError,
 )
-from allocator.log_entries import (
-    Batch,
-    BrokenEntry,
-    Claim,
-    SnapshotPart,
-    decode_entry,
-)
-from allocator.log_snapshot import AsOf, PartHeader, Table, encode_parts
 
 LEASE = {"lease_id": "l1", "request_key": "k/l1/", "user": "u", "state": "queued",
          "created_at": 1.5, "groups": ["g"], "request": {"count": 1}, "gpu_uuids": [],
@@ -280,9 +280,9 @@ def test_the_schema_the_migrations_make_is_the_column_lists(tmp_path: Path) -> N
 
 
 def test_every_row_the_engine_writes_is_one_the_schema_knows() -> None:
-    from allocator.cluster import GPU, Node
-    from allocator.lease import LeaseRecord
-    from allocator.protocol import LeaseState
+    from allocator.ledger.lease import LeaseRecord
+    from allocator.placement.cluster import GPU, Node
+    from allocator.wire.protocol import LeaseState
 
     written = Changes()
     written.node(Node(host="h"), agent_user="agent", first_seen=1.0, drain_reason="r",

@@ -1,4 +1,4 @@
-"""The pure rules of the ledger log's snapshots (allocator/log_snapshot.py): the tables split
+"""The pure rules of the ledger log's snapshots (allocator/ledger/log_snapshot.py): the tables split
 into bounded parts and joined again unchanged, and which runs of entries make a whole, valid
 snapshot. (On the real broker: tests/test_ledger_log_snapshots.py.)"""
 
@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.log_snapshot import (
+from allocator.ledger.log_snapshot import (
     AsOf,
     PartHeader,
     Seen,

@@ -32,8 +32,8 @@ from faults import AllocatorProcess, allocator_env
 from ports import free_port
 from services import REPO_ROOT
 
-from allocator.cli import main as allocator_main
-from allocator.client import AllocatorClient, AllocatorError
+from allocator.admin.cli import main as allocator_main
+from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.logs import (
     CONTEXT_FIELDS,
@@ -42,8 +42,8 @@ from allocator.logs import (
     configure_logging,
     hide_passwords,
 )
-from allocator.protocol import AllocateRequest
 from allocator.settings_files import setting_environment
+from allocator.wire.protocol import AllocateRequest
 from nodeagent.cli import main as agent_main
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, parse_inventory, write_inventory
@@ -189,7 +189,7 @@ def test_every_start_up_failure_is_one_line_that_says_what_to_fix(
         ledger = settings.pop("ledger_path", tmp_path / f"{case}.sqlite")
         env = allocator_env(url, Path(ledger), broker_wait_s=0, **settings)
         running[case] = subprocess.Popen(
-            [sys.executable, "-m", "allocator.cli", "serve"], cwd=REPO_ROOT, env=env,
+            [sys.executable, "-m", "allocator.admin.cli", "serve"], cwd=REPO_ROOT, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for case, process in running.items():
         stdout, stderr = process.communicate(timeout=120)
@@ -223,7 +223,7 @@ def test_the_agent_says_a_missing_vhost_in_the_allocators_line(
             stderr=subprocess.STDOUT)
     try:
         allocator = subprocess.run(
-            [sys.executable, "-m", "allocator.cli", "serve"], cwd=REPO_ROOT,
+            [sys.executable, "-m", "allocator.admin.cli", "serve"], cwd=REPO_ROOT,
             env=allocator_env(url, tmp_path / "ledger.sqlite", broker_wait_s=0),
             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
         assert allocator.returncode == 1, allocator.stderr

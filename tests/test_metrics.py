@@ -15,10 +15,10 @@ from faults import replica_ledger, running_allocator
 from prometheus_client.parser import text_string_to_metric_families
 from support import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
 
-from allocator import metrics
-from allocator.counters import Count
-from allocator.protocol import AllocateRequest, ShareRequest
-from allocator.topology import RPC_EXCHANGE, RPC_ROUTING_KEY
+from allocator.metrics import exporter as metrics
+from allocator.metrics.counters import Count
+from allocator.wire.protocol import AllocateRequest, ShareRequest
+from allocator.wire.topology import RPC_EXCHANGE, RPC_ROUTING_KEY
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -221,7 +221,7 @@ async def test_a_second_install_replaces_the_first_collector(allocator):
 
 
 async def test_the_allocator_serves_metrics_on_its_configured_port(amqp_vhost, ledger_path):
-    from allocator.client import AllocatorClient
+    from allocator.amqp.client import AllocatorClient
     from allocator.config import AllocatorSettings
     from allocator.service import AllocatorService
 

@@ -21,8 +21,8 @@ from pydantic import ValidationError
 from support import A100_40GB as A100
 from support import GTX1070 as GTX
 
-from allocator.model_names import display_name, mig_model_name, mig_parts
-from allocator.protocol import GPUInfo, Health, Heartbeat
+from allocator.wire.model_names import display_name, mig_model_name, mig_parts
+from allocator.wire.protocol import GPUInfo, Health, Heartbeat
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.health import Verdict

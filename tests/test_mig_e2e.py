@@ -21,8 +21,8 @@ from support import A100_40GB as A100
 from support import GTX1070 as GTX
 from support import MIG_1G, MIG_3G, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.protocol import AllocateRequest, ErrorCode, Health, LeaseState
+from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Health, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import (

@@ -12,8 +12,8 @@ from support import HUB, NODE
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import AllocateRequest, ErrorReply, GPUInfo, Heartbeat, LeaseReply
+from allocator.ledger.store import Changes, Ledger
+from allocator.wire.protocol import AllocateRequest, ErrorReply, GPUInfo, Heartbeat, LeaseReply
 
 PARENT = "GPU-parent"
 
@@ -80,7 +80,7 @@ def test_a_ledger_of_schema_1_is_migrated_and_keeps_its_gpus(tmp_path: Path) -> 
 
     import sqlite_utils
 
-    from allocator.ledger import MIGRATIONS, SCHEMA_VERSION
+    from allocator.ledger.store import MIGRATIONS, SCHEMA_VERSION
 
     path = tmp_path / "old.sqlite"
     db = sqlite_utils.Database(sqlite3.connect(str(path)))

@@ -27,8 +27,8 @@ from test_hub_e2e import (
     service_spec,
 )
 
-from allocator.client import AllocatorClient
-from allocator.protocol import Health, LeaseState
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.protocol import Health, LeaseState
 from nodeagent.agent import NodeAgent
 from nodeagent.mig import REMOVED_REASON
 from nodeagent.simulated import (

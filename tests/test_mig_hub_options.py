@@ -13,8 +13,8 @@ from test_mig_engine import mig_beat
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger import Changes
-from allocator.protocol import GPUInfo, Heartbeat, InventoryReply
+from allocator.ledger.store import Changes
+from allocator.wire.protocol import GPUInfo, Heartbeat, InventoryReply
 from hubplugin.options import (
     GPUPermissions,
     OptionsError,

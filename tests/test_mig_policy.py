@@ -15,10 +15,10 @@ from support import A100_40GB as A100
 from support import GTX1070 as GTX
 from support import MIG_1G, MIG_3G
 
-from allocator.cluster import GPU, Cluster, Node
 from allocator.config import PolicySettings
-from allocator.placement_index import PlacementIndex
-from allocator.policy import (
+from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.index import PlacementIndex
+from allocator.placement.policy import (
     Placement,
     Refusal,
     apply_placement,
@@ -27,7 +27,7 @@ from allocator.policy import (
     place,
     summarize_models,
 )
-from allocator.protocol import AllocateRequest, ErrorCode, Health
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Health
 
 NOW = 10_000.0
 DOWN = 15.0

@@ -63,10 +63,10 @@ from faults import REPO_ROOT, AllocatorProcess
 from services import require_service
 from support import RTX3090, LabelledDocker, beat_until, gpus, wait_until
 
-from allocator.client import AllocatorClient
-from allocator.ledger import SCHEMA_VERSION
-from allocator.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
-from allocator.reports import open_readonly
+from allocator.admin.reports import open_readonly
+from allocator.amqp.client import AllocatorClient
+from allocator.ledger.store import SCHEMA_VERSION
+from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 from nodeagent.simulated import make_gpu, write_inventory
 
 pytestmark = pytest.mark.slow

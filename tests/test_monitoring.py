@@ -40,10 +40,10 @@ from ports import free_port
 from services import require_service
 from support import started, wait_until
 
-from allocator import metrics as allocator_metrics
-from allocator.client import AllocatorClient
-from allocator.lease_container import grant_labels
-from allocator.protocol import AllocateRequest
+from allocator.amqp.client import AllocatorClient
+from allocator.metrics import exporter as allocator_metrics
+from allocator.wire.lease_container import grant_labels
+from allocator.wire.protocol import AllocateRequest
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, make_mig_gpu, write_inventory

@@ -29,9 +29,9 @@ from faults import Proxy
 from support import docker_cli, started
 from yarl import URL
 
-from allocator.heartbeat_delta import apply_delta
-from allocator.lease_container import HOST_LABEL, LEASE_LABEL, MEMORY_LABEL, grant_labels
-from allocator.protocol import (
+from allocator.wire.heartbeat_delta import apply_delta
+from allocator.wire.lease_container import HOST_LABEL, LEASE_LABEL, MEMORY_LABEL, grant_labels
+from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
     NODE_MESSAGE_ADAPTER,
@@ -48,7 +48,7 @@ from allocator.protocol import (
     ProcessUse,
     encode,
 )
-from allocator.topology import AGENTS_EXCHANGE, NODES_EXCHANGE, command_routing_key
+from allocator.wire.topology import AGENTS_EXCHANGE, NODES_EXCHANGE, command_routing_key
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer

@@ -13,9 +13,9 @@ import aio_pika
 import aiodocker
 import pytest
 
-from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import NODE_MESSAGE_ADAPTER, ContainerEvent, Heartbeat, HeartbeatDelta
-from allocator.topology import NODES_EXCHANGE
+from allocator.wire.lease_container import LEASE_LABEL
+from allocator.wire.protocol import NODE_MESSAGE_ADAPTER, ContainerEvent, Heartbeat, HeartbeatDelta
+from allocator.wire.topology import NODES_EXCHANGE
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory

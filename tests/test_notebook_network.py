@@ -49,7 +49,7 @@ import pytest
 import yaml
 from services import BUSYBOX_IMAGE, PrivateDocker, docker_api, require_service
 
-from allocator.broker import open_connection
+from allocator.amqp.broker import open_connection
 
 REPO = Path(__file__).resolve().parents[1]
 STACK = REPO / "compose" / "stack.yml"

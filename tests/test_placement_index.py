@@ -7,10 +7,10 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator import policy
-from allocator.cluster import GPU, Cluster, Node
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import Health
+from allocator.placement import policy
+from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.index import PlacementIndex
+from allocator.wire.protocol import Health
 
 NOW = 1000.0
 DOWN_AFTER = 10.0

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator.cluster import GPU, Claim, Cluster, Node
 from allocator.config import PolicySettings
-from allocator.policy import (
+from allocator.placement.cluster import GPU, Claim, Cluster, Node
+from allocator.placement.policy import (
     Demand,
     Placement,
     Refusal,
@@ -32,7 +32,7 @@ from allocator.policy import (
     share_slots_for,
     summarize_models,
 )
-from allocator.protocol import AllocateRequest, ErrorCode, Health, ShareRequest
+from allocator.wire.protocol import AllocateRequest, ErrorCode, Health, ShareRequest
 
 NOW = 10_000.0
 DOWN = 15.0

@@ -18,11 +18,12 @@ from rich.console import Console
 from support import GTX1070, gpus, heartbeat, wait_until
 from test_broker_permissions import TEMPLATE, Broker, loaded_broker, publish
 
-from allocator import metrics as allocator_metrics
-from allocator import reports
-from allocator.client import AllocatorClient
-from allocator.ledger_cli import render_status
-from allocator.protocol import (
+from allocator.admin import reports
+from allocator.admin.ledger_cli import render_status
+from allocator.amqp.client import AllocatorClient
+from allocator.metrics import exporter as allocator_metrics
+from allocator.service import AllocatorService
+from allocator.wire.protocol import (
     AGENT_COMMAND_ADAPTER,
     GPU_PROCESSES,
     INTERCONNECT,
@@ -34,8 +35,7 @@ from allocator.protocol import (
     ProcessState,
     encode,
 )
-from allocator.service import AllocatorService
-from allocator.topology import (
+from allocator.wire.topology import (
     AGENTS_EXCHANGE,
     NODES_EXCHANGE,
     agent_queue_spec,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from allocator.protocol import AGENT_COMMAND_ADAPTER, INBOUND_ADAPTER, REPLY_ADAPTER, ErrorCode
+from allocator.wire.protocol import AGENT_COMMAND_ADAPTER, INBOUND_ADAPTER, REPLY_ADAPTER, ErrorCode
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 EXAMPLES = re.findall(r"```json\n(.*?)```", DOC.read_text(), flags=re.DOTALL)

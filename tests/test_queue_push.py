@@ -13,11 +13,13 @@ import json
 import pytest
 from support import RTX3090, RawRPC, gpus, wait_until
 
-from allocator.broker import broker_user
-from allocator.client import AllocatorClient, AllocatorError
+from allocator.amqp.broker import broker_user
+from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
-from allocator.counters import Count
-from allocator.protocol import (
+from allocator.metrics.counters import Count
+from allocator.service import AllocatorService
+from allocator.service.waiters import ADDRESSES_PER_LEASE, ReplyAddress, Waiters
+from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
     ErrorCode,
@@ -25,8 +27,6 @@ from allocator.protocol import (
     LeaseState,
     ReleaseReason,
 )
-from allocator.service import AllocatorService
-from allocator.service.waiters import ADDRESSES_PER_LEASE, ReplyAddress, Waiters
 
 NO_RECHECK_S = 600.0
 """A re-check interval no test outlasts: an answer that arrives came by push."""

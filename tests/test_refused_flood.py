@@ -16,13 +16,13 @@ from support import GTX1070, NODE, gpus, heartbeat, wait_until
 from test_broker_permissions import TEMPLATE, Broker, agent_beat, loaded_broker
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count
 from allocator.engine import Engine
 from allocator.engine.nodes import EventBudget
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import AllocateRequest, ContainerInfo, encode
+from allocator.ledger.store import Changes, Ledger
+from allocator.metrics.counters import Count
 from allocator.service import AllocatorService
-from allocator.topology import NODES_EXCHANGE, heartbeat_routing_key
+from allocator.wire.protocol import AllocateRequest, ContainerInfo, encode
+from allocator.wire.topology import NODES_EXCHANGE, heartbeat_routing_key
 
 PER_MINUTE = 5
 

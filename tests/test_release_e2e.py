@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from support import GTX1070, docker_cli, wait_until
 
-from allocator.client import AllocatorClient
-from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
+from allocator.amqp.client import AllocatorClient
+from allocator.wire.lease_container import LEASE_LABEL
+from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory

@@ -9,10 +9,10 @@ from pathlib import Path
 import aio_pika
 from support import GTX1070, NodeSimulator, gpus, started, wait_until
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
 from allocator.service import AllocatorService
-from allocator.topology import ALLOCATOR_QUEUE
+from allocator.wire.topology import ALLOCATOR_QUEUE
 
 BACKLOG = 1000
 

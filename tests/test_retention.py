@@ -12,10 +12,10 @@ from typing import TypeVar
 import pytest
 from support import wait_until
 
-from allocator import retention
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters
-from allocator.ledger import Ledger
+from allocator.ledger import retention
+from allocator.ledger.store import Ledger
+from allocator.metrics.counters import Count, Counters
 from allocator.service import AllocatorService
 
 T = TypeVar("T")

@@ -110,7 +110,8 @@ def test_an_unreadable_file_is_one_line_naming_it(
 
 def test_the_allocator_process_says_so_in_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-secret"
-    code, lines = run_module(["allocator.cli", "serve"], {"SWARM_GPU_AMQP_URL_FILE": str(missing)})
+    code, lines = run_module(["allocator.admin.cli", "serve"],
+                             {"SWARM_GPU_AMQP_URL_FILE": str(missing)})
     assert code == 1 and lines == [
         f"gpu-allocator: invalid settings: amqp_url_file: cannot read {missing}: "
         "No such file or directory"], lines
@@ -230,8 +231,8 @@ async def test_the_clients_reach_the_allocator_through_a_url_file(
     url_file.write_text(allocator.settings.amqp_url + "\n")
     env = {"SWARM_GPU_AMQP_URL_FILE": str(url_file)}
     base = {k: v for k, v in os.environ.items() if k not in URL_VARIABLES}
-    for args in (["allocator.cli", "inventory", "--json"],
-                 ["allocator.ledger_cli", "status", "--json"]):
+    for args in (["allocator.admin.cli", "inventory", "--json"],
+                 ["allocator.admin.ledger_cli", "status", "--json"]):
         # in a thread: the allocator answers from this test's event loop
         result = await asyncio.to_thread(
             subprocess.run, [sys.executable, "-m", *args], cwd=REPO_ROOT,
@@ -243,7 +244,7 @@ async def test_the_clients_reach_the_allocator_through_a_url_file(
     # a pipe, as docs/operations.md runs it in a container (docker exec -i ... < file): read
     # once, although gpu-ledger status asks for the URL twice
     piped = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "allocator.ledger_cli", "status", "--json"],
+        subprocess.run, [sys.executable, "-m", "allocator.admin.ledger_cli", "status", "--json"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         env={**base, "SWARM_GPU_AMQP_URL_FILE": "/dev/stdin"},
         input=allocator.settings.amqp_url + "\n")
@@ -251,12 +252,12 @@ async def test_the_clients_reach_the_allocator_through_a_url_file(
     assert piped.stdout.lstrip().startswith("{")
 
     missing = tmp_path / "no-such-secret"
-    code, lines = run_module(["allocator.cli", "inventory"],
+    code, lines = run_module(["allocator.admin.cli", "inventory"],
                              {"SWARM_GPU_AMQP_URL_FILE": str(missing)})
     assert code == 1 and lines == [
         f"gpu-allocator: SWARM_GPU_AMQP_URL_FILE: cannot read {missing}: "
         "No such file or directory"], lines
-    code, lines = run_module(["allocator.ledger_cli", "status"],
+    code, lines = run_module(["allocator.admin.ledger_cli", "status"],
                              {"SWARM_GPU_AMQP_URL_FILE": str(url_file),
                               "SWARM_GPU_AMQP_URL": allocator.settings.amqp_url})
     assert code != 0 and lines == [

@@ -120,13 +120,13 @@ def test_a_bad_value_is_one_line_naming_the_setting(tmp_path: Path) -> None:
     assert lines[0].startswith("gpu-nodeagent: invalid settings: interval_s: ")
     assert "greater than 0" in lines[0] and "'-1'" in lines[0]
 
-    code, lines = one_line_error(["allocator.cli", "serve"], {"SWARM_GPU_BATCH_MAX": "0"})
+    code, lines = one_line_error(["allocator.admin.cli", "serve"], {"SWARM_GPU_BATCH_MAX": "0"})
     assert code == 1 and len(lines) == 1, lines
     assert lines[0].startswith("gpu-allocator: invalid settings: batch_max: ")
 
     broken = tmp_path / "broken.toml"
     broken.write_text("tick_s = [\n")
-    code, lines = one_line_error(["allocator.cli", "serve", "--config", str(broken)], {})
+    code, lines = one_line_error(["allocator.admin.cli", "serve", "--config", str(broken)], {})
     assert code == 1 and len(lines) == 1 and "not valid TOML" in lines[0], lines
 
     missing = tmp_path / "missing.toml"
@@ -155,7 +155,7 @@ def test_ledger_log_retention_that_could_drop_the_newest_snapshot_is_refused(
         load_allocator_settings(ledger_log="stream", **given)
     load_allocator_settings(ledger_log="off", **given)  # only the log's retention matters
     env = {f"SWARM_GPU_{name.upper()}": str(value) for name, value in given.items()}
-    code, lines = one_line_error(["allocator.cli", "serve"],
+    code, lines = one_line_error(["allocator.admin.cli", "serve"],
                                  {**env, "SWARM_GPU_LEDGER_LOG": "stream"})
     assert code == 1 and len(lines) == 1, lines
     assert lines[0].startswith("gpu-allocator: invalid settings: ")

@@ -309,7 +309,7 @@ def test_the_agent_imports_only_the_allocators_public_surface() -> None:
 
 
 def test_lease_use_is_set_per_lease_and_reported_on_its_grants_gpus(tmp_path):
-    from allocator.protocol import ContainerGrant
+    from allocator.wire.protocol import ContainerGrant
     from nodeagent.agent import simulated_use
     from nodeagent.containers import LeaseContainer
     from nodeagent.simulated import SimulatedSource, make_gpu, write_inventory

@@ -45,7 +45,7 @@ from test_stack_e2e import (
     eventually,
 )
 
-from allocator.client import AllocatorClient, AllocatorError
+from allocator.amqp.client import AllocatorClient, AllocatorError
 
 pytestmark = [pytest.mark.docker, pytest.mark.hub, pytest.mark.slow,
               pytest.mark.timeout(UP_TIMEOUT_S + 900)]

@@ -52,13 +52,13 @@ import pytest
 from hub_browser import Browser
 from services import REQUIRE_ENV, require_service
 
-from allocator.client import (
+from allocator.amqp.client import (
     AllocatorClient,
     AllocatorError,
     AllocatorTimeout,
     AllocatorUnavailable,
 )
-from allocator.protocol import AllocateRequest
+from allocator.wire.protocol import AllocateRequest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "cluster"

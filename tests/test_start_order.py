@@ -2,7 +2,7 @@
 within one heartbeat of both being up (docs/protocol.md, "heartbeat_delta").
 
 Both are real processes (``python -m nodeagent`` with a simulated inventory, ``python -m
-allocator.cli serve``) on the real broker, in both orders, on two brokers:
+allocator.admin.cli serve``) on the real broker, in both orders, on two brokers:
 
 - **bare**: a fresh vhost where the allocator declares its queue. An agent alone there
   publishes into an exchange no queue is bound to: each report is lost, and the agent must
@@ -35,7 +35,7 @@ from support import wait_until
 from test_agent_metrics import scrape, value
 from test_broker_permissions import TEMPLATE, loaded_broker
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from nodeagent.simulated import make_gpu, write_inventory
 
 pytestmark = pytest.mark.slow

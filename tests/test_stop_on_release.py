@@ -22,10 +22,11 @@ import pytest
 from support import GTX1070, LabelledDocker, docker_cli, wait_until
 from test_release_e2e import container_of, granted_on, state_of
 
-from allocator.client import AllocatorClient
+from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
-from allocator.lease_container import LEASE_LABEL
-from allocator.protocol import (
+from allocator.service import AllocatorService
+from allocator.wire.lease_container import LEASE_LABEL
+from allocator.wire.protocol import (
     Lease,
     LeaseState,
     ReleaseReason,
@@ -33,8 +34,7 @@ from allocator.protocol import (
     StopReason,
     encode,
 )
-from allocator.service import AllocatorService
-from allocator.topology import AGENTS_EXCHANGE, command_routing_key
+from allocator.wire.topology import AGENTS_EXCHANGE, command_routing_key
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory

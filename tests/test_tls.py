@@ -1,4 +1,4 @@
-"""TLS to the broker (``allocator/broker.py``; docs/operations.md, "TLS to the broker").
+"""TLS to the broker (``allocator/amqp/broker.py``; docs/operations.md, "TLS to the broker").
 
 One private RabbitMQ node for the module with a TLS listener that asks every client for a
 certificate signed by the test's CA (mutual TLS, ``fail_if_no_peer_cert``), certificates
@@ -26,8 +26,8 @@ from ports import free_port
 from support import GTX1070, started, wait_until
 from tls_certs import Issued, issue, make_ca
 
-from allocator import broker
-from allocator.client import AllocatorClient, AllocatorUnavailable
+from allocator.amqp import broker
+from allocator.amqp.client import AllocatorClient, AllocatorUnavailable
 from allocator.config import AllocatorSettings
 from allocator.service import AllocatorService
 from nodeagent.agent import NodeAgent
@@ -109,7 +109,7 @@ async def test_allocator_agent_and_client_work_over_mutual_tls(
             inventory = await client.inventory()
             return any(node.host == "tls-node" and node.up for node in inventory.nodes)
         await wait_until(node_up, within=20)
-        from allocator.protocol import AllocateRequest, LeaseState
+        from allocator.wire.protocol import AllocateRequest, LeaseState
         lease = await client.allocate(AllocateRequest(
             request_key="tls/alice/", user="alice", model=GTX1070))
         assert lease.state is LeaseState.GRANTED and lease.host == "tls-node"
@@ -163,7 +163,7 @@ def test_the_command_line_says_a_wrong_ca_in_one_line(tls_broker: TLSBroker) -> 
     """``gpu-allocator`` with the TLS options: exit 1 and one line on stderr, no traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_")}
     result = subprocess.run(
-        [sys.executable, "-m", "allocator.cli", "inventory", "--timeout", "10",
+        [sys.executable, "-m", "allocator.admin.cli", "inventory", "--timeout", "10",
          "--amqp", tls_broker.settings_url(), "--amqp-ca-file", str(tls_broker.wrong_ca),
          "--amqp-cert-file", str(tls_broker.client.cert),
          "--amqp-key-file", str(tls_broker.client.key)],
@@ -217,7 +217,7 @@ def test_gpu_ledger_check_of_a_file_ignores_the_tls_environment(tmp_path: Path) 
     for ``gpu-ledger check --live``; ``gpu-ledger check`` of the ledger file alone uses no
     broker, so the CA file beside the default (plain) URL is no error there. With --live it
     is: the broker URL must then be amqps://."""
-    from allocator.ledger import Ledger
+    from allocator.ledger.store import Ledger
 
     ledger = Ledger(tmp_path / "ledger.sqlite")
     ledger.open()
@@ -226,7 +226,7 @@ def test_gpu_ledger_check_of_a_file_ignores_the_tls_environment(tmp_path: Path) 
            "SWARM_GPU_AMQP_CA_FILE": str(tmp_path / "ca.pem")}
 
     def gpu_ledger(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "allocator.ledger_cli", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "allocator.admin.ledger_cli", *args], env=env,
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
                               check=False)
 
@@ -267,7 +267,7 @@ def test_a_process_with_a_plain_remote_url_says_so_at_start() -> None:
         services.require_service("network namespace", "unshare --net is not available")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_")}
     result = subprocess.run(
-        [unshare, "--net", sys.executable, "-m", "allocator.ledger_cli", "status",
+        [unshare, "--net", sys.executable, "-m", "allocator.admin.ledger_cli", "status",
          "--timeout", "5", "--amqp", "amqp://hub:pw@192.0.2.1:5672/swarm-gpu"],
         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode != 0

@@ -1,6 +1,7 @@
-"""Placement by links (allocator.policy with allocator.gpu_sets): the best-connected set on the
-chosen host, a demanded level never broken, hosts without reported links placed exactly as
-before, the placement index still exact, and the container's order and NUMA hint."""
+"""Placement by links (allocator.placement.policy with allocator.placement.gpu_sets): the
+best-connected set on the chosen host, a demanded level never broken, hosts without reported links
+placed exactly as before, the placement index still exact, and the container's order and NUMA
+hint."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator import policy
-from allocator.cluster import GPU, Claim, Cluster, Node
-from allocator.gpu_sets import DEMANDED_LEVEL, set_cost, visible_order, worst_link
-from allocator.interconnect import LinkLevel
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import ErrorCode
+from allocator.placement import policy
+from allocator.placement.cluster import GPU, Claim, Cluster, Node
+from allocator.placement.gpu_sets import DEMANDED_LEVEL, set_cost, visible_order, worst_link
+from allocator.placement.index import PlacementIndex
+from allocator.wire.interconnect import LinkLevel
+from allocator.wire.protocol import ErrorCode
 from nodeagent.simulated import TOPOLOGY_PRESETS, preset_interconnect
 
 NOW = 1000.0

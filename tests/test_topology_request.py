@@ -10,8 +10,8 @@ from support import A100, HUB, NODE, gpus
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger import Changes, LoadedState
-from allocator.protocol import (
+from allocator.ledger.store import Changes, LoadedState
+from allocator.wire.protocol import (
     AllocateRequest,
     ErrorCode,
     ErrorReply,

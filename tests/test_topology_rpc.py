@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from support import A100, gpus, heartbeat, wait_until
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.gpu_sets import worst_link
-from allocator.interconnect import LinkLevel
-from allocator.protocol import AllocateRequest, ErrorCode, LeaseState
+from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.placement.gpu_sets import worst_link
+from allocator.wire.interconnect import LinkLevel
+from allocator.wire.protocol import AllocateRequest, ErrorCode, LeaseState
 from nodeagent.simulated import preset_interconnect
 
 

@@ -2,8 +2,8 @@
 or weekly, in a time zone an admin names ("CS101 gets 15 GPUs on Tuesdays 10:00-12:00,
 Europe/Berlin, until the end of term").
 
-The policy core, pure like :mod:`allocator.policy`: plain data in and out, no I/O, no clock
-(``now`` and ``t`` are passed in). One concept per module:
+The policy core, pure like :mod:`allocator.placement.policy`: plain data in and out, no I/O, no
+clock (``now`` and ``t`` are passed in). One concept per module:
 
 * :mod:`allocator.bookings.booking`: a booking as data (strict pydantic models), its error
   codes, and reading one from a request's body;

@@ -2,7 +2,7 @@
 wrong with one.
 
 A booking names its members (a group, or a list of users: one of them), its GPUs by the same
-selection as a request (a model name or alias as :mod:`allocator.model_names` reads it, a MIG
+selection as a request (a model name or alias as :mod:`allocator.wire.model_names` reads it, a MIG
 profile, a count, optionally a host) and a window in an IANA time zone the admin names: a
 one-off start and end, or a weekly recurrence (weekdays, a local start time, a duration, and
 the date it ends on). Times are local wall-clock times in that zone, in whole minutes;
@@ -41,7 +41,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from allocator.bookings.local_time import instant_of
-from allocator.protocol import MigProfile, Name
+from allocator.wire.protocol import MigProfile, Name
 
 MAX_BOOKED_GPUS: Final = 4096
 """The most GPUs one booking may hold (a booking spans hosts, unlike one lease)."""

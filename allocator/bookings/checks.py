@@ -5,7 +5,7 @@ The checks, in this order, each with one :class:`~allocator.bookings.booking.Boo
 
 1. ``unknown_group``: the group is not one the allocator's settings name;
 2. ``unknown_model``: the model (or its MIG profile) is not one the cluster knows, by
-   :mod:`allocator.model_names`' rule, aliases included (the message lists the known ones);
+   :mod:`allocator.wire.model_names`' rule, aliases included (the message lists the known ones);
 3. ``unknown_host``: the host is not a GPU node the cluster knows;
 4. ``count_over_capacity``: more GPUs than the cluster (or the host) has of the model;
 5. ``window_in_past``: every occurrence has already ended (a window already begun is
@@ -33,7 +33,7 @@ from allocator.bookings.booking import (
 from allocator.bookings.local_time import instant_of, local_at
 from allocator.bookings.supply import Capacity, Draw
 from allocator.bookings.windows import Occurrence, occurrences
-from allocator.model_names import ModelNameError, ModelNames, mig_model_name, mig_parts
+from allocator.wire.model_names import ModelNameError, ModelNames, mig_model_name, mig_parts
 
 DEFAULT_HORIZON_S: Final = 400 * 24 * 3600
 """How far ahead bookings may reach by default: a university year and a term's margin. It

@@ -1,5 +1,5 @@
 """What one user sees of bookings, read from an inventory reply's
-:class:`~allocator.protocol.BookingsView` (:mod:`allocator.bookings.schedule` builds it).
+:class:`~allocator.wire.protocol.BookingsView` (:mod:`allocator.bookings.schedule` builds it).
 
 Public surface (``allocator.PUBLIC_SURFACE``): the spawn form and the GPU page import it, so
 the rules stay the allocator's and the hub only renders what they say:
@@ -13,7 +13,7 @@ the rules stay the allocator's and the hub only renders what they say:
   10:00 for a booking".
 
 Times are the booking zone's wall clock, as the allocator wrote them. Pure: no I/O, no clock
-(``now`` is passed in); it imports only :mod:`allocator.protocol` and the standard library.
+(``now`` is passed in); it imports only :mod:`allocator.wire.protocol` and the standard library.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from allocator.protocol import BookedTime, BookingSchedule, BookingsView
+from allocator.wire.protocol import BookedTime, BookingSchedule, BookingsView
 
 
 def is_member(schedule: BookingSchedule, user: str, groups: Sequence[str]) -> bool:

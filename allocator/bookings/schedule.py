@@ -1,5 +1,5 @@
 """What users see of bookings: the bookings of the coming week as the inventory reply carries
-them (:class:`~allocator.protocol.BookingsView`), with what each takes back soon.
+them (:class:`~allocator.wire.protocol.BookingsView`), with what each takes back soon.
 
 For every booking with a window overlapping ``[now, now + WEEK_S)`` (or, lacking one, its next
 window within the horizon): its members, what it books, those windows in UTC and on its zone's
@@ -34,7 +34,7 @@ from allocator.bookings.in_effect import Held, shares_of
 from allocator.bookings.local_time import local_at
 from allocator.bookings.supply import Capacity
 from allocator.bookings.windows import Occurrence
-from allocator.protocol import BookedTime, BookingSchedule, BookingsView
+from allocator.wire.protocol import BookedTime, BookingSchedule, BookingsView
 
 WEEK_S: Final = 7 * 24 * 3600
 """How far ahead the windows go: the page's calendar is one week."""

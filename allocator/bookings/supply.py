@@ -2,8 +2,8 @@
 them.
 
 Capacity is counted per model (a MIG profile's instances are a model of their own, see
-:mod:`allocator.model_names`) and host, from the same ``(host, model)`` groups
-:mod:`allocator.capacity` forms for a request. A booking without a host draws on every host of
+:mod:`allocator.wire.model_names`) and host, from the same ``(host, model)`` groups
+:mod:`allocator.wire.capacity` forms for a request. A booking without a host draws on every host of
 its model; one with a host only on that host. So the bookings of one model fit at an instant
 when, for every host, those pinned to it book no more than it has, and all of them together
 book no more than the model has: what is left on the hosts is exactly what the unpinned ones
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from allocator.capacity import GPUGroup, gpu_groups
+from allocator.wire.capacity import GPUGroup, gpu_groups
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Capacity:
 
     @classmethod
     def of_groups(cls, groups: Iterable[GPUGroup]) -> Capacity:
-        """From :func:`allocator.capacity.gpu_groups` of a request for one model; a group that
+        """From :func:`allocator.wire.capacity.gpu_groups` of a request for one model; a group that
         mixes models (``model`` None) is no model's and is left out."""
         gpus: dict[str, dict[str, int]] = {}
         for group in groups:

@@ -24,7 +24,7 @@ from allocator.bookings.guarantees import Guarantee, guarantees_at
 from allocator.bookings.in_effect import Held, Share, Shares, on_its_gpus, shares_of
 from allocator.config import AllocatorSettings
 from allocator.engine.bookings import BookingBook
-from allocator.lease import LeaseRecord
+from allocator.ledger.lease import LeaseRecord
 
 LOOK_AHEAD_S: Final = 8 * 24 * 3600
 """How far ahead the next boundary is looked for: a weekly booking has one within a week and

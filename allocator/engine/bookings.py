@@ -21,7 +21,6 @@ from typing import Any, Final
 
 from pydantic import BaseModel
 
-from allocator import policy
 from allocator.bookings.admission import admit
 from allocator.bookings.booking import Booking, BookingErrorCode, BookingProblem, read_booking
 from allocator.bookings.checks import (
@@ -34,13 +33,14 @@ from allocator.bookings.checks import (
 from allocator.bookings.shortfall import shortfalls
 from allocator.bookings.supply import Capacity
 from allocator.bookings.windows import occurrences
-from allocator.cluster import Cluster
 from allocator.config import AllocatorSettings
 from allocator.engine.nodes import NodeReports
 from allocator.engine.state import Sender, log
-from allocator.ledger import BookingRow, Changes, LoadedState
-from allocator.model_names import ModelNames
-from allocator.protocol import (
+from allocator.ledger.store import BookingRow, Changes, LoadedState
+from allocator.placement import policy
+from allocator.placement.cluster import Cluster
+from allocator.wire.model_names import ModelNames
+from allocator.wire.protocol import (
     BookingOccurrence,
     BookingReply,
     BookingRequest,

@@ -10,18 +10,18 @@ asked to stop.
 
 from __future__ import annotations
 
-from allocator.adoption import Conflict, LabelHolder
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters, Family
 from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.node_truth import NodeTruth
 from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.requests import LeaseRequests
-from allocator.lease import LeaseRecord
-from allocator.ledger import Changes
-from allocator.protocol import (
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes
+from allocator.metrics.counters import Count, Counters, Family
+from allocator.placement.adoption import Conflict, LabelHolder
+from allocator.wire.protocol import (
     ContainerAction,
     ContainerEvent,
     ContainerInfo,

@@ -11,10 +11,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from allocator import policy
-from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters
 from allocator.engine.booking_alerts import BookingShortWatch
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.bookings import BookingBook
@@ -22,6 +19,7 @@ from allocator.engine.containers import GRACE_ENDS, NodeReconciliation, listing_
 from allocator.engine.fence import StartFence
 from allocator.engine.gpus import GpuInventory
 from allocator.engine.idle import IdleWatch
+from allocator.engine.lease_use import UseBook
 from allocator.engine.leases import LeaseBook, may_act_on
 from allocator.engine.node_truth import NodeTruth
 from allocator.engine.nodes import NodeReports
@@ -32,12 +30,14 @@ from allocator.engine.reclaim import Reclaimer
 from allocator.engine.requests import LeaseRequests
 from allocator.engine.state import Sender, count_anomaly, log
 from allocator.engine.views import Views
-from allocator.heartbeat_delta import apply_delta
-from allocator.lease import LeaseRecord
-from allocator.lease_use import UseBook
-from allocator.ledger import Changes, LoadedState
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import (
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes, LoadedState
+from allocator.metrics.counters import Count, Counters
+from allocator.placement import policy
+from allocator.placement.cluster import Cluster, Node
+from allocator.placement.index import PlacementIndex
+from allocator.wire.heartbeat_delta import apply_delta
+from allocator.wire.protocol import (
     AgentCommand,
     AllocateRequest,
     AnyInbound,
@@ -60,7 +60,7 @@ from allocator.protocol import (
     StopContainer,
     error_reply,
 )
-from allocator.topology import RPC_EXCHANGE
+from allocator.wire.topology import RPC_EXCHANGE
 
 
 class Engine:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from allocator.ledger import Changes
+from allocator.ledger.store import Changes
 
 
 class StartFence:

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import time
 
-from allocator import policy
-from allocator.cluster import GPU, Cluster, Node
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters
 from allocator.engine.nodes import NodeReports
 from allocator.engine.state import count_anomaly, log
-from allocator.ledger import Changes
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import GPUInfo, Heartbeat
+from allocator.ledger.store import Changes
+from allocator.metrics.counters import Count, Counters
+from allocator.placement import policy
+from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.index import PlacementIndex
+from allocator.wire.protocol import GPUInfo, Heartbeat
 
 
 def iso(epoch: float) -> str:

@@ -6,11 +6,11 @@ and whether a shared slice is over its memory budget (warned, or stopped, after
 from __future__ import annotations
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters
-from allocator.lease import LeaseRecord
-from allocator.lease_use import UseBook, is_idle, sample_of
-from allocator.ledger import Changes
-from allocator.protocol import ContainerInfo, LeaseState, UsageSample
+from allocator.engine.lease_use import UseBook, is_idle, sample_of
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes
+from allocator.metrics.counters import Count, Counters
+from allocator.wire.protocol import ContainerInfo, LeaseState, UsageSample
 
 
 class IdleWatch:

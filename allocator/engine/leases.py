@@ -16,10 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from allocator import gpu_sets, policy
-from allocator.cluster import Cluster
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters, Family
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.idle import IdleWatch
 from allocator.engine.nodes import NodeReports
@@ -27,10 +24,13 @@ from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.processes import ProcessWatch
 from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES, Sender
-from allocator.lease import LeaseRecord
-from allocator.ledger import Changes, LoadedState
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import (
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes, LoadedState
+from allocator.metrics.counters import Count, Counters, Family
+from allocator.placement import gpu_sets, policy
+from allocator.placement.cluster import Cluster
+from allocator.placement.index import PlacementIndex
+from allocator.wire.protocol import (
     AllocateRequest,
     Lease,
     LeaseReply,

@@ -2,26 +2,26 @@
 
 The ledger can be behind the nodes: deleted, restored from last night's backup, or another
 node's volume. The containers still run, and their labels carry their whole grant (see
-:mod:`allocator.lease_container`). Here a container of a lease the ledger does not know
+:mod:`allocator.wire.lease_container`). Here a container of a lease the ledger does not know
 becomes a ``bound`` lease again, its GPUs claimed (event and history reason ``adopted``),
 unless its grant contradicts what the allocator knows: then the GPUs it names stay out of
 placement while the node lists it, an ``adoption_conflict`` event and counter say why (naming
-the container), and nothing is stopped (see :mod:`allocator.adoption`). A container of a lease
-the ledger has *queued* is such a conflict too, never a bind: anyone who may use the node's
+the container), and nothing is stopped (see :mod:`allocator.placement.adoption`). A container of a
+lease the ledger has *queued* is such a conflict too, never a bind: anyone who may use the node's
 Docker API could otherwise bind someone's waiting request. Nothing is granted on a node before
 these adoptions (:mod:`allocator.engine.fence`).
 """
 
 from __future__ import annotations
 
-from allocator import adoption
-from allocator.cluster import Cluster
-from allocator.counters import Count, Counters
 from allocator.engine.leases import LeaseBook
-from allocator.lease import LeaseRecord
-from allocator.ledger import Changes
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import ContainerGrant, LeaseState
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes
+from allocator.metrics.counters import Count, Counters
+from allocator.placement import adoption
+from allocator.placement.cluster import Cluster
+from allocator.placement.index import PlacementIndex
+from allocator.wire.protocol import ContainerGrant, LeaseState
 
 
 class NodeTruth:

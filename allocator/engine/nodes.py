@@ -12,14 +12,14 @@ from collections import Counter
 
 from pydantic import BaseModel
 
-from allocator.cluster import Cluster, Node
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters, Family
 from allocator.engine.state import CLOCK_SKEW_WARN_S, Sender, count_anomaly, log
-from allocator.interconnect import HostInterconnect
-from allocator.ledger import Changes, LoadedState
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import (
+from allocator.ledger.store import Changes, LoadedState
+from allocator.metrics.counters import Count, Counters, Family
+from allocator.placement.cluster import Cluster, Node
+from allocator.placement.index import PlacementIndex
+from allocator.wire.interconnect import HostInterconnect
+from allocator.wire.protocol import (
     DrainReply,
     DrainRequest,
     ErrorCode,

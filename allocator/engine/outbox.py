@@ -1,7 +1,7 @@
 """The command outbox: commands to node agents, decided by the engine, sent by the service.
 
-The engine only appends :class:`~allocator.protocol.StopContainer` commands to
-:attr:`CommandOutbox.commands`, and :class:`~allocator.protocol.AllocatorHello` messages to
+The engine only appends :class:`~allocator.wire.protocol.StopContainer` commands to
+:attr:`CommandOutbox.commands`, and :class:`~allocator.wire.protocol.AllocatorHello` messages to
 :attr:`CommandOutbox.hellos`; the service takes both (``Engine.take_agent_commands``) once the
 batch that decided them is committed, and a reload (a failed commit) forgets them.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Counters, Family
 from allocator.engine.state import RECENT_FINAL_LEASES
-from allocator.ledger import Changes
-from allocator.protocol import (
+from allocator.ledger.store import Changes
+from allocator.metrics.counters import Counters, Family
+from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
     AgentCommand,

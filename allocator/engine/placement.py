@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from allocator import policy
-from allocator.cluster import GPU, Cluster, Node
 from allocator.config import AllocatorSettings
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.fence import StartFence
 from allocator.engine.nodes import NodeReports
-from allocator.placement_index import PlacementIndex
+from allocator.placement import policy
+from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.index import PlacementIndex
 
 
 class Placer:

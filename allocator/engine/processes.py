@@ -29,14 +29,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from allocator.cluster import GPU, Cluster
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters
 from allocator.engine.nodes import NodeReports
-from allocator.lease import LeaseRecord
-from allocator.ledger import Changes
-from allocator.placement_index import PlacementIndex
-from allocator.protocol import GPUProcess, Heartbeat, LeaseState, ProcessState, ProcessView
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes
+from allocator.metrics.counters import Count, Counters
+from allocator.placement.cluster import GPU, Cluster
+from allocator.placement.index import PlacementIndex
+from allocator.wire.protocol import GPUProcess, Heartbeat, LeaseState, ProcessState, ProcessView
 
 MAX_EVENT_PROCESSES = 16
 """Processes an event names (the largest first): enough to find them, bounded in size."""

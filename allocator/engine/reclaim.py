@@ -1,4 +1,4 @@
-"""Reclaim and idle release: the engine acts on :func:`allocator.fairshare.plan_reclaims`.
+"""Reclaim and idle release: the engine acts on :func:`allocator.placement.fairshare.plan_reclaims`.
 
 On every tick while requests wait, and when a request queues (the dispatcher calls
 :meth:`Reclaimer.run` then): leases the plan names are warned (``reclaim_at``, an event
@@ -17,20 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from allocator import fairshare, policy
 from allocator.bookings.in_effect import Occupant, Share, Shares, on_its_gpus, to_clear
-from allocator.cluster import Cluster
 from allocator.config import AllocatorSettings
-from allocator.counters import Counters, Family
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.fence import StartFence
 from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.placement import Placer
 from allocator.engine.processes import ProcessWatch
-from allocator.lease import LeaseRecord
-from allocator.ledger import Changes
-from allocator.protocol import (
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes
+from allocator.metrics.counters import Counters, Family
+from allocator.placement import fairshare, policy
+from allocator.placement.cluster import Cluster
+from allocator.wire.protocol import (
     Health,
     LeaseState,
     ReclaimReason,

@@ -16,18 +16,18 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from allocator import policy
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Counters, Family
 from allocator.engine.fence import StartFence
 from allocator.engine.leases import LeaseBook, may_act_on
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.state import Sender, count_anomaly, log
-from allocator.lease import LeaseRecord
-from allocator.ledger import Changes
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes
 from allocator.logs import lease_context
-from allocator.protocol import (
+from allocator.metrics.counters import Count, Counters, Family
+from allocator.placement import policy
+from allocator.wire.protocol import (
     AllocateRequest,
     ErrorCode,
     ErrorReply,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from allocator.counters import Count, Counters
-from allocator.protocol import LeaseState
+from allocator.metrics.counters import Count, Counters
+from allocator.wire.protocol import LeaseState
 
 log = logging.getLogger("allocator.engine")
 

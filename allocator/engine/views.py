@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from fractions import Fraction
 
-from allocator import policy
 from allocator.bookings.in_effect import Held
 from allocator.bookings.schedule import bookings_view
-from allocator.cluster import Cluster
 from allocator.config import AllocatorSettings
 from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.nodes import NodeReports
 from allocator.engine.processes import ProcessWatch
-from allocator.lease import LeaseRecord
-from allocator.protocol import (
+from allocator.ledger.lease import LeaseRecord
+from allocator.placement import policy
+from allocator.placement.cluster import Cluster
+from allocator.wire.protocol import (
     BookingsView,
     GPUView,
     InventoryReply,

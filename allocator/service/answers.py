@@ -22,13 +22,13 @@ from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 from pydantic import BaseModel
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, ServiceStats
 from allocator.engine import Engine, Sender
-from allocator.ledger import Ledger
-from allocator.protocol import OLDEST_READER, LeaseState, encode, reader_release
+from allocator.ledger.store import Ledger
+from allocator.metrics.counters import Count, ServiceStats
 from allocator.service.inbox import acknowledgements
 from allocator.service.intake import Intake, delivery_of
 from allocator.service.waiters import ReplyAddress, Waiters
+from allocator.wire.protocol import OLDEST_READER, LeaseState, encode, reader_release
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Answers:
     async def publish_reply(self, reply: BaseModel, reply_to: str, correlation_id: str | None,
                             release: tuple[int, int, int] = OLDEST_READER) -> bool:
         """Publish one reply, written for a client of ``release`` (the fields a later release
-        added left out: :func:`allocator.protocol.encode`); False when it could not be sent
+        added left out: :func:`allocator.wire.protocol.encode`); False when it could not be sent
         (logged)."""
         channel = self._channel
         if channel is None:

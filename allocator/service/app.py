@@ -14,15 +14,15 @@ import logging
 import time
 from collections.abc import Callable
 
-from allocator import metrics
-from allocator.broker import broker_user
+from allocator.amqp.broker import broker_user
 from allocator.config import AllocatorSettings, ConfigurationError, guarantee_problem
-from allocator.counters import ServiceStats
 from allocator.engine import Engine
-from allocator.ledger import Ledger
-from allocator.metrics_http import ProcessHealth
-from allocator.replication import ReplicatedLog
-from allocator.retention import Pruner
+from allocator.ledger.replication import ReplicatedLog
+from allocator.ledger.retention import Pruner
+from allocator.ledger.store import Ledger
+from allocator.metrics import exporter
+from allocator.metrics.counters import ServiceStats
+from allocator.metrics.endpoint import ProcessHealth
 from allocator.service.answers import Answers
 from allocator.service.batch import Batches
 from allocator.service.commands import Commands
@@ -56,12 +56,12 @@ class AllocatorService:
                              else settings.ledger_synchronous)
         self.engine = Engine(settings, started_at=clock())
         self.stats = ServiceStats()
-        self.metrics = metrics.AllocatorMetrics()
+        self.metrics = exporter.AllocatorMetrics()
         """This service's registry and request histogram (served when metrics_port is set)."""
         self.user_id = broker_user(settings.amqp_url)
         """The broker user of the connection: the AMQP user_id of every command, which the
         broker verifies and the agents check."""
-        self.metrics_server: metrics.MetricsServer | None = None
+        self.metrics_server: exporter.MetricsServer | None = None
         self.health = ProcessHealth(settings.health_stale_s)
         """What ``/healthz`` answers (with the metrics): the event loop ran within
         ``health_stale_s``, and the broker connection is up. A standby is healthy by the same
@@ -86,7 +86,8 @@ class AllocatorService:
                              interval_s=settings.history_prune_interval_s,
                              batch=settings.history_prune_batch, clock=clock,
                              may_prune=self._may_prune)
-        """Deletes what ``history_retention_days`` no longer keeps (allocator/retention.py)."""
+        """Deletes what ``history_retention_days`` no longer keeps
+        (allocator/ledger/retention.py)."""
         # The parts that depend on whether a log is followed are made once start knows.
         self._standby: Standby | None = None
         self._batches: Batches | None = None
@@ -128,7 +129,7 @@ class AllocatorService:
         await self._link.consume(self._intake.on_message)
         self.started.set()
         if self.settings.metrics_port is not None:
-            self.metrics_server = metrics.serve(self, self.settings.metrics_port,
+            self.metrics_server = exporter.serve(self, self.settings.metrics_port,
                                                 token=self.settings.metrics_token,
                                                 health=self.health)
         log.info("allocator consuming %s; ledger %s", self.settings.queue_name,

@@ -33,24 +33,24 @@ from dataclasses import dataclass
 import aio_pika.abc
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, ServiceStats
-from allocator.ledger import Changes, LedgerChanged, LedgerError
-from allocator.logs import lease_context
-from allocator.metrics import AllocatorMetrics
-from allocator.protocol import ErrorCode, error_reply
-from allocator.replication import (
+from allocator.ledger.replication import (
     LogFenced,
     LogMismatch,
     LogStalled,
     LogUnavailable,
     ReplicatedLog,
 )
+from allocator.ledger.store import Changes, LedgerChanged, LedgerError
+from allocator.logs import lease_context
+from allocator.metrics.counters import Count, ServiceStats
+from allocator.metrics.exporter import AllocatorMetrics
 from allocator.service.answers import Answers, Pending
 from allocator.service.commands import Commands
 from allocator.service.decide import Decider, Poisoned, wants_reply
 from allocator.service.intake import Intake
 from allocator.service.memory import Memory
 from allocator.service.standby import Standby
+from allocator.wire.protocol import ErrorCode, error_reply
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ import aio_pika
 import aio_pika.abc
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, ServiceStats
 from allocator.logs import lease_context
-from allocator.protocol import AgentCommand, AllocatorHello, StopContainer, encode
-from allocator.topology import command_routing_key
+from allocator.metrics.counters import Count, ServiceStats
+from allocator.wire.protocol import AgentCommand, AllocatorHello, StopContainer, encode
+from allocator.wire.topology import command_routing_key
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from collections.abc import Awaitable, Callable
 import aio_pika.abc
 from aiormq.exceptions import AMQPError
 
-from allocator import broker
-from allocator.broker import broker_address
+from allocator.amqp import broker
+from allocator.amqp.broker import broker_address
 from allocator.config import AllocatorSettings
-from allocator.ledger import Ledger
-from allocator.replication import LogNotHere, ReplicatedLog
+from allocator.ledger.replication import LogNotHere, ReplicatedLog
+from allocator.ledger.store import Ledger
 from allocator.service.declare import declare_agents_exchange, declare_topology
 from allocator.tasks import Backoff
 

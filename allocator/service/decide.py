@@ -19,10 +19,13 @@ from collections.abc import Callable
 import aio_pika.abc
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, Family, ServiceStats
 from allocator.engine import Engine, Sender
-from allocator.ledger import Changes
-from allocator.protocol import (
+from allocator.ledger.store import Changes
+from allocator.metrics.counters import Count, Family, ServiceStats
+from allocator.service.answers import Pending
+from allocator.service.decided import DecidedRequests, RequestId
+from allocator.service.intake import TICK
+from allocator.wire.protocol import (
     MAX_BODY_BYTES,
     MAX_NAME,
     PRINTABLE,
@@ -37,10 +40,7 @@ from allocator.protocol import (
     decode_inbound,
     error_reply,
 )
-from allocator.service.answers import Pending
-from allocator.service.decided import DecidedRequests, RequestId
-from allocator.service.intake import TICK
-from allocator.topology import NODES_EXCHANGE, is_direct_reply_to
+from allocator.wire.topology import NODES_EXCHANGE, is_direct_reply_to
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the allocator declares on the broker: the exchanges, its inbound queue, the dead-letter
 queue and their bindings, and the agents exchange its stop commands go to.
 
-The names and arguments are :mod:`allocator.topology`'s, shared with every other declarer;
+The names and arguments are :mod:`allocator.wire.topology`'s, shared with every other declarer;
 this module only declares them, and copes with a broker that refuses a declaration an older
 release or its definitions left different.
 """
@@ -15,7 +15,7 @@ import aio_pika
 import aio_pika.abc
 import aiormq.exceptions
 
-from allocator.topology import (
+from allocator.wire.topology import (
     AGENTS_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
     NODES_EXCHANGE,

@@ -25,9 +25,9 @@ import aiormq.abc
 from aiormq.exceptions import ChannelInvalidStateError
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, ServiceStats
+from allocator.metrics.counters import Count, ServiceStats
 from allocator.service.inbox import Inbox
-from allocator.topology import HEARTBEAT_ROUTING_PREFIX, NODES_EXCHANGE
+from allocator.wire.topology import HEARTBEAT_ROUTING_PREFIX, NODES_EXCHANGE
 
 log = logging.getLogger(__name__)
 

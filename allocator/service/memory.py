@@ -12,7 +12,7 @@ import functools
 from collections.abc import Awaitable, Callable
 
 from allocator.engine import Engine
-from allocator.ledger import Changes, Ledger
+from allocator.ledger.store import Changes, Ledger
 
 
 class Memory:
@@ -49,7 +49,7 @@ class Memory:
 
     async def commit(self, changes: Changes) -> None:
         """Write one batch to the ledger file in one transaction, in one trip to the ledger's
-        thread; :class:`~allocator.ledger.LedgerChanged` (nothing written) when another
+        thread; :class:`~allocator.ledger.store.LedgerChanged` (nothing written) when another
         allocator wrote since the last rebuild."""
         ledger = self._ledger
         await ledger.run(functools.partial(ledger.commit, changes,

@@ -34,9 +34,9 @@ import aio_pika.abc
 import aiormq.abc
 
 from allocator.config import AllocatorSettings
-from allocator.counters import Count, ServiceStats
-from allocator.ledger import LedgerError
-from allocator.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
+from allocator.ledger.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
+from allocator.ledger.store import LedgerError
+from allocator.metrics.counters import Count, ServiceStats
 from allocator.service.answers import Answers
 from allocator.service.intake import Intake, delivery_of
 from allocator.service.memory import Memory
@@ -125,7 +125,7 @@ class Standby:
         """The batch's commit found the shared file written by another allocator, for the
         ``takeovers``-th time: this one is a standby that has just become active. Start from
         what the other one left (the caller applies the batch again); past
-        :data:`MAX_TAKEOVERS_PER_BATCH` raise :class:`~allocator.ledger.LedgerError`."""
+        :data:`MAX_TAKEOVERS_PER_BATCH` raise :class:`~allocator.ledger.store.LedgerError`."""
         if takeovers > MAX_TAKEOVERS_PER_BATCH:
             raise LedgerError("the ledger keeps changing under this allocator") from None
         log.warning("the ledger was written by another allocator (takeover); reloading")
@@ -180,7 +180,7 @@ async def serve_while_writable(replicated: ReplicatedLog, consuming: asyncio.Eve
                                pause: Callable[[], Awaitable[None]],
                                resume: Callable[[], Awaitable[None]]) -> None:
     """Stop consuming requests (``pause``) while this replica's ledger cannot apply the log
-    (:attr:`~allocator.replication.ReplicatedLog.store_failure`), and consume again
+    (:attr:`~allocator.ledger.replication.ReplicatedLog.store_failure`), and consume again
     (``resume``) once it can; return when the log turns out not to be this ledger's
     history (the caller stops serving for good).
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from allocator.protocol import OLDEST_READER
+from allocator.wire.protocol import OLDEST_READER
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class ReplyAddress:
     correlation_id: str
     release: tuple[int, int, int] = OLDEST_READER
     """The release whose reply fields the client reads (its request's
-    :data:`~allocator.protocol.CLIENT_RELEASE_HEADER`): pushes are written for it too."""
+    :data:`~allocator.wire.protocol.CLIENT_RELEASE_HEADER`): pushes are written for it too."""
 
 
 ADDRESSES_PER_LEASE = 4

@@ -25,9 +25,9 @@ from jupyterhub.utils import url_path_join
 from tornado import web
 from tornado.httpserver import HTTPServer
 
-from allocator.client import AllocatorClient, AllocatorError
-from allocator.protocol import InventoryReply
+from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.tasks import cancel_and_wait
+from allocator.wire.protocol import InventoryReply
 
 from ..templating import template
 from .history import UsageHistory

@@ -3,7 +3,7 @@ bookings, and for admins the week's calendar of every booking (days by hours, re
 server: the page runs no script).
 
 Everything comes from the inventory reply's ``bookings``
-(:class:`~allocator.protocol.BookingsView`) through :mod:`allocator.bookings.outlook`; this
+(:class:`~allocator.wire.protocol.BookingsView`) through :mod:`allocator.bookings.outlook`; this
 module only lays it out. The calendar is in one zone, the one most bookings of the week name
 (a site's bookings are usually all in its own), and says which; a booking of another zone is
 shown at its instants in that zone. Pure: no I/O, the clock passed in.
@@ -18,8 +18,8 @@ from typing import Any, Final
 from zoneinfo import ZoneInfo
 
 from allocator.bookings.outlook import UserOutlook, gpus_text, window_text
-from allocator.model_names import display_name
-from allocator.protocol import BookingSchedule, BookingsView
+from allocator.wire.model_names import display_name
+from allocator.wire.protocol import BookingSchedule, BookingsView
 
 DAYS: Final = 7
 """The calendar's columns: today and the six days after, in its zone."""

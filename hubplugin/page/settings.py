@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from allocator.broker import BrokerTLSSettings
+from allocator.amqp.broker import BrokerTLSSettings
 from allocator.logs import LogSettings
 from allocator.settings_files import SecretFiles, list_from_text, secret_file_field
 
@@ -27,8 +27,9 @@ ENV_PREFIX = "SWARM_GPU_PAGE_"
 
 
 class PageSettings(SecretFiles, BrokerTLSSettings, LogSettings):
-    """Where the allocator is (the broker's TLS files: :class:`allocator.broker.BrokerTLSSettings`),
-    what the page keeps, who counts as an admin, how it logs (``log_level``, ``log_format``:
+    """Where the allocator is (the broker's TLS files:
+    :class:`allocator.amqp.broker.BrokerTLSSettings`), what the page keeps, who counts as an admin,
+    how it logs (``log_level``, ``log_format``:
     :class:`allocator.logs.LogSettings`)."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")

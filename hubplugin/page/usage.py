@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from allocator.protocol import GPUView, Lease
+from allocator.wire.protocol import GPUView, Lease
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from allocator.bookings.outlook import outlook_for
-from allocator.model_names import display_name
-from allocator.protocol import (
+from allocator.wire.model_names import display_name
+from allocator.wire.protocol import (
     GPUView,
     InventoryReply,
     Lease,

@@ -25,11 +25,18 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-import allocator.ledger as ledger_module
-from allocator.cluster import GPU, Node
-from allocator.lease import LeaseRecord
-from allocator.ledger import Changes, Ledger
-from allocator.protocol import LeaseState, ReleaseReason
+try:  # the layout of 0.3.0 on
+    import allocator.ledger.store as ledger_module
+    from allocator.ledger.lease import LeaseRecord
+    from allocator.placement.cluster import GPU, Node
+    from allocator.wire.protocol import LeaseState, ReleaseReason
+except ImportError:  # a release before 0.3.0: one flat package
+    from allocator.cluster import GPU, Node  # type: ignore[no-redef]
+    from allocator.lease import LeaseRecord  # type: ignore[no-redef]
+    from allocator.protocol import LeaseState, ReleaseReason  # type: ignore[no-redef]
+
+    import allocator.ledger as ledger_module  # type: ignore[no-redef]
+Changes, Ledger = ledger_module.Changes, ledger_module.Ledger
 
 T0 = 1_750_000_000.0
 GTX1070 = "NVIDIA GeForce GTX 1070"

@@ -1,0 +1,1 @@
+"""The admins' commands (``gpu-allocator``, ``gpu-ledger``) and what they read."""

@@ -1,0 +1,802 @@
+"""Reports over the ledger: the cluster's status, exports and GPU-hour accounting.
+
+Everything here reads an open :class:`sqlite3.Connection` (or the allocator's replies, for the
+live status) and returns data; nothing prints. ``gpu-ledger`` (:mod:`allocator.admin.ledger_cli`)
+renders the results, and tests call these functions directly.
+
+Exports are *streams*: :func:`export_rows` returns an iterator over one cursor, so a ledger of
+millions of leases is written in constant memory. Aggregations (:func:`usage`) stream too and
+keep only one running total per output row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Literal
+
+from allocator.ledger.store import COLUMNS, JSON_COLUMNS, SCHEMA_VERSION, LedgerError
+from allocator.placement.policy import queue_order_key
+from allocator.wire.protocol import InventoryReply, Lease, LeaseState
+
+HOLDING_STATES = tuple(s.value for s in LeaseState if s.holds_gpus)
+"""Lease states that count against their GPUs (granted, bound, releasing)."""
+
+ExportKind = Literal["leases", "events", "gpus", "usage"]
+EXPORT_KINDS: tuple[ExportKind, ...] = ("leases", "events", "gpus", "usage")
+UsageBy = Literal["user", "group", "host"]
+TimeFormat = Literal["iso", "epoch"]
+
+NO_GROUP = "(no group)"
+"""The group of usage by leases whose user belongs to no group."""
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def open_readonly(path: str | Path, *, busy_timeout_s: float = 5.0) -> sqlite3.Connection:
+    """Open a ledger read-only, or raise :class:`LedgerError` saying in one line why not.
+
+    Read-only (``mode=ro``) means the reports can never change the ledger, and in WAL mode a
+    reader neither waits for nor blocks the running allocator. This is the only read-only
+    way in (:class:`allocator.ledger.store.Ledger` opens for writing); its checks mirror
+    :meth:`allocator.ledger.store.Ledger.open`'s: a missing file, a file that is not SQLite, an
+    SQLite file that is not a ledger, a ledger of a newer schema, and a ledger another process
+    holds with an exclusive lock are each refused with their own message.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise LedgerError(f"no ledger at {path}")
+    if not path.is_file():
+        raise LedgerError(f"{path} is not a file")
+    uri = "file:" + urllib.parse.quote(str(path.resolve())) + "?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout_s)
+    except sqlite3.Error as exc:
+        raise LedgerError(f"cannot open the ledger {path}: {exc}") from exc
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master "
+                                                 "WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        conn.close()
+        raise ledger_error(path, exc) from exc
+    if version > SCHEMA_VERSION:
+        conn.close()
+        raise LedgerError(
+            f"{path} has schema version {version}, newer than this release understands "
+            f"({SCHEMA_VERSION}); upgrade swarm-gpu"
+        )
+    missing = {"nodes", "gpus", "leases", "lease_history", "events"} - tables
+    if version == 0 or missing:
+        conn.close()
+        raise LedgerError(f"{path} is an SQLite file but not a swarm-gpu ledger")
+    return conn
+
+
+def ledger_error(path: str | Path, exc: sqlite3.Error) -> LedgerError:
+    """Turn an SQLite error met while reading a ledger into one plain sentence."""
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        return LedgerError(f"the ledger {path} is locked by another process (it holds an "
+                           f"exclusive lock; the allocator's WAL mode never does): {text}")
+    if "not a database" in text or "malformed" in text or "corrupt" in text:
+        return LedgerError(f"{path} is corrupt or not an SQLite file: {text}")
+    return LedgerError(f"cannot read the ledger {path}: {text}")
+
+
+# --------------------------------------------------------------------------- times
+
+
+def parse_time(text: str, *, now: float | None = None) -> float:
+    """Epoch seconds from ``"now"``, epoch seconds, or ISO 8601 (a time without offset is UTC).
+
+    >>> parse_time("2024-05-01")
+    1714521600.0
+    >>> parse_time("1714521600")
+    1714521600.0
+    """
+    value = text.strip()
+    if value.lower() == "now":
+        return datetime.now(UTC).timestamp() if now is None else now
+    try:
+        number = float(value)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(number):
+            raise ValueError(f"{text!r} is not a time")
+        return number
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError as exc:
+        raise ValueError(f"{text!r} is neither epoch seconds nor an ISO 8601 date/time") from exc
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def iso(epoch: float | None) -> str | None:
+    """An epoch time as ISO 8601 UTC, rounded to milliseconds (``2024-05-01T12:00:00.000Z``).
+
+    Rounded, not truncated; :func:`iso_sql` formats the exports the same way in SQL.
+    """
+    if epoch is None:
+        return None
+    # Half up, as SQLite's round() does (Python's round() goes to even on ties).
+    seconds, millis = divmod(math.floor(epoch * 1000 + 0.5), 1000)
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S") + f".{millis:03d}Z"
+
+
+# --------------------------------------------------------------------------- filters
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What an export or a usage report is restricted to.
+
+    ``since``/``until`` are epoch seconds (``until`` exclusive). ``model`` matches as a
+    case-insensitive substring of the canonical NVML name, so ``1070`` finds
+    ``NVIDIA GeForce GTX 1070``.
+    """
+
+    since: float | None = None
+    until: float | None = None
+    user: str | None = None
+    model: str | None = None
+    host: str | None = None
+
+    def model_matches(self, model: str | None) -> bool:
+        """Whether a model name passes the model filter."""
+        return self.model is None or (model is not None
+                                      and self.model.casefold() in model.casefold())
+
+
+class _Where:
+    """Builds a WHERE clause and its parameters one condition at a time."""
+
+    def __init__(self) -> None:
+        self.conditions: list[str] = []
+        self.params: list[Any] = []
+
+    def add(self, condition: str, *params: Any) -> None:
+        self.conditions.append(condition)
+        self.params.extend(params)
+
+    def sql(self) -> str:
+        return (" WHERE " + " AND ".join(self.conditions)) if self.conditions else ""
+
+
+def _like(text: str) -> str:
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+# --------------------------------------------------------------------------- exports
+
+
+@dataclass(frozen=True)
+class Column:
+    """One exported column: its name, and how a raw ledger value becomes the exported one."""
+
+    name: str
+    kind: Literal["text", "number", "time", "json", "bool"] = "text"
+
+
+LEASE_COLUMNS: tuple[Column, ...] = (
+    Column("lease_id"), Column("request_key"), Column("user"), Column("groups", "json"),
+    Column("state"), Column("host"), Column("gpu_uuids", "json"), Column("model"),
+    Column("shared", "bool"), Column("memory_mib", "number"), Column("units", "number"),
+    Column("priority", "number"), Column("created_at", "time"), Column("enqueued_at", "time"),
+    Column("granted_at", "time"), Column("bound_at", "time"), Column("releasing_at", "time"),
+    Column("released_at", "time"), Column("release_reason"), Column("released_by"),
+    Column("release_note"), Column("container_id"),
+)
+"""The lease export: everything but the raw request and the container environment."""
+
+EVENT_COLUMNS: tuple[Column, ...] = (
+    Column("id", "number"), Column("at", "time"), Column("kind"), Column("host"),
+    Column("lease_id"), Column("user"), Column("gpu_uuid"), Column("detail", "json"),
+)
+
+_GPU_KINDS: dict[str, Literal["time", "bool"]] = {
+    "first_seen": "time", "updated_at": "time",
+    "drained": "bool", "present": "bool", "mig_enabled": "bool",
+}
+"""The GPU columns whose SQLite type does not say what they mean (times are REAL, flags
+INTEGER)."""
+
+GPU_COLUMNS: tuple[Column, ...] = tuple(
+    Column(name, _GPU_KINDS.get(name)
+           or ("json" if name in JSON_COLUMNS["gpus"]
+               else "number" if kind in (int, float) else "text"))
+    for name, kind in COLUMNS["gpus"].items())
+"""The GPU export: every column of the ``gpus`` table (:data:`allocator.ledger.store.COLUMNS`), in
+the schema's order, so a new column is exported without being listed twice."""
+
+
+def usage_columns(by: UsageBy) -> tuple[Column, ...]:
+    """Columns of the usage export."""
+    return (Column(by), Column("model"), Column("gpu_hours", "number"),
+            Column("leases", "number"), Column("since", "time"), Column("until", "time"),
+            Column("idle_gpu_hours", "number"), Column("reclaimed", "number"),
+            Column("idle_released", "number"))
+
+
+def _lease_where(filters: Filters, *, holding_only: bool = False) -> _Where:
+    where = _Where()
+    if holding_only:
+        where.add("granted_at IS NOT NULL")
+    if filters.since is not None:
+        # A lease overlaps the period if it had not ended by its start.
+        where.add("(released_at IS NULL OR released_at >= ?)", filters.since)
+    if filters.until is not None:
+        where.add("created_at < ?", filters.until)
+    if filters.user is not None:
+        where.add("user = ?", filters.user)
+    if filters.host is not None:
+        where.add("host = ?", filters.host)
+    return where
+
+
+def iso_sql(column: str) -> str:
+    """SQL giving :func:`iso`'s text for an epoch column, to the same millisecond.
+
+    Whole milliseconds are computed once as an integer, as :func:`iso` does: SQLite's own
+    ``%f`` goes through Julian days and rounds differently in about 1 case of 60.
+    """
+    ms = f"CAST(round({column} * 1000) AS INTEGER)"
+    return (f"strftime('%Y-%m-%dT%H:%M:%S', {ms} / 1000, 'unixepoch')"
+            f" || printf('.%03dZ', {ms} % 1000)")
+
+
+def _select(columns: Sequence[Column], time_format: TimeFormat, alias: str = "") -> str:
+    """The select list; ISO times are formatted by SQLite, in C, not per cell in Python
+    (that was half the time of a million-row export)."""
+    parts = []
+    for column in columns:
+        name = f'{alias}"{column.name}"'
+        if column.kind == "time" and time_format == "iso":
+            parts.append(iso_sql(name))
+        else:
+            parts.append(name)
+    return ", ".join(parts)
+
+
+def _lease_query(filters: Filters, time_format: TimeFormat = "epoch") -> tuple[str, list[Any]]:
+    where = _lease_where(filters)
+    if filters.model is not None:
+        where.add("model LIKE ? ESCAPE '\\'", _like(filters.model))
+    columns = _select(LEASE_COLUMNS, time_format)
+    # created_at is indexed, so the ORDER BY walks the index instead of sorting millions of
+    # rows in a temporary b-tree: the export starts at once and stays in constant memory.
+    return f"SELECT {columns} FROM leases{where.sql()} ORDER BY created_at", where.params
+
+
+def _event_query(filters: Filters, time_format: TimeFormat = "epoch") -> tuple[str, list[Any]]:
+    where = _Where()
+    if filters.since is not None:
+        where.add("e.at >= ?", filters.since)
+    if filters.until is not None:
+        where.add("e.at < ?", filters.until)
+    if filters.user is not None:
+        where.add("e.user = ?", filters.user)
+    if filters.host is not None:
+        where.add("e.host = ?", filters.host)
+    joins = ""
+    if filters.model is not None:
+        # Events name a GPU, a lease, or both; either may carry the model.
+        joins = (" LEFT JOIN gpus g ON g.uuid = e.gpu_uuid"
+                 " LEFT JOIN leases l ON l.lease_id = e.lease_id")
+        where.add("COALESCE(g.model, l.model) LIKE ? ESCAPE '\\'", _like(filters.model))
+    columns = _select(EVENT_COLUMNS, time_format, "e.")
+    # (at, id) is the order of the index on "at" (id is the rowid): no sort needed.
+    return f"SELECT {columns} FROM events e{joins}{where.sql()} ORDER BY e.at, e.id", where.params
+
+
+def _gpu_query(filters: Filters, time_format: TimeFormat = "epoch") -> tuple[str, list[Any]]:
+    where = _Where()
+    if filters.host is not None:
+        where.add("host = ?", filters.host)
+    if filters.model is not None:
+        where.add("model LIKE ? ESCAPE '\\'", _like(filters.model))
+    columns = _select(GPU_COLUMNS, time_format)
+    return (f"SELECT {columns} FROM gpus{where.sql()} ORDER BY host, idx, "
+            "coalesce(mig_index, -1)", where.params)
+
+
+_QUERIES: dict[str, Callable[[Filters, TimeFormat], tuple[str, list[Any]]]] = {
+    "leases": _lease_query, "events": _event_query, "gpus": _gpu_query,
+}
+_COLUMNS: dict[str, tuple[Column, ...]] = {
+    "leases": LEASE_COLUMNS, "events": EVENT_COLUMNS, "gpus": GPU_COLUMNS,
+}
+
+
+@dataclass
+class Export:
+    """Columns and a stream of rows (tuples of exported values, in column order)."""
+
+    columns: tuple[Column, ...]
+    rows: Iterator[tuple[Any, ...]]
+
+    @property
+    def names(self) -> list[str]:
+        """The column names."""
+        return [column.name for column in self.columns]
+
+
+def convert_value(column: Column, value: Any, *, time_format: TimeFormat,
+                  decode_json: bool) -> Any:
+    """A raw ledger value as exported: times as ISO text (or epoch), JSON decoded or not."""
+    if value is None:
+        return None
+    if column.kind == "time":
+        return iso(value) if time_format == "iso" else value
+    if column.kind == "bool":
+        return bool(value)
+    if column.kind == "json" and decode_json:
+        try:
+            return json.loads(value)
+        except (TypeError, ValueError):
+            return value  # never lose a row over one odd cell
+    return value
+
+
+def _converter(columns: Sequence[Column], time_format: TimeFormat, decode_json: bool, *,
+               times_done: bool = False) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """A function converting one raw row; columns that need no conversion are passed through.
+
+    ``times_done``: the query already formatted the times (see :func:`_select`).
+    """
+    plans = [(i, c) for i, c in enumerate(columns)
+             if (c.kind == "time" and not times_done) or c.kind == "bool"
+             or (c.kind == "json" and decode_json)]
+    if not plans:
+        return lambda row: row
+
+    def convert(row: tuple[Any, ...]) -> tuple[Any, ...]:
+        values = list(row)
+        for index, column in plans:
+            values[index] = convert_value(column, values[index], time_format=time_format,
+                                          decode_json=decode_json)
+        return tuple(values)
+
+    return convert
+
+
+def export_rows(conn: sqlite3.Connection, kind: ExportKind, filters: Filters = Filters(), *,
+                time_format: TimeFormat = "iso", decode_json: bool = True,
+                usage_by: UsageBy = "user", now: float | None = None) -> Export:
+    """Stream one kind of record from the ledger.
+
+    ``leases`` are those that overlap ``since``/``until`` (ordered by creation), ``events``
+    those that happened in it, ``gpus`` every GPU ever seen (time filters do not apply) and
+    ``usage`` the GPU-hours of :func:`usage`. ``decode_json`` turns JSON columns (groups,
+    GPU lists, event details) into lists and objects, for JSON output; CSV keeps the text.
+    """
+    if kind == "usage":
+        rows = usage(conn, filters, by=usage_by, now=now)
+        since = filters.since
+        until = filters.until if filters.until is not None else now
+        columns = usage_columns(usage_by)
+        convert = _converter(columns, time_format, decode_json)
+        return Export(columns, (convert((r.key, r.model, round(r.gpu_hours, 6), r.leases,
+                                         since, until, round(r.idle_gpu_hours, 6), r.reclaimed,
+                                         r.idle_released)) for r in rows))
+    if kind not in _QUERIES:
+        raise ValueError(f"unknown export {kind!r}; choose one of {', '.join(EXPORT_KINDS)}")
+    sql, params = _QUERIES[kind](filters, time_format)
+    columns = _COLUMNS[kind]
+    convert = _converter(columns, time_format, decode_json, times_done=True)
+    cursor = conn.execute(sql, params)
+    cursor.arraysize = 1000
+    return Export(columns, (convert(row) for row in _fetch(cursor)))
+
+
+def _fetch(cursor: sqlite3.Cursor) -> Iterator[tuple[Any, ...]]:
+    """Rows from a cursor in chunks (fewer Python calls than one-by-one iteration)."""
+    while True:
+        chunk = cursor.fetchmany()
+        if not chunk:
+            return
+        yield from chunk
+
+
+def count_rows(conn: sqlite3.Connection, kind: ExportKind, filters: Filters = Filters()) -> int:
+    """How many rows :func:`export_rows` would stream (for a progress bar)."""
+    if kind == "usage":
+        return 0
+    sql, params = _QUERIES[kind](filters, "epoch")
+    body = sql.split(" FROM ", 1)[1].rsplit(" ORDER BY ", 1)[0]
+    return int(conn.execute(f"SELECT COUNT(*) FROM {body}", params).fetchone()[0])
+
+
+# --------------------------------------------------------------------------- usage
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """GPU-hours of one user (or group, or host) on one model."""
+
+    key: str
+    model: str
+    gpu_hours: float
+    leases: int
+    idle_gpu_hours: float = 0.0
+    """Of ``gpu_hours``, those its processes left the GPUs idle (see :func:`idle_share`)."""
+    reclaimed: int = 0
+    """Leases that ended in the period because they were reclaimed (borrowed)."""
+    idle_released: int = 0
+    """Leases that ended in the period because they were released as idle."""
+
+
+def idle_share(idle_gpu_s: float | None, idle_since: float | None, units: Fraction,
+               held_s: float, end: float) -> float:
+    """The share (0-1) of a lease's whole holding its GPUs were idle: its finished idle spells
+    (``idle_gpu_s``, GPU-seconds) and a spell still open at ``end`` (``idle_since``), over its
+    GPU-seconds held. The ledger keeps idle time per lease, not per spell, so a period that
+    clips a lease counts this share of the part inside it."""
+    if held_s <= 0 or units <= 0:
+        return 0.0
+    idle = float(idle_gpu_s or 0.0)
+    if idle_since is not None:
+        idle += float(units) * max(end - idle_since, 0.0)
+    return min(idle / (float(units) * held_s), 1.0)
+
+
+FAIRSHARE_COLUMNS = ("idle_gpu_s", "idle_since", "release_reason")
+"""Lease columns usage reads that a ledger older than schema 4 lacks (read as NULL)."""
+
+
+def _lease_columns_or_null(conn: sqlite3.Connection, names: Sequence[str]) -> str:
+    present = {row[1] for row in conn.execute("PRAGMA table_info(leases)")}
+    return ", ".join(name if name in present else f"NULL AS {name}" for name in names)
+
+
+def lease_units(units_num: int | None, units_den: int | None, gpu_count: int,
+                shared: bool) -> Fraction:
+    """How many GPUs a lease counts for: its GPU count, or its share of one GPU for a slice.
+
+    The ledger records the lease's quota units exactly (numerator/denominator); an old or
+    hand-written row without them falls back to the GPU count (exclusive) or one GPU.
+    """
+    if units_num and units_den:
+        return Fraction(int(units_num), int(units_den))
+    return Fraction(1) if shared or gpu_count == 0 else Fraction(gpu_count)
+
+
+def held_interval(granted_at: float, released_at: float | None, state: str,
+                  since: float | None, until: float) -> float:
+    """Seconds a lease held its GPUs within ``[since, until)``.
+
+    A lease holds from its grant to its release; one still holding counts up to ``until``.
+    A final lease without a release time (a damaged row) counts nothing rather than forever.
+    """
+    if released_at is None:
+        end = until if state in HOLDING_STATES else granted_at
+    else:
+        end = min(released_at, until)
+    start = granted_at if since is None else max(granted_at, since)
+    return max(end - start, 0.0)
+
+
+def usage(conn: sqlite3.Connection, filters: Filters = Filters(), *, by: UsageBy = "user",
+          now: float | None = None) -> list[UsageRow]:
+    """GPU-hours per ``by`` (user, group or host) and model over ``filters.since/until``.
+
+    An exclusive lease counts its GPUs times hours, a shared slice its share (1/slots) times hours.
+    Leases still running count up to ``until`` (default: ``now``); every lease is clipped to
+    the period. A lease of several models (``models=[...]``) splits its units over its GPUs by
+    each GPU's model. With ``by="group"`` a lease counts once for each of its user's groups,
+    so group totals may add up to more than the cluster's total.
+    """
+    now = datetime.now(UTC).timestamp() if now is None else now
+    until = filters.until if filters.until is not None else now
+    gpu_models = {uuid: model for uuid, model in conn.execute("SELECT uuid, model FROM gpus")}
+    where = _lease_where(Filters(since=filters.since, until=until, user=filters.user,
+                                 host=filters.host), holding_only=True)
+    where.add("granted_at < ?", until)
+    sql = ("SELECT user, groups, host, model, gpu_uuids, shared, units_num, units_den, state, "
+           f"granted_at, released_at, {_lease_columns_or_null(conn, FAIRSHARE_COLUMNS)} "
+           f"FROM leases{where.sql()}")
+    hours: dict[tuple[str, str], float] = {}
+    idle_hours: dict[tuple[str, str], float] = {}
+    counted: dict[tuple[str, str], int] = {}
+    ended_by: dict[tuple[str, str, str], int] = {}
+    cursor = conn.execute(sql, where.params)
+    cursor.arraysize = 1000
+    for (user, groups_json, host, lease_model, uuids_json, shared, num, den, state,
+         granted_at, released_at, idle_gpu_s, idle_since, reason) in _fetch(cursor):
+        seconds = held_interval(granted_at, released_at, state, filters.since, until)
+        if seconds <= 0:
+            continue
+        uuids = _json_list(uuids_json)
+        units = lease_units(num, den, len(uuids), bool(shared))
+        # The share is of the lease's whole holding (up to now for one still running).
+        idle = idle_share(idle_gpu_s, idle_since, units,
+                          held_interval(granted_at, released_at, state, None, now),
+                          now if released_at is None else released_at)
+        ended_here = (released_at is not None and released_at < until
+                      and reason in ("reclaimed", "idle"))
+        per_model: dict[str, Fraction] = {}
+        if lease_model or not uuids:
+            per_model[lease_model or "(unknown)"] = units
+        else:
+            for gpu_uuid in uuids:
+                model = gpu_models.get(gpu_uuid, "(unknown)")
+                per_model[model] = per_model.get(model, Fraction(0)) + units / len(uuids)
+        if by == "user":
+            keys = [user]
+        elif by == "host":
+            keys = [host or "(no host)"]
+        else:
+            keys = [str(g) for g in _json_list(groups_json)] or [NO_GROUP]
+        for model, share in per_model.items():
+            if not filters.model_matches(model):
+                continue
+            for key in keys:
+                held_h = float(share) * seconds / 3600
+                hours[key, model] = hours.get((key, model), 0.0) + held_h
+                idle_hours[key, model] = idle_hours.get((key, model), 0.0) + held_h * idle
+                counted[key, model] = counted.get((key, model), 0) + 1
+                if ended_here:
+                    ended_by[key, model, reason] = ended_by.get((key, model, reason), 0) + 1
+    return [UsageRow(key, model, hours[key, model], counted[key, model],
+                     idle_gpu_hours=idle_hours[key, model],
+                     reclaimed=ended_by.get((key, model, "reclaimed"), 0),
+                     idle_released=ended_by.get((key, model, "idle"), 0))
+            for key, model in sorted(hours)]
+
+
+def _json_list(text: str | None) -> list[Any]:
+    if not text:
+        return []
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    return value if isinstance(value, list) else []
+
+
+# --------------------------------------------------------------------------- status
+
+
+@dataclass(frozen=True)
+class SlotHolder:
+    """A lease holding (part of) a GPU."""
+
+    lease_id: str
+    user: str
+    state: str
+    shared: bool
+    memory_mib: int | None = None
+    over_budget_since: float | None = None
+    """A slice over its memory budget past the grace since then (live status only)."""
+    outside_grant: tuple[str, ...] = ()
+    """GPUs its container uses that it was not granted (live status only)."""
+
+
+@dataclass(frozen=True)
+class GPUProcessStatus:
+    """A process using a GPU, as its agent reported it (live status only)."""
+
+    pid: int
+    memory_used_mib: int | None
+    container_id: str | None
+    container_name: str
+    image: str
+    lease_id: str | None
+
+    def describe(self) -> str:
+        """``pid 42 in container stray (lab/x:1)``, ``pid 42 of lease abc12345``, ``pid 42 on
+        the host``."""
+        if self.container_id is None:
+            where = "on the host"
+        elif self.lease_id is not None:
+            where = f"of lease {self.lease_id[:8]}"
+        else:
+            where = f"in container {self.container_name or self.container_id[:12]}" + (
+                f" ({self.image})" if self.image else "")
+        return f"pid {self.pid} {where}"
+
+
+@dataclass
+class GPUStatus:
+    """One GPU as the status report shows it."""
+
+    uuid: str
+    host: str
+    index: int
+    model: str
+    memory_total_mib: int
+    memory_used_mib: int | None
+    utilization_pct: float | None
+    temperature_c: float | None
+    health: str
+    health_reasons: list[str]
+    drained: bool
+    share_slots: int
+    holders: list[SlotHolder] = field(default_factory=list)
+    process_state: str | None = None
+    """``draining``, ``stuck_process`` or ``outside_use`` (live status only: memory of the
+    running allocator, not in the ledger)."""
+    processes: list[GPUProcessStatus] | None = None
+    """The processes on it, newest report (live status only; None: not known)."""
+
+    @property
+    def state(self) -> str:
+        """``stuck_process``, ``outside_use``, ``held``, ``draining``, ``unhealthy``,
+        ``drained`` or ``free``, the first that applies (as the GPU-state metric orders
+        them)."""
+        if self.process_state in ("stuck_process", "outside_use"):
+            return self.process_state
+        if self.holders:
+            return "held"
+        if self.process_state == "draining":
+            return "draining"
+        if self.health != "healthy":
+            return "unhealthy"
+        return "drained" if self.drained else "free"
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """One node."""
+
+    host: str
+    up: bool
+    drained: bool
+    last_heartbeat: float | None
+    gpus: int
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """A request waiting for GPUs, in serving order."""
+
+    position: int
+    lease_id: str
+    user: str
+    request_key: str
+    models: list[str] | None
+    count: int | str
+    shared: bool
+    priority: int
+    enqueued_at: float | None
+    wait_until: float | None
+
+
+@dataclass
+class ClusterStatus:
+    """The cluster at a glance, from the ledger or from the live allocator."""
+
+    at: float
+    source: str
+    hosts: list[HostStatus]
+    gpus: list[GPUStatus]
+    queued: list[QueuedRequest]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (for ``gpu-ledger status --json``)."""
+        return {
+            "at": self.at, "source": self.source,
+            "hosts": [vars(h) for h in self.hosts],
+            "gpus": [{**{k: v for k, v in vars(g).items() if k not in ("holders", "processes")},
+                      "state": g.state, "holders": [vars(h) for h in g.holders],
+                      "processes": None if g.processes is None
+                      else [vars(p) for p in g.processes]}
+                     for g in self.gpus],
+            "queued": [vars(q) for q in self.queued],
+        }
+
+
+def ledger_status(conn: sqlite3.Connection, *, now: float,
+                  down_after_s: float = 15.0) -> ClusterStatus:
+    """The cluster as the ledger records it.
+
+    A node counts as up when its last recorded heartbeat is within ``down_after_s`` of
+    ``now`` (the running allocator writes each heartbeat's receipt time).
+    """
+    hosts = [
+        HostStatus(host=host, up=last is not None and now - last <= down_after_s,
+                   drained=bool(drained), last_heartbeat=last, gpus=int(count or 0))
+        for host, last, drained, count in conn.execute(
+            "SELECT n.host, n.last_heartbeat, n.drained, "
+            "(SELECT COUNT(*) FROM gpus g WHERE g.host = n.host AND g.present) "
+            "FROM nodes n ORDER BY n.host")
+    ]
+    holders: dict[str, list[SlotHolder]] = {}
+    marks = ", ".join("?" for _ in HOLDING_STATES)
+    for lease_id, user, state, shared, memory, uuids in conn.execute(
+            f"SELECT lease_id, user, state, shared, memory_mib, gpu_uuids FROM leases "
+            f"WHERE state IN ({marks}) ORDER BY created_at", HOLDING_STATES):
+        for gpu_uuid in _json_list(uuids):
+            holders.setdefault(str(gpu_uuid), []).append(
+                SlotHolder(lease_id, user, state, bool(shared), memory))
+    gpus = [
+        GPUStatus(uuid=row[0], host=row[1], index=row[2], model=row[3],
+                  memory_total_mib=row[4] or 0, memory_used_mib=row[5],
+                  utilization_pct=row[6], temperature_c=row[7], health=row[8] or "healthy",
+                  health_reasons=[str(r) for r in _json_list(row[9])], drained=bool(row[10]),
+                  share_slots=row[11] or 1, holders=holders.get(row[0], []))
+        for row in conn.execute(
+            "SELECT uuid, host, idx, model, memory_total_mib, memory_used_mib, utilization_pct,"
+            " temperature_c, health, health_reasons, drained, share_slots FROM gpus "
+            "WHERE present ORDER BY host, idx")
+    ]
+    queued_rows = list(conn.execute(
+        "SELECT lease_id, user, request_key, request, priority, enqueued_at, created_at, "
+        "wait_until FROM leases WHERE state = ?", (LeaseState.QUEUED.value,)))
+    queued_rows.sort(key=lambda r: queue_order_key(r[4] or 0, r[5] or r[6], r[0]))
+    queued = []
+    for position, (lease_id, user, key, request_json, priority, enqueued, _created,
+                   wait_until) in enumerate(queued_rows, start=1):
+        request = _json_object(request_json)
+        queued.append(QueuedRequest(
+            position=position, lease_id=lease_id, user=user, request_key=key,
+            models=_requested_models(request), count=request.get("count", 1),
+            shared=request.get("share") is not None, priority=priority or 0,
+            enqueued_at=enqueued, wait_until=wait_until))
+    return ClusterStatus(at=now, source="ledger", hosts=hosts, gpus=gpus, queued=queued)
+
+
+def live_status(inventory: InventoryReply, queue: Iterable[Lease]) -> ClusterStatus:
+    """The cluster as the running allocator reports it (inventory with leases, and queue)."""
+    leases = {lease.lease_id: lease for lease in inventory.leases or []}
+    hosts = [HostStatus(host=n.host, up=n.up, drained=n.drained,
+                        last_heartbeat=n.last_heartbeat, gpus=n.gpus) for n in inventory.nodes]
+    gpus = []
+    for g in inventory.gpus:
+        holders = []
+        for lease_id in g.holders:
+            lease = leases.get(lease_id)
+            holders.append(SlotHolder(
+                lease_id, lease.user if lease else "?", lease.state.value if lease else "?",
+                lease.shared if lease else False, lease.memory_mib if lease else None,
+                over_budget_since=lease.over_budget_since if lease else None,
+                outside_grant=tuple(lease.outside_grant) if lease else ()))
+        processes = None if g.processes is None else [
+            GPUProcessStatus(pid=p.pid, memory_used_mib=p.memory_used_mib,
+                             container_id=p.container_id, container_name=p.container_name,
+                             image=p.image, lease_id=p.lease_id) for p in g.processes]
+        gpus.append(GPUStatus(
+            uuid=g.uuid, host=g.host, index=g.index, model=g.model,
+            memory_total_mib=g.memory_total_mib, memory_used_mib=g.memory_used_mib,
+            utilization_pct=g.utilization_pct, temperature_c=g.temperature_c,
+            health=g.health.value, health_reasons=list(g.health_reasons), drained=g.drained,
+            share_slots=g.share_slots, holders=holders,
+            process_state=None if g.process_state is None else g.process_state.value,
+            processes=processes))
+    queued = []
+    for position, lease in enumerate(queue, start=1):
+        queued.append(QueuedRequest(
+            position=lease.queue_position or position, lease_id=lease.lease_id,
+            user=lease.user, request_key=lease.request_key, models=None, count="?",
+            shared=lease.shared, priority=0, enqueued_at=lease.created_at,
+            wait_until=lease.wait_until))
+    return ClusterStatus(at=inventory.at, source="live", hosts=hosts, gpus=gpus, queued=queued)
+
+
+def _json_object(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _requested_models(request: dict[str, Any]) -> list[str] | None:
+    if request.get("model"):
+        return [str(request["model"])]
+    models = request.get("models")
+    return [str(m) for m in models] if isinstance(models, list) else None

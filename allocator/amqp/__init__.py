@@ -1,0 +1,1 @@
+"""The broker: its addresses, the RPC client, and how names are declared."""

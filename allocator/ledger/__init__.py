@@ -1,0 +1,1 @@
+"""The ledger: its SQLite store, its rows, and its replicated log."""

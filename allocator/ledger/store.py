@@ -1,0 +1,1180 @@
+"""The ledger: SQLite in WAL mode, the allocator's durable record and decision log.
+
+One :class:`Ledger` owns one connection on one dedicated thread (sqlite connections are not
+thread-safe); every call goes through :meth:`Ledger.run`. Writes arrive as a
+:class:`Changes` batch and are committed in a single transaction, so a batch of requests
+costs one fsync. Nothing is answered "granted" before the batch holding it is committed.
+
+The schema is versioned with ``PRAGMA user_version`` and migrated forward at open, each
+migration in one transaction of its own; a ledger written by a newer release is refused rather
+than misread, and so is one whose pages are damaged (``PRAGMA quick_check``). An open ledger
+holds its lock file shared (:class:`LedgerLock`), so that ``gpu-ledger restore`` never
+replaces it under a running allocator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self, TypeVar
+
+import sqlite_utils
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.log_snapshot import STATE_TABLES, TRAIL_TABLES, Table, Tables, describe
+from allocator.placement.cluster import GPU, Node
+from allocator.wire.protocol import Health, LeaseState
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 7
+"""The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
+
+LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
+
+BOOKING_ALERT_KINDS = ("booking_short", "booking_whole")
+"""The events that tell the admin a booking became short of GPUs, or whole again
+(:mod:`allocator.engine.booking_alerts`); the newest of each booking is loaded at start."""
+
+
+class LedgerError(Exception):
+    """The ledger cannot be opened or written; the message says why in plain words."""
+
+
+def _on_read_only_filesystem(path: Path) -> bool:
+    """Whether the ledger's folder is on a filesystem that is read-only (mounted so, or
+    turned so by the kernel after a disk error): SQLite then says only "unable to open
+    database file" or "disk I/O error". Asked only after a failure."""
+    try:
+        if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+            return True
+        # ext4's emergency read-only state (errors=remount-ro) leaves the mount flags alone.
+        probe = path.parent / f".{path.name}.write-probe-{os.getpid()}"
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.errno == errno.EROFS
+    return False
+
+
+class LedgerUnwritable(LedgerError):
+    """The ledger's storage refused a write (the disk is full or read-only, an I/O error, a
+    lock held by another process): nothing of the write was done, and the same write may
+    work once the storage does. Not a sign that what was to be written is wrong."""
+
+
+_STORAGE_FAILURES = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR,
+                               sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN,
+                               sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,
+                               sqlite3.SQLITE_PROTOCOL, sqlite3.SQLITE_NOLFS})
+"""SQLite's primary result codes that are about the storage, not the data written."""
+
+
+def _write_failed(path: Path, exc: sqlite3.Error) -> LedgerError:
+    """What a failed write of the ledger at ``path`` raises: :class:`LedgerUnwritable` when
+    the storage refused it, :class:`LedgerError` otherwise (the data itself did not fit)."""
+    why = " (its filesystem is read-only)" if _on_read_only_filesystem(path) else ""
+    message = f"cannot write the ledger {path}: {exc}{why}"
+    code = getattr(exc, "sqlite_errorcode", None)
+    if why or (code is not None and code & 0xFF in _STORAGE_FAILURES):
+        return LedgerUnwritable(message)
+    return LedgerError(message)
+
+
+MIN_FREE_BYTES_TO_OPEN = 1 << 20
+"""Below this much free space on its filesystem a ledger is not opened: SQLite must write its
+write-ahead log index (``-shm``, memory-mapped) to open a WAL database at all, and on a full
+ext4 the mapped pages cannot be allocated, which kills the process with SIGBUS instead of
+failing with an error (reproduced on a filled 8 MiB filesystem)."""
+
+
+def _full_filesystem(path: Path) -> str | None:
+    """Why the ledger at ``path`` must not be opened for lack of space, or None."""
+    try:
+        stat = os.statvfs(path.parent)
+    except OSError:
+        return None  # not ours to judge here: the open says what is wrong
+    free = stat.f_bavail * stat.f_frsize
+    if free >= MIN_FREE_BYTES_TO_OPEN:
+        return None
+    return (f"cannot open the ledger {path}: its filesystem is full ({free} bytes free, "
+            f"{MIN_FREE_BYTES_TO_OPEN >> 20} MiB needed); free space there and start again")
+
+
+class LedgerChanged(LedgerError):
+    """Another process committed to the ledger since this one last looked (a takeover)."""
+
+
+class LedgerCorrupt(LedgerError):
+    """The ledger's file is damaged (SQLite's ``quick_check`` or a read found bad pages)."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(f"the ledger {path} is corrupt ({detail}): "
+                         f"{what_to_do_with_a_damaged_ledger(path)}")
+
+
+def what_to_do_with_a_damaged_ledger(path: Path) -> str:
+    """The two ways out, in words an admin can follow."""
+    return (f"restore it from a backup (gpu-ledger restore BACKUP --ledger {path}), or move it "
+            f"away with its -wal and -shm files so that the allocator starts afresh and "
+            f"rebuilds from the nodes' running containers (and the ledger log, if on)")
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite's error means damaged pages ("database disk image is malformed"), not
+    a busy, missing or foreign file."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return bool(code & 0xFF == sqlite3.SQLITE_CORRUPT)
+    return "malformed" in str(exc)
+
+
+class LedgerInUse(LedgerError):
+    """Another process holds the ledger's lock in a way that excludes this one."""
+
+
+LOCK_WAIT_S = 5.0
+"""How long an allocator waits at start for a restore that holds the ledger's lock."""
+
+
+class LedgerLock:
+    """An advisory lock beside the ledger (``<ledger>.lock``, ``flock``).
+
+    Every :class:`Ledger` holds it shared while open, so the allocator and a standby on the
+    same file never exclude each other; ``gpu-ledger restore`` takes it exclusive, so it
+    never replaces a ledger an allocator has open, and an allocator never opens one being
+    replaced. A lock file of its own, not SQLite's: SQLite's locks are POSIX record locks,
+    which a process loses on *every* descriptor of the file when it closes any one of them.
+    The kernel drops the lock with its process, so a crash never leaves it held.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @staticmethod
+    def path_of(ledger: Path) -> Path:
+        """The lock file of the ledger at ``ledger``."""
+        return ledger.with_name(ledger.name + ".lock")
+
+    @classmethod
+    def take(cls, ledger: Path, *, exclusive: bool, wait_s: float = 0.0) -> LedgerLock:
+        """The lock of ``ledger``, waiting up to ``wait_s``; :class:`LedgerInUse` if another
+        process holds it in a way that excludes this one, :class:`LedgerError` if the lock
+        file cannot be made."""
+        path = cls.path_of(ledger)
+        try:
+            # Read-only is enough for flock, so the lock file of one user (an admin's
+            # restore) never keeps another (the allocator's) out.
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                raise LedgerError(f"cannot open the ledger {ledger} for writing: its "
+                                  f"filesystem is read-only ({exc.strerror})") from exc
+            raise LedgerError(f"cannot open the ledger's lock file {path}: "
+                              f"{exc.strerror or exc}") from exc
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                return cls(path, fd)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    if exclusive:
+                        raise LedgerInUse(
+                            f"the ledger {ledger} is in use by a running allocator (it holds "
+                            f"{path.name}): stop it first") from None
+                    raise LedgerInUse(
+                        f"the ledger {ledger} is being restored (gpu-ledger restore holds "
+                        f"{path.name}); start the allocator once the restore is done"
+                    ) from None
+                time.sleep(0.05)
+            except OSError:
+                os.close(fd)
+                raise
+
+    def release(self) -> None:
+        """Let go of the lock (closing its descriptor)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# The columns each migration creates, written once: the migrations create them and
+# :data:`COLUMNS` (the current schema) is their union. A released migration's columns never
+# change; a new column is a new migration with a constant of its own.
+_NODES_V1: dict[str, type] = {
+    "host": str, "agent_id": str, "agent_user": str, "first_seen": float,
+    "last_heartbeat": float, "drained": int, "drain_reason": str, "drained_by": str,
+    "drained_at": float,
+}
+_GPUS_V1: dict[str, type] = {
+    "uuid": str, "host": str, "idx": int, "model": str, "memory_total_mib": int,
+    "memory_used_mib": int, "utilization_pct": float, "temperature_c": float,
+    "power_w": float, "health": str, "health_reasons": str, "drained": int,
+    "present": int, "share_slots": int, "first_seen": float, "updated_at": float,
+}
+_GPUS_V2: dict[str, type] = {
+    "compute_capability": str, "architecture": str, "mig_enabled": int, "mig_parent_uuid": str,
+    "mig_profile": str, "mig_index": int,
+}
+_LEASES_V1: dict[str, type] = {
+    "lease_id": str, "request_key": str, "user": str, "groups": str, "state": str,
+    "created_at": float, "request": str, "priority": int, "host": str,
+    "gpu_uuids": str, "model": str, "shared": int, "memory_mib": int, "units": float,
+    "units_num": int, "units_den": int, "env": str, "enqueued_at": float,
+    "wait_until": float, "granted_at": float, "bind_deadline": float, "bound_at": float,
+    "container_id": str, "releasing_at": float, "released_at": float,
+    "release_reason": str, "released_by": str, "release_note": str,
+}
+_LEASES_V4: dict[str, type] = {
+    "borrowed": int, "reclaim_at": float, "reclaim_reason": str, "reclaim_for": str,
+    "reclaim_stopped_at": float, "idle_since": float, "idle_gpu_s": float,
+}
+_LEASES_V6: dict[str, type] = {"owner": str}
+_HISTORY_V1: dict[str, type] = {
+    "id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str, "reason": str,
+    "by": str,
+}
+_EVENTS_V1: dict[str, type] = {
+    "id": int, "at": float, "kind": str, "host": str, "lease_id": str, "user": str,
+    "gpu_uuid": str, "detail": str,
+}
+_LOG_POSITION_V3: dict[str, type] = {
+    "id": int, "log_id": str, "log_offset": int, "entry_id": str, "epoch": int, "writer": str,
+}
+_LOG_POSITION_V5: dict[str, type] = {"snapshot_from": int, "bytes_since_snapshot": int}
+_BOOKINGS_V7: dict[str, type] = {
+    "name": str, "booking": str, "created_at": float, "created_by": str, "removed_at": float,
+    "removed_by": str,
+}
+
+COLUMNS: dict[str, dict[str, type]] = {
+    "nodes": _NODES_V1,
+    "gpus": {**_GPUS_V1, **_GPUS_V2},
+    "leases": {**_LEASES_V1, **_LEASES_V4, **_LEASES_V6},
+    "lease_history": _HISTORY_V1,
+    "events": _EVENTS_V1,
+    "log_position": {**_LOG_POSITION_V3, **_LOG_POSITION_V5},
+    "bookings": _BOOKINGS_V7,
+}
+"""Every table of the schema this code writes (:data:`SCHEMA_VERSION`), with its columns and
+their types in order of creation. No other table or column name ever reaches SQL: a change
+set naming another is refused (:class:`ChangeSet`)."""
+
+PRIMARY_KEYS = {"nodes": "host", "gpus": "uuid", "leases": "lease_id", "lease_history": "id",
+                "events": "id", "log_position": "id", "bookings": "name"}
+
+JSON_COLUMNS: dict[str, tuple[str, ...]] = {"leases": LEASE_JSON_COLUMNS,
+                                            "gpus": ("health_reasons",),
+                                            "bookings": ("booking",)}
+"""Text columns holding JSON: a change set carries their values as lists and objects."""
+
+
+_SQL_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL"}
+"""SQLite's column type for each Python type (sqlite-utils' mapping, which wrote the ledgers
+of earlier releases; 3.x wrote FLOAT for float, the same REAL affinity)."""
+
+MigrationHook = Callable[[int, str], None]
+
+migration_hook: MigrationHook | None = None
+"""Called after each statement a migration runs, with the statement's number (from 1, counted
+over the whole open) and its SQL, before the migration commits. None in production; the
+tests set it in a child process to end that process mid-migration (``os._exit``) and see
+that the ledger keeps its old schema whole."""
+
+
+def _run(db: sqlite_utils.Database, sql: str) -> None:
+    """One statement of a migration, on the connection as it is (never a commit of its own:
+    the transaction is :meth:`Ledger._migrate`'s)."""
+    db.conn.execute(sql)
+    _statement_done(sql)
+
+
+class _Progress(threading.local):
+    """Statements run by the migration under way on this thread (one per ledger thread)."""
+
+    statements = 0
+
+
+_progress = _Progress()
+
+
+def _statement_done(sql: str) -> None:
+    _progress.statements += 1
+    if migration_hook is not None:
+        migration_hook(_progress.statements, sql)
+
+
+def _create_table(db: sqlite_utils.Database, table: str, columns: dict[str, type],
+                  pk: str) -> None:
+    defs = ", ".join(f'"{name}" {_SQL_TYPES[kind]}' + (" PRIMARY KEY" if name == pk else "")
+                     for name, kind in columns.items())
+    _run(db, f'CREATE TABLE "{table}" ({defs})')
+
+
+def _create_index(db: sqlite_utils.Database, table: str, column: str) -> None:
+    # sqlite-utils' index name, so that ledgers of every release have the same indexes.
+    _run(db, f'CREATE INDEX "idx_{table}_{column}" ON "{table}" ("{column}")')
+
+
+def _add_columns(db: sqlite_utils.Database, table: str, columns: dict[str, type]) -> None:
+    for name, kind in columns.items():
+        _run(db, f'ALTER TABLE "{table}" ADD COLUMN "{name}" {_SQL_TYPES[kind]}')
+
+
+# Migrations are plain SQL on the connection, not sqlite-utils' create/add_column: those
+# commit by themselves outside a transaction (and 3.x always did), which left a ledger that
+# crashed mid-migration with some columns and its old user_version, so the next start failed
+# on "duplicate column". Each one runs in Ledger._migrate's BEGIN IMMEDIATE ... COMMIT.
+
+
+def _migrate_v1(db: sqlite_utils.Database) -> None:
+    """The first schema: nodes, GPUs, leases with history, and the event log."""
+    _create_table(db, "nodes", _NODES_V1, "host")
+    _create_table(db, "gpus", _GPUS_V1, "uuid")
+    _create_index(db, "gpus", "host")
+    _create_table(db, "leases", _LEASES_V1, "lease_id")
+    for column in ("state", "request_key", "user", "created_at"):
+        _create_index(db, "leases", column)
+    _create_table(db, "lease_history", _HISTORY_V1, "id")
+    _create_index(db, "lease_history", "lease_id")
+    _create_table(db, "events", _EVENTS_V1, "id")
+    _create_index(db, "events", "at")
+    _create_index(db, "events", "kind")
+
+
+def _migrate_v2(db: sqlite_utils.Database) -> None:
+    """MIG and compute capability per GPU, so a restarted allocator knows before the first
+    heartbeat that a GPU in MIG mode is no unit of its own."""
+    _add_columns(db, "gpus", _GPUS_V2)
+
+
+def _migrate_v3(db: sqlite_utils.Database) -> None:
+    """Where this ledger stands in the replicated log (see :mod:`allocator.ledger.replication`)."""
+    _create_table(db, "log_position", _LOG_POSITION_V3, "id")
+
+
+def _migrate_v4(db: sqlite_utils.Database) -> None:
+    """Fair share: borrowed leases, reclaim warnings (their deadlines survive a restart) and
+    idle accounting."""
+    _add_columns(db, "leases", _LEASES_V4)
+
+
+def _migrate_v5(db: sqlite_utils.Database) -> None:
+    """Where the newest snapshot of the replicated log is, and how much the log has grown
+    since (NULL: not known, as in a ledger that followed the log before snapshots)."""
+    _add_columns(db, "log_position", _LOG_POSITION_V5)
+
+
+def _migrate_v6(db: sqlite_utils.Database) -> None:
+    """Each lease's owner: the broker user whose request made it (NULL for every lease
+    made before: owner unknown, releasable by any broker user as before, so that an
+    upgrade strands no lease)."""
+    _add_columns(db, "leases", _LEASES_V6)
+
+
+def _migrate_v7(db: sqlite_utils.Database) -> None:
+    """Bookings (:mod:`allocator.bookings`): one row per booking name, the booking as the
+    JSON it was admitted as, who made it and when; a removed booking keeps its row with
+    ``removed_at`` and ``removed_by`` set (its history is in the events)."""
+    _create_table(db, "bookings", _BOOKINGS_V7, "name")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
+                                                             _migrate_v3, _migrate_v4,
+                                                             _migrate_v5, _migrate_v6,
+                                                             _migrate_v7]
+"""``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
+
+
+@dataclass(frozen=True)
+class LogPosition:
+    """The last entry of the replicated log this ledger applied (see
+    :mod:`allocator.ledger.replication`), and the writer the log obeyed after it."""
+
+    log_id: str
+    """Which log: set by the log's first entry; a ledger never applies another log."""
+    offset: int
+    """The stream offset of the last entry applied (or skipped as fenced)."""
+    entry_id: str
+    """That entry's own id, to recognise it when the log is read again."""
+    epoch: int
+    """The epoch of the newest accepted claim: only its writer's batches are applied."""
+    writer: str
+    """The allocator that made that claim."""
+    snapshot_from: int | None = None
+    """The offset of the as-of entry of the newest whole snapshot in the log, where a replica
+    that has to load it starts reading; None while the log has none."""
+    bytes_since_snapshot: int | None = None
+    """Bytes of the entries after that snapshot (after the log's start while it has none):
+    the writer takes the next one when they reach ``ledger_log_snapshot_bytes``; None: not
+    known (a ledger that followed the log before snapshots), and one is due."""
+
+
+@dataclass
+class Changes:
+    """Writes of one batch, committed together. Later writes of one row replace earlier ones."""
+
+    leases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gpus: dict[str, dict[str, Any]] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    bookings: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def lease(self, record: LeaseRecord) -> None:
+        """Write the lease's current row."""
+        self.leases[record.lease_id] = record.to_row()
+
+    def transition(
+        self, record: LeaseRecord, old: LeaseState | None, at: float, reason: str, by: str = ""
+    ) -> None:
+        """Write the lease and one line of its state history."""
+        self.lease(record)
+        self.history.append(
+            {"lease_id": record.lease_id, "at": at, "from_state": old.value if old else None,
+             "to_state": record.state.value, "reason": reason, "by": by}
+        )
+
+    def node(self, node: Node, *, agent_user: str | None = None, first_seen: float | None = None,
+             drain_reason: str | None = None, drained_by: str | None = None,
+             drained_at: float | None = None) -> None:
+        """Write a node's row."""
+        row = self.nodes.setdefault(node.host, {"host": node.host})
+        row.update(agent_id=node.agent_id, last_heartbeat=node.last_heartbeat,
+                   drained=int(node.drained))
+        for key, value in (("agent_user", agent_user), ("first_seen", first_seen),
+                           ("drain_reason", drain_reason), ("drained_by", drained_by),
+                           ("drained_at", drained_at)):
+            if value is not None:
+                row[key] = value
+
+    def gpu(self, gpu: GPU, at: float, *, first_seen: float | None = None) -> None:
+        """Write a GPU's row (identity, state and its latest telemetry)."""
+        row = {
+            "uuid": gpu.uuid, "host": gpu.host, "idx": gpu.index, "model": gpu.model,
+            "memory_total_mib": gpu.memory_total_mib, "memory_used_mib": gpu.memory_used_mib,
+            "utilization_pct": gpu.utilization_pct, "temperature_c": gpu.temperature_c,
+            "power_w": gpu.power_w, "health": gpu.health.value,
+            "health_reasons": list(gpu.health_reasons), "drained": int(gpu.drained),
+            "present": int(gpu.present), "share_slots": gpu.share_slots, "updated_at": at,
+            "compute_capability": gpu.compute_capability, "architecture": gpu.architecture,
+            "mig_enabled": int(gpu.mig_enabled), "mig_parent_uuid": gpu.mig_parent_uuid,
+            "mig_profile": gpu.mig_profile, "mig_index": gpu.mig_index,
+        }
+        if first_seen is not None:
+            row["first_seen"] = first_seen
+        self.gpus.setdefault(gpu.uuid, {}).update(row)
+
+    def event(self, at: float, kind: str, **detail: Any) -> None:
+        """Append to the event log. ``host``, ``lease_id``, ``user``, ``gpu_uuid`` get columns."""
+        row = {"at": at, "kind": kind}
+        for column in ("host", "lease_id", "user", "gpu_uuid"):
+            row[column] = detail.pop(column, None)
+        row["detail"] = json.dumps(detail, default=str) if detail else None
+        self.events.append(row)
+
+    def booking(self, row: BookingRow) -> None:
+        """Write a booking's row (added, or marked removed)."""
+        self.bookings[row.name] = {
+            "name": row.name, "booking": row.booking, "created_at": row.created_at,
+            "created_by": row.created_by, "removed_at": row.removed_at,
+            "removed_by": row.removed_by}
+
+    def __bool__(self) -> bool:
+        return bool(self.leases or self.nodes or self.gpus or self.history or self.events
+                    or self.bookings)
+
+    def to_json(self) -> dict[str, Any]:
+        """The batch as plain JSON (rows are JSON-able already), for the replicated log: a
+        lease's owner beside its row (:data:`LEASE_OWNERS`), never in it."""
+        leases, owners = [], {}
+        for row in self.leases.values():
+            if OWNER_COLUMN in row:
+                row = dict(row)
+                owner = row.pop(OWNER_COLUMN)
+                if owner is not None:  # an owner is set once, at the lease's making
+                    owners[row["lease_id"]] = owner
+            leases.append(row)
+        data: dict[str, Any] = {"leases": leases, "nodes": list(self.nodes.values()),
+                                "gpus": list(self.gpus.values()), "history": self.history,
+                                "events": self.events}
+        if owners:
+            data[LEASE_OWNERS] = owners
+        if self.bookings:  # a batch without bookings is written as before (0.2.0 reads it)
+            data["bookings"] = list(self.bookings.values())
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> Changes:
+        """The batch :meth:`to_json` made, checked against the schema (:class:`ChangeSet`);
+        :class:`BrokenChanges` if it is not one this ledger can write."""
+        return ChangeSet.parse(data).to_changes()
+
+
+OWNER_COLUMN = "owner"
+"""The lease column that travels beside the lease rows in the replicated log."""
+
+LEASE_OWNERS = "lease_owners"
+"""Where a lease's owner travels in the replicated log: beside the lease rows, not in them
+(a change set's ``lease_owners``, lease id -> owner; a snapshot's table of that name,
+columns ``lease_id`` and ``owner``). Release 0.1.0 writes every key of a lease row as a
+column, and a column its schema lacks stops it; it reads only the lists of a change set and
+the tables of a snapshot it knows. So a 0.1.0 replica follows a log this release writes,
+with no owner in its ledger (owner unknown: any hub may release, as in 0.1.0)."""
+
+
+class BrokenChanges(ValueError):
+    """A change set this ledger cannot write: a table or column its schema does not have, a
+    row without its key, or a value of the wrong type. Found before any SQL is run."""
+
+
+def _row_model(table: str, *, skip: tuple[str, ...] = ()) -> type[BaseModel]:
+    """A strict model of one row of ``table`` in a change set, made from :data:`COLUMNS`:
+    every column optional (a row may update some columns only) but its key, no other name."""
+    fields: dict[str, Any] = {}
+    for column, kind in COLUMNS[table].items():
+        if column in skip:
+            continue
+        value: Any
+        if column in JSON_COLUMNS.get(table, ()):
+            value = list[JsonValue] | dict[str, JsonValue]
+        elif kind is int:
+            value = bool | int  # booleans are stored as 0 and 1
+        else:
+            value = kind  # strict: a float column takes an int too, a text column a string
+        if column == PRIMARY_KEYS[table]:
+            fields[column] = (value, Field(min_length=1))
+        else:
+            fields[column] = (value | None, None)
+    return create_model(f"{table}_row", __config__=ConfigDict(strict=True, extra="forbid",
+                                                               frozen=True), **fields)
+
+
+_CHANGE_TABLES = {"leases": "leases", "nodes": "nodes", "gpus": "gpus",
+                  "history": "lease_history", "events": "events", "bookings": "bookings"}
+"""The lists of a change set and the tables they write."""
+
+_INSERTED = ("lease_history", "events")
+"""Tables a change set appends to: their rows get every column (row ids are each ledger's
+own, never written)."""
+
+_ROW_MODELS = {table: _row_model(table, skip=("id",) if table in _INSERTED
+                                  else (OWNER_COLUMN,) if table == "leases" else ())
+               for table in _CHANGE_TABLES.values()}
+
+
+class ChangeSet(BaseModel):
+    """A batch's writes as the replicated log carries them (:meth:`Changes.to_json`).
+
+    Row keys become SQL column names, so every row is checked against :data:`COLUMNS`
+    first: an unknown column is a broken entry, never SQL (a newer release's column too: a
+    replica that dropped it would hold another state than the writer). Fields of the change
+    set itself that this release does not know are ignored.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    leases: list[dict[str, Any]] = []
+    nodes: list[dict[str, Any]] = []
+    gpus: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    bookings: list[dict[str, Any]] = []
+    """Booking rows (0.3.0); a release before it ignores them and keeps no bookings."""
+    lease_owners: dict[Annotated[str, Field(min_length=1)],
+                       Annotated[str, Field(min_length=1)]] = {}
+    """Lease id -> its owner, for lease rows of this set (:data:`LEASE_OWNERS`); written
+    only when there is one."""
+
+    @field_validator("leases", "nodes", "gpus", "history", "events", "bookings")
+    @classmethod
+    def _rows_of_the_schema(cls, rows: list[dict[str, Any]],
+                            info: ValidationInfo) -> list[dict[str, Any]]:
+        table = _CHANGE_TABLES[str(info.field_name)]
+        model = _ROW_MODELS[table]
+        checked = []
+        for number, row in enumerate(rows):
+            try:
+                valid = model.model_validate(row)
+            except ValidationError as exc:
+                raise ValueError(f"row {number} of {table}: {describe(exc)}") from None
+            # An update writes the columns given; an appended row gets every column, so that
+            # each of the INSERT's named parameters is bound.
+            checked.append(valid.model_dump(exclude_unset=table not in _INSERTED))
+        return checked
+
+    @model_validator(mode="after")
+    def _owners_of_leases_written(self) -> Self:
+        written = {row["lease_id"] for row in self.leases}
+        stray = sorted(set(self.lease_owners) - written)
+        if stray:  # an owner alone would make a lease row of nothing but its owner
+            raise ValueError(f"lease_owners names leases the change set does not write: "
+                             f"{', '.join(stray[:5])}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _owners_only_when_any(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = write(self)
+        if not self.lease_owners:
+            data.pop(LEASE_OWNERS, None)  # a batch without owners is written as before
+        if not self.bookings:
+            data.pop("bookings", None)
+        return data
+
+    @classmethod
+    def parse(cls, data: object) -> ChangeSet:
+        """The change set in ``data`` (plain JSON); :class:`BrokenChanges` if it is none."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise BrokenChanges(f"a broken change set: {describe(exc)}") from None
+
+    @classmethod
+    def of(cls, changes: Changes) -> ChangeSet:
+        """``changes`` checked as every replica will check them."""
+        return cls.parse(changes.to_json())
+
+    def to_changes(self) -> Changes:
+        """The batch to commit."""
+        owners = self.lease_owners
+        return Changes(leases={row["lease_id"]: ({**row, OWNER_COLUMN: owners[row["lease_id"]]}
+                                                 if row["lease_id"] in owners else row)
+                               for row in self.leases},
+                       nodes={row["host"]: row for row in self.nodes},
+                       gpus={row["uuid"]: row for row in self.gpus},
+                       history=list(self.history), events=list(self.events),
+                       bookings={row["name"]: row for row in self.bookings})
+
+
+@dataclass
+class LoadedState:
+    """What the allocator reads at start: every node and GPU, and the leases not yet final."""
+
+    nodes: list[Node]
+    gpus: list[GPU]
+    leases: list[LeaseRecord]
+    agent_users: dict[str, str]
+    finished: list[LeaseRecord] = field(default_factory=list)
+    """The newest final leases (oldest first), so that a container of a lease finished before
+    a restart is still known as a zombie, not adopted as a lease the ledger forgot."""
+    bookings: list[BookingRow] = field(default_factory=list)
+    """The bookings not removed, in the order they were admitted."""
+    booking_alerts: dict[str, str] = field(default_factory=dict)
+    """Booking name -> the kind of the newest of its events among
+    :data:`BOOKING_ALERT_KINDS` (bookings not removed that have one): what the admin was
+    last told of it, so that a restart does not tell it again."""
+
+
+@dataclass(frozen=True)
+class BookingRow:
+    """A booking as the ledger keeps it: its JSON as admitted (read back by
+    :func:`allocator.bookings.booking.read_booking`, outside the ledger), who made it, when,
+    and, once removed, who removed it and when."""
+
+    name: str
+    booking: dict[str, Any]
+    created_at: float
+    created_by: str
+    removed_at: float | None = None
+    removed_by: str | None = None
+
+
+def _insert_sql(table: str) -> str:
+    columns = [column for column in COLUMNS[table] if column != "id"]
+    names = ", ".join(f'"{column}"' for column in columns)
+    marks = ", ".join(f":{column}" for column in columns)
+    return f'INSERT INTO "{table}" ({names}) VALUES ({marks})'
+
+
+_INSERT_SQL = {table: _insert_sql(table) for table in _INSERTED}
+"""Appending a row of the lease history or the events: every column but the row id."""
+
+
+def _upsert_sql(table: str, columns: list[str], pk: str) -> str:
+    cols = ", ".join(f'"{c}"' for c in columns)
+    marks = ", ".join("?" for _ in columns)
+    updates = ", ".join(f'"{c}" = excluded."{c}"' for c in columns if c != pk)
+    return (f'INSERT INTO "{table}" ({cols}) VALUES ({marks}) '
+            f'ON CONFLICT("{pk}") DO UPDATE SET {updates}')
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return value
+
+
+class Ledger:
+    """The SQLite ledger, owned by one writer thread."""
+
+    def __init__(self, path: str | Path, *, synchronous: Literal["full", "normal"] = "full"):
+        self.path = Path(path)
+        self._synchronous = "normal" if synchronous == "normal" else "full"
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._db: sqlite_utils.Database | None = None
+        self._thread: threading.Thread | None = None
+        self._lock: LedgerLock | None = None
+
+    # -- threading -------------------------------------------------------------------------
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the ledger's thread and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the ledger's thread and block for its result (for CLIs and tests)."""
+        return self._executor.submit(fn).result()
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """The connection; only valid on the ledger's thread."""
+        if self._db is None:
+            raise LedgerError("the ledger is not open")
+        if threading.current_thread() is not self._thread:
+            raise LedgerError("the ledger connection may only be used on its own thread")
+        return self._db
+
+    # -- open / close ----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open for writing, creating and migrating as needed (read-only readers use
+        :func:`allocator.admin.reports.open_readonly`). Runs on the ledger thread."""
+        self.call(self._open)
+
+    def _open(self) -> None:
+        self._thread = threading.current_thread()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Shared: the allocator and a standby on the same file may both hold it; only
+        # `gpu-ledger restore` takes it exclusively, so it never replaces a ledger in use.
+        self._lock = LedgerLock.take(self.path, exclusive=False, wait_s=LOCK_WAIT_S)
+        try:
+            full = _full_filesystem(self.path)
+            if full is not None:
+                raise LedgerUnwritable(full)
+            self._db = self._connect_and_migrate()
+        except BaseException:
+            self._lock.release()
+            self._lock = None
+            raise
+
+    def _connect_and_migrate(self) -> sqlite_utils.Database:
+        try:
+            conn = sqlite3.connect(str(self.path), check_same_thread=True)
+        except sqlite3.DatabaseError as exc:
+            raise self._unreadable(exc) from exc
+        try:
+            conn.execute("PRAGMA busy_timeout = 5000")
+            db = sqlite_utils.Database(conn)
+            try:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                tables = set(db.table_names())
+            except sqlite3.DatabaseError as exc:
+                raise self._unreadable(exc) from exc
+            if version > SCHEMA_VERSION:
+                raise LedgerError(
+                    f"{self.path} has schema version {version}, newer than this release "
+                    f"understands ({SCHEMA_VERSION}); upgrade swarm-gpu"
+                )
+            if version == 0 and tables:
+                raise LedgerError(f"{self.path} is an SQLite file but not a swarm-gpu ledger")
+            if tables:
+                self._quick_check(conn)
+            try:
+                # WAL: readers (the CLI, backups) never block the writer, and a commit is
+                # one sequential append. synchronous=FULL (the default) because a granted
+                # lease must survive a crash of the machine, not only of the process; see
+                # AllocatorSettings.
+                db.execute("PRAGMA journal_mode = WAL")
+                db.execute(f"PRAGMA synchronous = {self._synchronous.upper()}")
+            except sqlite3.DatabaseError as exc:
+                raise self._unreadable(exc) from exc
+            if version < SCHEMA_VERSION:
+                self._migrate(conn, db)
+        except BaseException:
+            conn.close()
+            raise
+        return db
+
+    def _unreadable(self, exc: sqlite3.DatabaseError) -> LedgerError:
+        if _on_read_only_filesystem(self.path):
+            return LedgerError(f"cannot open the ledger {self.path} for writing: its "
+                               f"filesystem is read-only ({exc})")
+        if _is_corruption(exc):
+            return LedgerCorrupt(self.path, str(exc))
+        if "locked" in str(exc) or "busy" in str(exc):
+            return LedgerError(f"the ledger {self.path} is locked by another process: {exc}")
+        return LedgerError(f"{self.path} is not a readable ledger: {exc}; if it was one, it "
+                           f"is damaged: {what_to_do_with_a_damaged_ledger(self.path)}")
+
+    def _quick_check(self, conn: sqlite3.Connection) -> None:
+        """Refuse a ledger whose pages are damaged before anything is read or migrated.
+
+        ``quick_check`` reads every page and checks its structure (not index contents
+        against tables, which ``integrity_check`` does at several times the cost); a
+        damaged page found here is better than a half-loaded engine or a migration
+        failing on it. Its cost at open is measured in ``bench/ledger_open.py``.
+        """
+        try:
+            problems = [str(row[0]) for row in conn.execute("PRAGMA quick_check(5)")]
+        except sqlite3.DatabaseError as exc:
+            if not _is_corruption(exc):
+                raise self._unreadable(exc) from exc
+            problems = [str(exc)]
+        if problems != ["ok"]:
+            raise LedgerCorrupt(self.path, "; ".join(problems))
+
+    def _migrate(self, conn: sqlite3.Connection, db: sqlite_utils.Database) -> None:
+        """Take the ledger to :data:`SCHEMA_VERSION`, one migration per transaction.
+
+        Each migration's DDL and its ``user_version`` run in one explicit ``BEGIN
+        IMMEDIATE ... COMMIT``: SQLite's DDL is transactional, but Python's sqlite3 (in its
+        default isolation handling) begins transactions only before DML, so DDL inside
+        ``with conn:`` committed statement by statement. With ``isolation_level = None`` the
+        module issues no BEGIN or COMMIT of its own and the transaction is exactly ours
+        (``tests/test_ledger_migrations.py`` checks both). A crash mid-migration leaves the
+        previous schema whole. The version is read again inside each transaction: a standby
+        sharing the file may have migrated it meanwhile.
+        """
+        _progress.statements = 0
+        saved = conn.isolation_level
+        conn.isolation_level = None
+        try:
+            while True:
+                version = 0
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+                    if version >= SCHEMA_VERSION:
+                        conn.execute("COMMIT")
+                        return
+                    MIGRATIONS[version](db)
+                    # PRAGMA user_version is written in the database header, inside the
+                    # same transaction as the DDL.
+                    conn.execute(f"PRAGMA user_version = {version + 1}")
+                    _statement_done(f"PRAGMA user_version = {version + 1}")
+                    conn.execute("COMMIT")
+                except sqlite3.Error as exc:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise self._migration_failed(version, exc) from exc
+        finally:
+            conn.isolation_level = saved
+
+    def _migration_failed(self, version: int, exc: sqlite3.Error) -> LedgerError:
+        if _on_read_only_filesystem(self.path):
+            return LedgerError(f"cannot migrate the ledger {self.path}: its filesystem is "
+                               f"read-only ({exc})")
+        if isinstance(exc, sqlite3.DatabaseError) and _is_corruption(exc):
+            return LedgerCorrupt(self.path, str(exc))
+        hint = ""
+        if "duplicate column" in str(exc) or "already exists" in str(exc):
+            hint = (" (a release before 0.2.0 that stopped mid-migration leaves a ledger "
+                    "so)")
+        return LedgerError(
+            f"cannot migrate the ledger {self.path} from schema {version} to {version + 1}: "
+            f"{exc}{hint}; nothing of it was written, the ledger is still at schema "
+            f"{version}: restore a backup (gpu-ledger restore BACKUP --ledger {self.path}) "
+            f"or move the ledger away to rebuild from the nodes")
+
+    def close(self) -> None:
+        """Close the connection and stop the thread."""
+        def _close() -> None:
+            if self._db is not None:
+                self._db.conn.close()
+                self._db = None
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+        try:
+            self.call(_close)
+        finally:
+            self._executor.shutdown(wait=True)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def data_version(self) -> int:
+        """SQLite's data_version: changes when *another* connection commits (ledger thread)."""
+        return int(self.db.execute("PRAGMA data_version").fetchone()[0])
+
+    def commit(self, changes: Changes, *, expect_version: int | None = None,
+               position: LogPosition | None = None) -> None:
+        """Write one batch in one transaction (on the ledger thread).
+
+        With ``expect_version``, first check that no other process wrote since then, and
+        raise :class:`LedgerChanged` (writing nothing) if one did: an allocator that was a
+        standby must not write decisions made on a stale picture. With ``position``, record
+        in the same transaction that the batch is the log entry at that position.
+        """
+        if expect_version is not None and self.data_version() != expect_version:
+            raise LedgerChanged(f"{self.path} was written by another process")
+        if not changes and position is None:
+            return
+        conn = self.db.conn
+        try:
+            with conn:
+                if position is not None:
+                    self._write_position(conn, position)
+                self._write_rows(conn, "nodes", "host", list(changes.nodes.values()))
+                self._write_rows(conn, "gpus", "uuid", list(changes.gpus.values()))
+                self._write_rows(conn, "leases", "lease_id", list(changes.leases.values()))
+                self._write_rows(conn, "bookings", "name", list(changes.bookings.values()))
+                if changes.history:
+                    conn.executemany(_INSERT_SQL["lease_history"], changes.history)
+                if changes.events:
+                    conn.executemany(_INSERT_SQL["events"], changes.events)
+        except sqlite3.Error as exc:
+            raise _write_failed(self.path, exc) from exc
+
+    @staticmethod
+    def _write_position(conn: sqlite3.Connection, position: LogPosition) -> None:
+        conn.execute(
+            "INSERT OR REPLACE INTO log_position (id, log_id, log_offset, entry_id, epoch, "
+            "writer, snapshot_from, bytes_since_snapshot) VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+            (position.log_id, position.offset, position.entry_id, position.epoch,
+             position.writer, position.snapshot_from, position.bytes_since_snapshot))
+
+    def load_snapshot(self, tables: Tables, position: LogPosition, *,
+                      loaded_at: float | None = None) -> None:
+        """Make the ledger's state the snapshot's, in one transaction with its position (on
+        the ledger thread).
+
+        Every node, GPU and lease row is replaced by the snapshot's, with the leases' owners
+        from its table :data:`LEASE_OWNERS` (none in a snapshot of 0.1.0). The audit trail
+        is kept and gets the snapshot's trail tables if it carries them (a log seeded from a ledger
+        with data); without them and with ``loaded_at``, one event ``log_snapshot_loaded``
+        says from where on this ledger's trail is whole.
+        """
+        conn = self.db.conn
+        try:
+            with conn:
+                for name in STATE_TABLES:
+                    conn.execute(f'DELETE FROM "{name}"')
+                for name in (*STATE_TABLES, *TRAIL_TABLES):
+                    table = tables.get(name)
+                    if table is None or not table.rows:
+                        continue
+                    known = {r[1] for r in conn.execute(f'PRAGMA table_info("{name}")')}
+                    if name in TRAIL_TABLES:
+                        known.discard("id")  # row ids are each ledger's own
+                    unknown = set(table.columns) - known
+                    if unknown:
+                        raise LedgerError(
+                            f"the snapshot's table {name} has columns this ledger does not "
+                            f"have: {', '.join(sorted(unknown))} (written by a newer release?)")
+                    names = ", ".join(f'"{c}"' for c in table.columns)
+                    marks = ", ".join("?" for _ in table.columns)
+                    conn.executemany(f'INSERT INTO "{name}" ({names}) VALUES ({marks})',
+                                     table.rows)
+                owners = tables.get(LEASE_OWNERS)
+                if owners is not None and owners.rows:
+                    if owners.columns != ["lease_id", OWNER_COLUMN]:
+                        raise LedgerError(f"the snapshot's table {LEASE_OWNERS} has the "
+                                          f"columns {owners.columns}, not lease_id and owner")
+                    conn.executemany('UPDATE leases SET "owner" = ? WHERE lease_id = ?',
+                                     [(owner, lease_id) for lease_id, owner in owners.rows])
+                if loaded_at is not None and not any(t in tables for t in TRAIL_TABLES):
+                    conn.execute(
+                        "INSERT INTO events (at, kind, detail) VALUES (?, ?, ?)",
+                        (loaded_at, "log_snapshot_loaded", json.dumps(
+                            {"log_id": position.log_id, "log_offset": position.offset,
+                             "as_of_offset": position.snapshot_from,
+                             "why": "lease history and events before this are not in this "
+                                    "ledger: a snapshot carries state, not the trail"})))
+                self._write_position(conn, position)
+        except sqlite3.Error as exc:
+            raise _write_failed(self.path, exc) from exc
+
+    @staticmethod
+    def _write_rows(conn: sqlite3.Connection, table: str, pk: str,
+                    rows: list[dict[str, Any]]) -> None:
+        # Rows of one table may carry different column sets (a partial node update): group them.
+        # Not sqlite-utils' upsert_all: it reads the table's schema on every call, which made
+        # one allocate's commit 2.5x (fsync per commit) to 2.9x (no fsync) slower, measured.
+        by_columns: dict[tuple[str, ...], list[list[Any]]] = {}
+        for row in rows:
+            columns = tuple(row)
+            by_columns.setdefault(columns, []).append([_encode(row[c]) for c in columns])
+        for columns, values in by_columns.items():
+            unknown = set(columns) - COLUMNS[table].keys()
+            if unknown:  # never SQL: the log's rows are checked already, this guards the rest
+                raise BrokenChanges(f"{table} has no column {', '.join(sorted(unknown))}")
+            conn.executemany(_upsert_sql(table, list(columns), pk), values)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def load(self, finished_limit: int = 10_000) -> LoadedState:
+        """Everything the allocator needs in memory (on the ledger thread), with the newest
+        ``finished_limit`` final leases."""
+        # Plain cursors, not sqlite-utils' row dicts: at 5,000 hosts (40,000 GPU rows) the
+        # dicts and a json.loads per GPU were most of a cold start's load time (measured).
+        conn = self.db.conn
+        nodes: dict[str, Node] = {}
+        agent_users: dict[str, str] = {}
+        for host, last_heartbeat, drained, agent_id, agent_user in conn.execute(
+                "SELECT host, last_heartbeat, drained, agent_id, agent_user FROM nodes"):
+            nodes[host] = Node(host=host, last_heartbeat=last_heartbeat, drained=bool(drained),
+                               agent_id=agent_id)
+            if agent_user:
+                agent_users[host] = agent_user
+        gpus = []
+        health_of = {health.value: health for health in Health}
+        for (uuid, host, idx, model, memory_total_mib, share_slots, health, health_reasons,
+             drained, present, memory_used_mib, utilization_pct, temperature_c, power_w,
+             compute_capability, architecture, mig_enabled, mig_parent_uuid, mig_profile,
+             mig_index) in conn.execute(
+                "SELECT uuid, host, idx, model, memory_total_mib, share_slots, health, "
+                "health_reasons, drained, present, memory_used_mib, utilization_pct, "
+                "temperature_c, power_w, compute_capability, architecture, mig_enabled, "
+                "mig_parent_uuid, mig_profile, mig_index FROM gpus "
+                "ORDER BY host, idx, coalesce(mig_index, -1)"):
+            gpu = GPU(
+                uuid=uuid, host=host, index=idx, model=model, memory_total_mib=memory_total_mib,
+                share_slots=share_slots or 1,
+                health=(health_of.get(health) or Health(health)) if health else Health.HEALTHY,
+                health_reasons=(json.loads(health_reasons)
+                                if health_reasons and health_reasons != "[]" else []),
+                drained=bool(drained), present=bool(present),
+                memory_used_mib=memory_used_mib or 0, utilization_pct=utilization_pct,
+                temperature_c=temperature_c, power_w=power_w,
+                compute_capability=compute_capability, architecture=architecture,
+                mig_enabled=bool(mig_enabled), mig_parent_uuid=mig_parent_uuid,
+                mig_profile=mig_profile, mig_index=mig_index,
+            )
+            gpus.append(gpu)
+            owner = nodes.get(host)
+            if owner is not None:
+                owner.gpu_uuids.append(uuid)
+        active = [s.value for s in LeaseState if not s.final]
+        leases = [LeaseRecord.from_row(self._decode_lease(row)) for row in self._lease_rows(
+            f"state IN ({', '.join('?' for _ in active)}) ORDER BY created_at", active)]
+        final = [s.value for s in LeaseState if s.final]
+        finished = [LeaseRecord.from_row(self._decode_lease(row)) for row in self._lease_rows(
+            f"state IN ({', '.join('?' for _ in final)}) ORDER BY created_at DESC LIMIT ?",
+            [*final, finished_limit])]
+        finished.reverse()
+        bookings = self.bookings()
+        return LoadedState(list(nodes.values()), gpus, leases, agent_users, finished,
+                           bookings, self.booking_alerts(bookings) if bookings else {})
+
+    def booking_alerts(self, bookings: Sequence[BookingRow]) -> dict[str, str]:
+        """Booking name -> the kind of its newest event among :data:`BOOKING_ALERT_KINDS`
+        since its ``booking_added`` (a booking of the same name removed before says nothing of
+        it), for ``bookings`` (on the ledger thread). Those events are few (one per booking
+        and per change of state), and the events' ``kind`` index finds them."""
+        held = {row.name for row in bookings}
+        kinds = ("booking_added", *BOOKING_ALERT_KINDS)
+        newest: dict[str, str] = {}
+        for kind, detail in self.db.conn.execute(
+                f"SELECT kind, detail FROM events WHERE kind IN ({', '.join('?' for _ in kinds)})"
+                " ORDER BY id", kinds):
+            name = json.loads(detail or "{}").get("booking")
+            if name not in held:
+                continue
+            if kind == "booking_added":
+                newest.pop(name, None)
+            else:
+                newest[name] = kind
+        return newest
+
+    def bookings(self) -> list[BookingRow]:
+        """The bookings not removed, oldest first: the order they were admitted in (on the
+        ledger thread)."""
+        return [BookingRow(name, json.loads(booking), created_at, created_by)
+                for name, booking, created_at, created_by in self.db.conn.execute(
+                    "SELECT name, booking, created_at, created_by FROM bookings "
+                    "WHERE removed_at IS NULL ORDER BY created_at, name")]
+
+    def _lease_rows(self, where: str, params: Sequence[Any]) -> Iterator[dict[str, Any]]:
+        """Lease rows as dicts (column name -> value), ``where`` with its ``ORDER BY``."""
+        cursor = self.db.conn.execute(f"SELECT * FROM leases WHERE {where}", params)
+        columns = [column[0] for column in cursor.description]
+        for values in cursor:
+            yield dict(zip(columns, values, strict=True))
+
+    def log_position(self) -> LogPosition | None:
+        """Where this ledger stands in the replicated log; None if it never applied one."""
+        row = self.db.execute("SELECT log_id, log_offset, entry_id, epoch, writer, "
+                              "snapshot_from, bytes_since_snapshot "
+                              "FROM log_position WHERE id = 1").fetchone()
+        return LogPosition(*row) if row is not None else None
+
+    def is_empty(self) -> bool:
+        """No node, GPU, lease or booking: nothing a log would have to start from."""
+        return not any(self.db.execute(f'SELECT 1 FROM "{table}" LIMIT 1').fetchone()
+                       for table in ("nodes", "gpus", "leases", "bookings"))
+
+    def snapshot_tables(self, *, trail: bool) -> tuple[LogPosition | None, Tables]:
+        """The ledger's tables as stored (JSON columns stay text; the leases' owners in a
+        table beside them, :data:`LEASE_OWNERS`), and its position, read in one go on the
+        ledger thread, so the tables are the state at that position: a snapshot for the
+        replicated log. With ``trail``, the lease history and events too (without
+        their row ids, which are each ledger's own)."""
+        tables: Tables = {}
+        for name in (*STATE_TABLES, *(TRAIL_TABLES if trail else ())):
+            order = " ORDER BY id" if name in TRAIL_TABLES else ""
+            cursor = self.db.conn.execute(f'SELECT * FROM "{name}"{order}')
+            columns = [d[0] for d in cursor.description]
+            rows = [list(row) for row in cursor]
+            if name in TRAIL_TABLES:
+                keep = [i for i, column in enumerate(columns) if column != "id"]
+                rows = [[row[i] for i in keep] for row in rows]
+                columns = [columns[i] for i in keep]
+            owners = None
+            if name == "leases":
+                # The owners beside the leases (LEASE_OWNERS), so that 0.1.0 loads it.
+                at, key = columns.index(OWNER_COLUMN), columns.index("lease_id")
+                owners = Table(["lease_id", OWNER_COLUMN],
+                               [[row[key], row[at]] for row in rows if row[at] is not None])
+                rows = [row[:at] + row[at + 1:] for row in rows]
+                columns = columns[:at] + columns[at + 1:]
+            tables[name] = Table(columns, rows)
+            if owners is not None:
+                tables[LEASE_OWNERS] = owners
+        return self.log_position(), tables
+
+    def find_lease(self, lease_id: str) -> LeaseRecord | None:
+        """A lease by id, final ones included (on the ledger thread)."""
+        rows = list(self.db["leases"].rows_where("lease_id = ?", [lease_id]))
+        return LeaseRecord.from_row(self._decode_lease(rows[0])) if rows else None
+
+    def latest_lease_for_key(self, request_key: str) -> LeaseRecord | None:
+        """The newest lease of a request key, final ones included (on the ledger thread)."""
+        rows = list(self.db["leases"].rows_where(
+            "request_key = ?", [request_key], order_by="created_at desc", limit=1))
+        return LeaseRecord.from_row(self._decode_lease(rows[0])) if rows else None
+
+    @staticmethod
+    def _decode_lease(row: dict[str, Any]) -> dict[str, Any]:
+        decoded = dict(row)
+        for column in LEASE_JSON_COLUMNS:
+            if decoded.get(column):
+                decoded[column] = json.loads(decoded[column])
+        return decoded

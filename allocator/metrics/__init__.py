@@ -1,0 +1,1 @@
+"""Metrics: the allocator's counters, their export, and the HTTP endpoint."""

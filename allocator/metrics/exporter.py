@@ -1,0 +1,552 @@
+"""Prometheus metrics of the allocator, on a port of their own.
+
+Two parts, so that the request path pays (almost) nothing:
+
+- :meth:`AllocatorMetrics.observe_request` records one request's latency in a histogram: the
+  only call the service makes per request (a dictionary lookup and an add under a lock).
+- :class:`AllocatorCollector` computes everything else *at scrape time* from what the engine
+  and the service already keep (their :class:`~allocator.metrics.counters.Counters`, the cluster,
+  the leases). The reading (:class:`ScrapeReading`) is taken on the allocator's event loop,
+  between two batches, because the engine's dicts are only consistent there; the HTTP server
+  thread waits for it (bounded) instead of reading them while the loop changes them.
+
+Each service owns an :class:`AllocatorMetrics`, with a registry of its own, so the
+process-wide default registry (and whatever else registers there) stays out of the
+allocator's endpoint, and two services in one process (tests, a takeover drill) never share a
+count. This module reads a service only through :class:`Observed` and :class:`Replica` (what
+it is handed); it does not import the service. Start the endpoint with :func:`serve`; see
+``docs/operations.md`` for the metric list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from allocator.config import PolicySettings
+from allocator.engine import Engine
+from allocator.metrics import endpoint as http_endpoint
+from allocator.metrics.counters import (
+    COUNT_EXPORTED,
+    FAMILY_EXPORTED,
+    Count,
+    Counters,
+    Exported,
+    ServiceStats,
+)
+from allocator.wire.protocol import Health, LeaseState, ProcessState
+
+if TYPE_CHECKING:
+    from allocator.ledger.replication import SnapshotTaken
+    from allocator.ledger.store import LogPosition
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+REQUEST_KINDS = frozenset({"allocate", "release", "status", "inventory", "drain", "queue",
+                           "heartbeat", "container_event", "invalid"})
+"""Label values of the request histogram; anything else is counted as ``other`` so a
+hostile ``kind`` cannot grow the number of time series."""
+
+REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+BATCH_PHASES = ("decide", "commit", "answer")
+"""The parts of applying one batch, in order: ``decide`` (decode and decide in memory),
+``commit`` (the ledger transaction, or the append to the replicated log and its return,
+with the hand-over to the ledger's thread), ``answer`` (after the commit: stop commands,
+replies, acknowledgements and pushed grants)."""
+
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0)
+
+GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict", "draining",
+              "stuck_process", "outside_use")
+"""Each present GPU is in exactly one: conflict (a running container's grant contradicts the
+ledger on it) first, then stuck_process (an ended lease's process still on it past
+release_verify_s), outside_use (a process no lease on it accounts for), held (any claim),
+draining (a lease on it ended, its processes not yet seen gone), unhealthy, drained (the GPU
+or its node), down (its node is silent), else free."""
+
+SHARES = ("guaranteed", "borrowed")
+"""How a held lease stands in fair share: within every guarantee of its owner, or beyond one
+(borrowed: reclaim may take it for a request within its guarantee)."""
+
+SNAPSHOT_TIMEOUT_S = 2.0
+"""How long a scrape waits for the event loop; a loop blocked longer is itself the news."""
+
+
+class Observed(Protocol):
+    """What the metrics read of an allocator service (its engine is replaced on a reload)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def stats(self) -> ServiceStats: ...
+
+    @property
+    def metrics(self) -> AllocatorMetrics: ...
+
+    @property
+    def log(self) -> LogObserved | None: ...
+
+
+class Replica(Observed, Protocol):
+    """What the endpoint reads of a running allocator replica: :class:`Observed`, and whether
+    it is the active one (:meth:`allocator.service.standby.Standby.is_active`)."""
+
+    @property
+    def active(self) -> bool: ...
+
+
+class LogObserved(Protocol):
+    """What the metrics read of the replicated ledger log (``ledger_log = "stream"``):
+    :class:`allocator.ledger.replication.ReplicatedLog`."""
+
+    entries_applied: int
+    entries_fenced: int
+    snapshots_taken: int
+    snapshots_loaded: int
+    is_writer: bool
+
+    @property
+    def position(self) -> LogPosition | None: ...
+
+    @property
+    def last_snapshot(self) -> SnapshotTaken | None: ...
+
+    @property
+    def caught_up(self) -> asyncio.Event: ...
+
+
+class AllocatorMetrics:
+    """One service's metrics: its own registry, its request histogram and its collector."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.request_seconds = Histogram(
+            "swarm_gpu_request_seconds",
+            "Seconds from the start of applying a message's batch (decode, decide, commit to "
+            "the ledger) until its reply was sent and the batch acknowledged, by message kind",
+            ["kind"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_phase_seconds = Histogram(
+            "swarm_gpu_batch_phase_seconds",
+            "Seconds each batch of messages spent in each part of being applied: decide "
+            "(decode and decide in memory), commit (the ledger transaction or the log append), "
+            "answer (replies, acknowledgements, pushed grants)",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self._collector: AllocatorCollector | None = None
+        self._lock = threading.Lock()
+
+    def observe_request(self, kind: str, seconds: float) -> None:
+        """Record the latency of one request of ``kind`` (``allocate``, ``heartbeat``...)."""
+        label = kind if kind in REQUEST_KINDS else "other"
+        self.request_seconds.labels(label).observe(seconds)
+
+    def observe_batch(self, decide_s: float, commit_s: float, answer_s: float) -> None:
+        """Record how long one batch spent in each of :data:`BATCH_PHASES`."""
+        for phase, seconds in zip(BATCH_PHASES, (decide_s, commit_s, answer_s), strict=True):
+            self.batch_phase_seconds.labels(phase).observe(seconds)
+
+    def install(self, service: Replica,
+                loop: asyncio.AbstractEventLoop | None = None) -> AllocatorCollector:
+        """Register a collector for ``service``, replacing an earlier one (no double report)."""
+        collector = AllocatorCollector(service, loop)
+        with self._lock:
+            if self._collector is not None:
+                self.registry.unregister(self._collector)
+            self.registry.register(collector)
+            self._collector = collector
+        return collector
+
+    def uninstall(self, collector: AllocatorCollector) -> None:
+        """Remove a collector that :meth:`install` registered (no-op if it was replaced)."""
+        with self._lock:
+            if self._collector is collector:
+                self.registry.unregister(collector)
+                self._collector = None
+
+
+# --------------------------------------------------------------------------- one scrape
+
+
+@dataclass
+class ScrapeReading:
+    """What one scrape reports, read from the engine and the service in one go."""
+
+    gpus: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """(model, state) -> GPUs"""
+    slots: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """(model, free|held) -> share slots, for models with more than one slot"""
+    leases: Counter[str] = field(default_factory=Counter)
+    group_held: dict[str, dict[str, Fraction]] = field(default_factory=dict)
+    """group with a guarantee -> share (:data:`SHARES`) -> GPUs its members' leases hold"""
+    queue_length: int = 0
+    queue_oldest_wait_s: float = 0.0
+    nodes: dict[str, tuple[bool, bool, float | None]] = field(default_factory=dict)
+    """host -> (up, drained, last heartbeat)"""
+    booking_short: dict[str, int] = field(default_factory=dict)
+    """booking -> GPUs missing in its next short occurrence (0 when whole)"""
+    engine_counters: Counters = field(default_factory=Counters)
+    service_counters: Counters = field(default_factory=Counters)
+    log: LogFigures | None = None
+    """The replicated ledger log's figures; None without one."""
+    active: bool = False
+    """Whether the replica is the active one (:class:`Replica`)."""
+
+
+@dataclass(frozen=True)
+class LogFigures:
+    """The replicated ledger log as one scrape sees it."""
+
+    entries_applied: int
+    entries_fenced: int
+    snapshots_taken: int
+    snapshots_loaded: int
+    writer: bool
+    caught_up: bool
+    epoch: int | None
+    offset: int | None
+    last_snapshot: SnapshotTaken | None
+
+
+def log_figures(replicated: LogObserved) -> LogFigures:
+    """Read the replicated log (on the allocator's event loop)."""
+    position = replicated.position
+    return LogFigures(replicated.entries_applied, replicated.entries_fenced,
+                      replicated.snapshots_taken, replicated.snapshots_loaded,
+                      replicated.is_writer, replicated.caught_up.is_set(),
+                      position.epoch if position is not None else None,
+                      position.offset if position is not None else None,
+                      replicated.last_snapshot)
+
+
+def read_scrape(service: Observed, now: float) -> ScrapeReading:
+    """Read the engine and the service (call on the allocator's event loop)."""
+    engine = service.engine
+    replicated = service.log
+    snap = ScrapeReading(engine_counters=engine.counters.copy(),
+                    service_counters=service.stats.counters.copy(),
+                    log=log_figures(replicated) if replicated is not None else None)
+    inventory = engine.inventory(now)
+    node_drained = {node.host: node.drained for node in inventory.nodes}
+    node_up = {node.host: node.up for node in inventory.nodes}
+    for node in inventory.nodes:
+        snap.nodes[node.host] = (node.up, node.drained, node.last_heartbeat)
+    for gpu in inventory.gpus:
+        if gpu.conflict is not None:
+            state = "conflict"
+        elif gpu.process_state in (ProcessState.STUCK_PROCESS, ProcessState.OUTSIDE_USE):
+            state = gpu.process_state.value
+        elif gpu.holders:
+            state = "held"
+        elif gpu.process_state is ProcessState.DRAINING:
+            state = "draining"
+        elif gpu.health is not Health.HEALTHY:
+            state = "unhealthy"
+        elif gpu.drained or node_drained.get(gpu.host, False):
+            state = "drained"
+        elif not node_up.get(gpu.host, False):
+            state = "down"
+        else:
+            state = "free"
+        snap.gpus[gpu.model, state] += 1
+        if gpu.share_slots > 1:
+            snap.slots[gpu.model, "free"] += gpu.free_slots
+            snap.slots[gpu.model, "held"] += gpu.share_slots - gpu.free_slots
+    snap.group_held = {group: dict.fromkeys(SHARES, Fraction(0))
+                       for group in groups_with_a_guarantee(engine.settings)}
+    oldest: float | None = None
+    for record in engine.leases.values():
+        snap.leases[record.state.value] += 1
+        if record.state.holds_gpus:
+            # The lease's standing as fair share keeps it
+            # (allocator.placement.fairshare.borrowed_leases, at each grant and tick): the one
+            # reclaim acts on, not a second reckoning.
+            share = "borrowed" if record.borrowed else "guaranteed"
+            for group in dict.fromkeys(record.groups):
+                if group in snap.group_held:
+                    snap.group_held[group][share] += record.units
+        if record.state is LeaseState.QUEUED:
+            snap.queue_length += 1
+            since = record.enqueued_at or record.created_at
+            oldest = since if oldest is None else min(oldest, since)
+    snap.queue_oldest_wait_s = max(now - oldest, 0.0) if oldest is not None else 0.0
+    snap.booking_short = engine.short_watch.missing()
+    return snap
+
+
+def read_replica_scrape(replica: Replica, now: float) -> ScrapeReading:
+    """:func:`read_scrape`, with whether the replica is the active one (call on the
+    allocator's event loop)."""
+    snap = read_scrape(replica, now)
+    snap.active = replica.active
+    return snap
+
+
+def groups_with_a_guarantee(settings: PolicySettings) -> list[str]:
+    """The groups the settings give a guarantee (``group_quota``, ``group_model_quota``), in
+    name order: the group label's values (bounded by the settings, not by the requests)."""
+    return sorted({*settings.group_quota, *settings.group_model_quota})
+
+
+# --------------------------------------------------------------------------- families
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _exported(exported: Exported, counts: Mapping[str, int]) -> CounterMetricFamily:
+    """``exported``'s family with ``counts``: label value -> count (without a label, the one
+    count it has)."""
+    if exported.label is None:
+        return _counter(exported.name, exported.help, sum(counts.values()))
+    family = CounterMetricFamily(exported.name, exported.help, labels=[exported.label])
+    for value_label, value in sorted(counts.items()):
+        family.add_metric([value_label], value)
+    return family
+
+
+def metric_families(snap: ScrapeReading) -> Iterator[Metric]:
+    """The Prometheus families of one scrape's reading."""
+    # The one figure the alerts and dashboard select the live view by: the cluster gauges
+    # of a standby are not the live ones, and a restarted replica keeps its predecessor's
+    # instance label, so its counters' rates cannot tell it apart for two minutes.
+    yield GaugeMetricFamily("swarm_gpu_allocator_active", "1 if this replica is the active "
+                            "allocator: it took a delivery within standby_after_s and, with "
+                            "the ledger log, is its writer", value=int(snap.active))
+    gpus = GaugeMetricFamily("swarm_gpu_gpus", "GPUs by model and state (free, held, "
+                             "unhealthy, drained, down, conflict, draining, stuck_process, "
+                             "outside_use)", labels=["model", "state"])
+    for model in sorted({model for model, _ in snap.gpus}):
+        for state in GPU_STATES:  # every state, zeros included, so series never vanish
+            gpus.add_metric([model, state], snap.gpus.get((model, state), 0))
+    yield gpus
+    slots = GaugeMetricFamily("swarm_gpu_share_slots", "Share slots of shareable GPUs by "
+                              "model, free or held", labels=["model", "state"])
+    for (model, state), value in sorted(snap.slots.items()):
+        slots.add_metric([model, state], value)
+    yield slots
+    leases = GaugeMetricFamily("swarm_gpu_leases", "Leases not yet final, by state",
+                               labels=["state"])
+    for state in LeaseState:
+        if not state.final:
+            leases.add_metric([state.value], snap.leases.get(state.value, 0))
+    yield leases
+    held = GaugeMetricFamily(
+        "swarm_gpu_group_gpus_held", "GPUs held by the leases of each group's members (a "
+        "slice counts 1/slots), by share: guaranteed (within every guarantee of the lease's "
+        "owner) or borrowed (beyond one: reclaimable); groups with a guarantee only",
+        labels=["group", "share"])
+    for group, shares in sorted(snap.group_held.items()):
+        for share in SHARES:  # both, zeros included, so series never vanish
+            held.add_metric([group, share], float(shares[share]))
+    yield held
+    yield GaugeMetricFamily("swarm_gpu_queue_length", "Requests waiting for GPUs",
+                            value=snap.queue_length)
+    yield GaugeMetricFamily("swarm_gpu_queue_oldest_wait_seconds",
+                            "How long the oldest queued request has waited (0 if none)",
+                            value=snap.queue_oldest_wait_s)
+    nodes = GaugeMetricFamily("swarm_gpu_nodes", "Nodes by state (up, down, drained)",
+                              labels=["state"])
+    nodes.add_metric(["up"], sum(1 for up, _, _ in snap.nodes.values() if up))
+    nodes.add_metric(["down"], sum(1 for up, _, _ in snap.nodes.values() if not up))
+    nodes.add_metric(["drained"], sum(1 for _, drained, _ in snap.nodes.values() if drained))
+    yield nodes
+    node_up = GaugeMetricFamily("swarm_gpu_node_up", "1 if the node's heartbeats arrive",
+                                labels=["host"])
+    beat = GaugeMetricFamily("swarm_gpu_node_last_heartbeat_timestamp_seconds",
+                             "When the node's last heartbeat was received", labels=["host"])
+    for host, (up, _, last) in sorted(snap.nodes.items()):
+        node_up.add_metric([host], 1 if up else 0)
+        if last is not None:
+            beat.add_metric([host], last)
+    yield node_up
+    yield beat
+    short = GaugeMetricFamily("swarm_gpu_booking_short_gpus", "GPUs a booking lacks in its "
+                              "next short occurrence within a week, a node or GPU gone or "
+                              "drained (0 when whole)", labels=["booking"])
+    for booking, missing in sorted(snap.booking_short.items()):
+        short.add_metric([booking], missing)
+    yield short
+
+    yield from counter_families(snap.engine_counters, snap.service_counters)
+    if snap.log is not None:
+        yield from log_families(snap.log)
+
+
+_COUNT_FAMILIES: Mapping[Exported, tuple[Count, ...]] = {
+    exported: tuple(count for count, other in COUNT_EXPORTED.items() if other == exported)
+    for exported in dict.fromkeys(COUNT_EXPORTED.values())
+}
+"""Each family of plain counters with its members (one each, but the anomalies'), in the
+order of their declaration."""
+
+
+def counter_families(engine: Counters, service: Counters) -> Iterator[Metric]:
+    """Every counter declared in :mod:`allocator.metrics.counters`, exported as declared there.
+
+    A counter is counted by the engine or by the service, never both: the sum of the two
+    reads it wherever it is counted.
+    """
+    for family, exported in FAMILY_EXPORTED.items():
+        counts = Counter(engine.of(family))
+        counts.update(service.of(family))
+        yield _exported(exported, counts)
+    for exported, members in _COUNT_FAMILIES.items():
+        yield _exported(exported, {count.value: engine[count] + service[count]
+                                   for count in members})
+
+
+def log_families(figures: LogFigures) -> Iterator[Metric]:
+    """The replicated ledger log's families (only with ``ledger_log = "stream"``)."""
+    yield _counter("swarm_gpu_ledger_log_entries_applied", "Entries of the ledger log this "
+                   "replica applied to its ledger", figures.entries_applied)
+    yield _counter("swarm_gpu_ledger_log_entries_fenced", "Entries of the ledger log this "
+                   "replica skipped as a deposed writer's", figures.entries_fenced)
+    yield _counter("swarm_gpu_ledger_log_snapshots_taken", "Whole snapshots of the ledger "
+                   "this replica appended to the log as its writer", figures.snapshots_taken)
+    yield _counter("swarm_gpu_ledger_log_snapshots_loaded", "Snapshots this replica loaded "
+                   "to catch up (its place in the log was gone, or it started empty)",
+                   figures.snapshots_loaded)
+    yield GaugeMetricFamily("swarm_gpu_ledger_log_writer", "1 if this replica is the ledger "
+                            "log's writer (the active allocator)", value=int(figures.writer))
+    yield GaugeMetricFamily("swarm_gpu_ledger_log_caught_up", "1 once this replica has "
+                            "applied the log up to where it started", value=int(figures.caught_up))
+    if figures.epoch is not None and figures.offset is not None:
+        yield GaugeMetricFamily("swarm_gpu_ledger_log_epoch", "The epoch of the newest claim "
+                                "this replica applied", value=figures.epoch)
+        yield GaugeMetricFamily("swarm_gpu_ledger_log_offset", "The stream offset of the last "
+                                "entry this replica applied", value=figures.offset)
+    if figures.last_snapshot is not None:
+        yield GaugeMetricFamily("swarm_gpu_ledger_log_last_snapshot_seconds", "How long this "
+                                "replica's newest snapshot took, from reading the ledger to "
+                                "its last part read back (requests wait meanwhile)",
+                                value=figures.last_snapshot.seconds)
+        yield GaugeMetricFamily("swarm_gpu_ledger_log_last_snapshot_bytes", "What the stream "
+                                "holds of this replica's newest snapshot",
+                                value=figures.last_snapshot.stored_bytes)
+
+
+# --------------------------------------------------------------------------- collector
+
+
+class AllocatorCollector(Collector):
+    """Reads one allocator replica (:class:`Replica`) at scrape time."""
+
+    def __init__(self, service: Replica, loop: asyncio.AbstractEventLoop | None,
+                 *, clock: Callable[[], float] = time.time,
+                 timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
+        self.service = service
+        self.loop = loop
+        self.clock = clock
+        self.timeout_s = timeout_s
+
+    def describe(self) -> Iterable[Metric]:
+        # Registering must not scrape (the loop may not run yet): describe nothing, which
+        # tells the registry to skip the duplicate-name check for this collector.
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            snap = self._on_loop(lambda: read_replica_scrape(self.service, self.clock()))
+        except Exception as exc:  # a scrape must answer, with what went wrong
+            log.warning("metrics snapshot failed: %s", exc or type(exc).__name__)
+            yield GaugeMetricFamily("swarm_gpu_metrics_ok", "1 if the last scrape could read "
+                                    "the allocator's state", value=0)
+            return
+        yield GaugeMetricFamily("swarm_gpu_metrics_ok", "1 if the last scrape could read the "
+                                "allocator's state", value=1)
+        yield from metric_families(snap)
+
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the allocator's loop and wait for it (directly if already there)."""
+        loop = self.loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or running is loop:
+            return fn()
+        if loop.is_closed() or not loop.is_running():
+            raise RuntimeError("the allocator's event loop is not running")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        try:
+            return future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the event loop did not answer within {self.timeout_s} s") \
+                from None
+
+
+@dataclass
+class MetricsServer:
+    """The HTTP endpoint serving one service's registry; :meth:`close` stops it."""
+
+    endpoint: http_endpoint.MetricsServer
+    metrics: AllocatorMetrics
+    collector: AllocatorCollector
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (useful when started on port 0)."""
+        return self.endpoint.port
+
+    def close(self) -> None:
+        """Stop serving and unregister the collector."""
+        self.endpoint.close()
+        self.metrics.uninstall(self.collector)
+
+
+def serve(service: Replica, port: int, addr: str = "0.0.0.0",
+          loop: asyncio.AbstractEventLoop | None = None, *,
+          token: str | None = None,
+          health: http_endpoint.ProcessHealth | None = None) -> MetricsServer:
+    """Serve the allocator's metrics on ``addr:port`` (``/metrics``) from a daemon thread;
+    with ``token`` (``metrics_token``), only to requests that send it
+    (:func:`allocator.metrics.endpoint.serve_registry`); with ``health``, ``/healthz`` too.
+
+    Call it from the allocator's event loop (or pass ``loop``): the collector reads the
+    engine there.
+    """
+    if loop is None:
+        loop = asyncio.get_running_loop()
+    collector = service.metrics.install(service, loop)
+    try:
+        endpoint = http_endpoint.serve_registry(service.metrics.registry, port, addr, token,
+                                                health)
+    except OSError:
+        service.metrics.uninstall(collector)
+        raise
+    log.info("metrics on http://%s:%d/metrics%s", addr, endpoint.port,
+             " (token required)" if token is not None else "")
+    return MetricsServer(endpoint, service.metrics, collector)

@@ -1,0 +1,1 @@
+"""Placement: the pure policy of where a demand fits, and what it reads."""

@@ -1,0 +1,1 @@
+"""The wire: what travels between the parts, and the rules both ends share."""
