@@ -1,7 +1,7 @@
 """Helpers the benchmarks share: percentiles, server processes, /proc figures, the ledger.
 
-Standard library plus the project itself; the benchmarks put the repository root and
-``tests/`` (for :mod:`services`, which creates and deletes vhosts) on ``sys.path``.
+Standard library plus the project itself; the benchmarks put the repository root on
+``sys.path``, for :mod:`tests.support.services` (which creates and deletes vhosts).
 """
 
 from __future__ import annotations
@@ -24,14 +24,12 @@ from typing import Any
 from aiodocker.events import DockerEvents
 
 REPO = Path(__file__).resolve().parents[1]
-for entry in (str(REPO), str(REPO / "tests")):
-    if entry not in sys.path:
-        sys.path.insert(0, entry)
-
-import services  # noqa: E402  (tests/services.py: vhosts of the local broker)
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 from allocator.amqp.client import AllocatorClient, AllocatorError  # noqa: E402
 from nodeagent.simulated import write_inventory  # noqa: E402
+from tests.support import services  # noqa: E402  (vhosts of the local broker)
 
 __all__ = ["services"]
 

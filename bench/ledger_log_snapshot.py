@@ -3,7 +3,7 @@ replica's catch-up from the newest snapshot against a replay of the log from its
 
     python3 bench/ledger_log_snapshot.py [--hosts 1000] [--gpus-per-host 8] [--leases 20000]
 
-On the local broker (a vhost of its own per run, tests/services.py) with real SQLite files.
+On the local broker (a vhost of its own per run, tests/support/services.py) with real SQLite files.
 A writer (:class:`allocator.ledger.replication.ReplicatedLog`, as the allocator uses it) builds the
 ledger through the log as an allocator would: one batch per host registering its GPUs, then
 the leases in batches of ``--leases-per-batch`` (granted, and all but one per GPU released
@@ -34,7 +34,6 @@ from typing import Any
 
 import aio_pika
 from common import machine, services
-from faults import first_kept_offset
 
 from allocator.config import AllocatorSettings
 from allocator.ledger.lease import LeaseRecord
@@ -44,6 +43,7 @@ from allocator.ledger.store import Changes, Ledger
 from allocator.placement.cluster import GPU, Node
 from allocator.wire.protocol import LeaseState, ReleaseReason
 from allocator.wire.topology import LEDGER_LOG_STREAM
+from tests.support.faults import first_kept_offset
 
 STREAM = LEDGER_LOG_STREAM
 MODEL = "NVIDIA A100-SXM4-80GB"

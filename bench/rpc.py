@@ -18,11 +18,11 @@ calls, first with one client, then with ``--clients`` concurrent clients (one co
 each), against each server. Prints one JSON object: calls/s, p50 and p99 per case, and the
 allocator/floor ratios.
 
-``--tls``: the cost of TLS to the broker. A RabbitMQ node of the run's own (tests/services.py)
-with a plain and a TLS listener and certificates made for the run (tests/tls_certs.py); the
-whole benchmark once over ``amqp://`` and once over ``amqps://`` (every connection: the
-allocator's, the echo server's, the clients'), each on a fresh vhost, and the ratios
-TLS/plain of the allocator's and the floor's figures.
+``--tls``: the cost of TLS to the broker. A RabbitMQ node of the run's own
+(tests/support/services.py) with a plain and a TLS listener and certificates made for the run
+(tests/support/tls_certs.py); the whole benchmark once over ``amqp://`` and once over ``amqps://``
+(every connection: the allocator's, the echo server's, the clients'), each on a fresh vhost, and the
+ratios TLS/plain of the allocator's and the floor's figures.
 
 It also times one ``fsync`` of a 4 KiB write on the ledger's own disk (the folder the ledger
 file is in), ``--fsyncs`` times, in the same run: a grant is on disk before its reply, so
@@ -58,10 +58,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-import services  # noqa: E402  (the test helpers that create and delete vhosts)
-from ports import free_port  # noqa: E402
 
 from allocator.amqp import broker  # noqa: E402
 from allocator.amqp.client import AllocatorClient, AllocatorError  # noqa: E402
@@ -79,6 +75,8 @@ from allocator.wire.topology import (  # noqa: E402
     allocator_queue_spec,
     heartbeat_routing_key,
 )
+from tests.support import services  # noqa: E402  (creates and deletes vhosts)
+from tests.support.ports import free_port  # noqa: E402
 
 MODELS = [("NVIDIA GeForce GTX 1070", 8192), ("NVIDIA GeForce RTX 3090", 24576),
           ("NVIDIA A100-SXM4-80GB", 81920), ("NVIDIA RTX A6000", 49152)]
@@ -258,7 +256,7 @@ def start_process(args: list[str], env: dict[str, str], log: Path) -> subprocess
 @contextlib.contextmanager
 def broker_vhost(cluster: bool) -> Iterator[str]:
     """The AMQP URL of a fresh vhost: on the local broker, or (``cluster``) on three local
-    RabbitMQ nodes clustered for this run (tests/services.py; its URL names all three)."""
+    RabbitMQ nodes clustered for this run (tests/support/services.py; its URL names all three)."""
     if not cluster:
         with services.temporary_vhost(services.rabbitmq_from_env()) as vhost:
             yield vhost.url
@@ -273,7 +271,7 @@ def broker_vhost(cluster: bool) -> Iterator[str]:
 def tls_broker() -> Iterator[tuple[str, str]]:
     """(plain URL, TLS URL) of two fresh vhosts of a RabbitMQ node of this run's own that
     listens for both, its certificates made for the run."""
-    from tls_certs import issue, make_ca
+    from tests.support.tls_certs import issue, make_ca
 
     with tempfile.TemporaryDirectory() as base:
         folder = Path(base)

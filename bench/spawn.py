@@ -9,7 +9,7 @@ Runs, on a fresh vhost of the local broker and the shared Docker engine in Swarm
 - the real node agent (``python -m nodeagent``) for this engine's node, with a simulated
   inventory of one GTX 1070, watching the engine (it binds and frees the leases, and stops a
   released lease's container);
-- a real JupyterHub with the project's example configuration (``tests/hub_harness.py``, as
+- a real JupyterHub with the project's example configuration (``tests/support/hub_harness.py``, as
   the end-to-end tests run it): ``GPUSwarmSpawner``, host networking, ``local/busybox``
   serving HTTP as the notebook server.
 
@@ -39,10 +39,12 @@ from typing import Any
 
 import aiodocker
 import common
-from hub_harness import Hub  # tests/ (on the path through common): the tests' real JupyterHub
 
 from allocator.amqp.client import AllocatorClient
 from nodeagent.simulated import make_gpu, write_inventory
+from tests.support.hub_harness import (
+    Hub,  # tests/ (on the path through common): the tests' real JupyterHub
+)
 
 MODEL = "NVIDIA GeForce GTX 1070"
 CHOICES = {"gpu": {"mode": "exclusive", "model": "1070"}, "plain": {"mode": "none"}}

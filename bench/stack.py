@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
-from test_stack_e2e import Cluster, eventually, read_env  # noqa: E402
+from tests.e2e.test_stack_e2e import Cluster, eventually, read_env  # noqa: E402
 
 
 def spawn_seconds(cluster: Cluster, user: str, options: dict[str, object]) -> float:

@@ -25,5 +25,5 @@ It imports only the allocator's public surface, these modules exactly:
 :mod:`allocator.wire.model_names`, :mod:`allocator.wire.protocol`, :mod:`allocator.settings_files`
 and
 :mod:`allocator.tasks`
-(``tests/test_design_map.py`` holds this list to the code).
+(``tests/static/test_design_map.py`` holds this list to the code).
 """

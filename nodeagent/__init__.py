@@ -10,7 +10,7 @@ It imports only the allocator's public surface, these modules exactly: :mod:`all
 :mod:`allocator.metrics.endpoint`, :mod:`allocator.wire.model_names`,
 :mod:`allocator.wire.protocol`,
 :mod:`allocator.settings_files`, :mod:`allocator.tasks` and :mod:`allocator.wire.topology`
-(``tests/test_design_map.py`` holds this list to the code).
+(``tests/static/test_design_map.py`` holds this list to the code).
 
 Modules, one concept each:
 

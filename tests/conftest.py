@@ -23,20 +23,14 @@ Fixtures:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-# `services` sits next to this file; make it importable whatever pytest's import mode.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
-
-import services  # noqa: E402
-from services import require_service  # noqa: E402
+from tests.support import services
+from tests.support.services import require_service
 
 # ----------------------------------------------------------------------------- timeouts
 
@@ -242,10 +236,9 @@ async def allocator(amqp_vhost: services.AmqpVhost, ledger_path: Path):
     Nodes may report from the broker's guest user and guest is an admin, so tests can play
     every role; the permission tests build their own settings.
     """
-    from support import started
-
     from allocator.config import AllocatorSettings
     from allocator.service import AllocatorService
+    from tests.support.common import started
 
     settings = AllocatorSettings(
         amqp_url=amqp_vhost.url, ledger_path=ledger_path, allow_any_node_user=True,
@@ -272,7 +265,7 @@ async def client(allocator, amqp_vhost: services.AmqpVhost):
 @pytest.fixture
 async def nodes(amqp_vhost: services.AmqpVhost):
     """A `support.NodeSimulator` publishing heartbeats and events into the test's vhost."""
-    from support import NodeSimulator
+    from tests.support.common import NodeSimulator
 
     async with NodeSimulator(amqp_vhost.url) as simulator:
         yield simulator

@@ -304,7 +304,7 @@ class Engine:
         fence cannot make this path skip it). What it still does then, this does in the same
         order: hold the report, liveness, telemetry when it is due, and each listed lease's
         budget check and use sample (those depend on the time, not on change).
-        ``tests/test_heartbeat_fast_path.py`` holds the two paths equal.
+        ``tests/engine/test_heartbeat_fast_path.py`` holds the two paths equal.
         """
         host = beat.host
         node = self.cluster.nodes.get(host)

@@ -859,7 +859,7 @@ class Ledger:
         default isolation handling) begins transactions only before DML, so DDL inside
         ``with conn:`` committed statement by statement. With ``isolation_level = None`` the
         module issues no BEGIN or COMMIT of its own and the transaction is exactly ours
-        (``tests/test_ledger_migrations.py`` checks both). A crash mid-migration leaves the
+        (``tests/ledger/test_ledger_migrations.py`` checks both). A crash mid-migration leaves the
         previous schema whole. The version is read again inside each transaction: a standby
         sharing the file may have migrated it meanwhile.
         """

@@ -31,7 +31,7 @@ the first in best-fit order is the policy's choice, as before. While no host has
 links, the index walks exactly as far as before them. A request of any model walks
 the models' orders merged and stops after *k* fitting entries (its candidates are ordered by
 host first, whatever their model), so its view holds at most *k* hosts, not *k* per model.
-``tests/test_placement_index.py`` checks the equality with hypothesis.
+``tests/placement/test_placement_index.py`` checks the equality with hypothesis.
 
 No I/O and no clock: pure data kept in step by the engine (:meth:`refresh` after every
 change that touches a host).

@@ -6,7 +6,7 @@ older release's code to make the fixture of that release's schema.
         tests/data/ledger-v1.db
     git worktree remove /tmp/old-v1
 
-The commits each fixture was made with are in ``tests/test_ledger_migrations.py``
+The commits each fixture was made with are in ``tests/ledger/test_ledger_migrations.py``
 (``FIXTURES``). Everything is written through that release's own ``Ledger.commit`` (its
 ``Changes``, ``LeaseRecord``, ``GPU`` and ``Node``), so the rows are what that release wrote;
 only features the release has are used (a log position from schema 3 on). The contents, for
@@ -31,9 +31,12 @@ try:  # the layout of 0.3.0 on
     from allocator.placement.cluster import GPU, Node
     from allocator.wire.protocol import LeaseState, ReleaseReason
 except ImportError:  # a release before 0.3.0: one flat package
-    from allocator.cluster import GPU, Node  # type: ignore[no-redef]
-    from allocator.lease import LeaseRecord  # type: ignore[no-redef]
-    from allocator.protocol import LeaseState, ReleaseReason  # type: ignore[no-redef]
+    from allocator.cluster import GPU, Node  # type: ignore[no-redef,import-not-found]
+    from allocator.lease import LeaseRecord  # type: ignore[no-redef,import-not-found]
+    from allocator.protocol import (  # type: ignore[no-redef,import-not-found]
+        LeaseState,
+        ReleaseReason,
+    )
 
     import allocator.ledger as ledger_module  # type: ignore[no-redef]
 Changes, Ledger = ledger_module.Changes, ledger_module.Ledger

@@ -1,0 +1,1 @@
+"""swarm-gpu's tests, in rooms by what they test; helpers in :mod:`tests.support`."""

@@ -1,0 +1,1 @@
+"""The admins' commands and settings: gpu-ledger, gpu-allocator, help, secrets."""

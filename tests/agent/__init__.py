@@ -1,0 +1,1 @@
+"""The node agent (nodeagent): inventory, containers, processes, MIG, its metrics."""

@@ -1,0 +1,1 @@
+"""The broker client (allocator/amqp): URLs, the RPC over the real broker."""

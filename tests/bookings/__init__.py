@@ -1,0 +1,1 @@
+"""Bookings: the pure policy, the engine's windows and alerts, the RPC."""

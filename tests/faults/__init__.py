@@ -1,0 +1,1 @@
+"""Faults injected into real processes: crashes, outages, hostile input, full disks."""

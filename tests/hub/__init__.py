@@ -1,0 +1,1 @@
+"""The hub plugin (hubplugin): the spawner, its form, the GPU page, with a real JupyterHub."""

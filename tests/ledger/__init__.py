@@ -1,0 +1,1 @@
+"""The ledger (allocator/ledger): SQLite, migrations, backups, the replicated log."""

@@ -1,0 +1,1 @@
+"""Metrics and health: the allocator's counters and endpoint, alerts, dashboards."""

@@ -1,0 +1,1 @@
+"""The pure placement rules (allocator/placement): policy, index, fair share, links."""

@@ -1,0 +1,1 @@
+"""The allocator's service (allocator/service): batches, the inbox, redeliveries, bad input."""

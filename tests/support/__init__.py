@@ -1,0 +1,1 @@
+"""What the tests share: the services they run on, ports, faults, the hub's harness."""

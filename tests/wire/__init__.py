@@ -1,0 +1,1 @@
+"""The wire (allocator/wire): messages, labels, heartbeat deltas, compatibility between releases."""
