@@ -373,6 +373,11 @@ class Engine:
         commit)."""
         return self.outbox.take_all()
 
+    def hellos_not_sent(self, hosts: list[str]) -> None:
+        """The service could not send the hellos to these hosts' agents: each is greeted again
+        at its next message."""
+        self.outbox.not_greeted(hosts)
+
     def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
         """An in-memory lease by id or request key (active first, then recently finished)."""
         return self.book.find(lease_id, request_key)

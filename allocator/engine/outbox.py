@@ -85,6 +85,12 @@ class CommandOutbox:
         self.greeted[host] = agent_id
         self.hellos.append(AllocatorHello(host=host, reads=[GPU_PROCESSES, INTERCONNECT]))
 
+    def not_greeted(self, hosts: list[str]) -> None:
+        """The hellos to these hosts' agents were not sent (the broker did not take them):
+        greet each agent again at its next message."""
+        for host in hosts:
+            self.greeted.pop(host, None)
+
     def ask_stop(self, host: str | None, lease_id: str, container_id: str | None,
                  reason: StopReason, now: float, changes: Changes, *,
                  observed: bool = False) -> None:

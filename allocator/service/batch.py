@@ -219,7 +219,9 @@ class Batches:
         self._decider.committed(pending, committed_at)
         log_lease_changes(changes)
         answers = self._answers
-        await self._commands.send(self._decider.take_commands())
+        not_greeted = await self._commands.send(self._decider.take_commands())
+        if not_greeted:
+            self._decider.hellos_not_sent(not_greeted)
         await answers.resolve_lookups(pending)
         answers.remember_waiters(pending)
         await answers.reply_and_ack(pending)

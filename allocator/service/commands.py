@@ -42,11 +42,17 @@ class Commands:
         """Send commands on ``exchange`` from now on (None: stop commands are off)."""
         self._exchange = exchange
 
-    async def send(self, commands: list[AgentCommand]) -> None:
+    async def send(self, commands: list[AgentCommand]) -> list[str]:
         """Publish the batch's commands to the agents (after the commit, never before).
 
         Not mandatory and not persistent: an agent whose queue does not exist (agent down) is
         simply not stopping anything, and Swarm stops the task as before.
+
+        Returns the hosts whose hello could not be published, so that the engine greets their
+        agents again at their next message (a hello is decided once per agent and load: one
+        lost to a broker hiccup would otherwise leave that agent on what an allocator before
+        0.2.0 reads until the next restart). Not the hellos dropped because the agents exchange
+        is off: sending them again could not work either.
         """
         exchange = self._exchange
         if exchange is None:
@@ -54,23 +60,25 @@ class Commands:
             # log for the hellos beyond the error at start.
             commands = [c for c in commands if isinstance(c, StopContainer)]
         if not commands:
-            return
+            return []
         counters = self._stats.counters
         if exchange is None:
             counters.add(Count.COMMAND_FAILURES, len(commands))
             log.warning("%d stop command(s) not sent: stop commands are off (see the error "
                         "at start)", len(commands))
-            return
+            return []
         # One bound for the whole batch, so that a broker that stopped answering delays the
         # batch's replies by request_timeout_s at most, however many commands it decided.
         give_up = time.monotonic() + self.settings.request_timeout_s
+        not_greeted: list[str] = []
         for index, command in enumerate(commands):
             remaining = give_up - time.monotonic()
             if remaining <= 0:
                 counters.add(Count.COMMAND_FAILURES, len(commands) - index)
                 log.warning("gave up sending %d command(s) to node agents: the broker does "
                             "not take them", len(commands) - index)
-                return
+                return not_greeted + [c.host for c in commands[index:]
+                                      if isinstance(c, AllocatorHello)]
             try:
                 await exchange.publish(self._message(command),
                                        routing_key=command_routing_key(command.host),
@@ -80,10 +88,13 @@ class Commands:
             except Exception as exc:  # never fail the batch: the decision is committed
                 counters.add(Count.COMMAND_FAILURES)
                 _log_failure(command, exc)
+                if isinstance(command, AllocatorHello):
+                    not_greeted.append(command.host)
                 continue
             counters.add(Count.HELLOS_SENT if isinstance(command, AllocatorHello)
                          else Count.COMMANDS_SENT)
             _log_sent(command)
+        return not_greeted
 
     def _message(self, command: AgentCommand) -> aio_pika.Message:
         return aio_pika.Message(
@@ -114,5 +125,7 @@ def _log_failure(command: AgentCommand, exc: BaseException) -> None:
                     command.host, command.container_id[:12], command.lease_id, why,
                     extra=lease_context(command.lease_id, command.host))
         return
-    # Not sent: the agent keeps to what an older allocator reads, until the next load.
-    log.warning("could not send the hello to the agent of %s: %s", command.host, why)
+    # Not sent: the agent keeps to what an older allocator reads until it gets one; it is
+    # sent again after the agent's next message.
+    log.warning("could not send the hello to the agent of %s (sent again after its next "
+                "message): %s", command.host, why)

@@ -138,6 +138,10 @@ class Decider:
         """The commands to node agents the last batch decided (sent after its commit)."""
         return self._engine.take_agent_commands()
 
+    def hellos_not_sent(self, hosts: list[str]) -> None:
+        """The hellos to these hosts' agents did not go out: greet them again."""
+        self._engine.hellos_not_sent(hosts)
+
     def committed(self, pending: list[Pending], at: float) -> None:
         """The batch of ``pending`` is committed (``at``, ``time.monotonic()``): its requests
         are decided, and a redelivery of one is not decided again."""

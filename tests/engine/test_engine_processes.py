@@ -492,6 +492,24 @@ def test_each_agent_is_told_once_what_the_allocator_reads(tmp_path: Path) -> Non
     assert refused.take_agent_commands() == []
 
 
+def test_a_hello_that_did_not_go_out_is_decided_again_at_the_agents_next_message(
+        tmp_path: Path) -> None:
+    engine = loaded(tmp_path)
+    changes = Changes()
+    hello = AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT])
+    engine.handle(beat(1.0), NODE, 1.0, changes)
+    assert engine.take_agent_commands() == [hello]
+    engine.hellos_not_sent(["a"])  # the broker did not take it
+    engine.handle(HeartbeatDelta(host="a", agent_id="agent-a", seq=next(SEQ), sent_at=2.0,
+                                 interval_s=2), NODE, 2.0, changes)
+    assert engine.take_agent_commands() == [hello]
+    engine.handle(beat(3.0), NODE, 3.0, changes)
+    assert engine.take_agent_commands() == [], "sent this time: once per agent again"
+    engine.hellos_not_sent(["b"])  # no agent of b has been greeted: nothing to do
+    engine.handle(beat(4.0), NODE, 4.0, changes)
+    assert engine.take_agent_commands() == []
+
+
 def test_an_empty_delta_after_the_end_verifies_the_release(tmp_path: Path) -> None:
     """The report that first left the container out came before its die event (within
     container_gone_grace_s): the agent's next report changes nothing, an empty delta, and
