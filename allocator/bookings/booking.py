@@ -41,7 +41,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from allocator.bookings.local_time import instant_of
-from allocator.wire.protocol import MigProfile, Name
+from allocator.wire.protocol import ErrorCode, MigProfile, Name
 
 MAX_BOOKED_GPUS: Final = 4096
 """The most GPUs one booking may hold (a booking spans hosts, unlike one lease)."""
@@ -60,33 +60,34 @@ MAX_ZONE: Final = 64
 
 class BookingErrorCode(StrEnum):
     """Stable codes of what is wrong with a booking. Programs branch on these; each comes with
-    a message for people."""
+    a message for people. Each is the wire's :class:`~allocator.wire.protocol.ErrorCode` of
+    the same name (``bad_booking`` is answered as ``bad_request``), written there once."""
 
     BAD_BOOKING = "bad_booking"
     """A field is missing, of the wrong type or out of range; the message says which."""
-    UNKNOWN_ZONE = "unknown_zone"
+    UNKNOWN_ZONE = ErrorCode.UNKNOWN_ZONE.value
     """The time zone is not an IANA zone name this machine knows (``Europe/Berlin``)."""
-    WINDOW_ENDS_BEFORE_START = "window_ends_before_start"
+    WINDOW_ENDS_BEFORE_START = ErrorCode.WINDOW_ENDS_BEFORE_START.value
     """The window ends at or before its start (or the recurrence ends before it starts)."""
-    RECURRENCE_WITHOUT_END = "recurrence_without_end"
+    RECURRENCE_WITHOUT_END = ErrorCode.RECURRENCE_WITHOUT_END.value
     """A weekly booking without ``until``: a booking holds GPUs, so it must end."""
-    WINDOWS_OVERLAP = "windows_overlap"
+    WINDOWS_OVERLAP = ErrorCode.WINDOWS_OVERLAP.value
     """A weekly window longer than the time to the next weekday it recurs on."""
-    NO_OCCURRENCE = "no_occurrence"
+    NO_OCCURRENCE = ErrorCode.NO_OCCURRENCE.value
     """A weekly booking none of whose weekdays falls between its first and last date."""
-    WINDOW_IN_PAST = "window_in_past"
+    WINDOW_IN_PAST = ErrorCode.WINDOW_IN_PAST.value
     """Every occurrence of the window has already ended."""
-    TOO_FAR_AHEAD = "too_far_ahead"
+    TOO_FAR_AHEAD = ErrorCode.TOO_FAR_AHEAD.value
     """The window reaches beyond the horizon bookings may be made for."""
-    UNKNOWN_GROUP = "unknown_group"
+    UNKNOWN_GROUP = ErrorCode.UNKNOWN_GROUP.value
     """No group of that name is configured."""
-    UNKNOWN_MODEL = "unknown_model"
+    UNKNOWN_MODEL = ErrorCode.UNKNOWN_MODEL.value
     """No GPU model (or MIG profile of it) of that name or alias is known."""
-    UNKNOWN_HOST = "unknown_host"
+    UNKNOWN_HOST = ErrorCode.UNKNOWN_HOST.value
     """No GPU node of that name is known."""
-    COUNT_OVER_CAPACITY = "count_over_capacity"
+    COUNT_OVER_CAPACITY = ErrorCode.COUNT_OVER_CAPACITY.value
     """More GPUs than the cluster (or the named host) has of that model."""
-    COLLIDES = "collides"
+    COLLIDES = ErrorCode.COLLIDES.value
     """The booking does not fit next to the bookings already made for its windows."""
 
 
