@@ -9,8 +9,9 @@ Public surface for other parts (:data:`PUBLIC_SURFACE`):
   (:mod:`~allocator.wire.heartbeat_delta`), how many GPUs of one request one host can give
   (:mod:`~allocator.wire.capacity`: the rule the hub's form checks and the policy share), how
   one host's GPUs are joined (:mod:`~allocator.wire.interconnect`);
-- :mod:`allocator.amqp.broker` (broker addresses: one URL naming several broker nodes) and
-  :mod:`allocator.amqp.client` (the RPC client);
+- :mod:`allocator.amqp.broker` (broker addresses: one URL naming several broker nodes),
+  :mod:`allocator.amqp.client` (the RPC client) and :mod:`allocator.amqp.declare` (the one
+  declarer of exchanges and queues, and the refusals a caller lives with);
 - :mod:`allocator.placement.gpu_sets`: which GPUs of a host a request gets by their links
   (the best link the hub's form shows and the placement's choice are this one rule);
 - :mod:`allocator.metrics.endpoint`: the HTTP endpoint of a Prometheus registry, its token;
@@ -38,6 +39,7 @@ PUBLIC_SURFACE = frozenset({
     "allocator.amqp",
     "allocator.amqp.broker",
     "allocator.amqp.client",
+    "allocator.amqp.declare",
     "allocator.placement",
     "allocator.placement.gpu_sets",
     "allocator.metrics",

@@ -18,12 +18,10 @@
 - :mod:`hubplugin.login`: who may log in: NativeAuthenticator accounts an admin authorized.
 
 It imports only the allocator's public surface, these modules exactly:
-:mod:`allocator.bookings.outlook`, :mod:`allocator.amqp.broker`, :mod:`allocator.wire.capacity`,
-:mod:`allocator.amqp.client`,
-:mod:`allocator.placement.gpu_sets`, :mod:`allocator.wire.interconnect`,
-:mod:`allocator.wire.lease_container`, :mod:`allocator.logs`,
-:mod:`allocator.wire.model_names`, :mod:`allocator.wire.protocol`, :mod:`allocator.settings_files`
-and
-:mod:`allocator.tasks`
+:mod:`allocator.amqp.broker`, :mod:`allocator.amqp.client`, :mod:`allocator.bookings.outlook`,
+:mod:`allocator.logs`, :mod:`allocator.placement.gpu_sets`, :mod:`allocator.settings_files`,
+:mod:`allocator.tasks`, :mod:`allocator.wire.capacity`, :mod:`allocator.wire.interconnect`,
+:mod:`allocator.wire.lease_container`, :mod:`allocator.wire.model_names` and
+:mod:`allocator.wire.protocol`
 (``tests/static/test_design_map.py`` holds this list to the code).
 """

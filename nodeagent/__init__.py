@@ -4,12 +4,12 @@ It reads the host's GPUs (from NVML, or from a simulated inventory file on hosts
 GPUs), judges their health, watches the Docker engine for containers that carry a lease
 label, and publishes heartbeats and container events to the broker.
 
-It imports only the allocator's public surface, these modules exactly: :mod:`allocator.amqp.broker`,
+It imports only the allocator's public surface, these modules exactly:
+:mod:`allocator.amqp.broker`, :mod:`allocator.amqp.declare`, :mod:`allocator.logs`,
+:mod:`allocator.metrics.endpoint`, :mod:`allocator.settings_files`, :mod:`allocator.tasks`,
 :mod:`allocator.wire.heartbeat_delta`, :mod:`allocator.wire.interconnect`,
-:mod:`allocator.wire.lease_container`, :mod:`allocator.logs`,
-:mod:`allocator.metrics.endpoint`, :mod:`allocator.wire.model_names`,
-:mod:`allocator.wire.protocol`,
-:mod:`allocator.settings_files`, :mod:`allocator.tasks` and :mod:`allocator.wire.topology`
+:mod:`allocator.wire.lease_container`, :mod:`allocator.wire.model_names`,
+:mod:`allocator.wire.protocol` and :mod:`allocator.wire.topology`
 (``tests/static/test_design_map.py`` holds this list to the code).
 
 Modules, one concept each:

@@ -49,10 +49,18 @@ import aio_pika.abc
 import aiormq
 
 from allocator.amqp import broker
+from allocator.amqp.declare import (
+    OnRefusal,
+    Refusal,
+    Tolerate,
+    declare_exchange,
+    declare_queue,
+)
 from allocator.tasks import cancel_and_wait
 from allocator.wire.protocol import AllocatorHello, StopContainer, decode_agent_command
 from allocator.wire.topology import (
     AGENTS_EXCHANGE,
+    AGENTS_EXCHANGE_SPEC,
     agent_queue_spec,
     command_routing_key,
 )
@@ -180,8 +188,8 @@ class CommandConsumer:
             channel = await connection.channel(publisher_confirms=False)
             channel.close_callbacks.add(on_break)
             await channel.set_qos(prefetch_count=PREFETCH)
-            queue = await channel.declare_queue(
-                self.spec.name, durable=self.spec.durable, arguments=self.spec.arguments)
+            queue = (await declare_queue(connection.channel, self.spec, channel=channel)).value
+            assert queue is not None  # nothing tolerated
             await queue.bind(AGENTS_EXCHANGE, command_routing_key(self.host))
             tag = await queue.consume(self._on_message)
             underlay = cast(aiormq.Channel, await channel.get_underlay_channel())
@@ -211,15 +219,12 @@ class CommandConsumer:
         # The allocator owns the exchange; declaring it (same type and durability) lets an
         # agent start first. A least-privilege agent may not: then it must exist already, and
         # the bind below says so if it does not.
-        channel = await connection.channel(publisher_confirms=False)
-        try:
-            await channel.declare_exchange(AGENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC,
-                                           durable=True)
-        except aiormq.exceptions.ChannelAccessRefused:
-            pass
-        finally:
+        declared = await declare_exchange(
+            lambda: connection.channel(publisher_confirms=False), AGENTS_EXCHANGE_SPEC,
+            tolerate=[Tolerate(Refusal.ACCESS, OnRefusal.REPORT)])
+        if declared.channel is not None:
             with contextlib.suppress(Exception):
-                await channel.close()
+                await declared.channel.close()
 
     async def _close(self) -> None:
         connection, self._connection = self._connection, None

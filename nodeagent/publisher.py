@@ -50,11 +50,13 @@ from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnec
 
 from allocator.amqp import broker
 from allocator.amqp.broker import broker_user
+from allocator.amqp.declare import OnRefusal, Refusal, Tolerate, declare_exchange
 from allocator.tasks import cancel_and_wait
 from allocator.wire.protocol import ContainerEvent, Heartbeat, HeartbeatDelta, encode
 from allocator.wire.topology import (
     ALLOCATOR_QUEUE,
     NODES_EXCHANGE,
+    NODES_EXCHANGE_SPEC,
     event_routing_key,
     heartbeat_routing_key,
 )
@@ -223,19 +225,16 @@ class Publisher:
         # A least-privilege agent user may lack "configure" on it: fall back to a passive
         # check (which needs no permission) on a fresh channel, since the refusal closed the
         # first one.
-        channel = await connection.channel(on_return_raises=True)
-        try:
-            exchange: AbstractExchange = await channel.declare_exchange(
-                NODES_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
-            )
-        except aiormq.exceptions.ChannelAccessRefused:
+        declared = await declare_exchange(
+            lambda: connection.channel(on_return_raises=True), NODES_EXCHANGE_SPEC,
+            tolerate=[Tolerate(Refusal.ACCESS, OnRefusal.PASSIVE)])
+        if declared.refusal is not None:
             # Said once, not at every new channel (one per refused publish).
             log.log(logging.INFO if self._channel is None else logging.DEBUG,
-                    "broker: may not declare %s; checking that it exists", NODES_EXCHANGE)
-            channel = await connection.channel(on_return_raises=True)
-            exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=True)
-        self._channel = channel
-        return exchange
+                    "broker: may not declare %s; it exists", NODES_EXCHANGE)
+        assert declared.value is not None and declared.channel is not None
+        self._channel = declared.channel
+        return declared.value
 
     async def _connect_loop(self) -> None:
         while self._connection is None:

@@ -71,6 +71,7 @@ import aio_pika
 import aio_pika.abc
 from aiormq.exceptions import ChannelInvalidStateError
 
+from allocator.amqp.declare import OnRefusal, Refusal, Tolerate, declare_queue
 from allocator.ledger.log_entries import (
     Batch,
     BrokenEntry,
@@ -95,7 +96,7 @@ from allocator.ledger.store import (
     LedgerUnwritable,
     LogPosition,
 )
-from allocator.wire.topology import RABBITMQ_SEGMENT_BYTES
+from allocator.wire.topology import RABBITMQ_SEGMENT_BYTES, QueueSpec
 from allocator.wire.topology import (
     stream_arguments as stream_arguments,  # re-exported: tests use it
 )
@@ -276,23 +277,21 @@ class ReplicatedLog:
         self.position = await self.ledger.run(self.ledger.log_position)
         self._ledger_had_data = not await self.ledger.run(self.ledger.is_empty)
         self._connection = connection
-        self._channel = await connection.channel()
-        await self._channel.set_qos(prefetch_count=1000)
-        try:
-            self._queue = await self._channel.declare_queue(self.stream, durable=True,
-                                                            arguments=self.arguments)
-        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
-            if not any(name in str(exc) for name in RETENTION_ARGUMENTS):
-                raise
-            # Declared by an earlier start with other retention settings: what it keeps is
-            # the stream's own (or a policy's) business; use it as it is.
+        # Declared by an earlier start with other retention settings: what it keeps is the
+        # stream's own (or a policy's) business; it is used as it is.
+        declared = await declare_queue(
+            connection.channel, QueueSpec(self.stream, self.arguments),
+            tolerate=[Tolerate(Refusal.PRECONDITION, OnRefusal.PASSIVE,
+                               only_if=RETENTION_ARGUMENTS)])
+        if declared.refusal is not None:
             log.warning("ledger log %s: the stream was declared with other retention than "
                         "ledger_log_max_bytes = %d, ledger_log_segment_bytes = %d (%s); "
                         "following it as it is: its arguments, or a policy on it, decide "
-                        "what it keeps", self.stream, self.max_bytes, self.segment_bytes, exc)
-            self._channel = await connection.channel()
-            await self._channel.set_qos(prefetch_count=1000)
-            self._queue = await self._channel.declare_queue(self.stream, passive=True)
+                        "what it keeps", self.stream, self.max_bytes, self.segment_bytes,
+                        declared.reason)
+        assert declared.value is not None and declared.channel is not None
+        self._channel, self._queue = declared.channel, declared.value
+        await self._channel.set_qos(prefetch_count=1000)
         self._publish_channel = await connection.channel(publisher_confirms=False)
         start: int | str = "first"
         self._verified.set()  # an empty ledger has no place in the log to check

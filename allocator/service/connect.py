@@ -183,9 +183,9 @@ class BrokerLink:
         connection = self._open()
         channel = await connection.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.settings.prefetch)
-        self._queue = await declare_topology(channel, self.settings.queue_name)
-        agents = await declare_agents_exchange(
-            await connection.channel(publisher_confirms=False))
+        self._queue = await declare_topology(connection, self.settings.queue_name,
+                                             channel=channel)
+        agents = await declare_agents_exchange(connection)
         return channel, agents
 
     async def consume(self, on_message: Callable[[aio_pika.abc.AbstractIncomingMessage],

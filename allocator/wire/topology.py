@@ -15,7 +15,7 @@ The other way, the allocator sends commands to node agents (stop a lease contain
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal
 
 RPC_EXCHANGE = "swarm-gpu.rpc"
 """Direct exchange for requests to the allocator (hubs, admins)."""
@@ -113,6 +113,26 @@ def command_routing_key(host: str) -> str:
 def agent_queue_name(host: str) -> str:
     """The command queue of one node's agent."""
     return f"{AGENT_QUEUE_PREFIX}{host}"
+
+
+@dataclass(frozen=True)
+class ExchangeSpec:
+    """An exchange's name, type and durability, so every declarer declares it the same way
+    (RabbitMQ refuses a redeclaration of another type or durability)."""
+
+    name: str
+    type: Literal["direct", "topic", "fanout"]
+    durable: bool = True
+
+
+RPC_EXCHANGE_SPEC: Final = ExchangeSpec(RPC_EXCHANGE, "direct")
+"""Requests to the allocator, routed by :data:`RPC_ROUTING_KEY`."""
+NODES_EXCHANGE_SPEC: Final = ExchangeSpec(NODES_EXCHANGE, "topic")
+"""The node agents' heartbeats and container events, routed by host."""
+DEAD_LETTER_EXCHANGE_SPEC: Final = ExchangeSpec(DEAD_LETTER_EXCHANGE, "fanout")
+"""Where the inbound queue dead-letters a message past its delivery limit."""
+AGENTS_EXCHANGE_SPEC: Final = ExchangeSpec(AGENTS_EXCHANGE, "topic")
+"""The allocator's commands to node agents, routed by :func:`command_routing_key`."""
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ async def test_reconnecting_while_the_inbound_queue_elects_a_leader_loses_no_req
     # The allocator's queues, declared through node 1: their leaders are there.
     declaring = await aio_pika.connect(first.vhost_url(LEADER_LOST_VHOST), timeout=30)
     async with declaring:
-        await declare_topology(await declaring.channel(), ALLOCATOR_QUEUE)
+        await declare_topology(declaring, ALLOCATOR_QUEUE)
     # The allocator is on node 3 and keeps its connection: only the queue's leader is lost.
     async with running_allocator(third.vhost_url(LEADER_LOST_VHOST), tmp_path / "ledger.sqlite"):
         await asyncio.to_thread(first.kill)

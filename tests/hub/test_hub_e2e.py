@@ -355,7 +355,7 @@ async def test_silent_allocator_times_out_with_a_clear_message(
         # the broker and the queue are there, but no allocator consumes it
         connection = await aio_pika.connect(amqp_vhost.url, timeout=10)
         async with connection:
-            await declare_topology(await connection.channel(), ALLOCATOR_QUEUE)
+            await declare_topology(connection, ALLOCATOR_QUEUE)
         hub = await hub_factory(allocator_timeout=2.0)
         started = time.monotonic()
         status, body = await hub.spawn("alice", {"mode": "exclusive", "model": "1070"})

@@ -312,7 +312,7 @@ async def test_a_request_that_expires_in_the_queue_is_dead_lettered_with_x_death
 
     async with await aio_pika.connect(amqp_vhost.url) as connection:
         channel = await connection.channel()
-        await declare_topology(channel, "swarm-gpu.allocator")  # no allocator consumes it
+        await declare_topology(connection, "swarm-gpu.allocator", channel=channel)  # unconsumed
         rpc = await channel.get_exchange("swarm-gpu.rpc", ensure=False)
         await rpc.publish(aio_pika.Message(allocate_body(), expiration=0.05),
                           routing_key="request", timeout=10)

@@ -10,12 +10,13 @@ from pathlib import Path
 import aio_pika
 import aio_pika.abc
 
+from allocator.amqp.declare import declare_exchange
 from allocator.config import AllocatorSettings
 from allocator.metrics.counters import Count, ServiceStats
 from allocator.service.commands import Commands
 from allocator.service.declare import declare_agents_exchange
 from allocator.wire.protocol import AllocatorHello, StopContainer, StopReason
-from allocator.wire.topology import AGENTS_EXCHANGE, command_routing_key
+from allocator.wire.topology import AGENTS_EXCHANGE, AGENTS_EXCHANGE_SPEC, command_routing_key
 from tests.support.services import AmqpVhost
 
 
@@ -55,7 +56,7 @@ async def test_what_is_sent_arrives_and_nothing_is_left_to_greet_again(
         amqp_vhost: AmqpVhost, tmp_path: Path) -> None:
     commands, stats = commands_of(tmp_path)
     async with await aio_pika.connect(amqp_vhost.url, timeout=10) as connection:
-        exchange = await declare_agents_exchange(await connection.channel())
+        exchange = await declare_agents_exchange(connection)
         assert exchange is not None
         listener = await connection.channel()
         inbox = await listener.declare_queue("", exclusive=True)
@@ -74,11 +75,10 @@ async def test_the_hosts_whose_hello_did_not_go_out_are_returned(
         amqp_vhost: AmqpVhost, tmp_path: Path) -> None:
     commands, stats = commands_of(tmp_path)
     async with await aio_pika.connect(amqp_vhost.url, timeout=10) as connection:
-        channel = await connection.channel()
-        exchange = await declare_agents_exchange(channel)
-        assert exchange is not None
-        commands.attach(exchange)
-        await channel.close()  # as a broker that closed the command channel
+        declared = await declare_exchange(connection.channel, AGENTS_EXCHANGE_SPEC)
+        assert declared.value is not None and declared.channel is not None
+        commands.attach(declared.value)
+        await declared.channel.close()  # as a broker that closed the command channel
         assert await commands.send([hello("a"), stop("a"), hello("b")]) == ["a", "b"]
     assert stats.counters.get(Count.COMMAND_FAILURES) == 3
     assert stats.counters.get(Count.HELLOS_SENT) == 0
