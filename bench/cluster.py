@@ -209,10 +209,11 @@ async def simulate(args: argparse.Namespace) -> None:
     interval = plan["interval_s"]
     # Every full heartbeat, then every delta in between.
     full_every = 1 if args.mode == "full" else max(1, round(plan["full_report_s"] / interval))
-    # "sink": the delta phase's messages, published where nothing is bound (the broker drops
-    # them at the exchange): the simulator's own CPU and the broker's intake, without the
-    # allocator's queue and work.
-    routing_key = sink_routing_key if args.mode == "sink" else heartbeat_routing_key
+    # "sink": the delta phase's messages, published to an exchange of the benchmark's own that
+    # nothing is bound to (the broker drops them there): the simulator's own CPU and the
+    # broker's intake, without the allocator's queue and work. Not the nodes exchange: the
+    # allocator's queue is bound there with "#", so every routing key would reach it.
+    routing_key = heartbeat_routing_key
     # Each host's messages are the real models' JSON, built once; only seq and sent_at change
     # from one beat to the next (as on a host whose GPUs are idle and steady), so that the
     # simulator of 1,000 agents stays cheap next to the allocator on a 2-core machine.
@@ -234,7 +235,11 @@ async def simulate(args: argparse.Namespace) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     connection = await aio_pika.connect(plan["amqp_url"])
     channel = await connection.channel(publisher_confirms=False)
-    exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=False)
+    if args.mode == "sink":
+        exchange = await channel.declare_exchange(SINK_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                                  durable=False)
+    else:
+        exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=False)
     user = urllib.parse.unquote(urllib.parse.urlsplit(plan["amqp_url"]).username or "guest")
     start = loop.time() + 0.05
     due = [start + interval * i / len(hosts) for i in range(len(hosts))]
@@ -277,9 +282,8 @@ async def simulate(args: argparse.Namespace) -> None:
     }))
 
 
-def sink_routing_key(host: str) -> str:
-    """A routing key of the nodes exchange that no queue binds."""
-    return f"sink.{host}"
+SINK_EXCHANGE = "swarm-gpu-bench.sink"
+"""The sink phase's exchange: no queue is bound to it, so the broker drops what reaches it."""
 
 
 SEQ_MARK = 987_654_321

@@ -36,6 +36,11 @@ from tests.support.tls_certs import Issued, issue, make_ca
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# The module's broker is a private RabbitMQ node with a TLS listener: booting one takes seconds
+# alone and up to a minute or more beside the Swarm stack's tests, so its first test needs the
+# slow tests' bound (the fixture itself waits up to 90 s for the node).
+pytestmark = pytest.mark.slow
+
 
 # ------------------------------------------------------------------------ certificates
 
