@@ -23,10 +23,14 @@ What runs, each in its own process, on a fresh vhost of the local broker:
 Phases, in one run: ``idle`` (the same client loop with the heartbeats off: the baseline),
 ``full`` (every heartbeat full) and ``delta`` (deltas between full reports), alternated
 ``--rounds`` times (``--phases`` picks which); ``sink`` runs the clients while the simulator
-publishes the delta phase's messages to a routing key no queue binds (the broker drops them
-at the exchange), a second baseline: on this 2-core machine the simulator of 1,000 agents
-takes CPU that on a cluster is on 1,000 other machines, and ``delta`` against ``sink`` is what
-the allocator's queue and work cost, without it. ``full-alone`` and ``delta-alone`` run the
+publishes the delta phase's messages to an exchange of the benchmark's own that no queue is
+bound to (the broker drops them there), a second baseline: on this 2-core machine the
+simulator of 1,000 agents takes CPU that on a cluster is on 1,000 other machines, and
+``delta`` against ``sink`` is what the allocator's queue and work cost, without it. ``floor``
+sends the same messages through a queue declared as the allocator's (quorum,
+single-active-consumer) to a bare consumer in the simulator's process that acknowledges them
+and does nothing else: the broker's delivery of the heartbeats, without the allocator's work;
+``delta`` against ``floor`` is what applying them costs. ``full-alone`` and ``delta-alone`` run the
 heartbeats without the clients, and ``idle-alone`` nothing at all, for the allocator's CPU
 time per heartbeat (from /proc, less its CPU with nothing to do; a busy machine distorts that
 far less than wall-clock ratios). Per phase: allocation
@@ -65,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+import aio_pika.abc
 from common import (
     REPO,
     CpuMeters,
@@ -100,7 +105,7 @@ from allocator.wire.protocol import (
     decode_inbound,
     encode,
 )
-from allocator.wire.topology import NODES_EXCHANGE, heartbeat_routing_key
+from allocator.wire.topology import NODES_EXCHANGE, allocator_queue_spec, heartbeat_routing_key
 
 MODELS = [("NVIDIA GeForce GTX 1070", 8192), ("NVIDIA GeForce RTX 3090", 24576),
           ("NVIDIA A100-SXM4-80GB", 81920), ("NVIDIA RTX A6000", 49152)]
@@ -235,9 +240,14 @@ async def simulate(args: argparse.Namespace) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     connection = await aio_pika.connect(plan["amqp_url"])
     channel = await connection.channel(publisher_confirms=False)
+    consumed = {"messages": 0}
     if args.mode == "sink":
         exchange = await channel.declare_exchange(SINK_EXCHANGE, aio_pika.ExchangeType.TOPIC,
                                                   durable=False)
+    elif args.mode == "floor":
+        exchange = await channel.declare_exchange(FLOOR_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                                  durable=False)
+        floor = await bare_consumer(plan["amqp_url"], exchange.name, consumed)
     else:
         exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=False)
     user = urllib.parse.unquote(urllib.parse.urlsplit(plan["amqp_url"]).username or "guest")
@@ -274,8 +284,11 @@ async def simulate(args: argparse.Namespace) -> None:
             published += 1
         await asyncio.sleep(max(0.0, min(0.01, due[position] - loop.time())))
     await connection.close()
+    if args.mode == "floor":
+        await floor.close()
     await asyncio.to_thread(Path(args.out).write_text, json.dumps({
         "sent": sent, "published": sum(len(v) for v in sent.values()),
+        "consumed": consumed["messages"],
         "full_every": full_every, "bytes": bytes_sent,
         "slip_p99_ms": round(percentile(slips, 0.99) * 1000, 2) if slips else None,
         "slip_max_ms": round(max(slips) * 1000, 2) if slips else None,
@@ -284,6 +297,31 @@ async def simulate(args: argparse.Namespace) -> None:
 
 SINK_EXCHANGE = "swarm-gpu-bench.sink"
 """The sink phase's exchange: no queue is bound to it, so the broker drops what reaches it."""
+
+FLOOR_EXCHANGE = "swarm-gpu-bench.floor"
+"""The floor phase's exchange, bound to :data:`FLOOR_QUEUE` with ``#``."""
+FLOOR_QUEUE = "swarm-gpu-bench.floor"
+"""Declared with the allocator's inbound queue's arguments; a bare consumer empties it."""
+
+
+async def bare_consumer(amqp_url: str, exchange: str,
+                        consumed: dict[str, int]) -> aio_pika.abc.AbstractConnection:
+    """Consume :data:`FLOOR_QUEUE` (bound to ``exchange``) as the allocator consumes its queue
+    (its prefetch, manual acknowledgements) and do nothing but acknowledge; counts the messages
+    in ``consumed``. Returns the connection (close it to stop)."""
+    connection = await aio_pika.connect(amqp_url)
+    channel = await connection.channel(publisher_confirms=False)
+    await channel.set_qos(prefetch_count=AllocatorSettings.model_fields["prefetch"].default)
+    spec = allocator_queue_spec(FLOOR_QUEUE)
+    queue = await channel.declare_queue(spec.name, durable=True, arguments=spec.arguments)
+    await queue.bind(exchange, "#")
+
+    async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        consumed["messages"] += 1
+        await message.ack()
+
+    await queue.consume(on_message)
+    return connection
 
 
 SEQ_MARK = 987_654_321
@@ -649,9 +687,13 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
     stop.set()
     await asyncio.gather(*observers)
     figures["queue_depth_max"] = max(depths, default=None)
-    if simulator is not None and mode == "sink":
+    if simulator is not None and mode in ("sink", "floor"):
         sent = simulator.stop()
-        figures["sink_published_per_s"] = round(sent["published"] / max(until - since, 1e-9), 1)
+        figures[f"{mode}_published_per_s"] = round(
+            sent["published"] / max(until - since, 1e-9), 1)
+        if mode == "floor":
+            figures["floor_consumed_per_s"] = round(
+                sent["consumed"] / max(until - since, 1e-9), 1)
     elif simulator is not None:
         sent = simulator.stop()
         figures["heartbeats"] = heartbeat_delays(sent["sent"], watch.applied, since, until,
@@ -758,8 +800,8 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
             # Against idle, and against the sink phase (the same publishing load that nothing
             # receives): on a 2-core machine the simulator of 1,000 agents competes for the
             # CPU that on a cluster is on 1,000 other machines.
-            bases = [("idle", idle)] + ([("sink", pair["sink"])]
-                                        if "sink" in pair and kind != "sink" else [])
+            bases = [("idle", idle)] + [(base, pair[base]) for base in ("sink", "floor")
+                                        if base in pair and kind not in ("sink", "floor")]
             for base_name, base in bases:
                 ratios[f"throughput_{kind}_vs_{base_name}"] = round(
                     loaded["allocations_per_s"] / base["allocations_per_s"], 3)
@@ -785,7 +827,7 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
     peak = result["allocator_memory_mib"]["peak_rss_mib"]
     cold = result["cold_start"]["first_answer_s_median"] if "cold_start" in result else None
     out: dict[str, Any] = {}
-    for base in ("idle", "sink"):
+    for base in ("idle", "sink", "floor"):
         if f"throughput_delta_vs_{base}" in ratios:
             out[f"throughput_delta_vs_{base} >= 0.85"] = (
                 ratios[f"throughput_delta_vs_{base}"] >= 0.85)
@@ -812,7 +854,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of the phases")
     parser.add_argument("--phases", default="idle,full,delta",
                         type=lambda text: [k for k in text.split(",") if k],
-                        help="phases of a round, from idle, sink, full, delta, idle-alone, "
+                        help="phases of a round, from idle, sink, floor, full, delta, "
+                        "idle-alone, "
                         "full-alone, "
                         "delta-alone (without clients: the allocator's CPU per heartbeat, "
                         "less its CPU with nothing to do); default idle,full,delta")
@@ -825,11 +868,12 @@ def main() -> None:
                         "in DIR, busiest functions in the JSON)")
     parser.add_argument("--simulate", metavar="PLAN", help=argparse.SUPPRESS)
     parser.add_argument("--ready", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=("full", "delta", "sink"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=("full", "delta", "sink", "floor"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    unknown = set(args.phases) - {"idle", "sink", "full", "delta", "idle-alone", "full-alone",
-                                  "delta-alone"}
+    unknown = set(args.phases) - {"idle", "sink", "floor", "full", "delta", "idle-alone",
+                                  "full-alone", "delta-alone"}
     if unknown:
         parser.error(f"unknown phases: {', '.join(sorted(unknown))}")
     if args.simulate:
