@@ -280,8 +280,8 @@ class DieListener:
         self._arrived = asyncio.Event()
 
     async def __aenter__(self) -> DieListener:
-        events = DockerEvents(self.docker)  # type: ignore[no-untyped-call]
-        subscriber = events.subscribe(create_task=False)  # type: ignore[no-untyped-call]
+        events = DockerEvents(self.docker)
+        subscriber = events.subscribe(create_task=False)
         stream = asyncio.create_task(events.run(
             filters=json.dumps({"type": ["container"], "event": ["die"]})))
 

@@ -59,8 +59,23 @@ def test_mypy_strict() -> None:
 
 
 @pytest.mark.slow
-def test_mypy_over_the_tests() -> None:
-    run_tool("mypy", *TEST_MYPY_RELAXED, "tests")
+def test_mypy_over_the_tests_and_the_benchmarks() -> None:
+    run_tool("mypy", *TEST_MYPY_RELAXED, "tests", "bench")
+
+
+BENCHMARKS = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py")
+                    if path.name != "common.py")
+"""The benchmark scripts (``common.py`` is their shared helpers)."""
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_each_benchmark_loads_and_says_how_to_run_it(script: str) -> None:
+    """A benchmark is run by hand, not in CI: its imports and options are checked here, so a
+    move of the code it imports cannot leave it broken until someone next runs it."""
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / script), "--help"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
 
 
 def test_ruff() -> None:
