@@ -28,12 +28,13 @@ bound to (the broker drops them there), a second baseline: on this 2-core machin
 simulator of 1,000 agents takes CPU that on a cluster is on 1,000 other machines, and
 ``delta`` against ``sink`` is what the allocator's queue and work cost, without it. ``floor``
 sends the same messages through a queue declared as the allocator's (quorum,
-single-active-consumer) to a bare consumer in the simulator's process that acknowledges them
-and does nothing else: the broker's delivery of the heartbeats, without the allocator's work;
-``delta`` against ``floor`` is what applying them costs. ``full-alone`` and ``delta-alone`` run the
-heartbeats without the clients, and ``idle-alone`` nothing at all, for the allocator's CPU
-time per heartbeat (from /proc, less its CPU with nothing to do; a busy machine distorts that
-far less than wall-clock ratios). Per phase: allocation
+single-active-consumer) to a bare consumer, a process of its own with the allocator's prefetch,
+that decodes each body as JSON, acknowledges it and does nothing else: the broker's delivery of
+the heartbeats, without the allocator's work; ``delta`` against ``floor`` is what applying them
+costs, and the consumer's CPU per heartbeat is the floor of the allocator's. ``full-alone``
+and ``delta-alone`` run the heartbeats without the clients, and ``idle-alone`` nothing at
+all, for the allocator's CPU time per heartbeat (from /proc, less its CPU with nothing to do;
+a busy machine distorts that far less than wall-clock ratios). Per phase: allocation
 throughput and latency, allocator CPU (% of one core) and resident memory from /proc; with
 heartbeats, how many the allocator applied per second and how long each took from being
 published to being applied (the ledger's ``nodes.last_heartbeat`` is the allocator's clock
@@ -240,14 +241,11 @@ async def simulate(args: argparse.Namespace) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     connection = await aio_pika.connect(plan["amqp_url"])
     channel = await connection.channel(publisher_confirms=False)
-    consumed = {"messages": 0}
-    if args.mode == "sink":
-        exchange = await channel.declare_exchange(SINK_EXCHANGE, aio_pika.ExchangeType.TOPIC,
-                                                  durable=False)
-    elif args.mode == "floor":
-        exchange = await channel.declare_exchange(FLOOR_EXCHANGE, aio_pika.ExchangeType.TOPIC,
-                                                  durable=False)
-        floor = await bare_consumer(plan["amqp_url"], exchange.name, consumed)
+    if args.mode in ("sink", "floor"):
+        # The floor's consumer (started first) has bound its queue to this exchange.
+        exchange = await channel.declare_exchange(
+            SINK_EXCHANGE if args.mode == "sink" else FLOOR_EXCHANGE,
+            aio_pika.ExchangeType.TOPIC, durable=False)
     else:
         exchange = await channel.get_exchange(NODES_EXCHANGE, ensure=False)
     user = urllib.parse.unquote(urllib.parse.urlsplit(plan["amqp_url"]).username or "guest")
@@ -284,11 +282,8 @@ async def simulate(args: argparse.Namespace) -> None:
             published += 1
         await asyncio.sleep(max(0.0, min(0.01, due[position] - loop.time())))
     await connection.close()
-    if args.mode == "floor":
-        await floor.close()
     await asyncio.to_thread(Path(args.out).write_text, json.dumps({
         "sent": sent, "published": sum(len(v) for v in sent.values()),
-        "consumed": consumed["messages"],
         "full_every": full_every, "bytes": bytes_sent,
         "slip_p99_ms": round(percentile(slips, 0.99) * 1000, 2) if slips else None,
         "slip_max_ms": round(max(slips) * 1000, 2) if slips else None,
@@ -304,24 +299,33 @@ FLOOR_QUEUE = "swarm-gpu-bench.floor"
 """Declared with the allocator's inbound queue's arguments; a bare consumer empties it."""
 
 
-async def bare_consumer(amqp_url: str, exchange: str,
-                        consumed: dict[str, int]) -> aio_pika.abc.AbstractConnection:
-    """Consume :data:`FLOOR_QUEUE` (bound to ``exchange``) as the allocator consumes its queue
-    (its prefetch, manual acknowledgements) and do nothing but acknowledge; counts the messages
-    in ``consumed``. Returns the connection (close it to stop)."""
-    connection = await aio_pika.connect(amqp_url)
+async def floor_consumer(args: argparse.Namespace) -> None:
+    """Consume :data:`FLOOR_QUEUE` as the allocator consumes its queue (its prefetch, manual
+    acknowledgements), decode each body as JSON and acknowledge it, nothing else, until
+    SIGTERM; then write how many it consumed."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    connection = await aio_pika.connect(args.floor_consume)
     channel = await connection.channel(publisher_confirms=False)
     await channel.set_qos(prefetch_count=AllocatorSettings.model_fields["prefetch"].default)
+    exchange = await channel.declare_exchange(FLOOR_EXCHANGE, aio_pika.ExchangeType.TOPIC,
+                                              durable=False)
     spec = allocator_queue_spec(FLOOR_QUEUE)
     queue = await channel.declare_queue(spec.name, durable=True, arguments=spec.arguments)
     await queue.bind(exchange, "#")
+    consumed = 0
 
     async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        consumed["messages"] += 1
+        nonlocal consumed
+        json.loads(message.body)
+        consumed += 1
         await message.ack()
 
     await queue.consume(on_message)
-    return connection
+    await asyncio.to_thread(Path(args.ready).write_text, "ready")
+    await stop.wait()
+    await connection.close()
+    await asyncio.to_thread(Path(args.out).write_text, json.dumps({"consumed": consumed}))
 
 
 SEQ_MARK = 987_654_321
@@ -342,13 +346,17 @@ def heartbeat_template(beat: Heartbeat | HeartbeatDelta) -> tuple[bytes, bytes, 
 
 
 class Simulator:
-    """The heartbeat simulator as a child process."""
+    """The heartbeat simulator (or, with ``consume``, the floor's consumer) as a child
+    process."""
 
-    def __init__(self, tmp: Path, plan: Path, name: str, mode: str):
+    def __init__(self, tmp: Path, plan: Path, name: str, mode: str,
+                 consume: str | None = None):
         self.ready = tmp / f"{name}.ready"
         self.out = tmp / f"{name}.json"
         self.log = tmp / f"{name}.log"
-        self.args = [sys.executable, __file__, "--simulate", str(plan), "--mode", mode,
+        task = ["--floor-consume", consume] if consume else ["--simulate", str(plan),
+                                                             "--mode", mode]
+        self.args = [sys.executable, __file__, *task,
                      "--ready", str(self.ready), "--out", str(self.out)]
         self.process: Any = None
         self.started_at = 0.0
@@ -653,6 +661,12 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
     depths: list[int] = []
     stop = asyncio.Event()
     mode, _, alone = kind.partition("-")
+    consumer = None
+    if mode == "floor":
+        plan_data = json.loads(await asyncio.to_thread(plan.read_text))
+        consumer = Simulator(tmp, plan, f"floor-{round_}", mode,
+                             consume=plan_data["amqp_url"])
+        await consumer.start()
     if mode != "idle":
         simulator = Simulator(tmp, plan, f"sim-{kind}-{round_}", mode)
         await simulator.start()
@@ -667,7 +681,8 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
                                   "-d", str(int(args.seconds)), "-r", "200", "-f", "raw",
                                   "-o", str(out)], {}, Path(args.profile) / "py-spy.log")
     meters = CpuMeters({"allocator": pid, "broker": broker_pid(), "clients": os.getpid(),
-                        "heartbeat_simulator": simulator.process.pid if simulator else None})
+                        "heartbeat_simulator": simulator.process.pid if simulator else None,
+                        "floor_consumer": consumer.process.pid if consumer else None})
     meters.start()
     since = time.time()
     if alone:
@@ -691,9 +706,14 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
         sent = simulator.stop()
         figures[f"{mode}_published_per_s"] = round(
             sent["published"] / max(until - since, 1e-9), 1)
-        if mode == "floor":
-            figures["floor_consumed_per_s"] = round(
-                sent["consumed"] / max(until - since, 1e-9), 1)
+        if consumer is not None:
+            consumed = consumer.stop()["consumed"]
+            figures["floor_consumed"] = {"consumed": consumed, "published": sent["published"]}
+            # Its CPU per heartbeat at the offered rate (it kept up if it consumed all
+            # that was published).
+            figures["floor_consumer_cpu_us_per_heartbeat"] = round(
+                figures["other_cpu_pct"]["floor_consumer"] / 100 * 1e6
+                / (args.hosts / args.interval), 1)
     elif simulator is not None:
         sent = simulator.stop()
         figures["heartbeats"] = heartbeat_delays(sent["sent"], watch.applied, since, until,
@@ -771,6 +791,9 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
             "allocate_p99_ms": median_of(kind, "allocate", "p99_ms"),
             "allocator_cpu_pct": median_of(kind, "allocator_cpu_pct"),
         }
+        if kind == "floor":
+            out[kind]["floor_consumer_cpu_us_per_heartbeat"] = median_of(
+                kind, "floor_consumer_cpu_us_per_heartbeat")
         beats = [p["heartbeats"] for p in phases if p["phase"] == kind and "heartbeats" in p]
         if not beats:
             continue
@@ -812,6 +835,11 @@ def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
     out["ratios"] = {key: round(statistics.median(r[key] for r in rounds), 3)
                      for key in rounds[0]}
     out["ratios_per_round"] = rounds
+    if "floor" in out and "delta-alone" in out:
+        # The allocator's CPU per heartbeat against a consumer that only decodes and acks.
+        out["ratios"]["cpu_per_heartbeat_delta_vs_floor"] = round(
+            out["delta-alone"]["allocator_cpu_us_per_heartbeat"]
+            / out["floor"]["floor_consumer_cpu_us_per_heartbeat"], 3)
     if "full-alone" in out and "delta-alone" in out:
         out["ratios"]["cpu_per_heartbeat_delta_vs_full"] = round(
             out["delta-alone"]["allocator_cpu_us_per_heartbeat"]
@@ -870,6 +898,7 @@ def main() -> None:
     parser.add_argument("--ready", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("full", "delta", "sink", "floor"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--floor-consume", metavar="AMQP_URL", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     unknown = set(args.phases) - {"idle", "sink", "floor", "full", "delta", "idle-alone",
@@ -879,6 +908,9 @@ def main() -> None:
     if args.simulate:
         args.plan = args.simulate
         asyncio.run(simulate(args))
+        return
+    if args.floor_consume:
+        asyncio.run(floor_consumer(args))
         return
     os.chdir(REPO)
     if args.profile:
