@@ -113,10 +113,9 @@ class ProcessWatch:
             self._show(gpu)  # the caller refreshes the index when it drops the claims
 
     def draining(self) -> list[str]:
-        """The GPUs that wait only for a report without an ended lease's processes (neither
-        stuck nor in outside use): fair share counts them as free for the waiters."""
-        return [uuid for uuid, drain in self.drains.items()
-                if drain.stuck_since is None and uuid not in self.outside]
+        """The GPUs with a drain (draining or stuck), without scanning the cluster: fair share
+        counts those whose ``process_state`` is draining as free for the waiters."""
+        return list(self.drains)
 
     def draining_on(self, host: str) -> bool:
         """Whether a GPU of ``host`` waits for a report (the heartbeat's short path must not

@@ -199,9 +199,9 @@ def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cl
     ``leaving`` (lease id → its GPU uuids) are holding leases already on their way out (being
     released, or a reclaim's stop sent): their GPUs count as free, so that nobody else is
     warned for a waiter that a stopping container is about to make room for. ``draining``
-    (GPU uuids) are GPUs whose lease has ended and that wait for a report without its
-    container's processes: they count as free for the same reason (a GPU kept out by a
-    process left behind or by outside use does not; see :meth:`ProcessWatch.draining`).
+    (GPU uuids) may be free once a report no longer lists an ended lease's processes: those
+    whose ``process_state`` is draining count as free for the same reason (a GPU kept out by
+    a process left behind or by outside use does not).
     ``rooms``
     (booking → its room) are the bookings in effect that waiters are ``booked`` in; a
     member placed in its booking's room uses it up for the waiters after it.
