@@ -75,6 +75,7 @@ from common import (
     REPO,
     CpuMeters,
     ProcStat,
+    Profiler,
     allocator_command,
     broker_pid,
     file_sizes_mib,
@@ -674,12 +675,8 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
         await asyncio.sleep(args.interval * 1.5)
     observers = [asyncio.create_task(watch.run(stop)),
                  asyncio.create_task(queue_depths(broker, vhost, stop, depths))]
-    profiler = None
-    if args.profile:
-        out = Path(args.profile) / f"{kind}-{round_}.txt"
-        profiler = start_process(["py-spy", "record", "--pid", str(pid), "--nonblocking",
-                                  "-d", str(int(args.seconds)), "-r", "200", "-f", "raw",
-                                  "-o", str(out)], {}, Path(args.profile) / "py-spy.log")
+    profiler = (Profiler(pid, Path(args.profile) / f"{kind}-{round_}.txt")
+                if args.profile else None)
     meters = CpuMeters({"allocator": pid, "broker": broker_pid(), "clients": os.getpid(),
                         "heartbeat_simulator": simulator.process.pid if simulator else None,
                         "floor_consumer": consumer.process.pid if consumer else None})
@@ -696,8 +693,7 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
     figures["allocator_cpu_pct"] = cpu.pop("allocator")
     figures["other_cpu_pct"] = cpu
     if profiler is not None:
-        await asyncio.to_thread(profiler.wait, 30)
-        figures["profile_top"] = profile_top(Path(args.profile) / f"{kind}-{round_}.txt")
+        figures["profile"] = await asyncio.to_thread(profiler.stop)
     figures["allocator_memory_mib"] = ProcStat(pid).memory_mib()
     stop.set()
     await asyncio.gather(*observers)
@@ -724,23 +720,6 @@ async def run_phase(kind: str, round_: int, args: argparse.Namespace, tmp: Path,
         figures["heartbeats"]["mean_body_bytes"] = round(
             sum(sent["bytes"].values()) / max(sent["published"], 1))
     return {"phase": kind, "round": round_, **figures}
-
-
-def profile_top(path: Path, count: int = 12) -> dict[str, float]:
-    """Share of the allocator's on-CPU samples spent in (under) its busiest functions."""
-    if not path.exists():
-        return {}
-    inclusive: dict[str, int] = {}
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, samples = line.rpartition(" ")
-        total += int(samples)
-        for frame in dict.fromkeys(stack.split(";")):
-            if "allocator/" in frame or "sqlite" in frame or "pydantic" in frame:
-                inclusive[frame] = inclusive.get(frame, 0) + int(samples)
-    ranked = sorted(inclusive.items(), key=lambda item: -item[1])[:count]
-    return {"samples": total, **{frame: round(100 * n / max(total, 1), 1)
-                                 for frame, n in ranked}}
 
 
 def summarize(phases: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:

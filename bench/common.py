@@ -92,6 +92,70 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
             stop_process(process)
 
 
+class Profiler:
+    """py-spy sampling a running process, its stacks written collapsed (``-f raw``).
+
+    Non-blocking (the process is not paused to read its stacks), so the figures measured
+    meanwhile stay the process's own; on-CPU samples only, every thread (the ledger's too).
+    py-spy comes from the registries (``pip install py-spy``); it needs ptrace rights.
+    """
+
+    def __init__(self, pid: int, out: Path, *, rate: int = 500) -> None:
+        self.out = out
+        self._process = start_process(
+            [py_spy(), "record", "--pid", str(pid), "--nonblocking", "--threads",
+             "-r", str(rate), "-f", "raw", "-o", str(out)],
+            {}, out.with_suffix(".log"))
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling (py-spy writes its file on SIGINT) and summarize what it saw."""
+        self._process.send_signal(signal.SIGINT)
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        return profile_summary(self.out)
+
+
+def py_spy() -> str:
+    """The py-spy beside this Python (the checkout's virtual environment), else on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else "py-spy"
+
+
+def profile_summary(path: Path, count: int = 15) -> dict[str, Any]:
+    """What a collapsed-stacks file says, in shares of all on-CPU samples: the busiest
+    functions counting what they call (``inclusive_pct``, the project's and SQLite's frames
+    and the transport's), and the functions the CPU was in itself (``self_pct``)."""
+    if not path.exists():
+        return {}
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        samples = int(count_text)
+        total += samples
+        frames = [frame for frame in stack.split(";") if not frame.startswith("thread ")]
+        for frame in dict.fromkeys(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + samples
+        if frames:
+            own[frames[-1]] = own.get(frames[-1], 0) + samples
+
+    def top(counts: dict[str, int], keep: Any) -> dict[str, float]:
+        ranked = sorted((item for item in counts.items() if keep(item[0])),
+                        key=lambda item: -item[1])[:count]
+        return {frame: round(100 * n / max(total, 1), 1) for frame, n in ranked}
+
+    def ours(frame: str) -> bool:
+        return any(part in frame for part in ("allocator/", "sqlite", "aio_pika/",
+                                              "aiormq/", "pamqp/", "asyncio/"))
+
+    return {"samples": total, "inclusive_pct": top(inclusive, ours),
+            "self_pct": top(own, lambda frame: True)}
+
+
 def allocator_command() -> list[str]:
     return [sys.executable, "-m", "allocator.admin.cli", "serve"]
 

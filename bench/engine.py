@@ -25,6 +25,10 @@ slices), then times, each over many repetitions:
   ledger's thread (the fsync is the disk's; its wait is not CPU and not counted);
 - ``cold_load``: reading the whole ledger (``Ledger.load``) and rebuilding the engine
   (``Engine.load``), the CPU a cold start spends before it can answer;
+- ``full_collection_ms``: one full collection of Python's cycle collector with the loaded
+  engine in memory (the event loop stalls for it whenever Python starts one), as loaded and
+  with the rebuilt state frozen as ``gpu-allocator serve`` freezes it
+  (:mod:`allocator.service.heap`), in milliseconds;
 - ``fenced_start``: a restart with requests waiting: the engine rebuilt fenced (no node
   placeable before its first complete report), ``--queued`` requests of the hub clients'
   mix queued behind the fence, then every host's first full report applied; the CPU of all
@@ -44,6 +48,7 @@ with the ratios of each delta to a full heartbeat, all measured in this run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -59,6 +64,7 @@ from cluster import SHARE_SLOTS, SHARED_MODEL, build_ledger, gpu_infos, host_nam
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
 from allocator.ledger.store import Changes, Ledger
+from allocator.service import heap
 from allocator.wire.protocol import (
     AllocateRequest,
     ContainerInfo,
@@ -119,6 +125,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 engine = SwitchableEngine(settings, started_at=time.time())
                 engine.load(state, time.time())
                 loads.append((read_s, time.thread_time() - started))
+            del state  # as the service drops the rows once the engine holds them
+            collection = full_collection_ms()
+            state = ledger.call(ledger.load)  # fenced_start's, read before measure commits
             figures = measure(engine, ledger, containers, args)
             fenced = fenced_start(settings, state, containers, args)
         finally:
@@ -135,6 +144,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "engine_load": round(statistics.median(e for _, e in loads), 3),
         },
         "fenced_start": fenced,
+        "full_collection_ms": collection,
         "ratios": {
             "heartbeat_delta_vs_full": round(
                 figures["heartbeat_delta"] / figures["heartbeat_full"], 3),
@@ -143,6 +153,27 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "heartbeat_delta_gpu_vs_full": round(
                 figures["heartbeat_delta_gpu"] / figures["heartbeat_full"], 3)},
     }
+
+
+def full_collection_ms(repeat: int = 3) -> dict[str, float]:
+    """One full collection of the cycle collector with the loaded engine in memory (the
+    event loop's stall when Python starts one), as it is and once the rebuilt state is
+    frozen as ``serve`` freezes it (:mod:`allocator.service.heap`); medians in ms."""
+    def median_ms() -> float:
+        times = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            gc.collect()
+            times.append(time.perf_counter() - started)
+        return round(statistics.median(times) * 1000, 2)
+
+    before = median_ms()
+    heap.settle_after_rebuild()
+    try:
+        return {"as_loaded": before, "frozen": median_ms(),
+                "objects_frozen": gc.get_freeze_count()}
+    finally:
+        gc.unfreeze()  # the steps measured next run as they did before this figure
 
 
 class SwitchableEngine(Engine):

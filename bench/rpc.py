@@ -2,7 +2,7 @@
 
     python bench/rpc.py [--hosts 1000] [--gpus-per-host 8] [--calls 600] [--clients 64]
                         [--ledger-synchronous full|normal] [--ledger-log off|stream]
-                        [--broker-cluster | --tls]
+                        [--broker-cluster | --tls] [--profile DIR]
 
 Starts, each in its own process on a fresh vhost of the local broker (``--broker-cluster``:
 of three local RabbitMQ nodes clustered for the run, so the inbound queue, the echo queue and
@@ -33,6 +33,10 @@ Where the allocator's share of one client's call goes: the allocator's own metri
 (``swarm_gpu_batch_phase_seconds``, scraped before and after the one-client case; every call
 is a batch of its own there) give the mean of each part of applying a batch: decide, commit
 (with the hand-over to the ledger's thread), answer (reply and acknowledgement written).
+
+``--profile DIR``: py-spy samples the allocator during each of its two cases (without pausing
+it; ``pip install py-spy``), writes the collapsed stacks to DIR and puts the busiest functions
+into the JSON (``profile``: the share of on-CPU samples under each, and in each itself).
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from common import Profiler  # noqa: E402
 
 from allocator.amqp import broker  # noqa: E402
 from allocator.amqp.client import AllocatorClient, AllocatorError  # noqa: E402
@@ -253,6 +259,13 @@ def start_process(args: list[str], env: dict[str, str], log: Path) -> subprocess
                                 stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
 
+def profile(pid: int, folder: str | None, case: str, mine: bool) -> Profiler | None:
+    """py-spy on the allocator during one case (``--profile``), or None."""
+    if folder is None or not mine:
+        return None
+    return Profiler(pid, Path(folder) / f"allocator-{case}.txt")
+
+
 @contextlib.contextmanager
 def broker_vhost(cluster: bool) -> Iterator[str]:
     """The AMQP URL of a fresh vhost: on the local broker, or (``cluster``) on three local
@@ -345,16 +358,22 @@ async def bench_on(url: str, args: argparse.Namespace) -> dict[str, Any]:
             for name, exchange in (("floor", ECHO_EXCHANGE), ("allocator", "swarm-gpu.rpc")):
                 mine = name == "allocator"
                 before = await asyncio.to_thread(batch_phases, metrics_port) if mine else {}
+                profiler = profile(allocator.pid, args.profile, "1_client", mine)
                 results[f"{name}_1_client"] = await run_case(
                     url, exchange=exchange, clients=1, calls=args.calls // 2,
                     prefix=f"{name}1")
+                if profiler is not None:
+                    results[f"{name}_1_client"]["profile"] = profiler.stop()
                 if mine:
                     after = await asyncio.to_thread(batch_phases, metrics_port)
                     results[f"{name}_1_client"]["batch_phases_mean_ms"] = phase_means_ms(
                         before, after)
+                profiler = profile(allocator.pid, args.profile, f"{args.clients}_clients", mine)
                 results[f"{name}_{args.clients}_clients"] = await run_case(
                     url, exchange=exchange, clients=args.clients, calls=args.calls,
                     prefix=f"{name}{args.clients}")
+                if profiler is not None:
+                    results[f"{name}_{args.clients}_clients"]["profile"] = profiler.stop()
         except BaseException:
             print(allocator_log.read_text()[-3000:], file=sys.stderr)
             raise
@@ -412,6 +431,9 @@ def main() -> None:
     parser.add_argument("--tls", action="store_true",
                         help="once over amqp:// and once over amqps:// on a private broker "
                         "node: the cost of TLS (ratios_tls_vs_plain)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="record the allocator with py-spy during each case (raw stacks "
+                        "in DIR, its busiest functions in the JSON)")
     parser.add_argument("--echo-server", metavar="AMQP_URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tls and args.broker_cluster:
@@ -419,6 +441,9 @@ def main() -> None:
     if args.echo_server:
         asyncio.run(echo_server(args.echo_server))
         return
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        args.profile = str(Path(args.profile).resolve())
     print(json.dumps(asyncio.run(bench(args)), indent=2))
 
 

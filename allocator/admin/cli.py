@@ -194,7 +194,7 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"gpu-allocator: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
         return 1
     configure_logging("DEBUG" if args.verbose else settings.log_level, settings.log_format)
-    service = AllocatorService(settings)
+    service = AllocatorService(settings, freeze_heap=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -23,6 +23,7 @@ from allocator.ledger.store import Ledger
 from allocator.metrics import exporter
 from allocator.metrics.counters import ServiceStats
 from allocator.metrics.endpoint import ProcessHealth
+from allocator.service import heap
 from allocator.service.answers import Answers
 from allocator.service.batch import Batches
 from allocator.service.commands import Commands
@@ -45,7 +46,11 @@ class AllocatorService:
     more).
     """
 
-    def __init__(self, settings: AllocatorSettings, *, clock: Callable[[], float] = time.time):
+    def __init__(self, settings: AllocatorSettings, *, clock: Callable[[], float] = time.time,
+                 freeze_heap: bool = False):
+        """``freeze_heap``: after each rebuild from the ledger, keep the rebuilt state out of
+        Python's cycle collector (:mod:`allocator.service.heap`). Process-wide, so only for a
+        process that is nothing but this allocator (the ``serve`` command)."""
         self.settings = settings
         self.clock = clock
         # With the replicated log, the log is the durable record: a replica's file may lose
@@ -78,7 +83,8 @@ class AllocatorService:
         self._answers = Answers(settings, self.ledger, self.engine, self.stats, self._intake)
         self._commands = Commands(settings, self.stats, self.user_id)
         self._memory = Memory(self.ledger, self.engine, clock,
-                              after_reload=self._answers.push_waiting)
+                              after_reload=self._answers.push_waiting,
+                              rebuilt=heap.settle_after_rebuild if freeze_heap else None)
         self._decider = Decider(settings, self.engine, self.stats, clock)
         self._link = BrokerLink(settings, self.ledger)
         self.pruner = Pruner(self.ledger, self.stats.counters,
