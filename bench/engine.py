@@ -21,6 +21,9 @@ slices), then times, each over many repetitions:
 - ``heartbeat_delta_gpu``: a delta with one GPU's utilization changed (the full report's
   path);
 - ``tick``: one pass of the timers over every lease;
+- ``scrape``: what one scrape of the metrics endpoint reads on the event loop
+  (:func:`allocator.metrics.exporter.read_scrape`), against ``inventory``: the inventory reply
+  built in full, which the scrape read before 2026-12-04;
 - ``commit_allocate``: one grant's rows written to SQLite with ``synchronous = FULL`` on the
   ledger's thread (the fsync is the disk's; its wait is not CPU and not counted);
 - ``cold_load``: reading the whole ledger (``Ledger.load``) and rebuilding the engine
@@ -64,6 +67,7 @@ from cluster import SHARE_SLOTS, SHARED_MODEL, build_ledger, gpu_infos, host_nam
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
 from allocator.ledger.store import Changes, Ledger
+from allocator.metrics.exporter import read_scrape
 from allocator.service import heap
 from allocator.wire.protocol import (
     AllocateRequest,
@@ -72,6 +76,7 @@ from allocator.wire.protocol import (
     Heartbeat,
     HeartbeatDelta,
 )
+from tests.support.scraped import EngineOnly
 
 NODE = Sender(user_id="admin", via_nodes_exchange=True)
 HUB = Sender(user_id="admin", via_nodes_exchange=False)
@@ -271,10 +276,14 @@ def measure(engine: SwitchableEngine, ledger: Ledger, containers: dict[str, list
             return time.thread_time() - started
         commits.append(ledger.call(commit))
     tick_us = cpu_us_batched(lambda: engine.tick(now, Changes()), 100, per_sample=5)
+    observed = EngineOnly(engine)
+    scrape_us = cpu_us(lambda: read_scrape(observed, now), 10)
+    inventory_us = cpu_us(lambda: engine.inventory(now), 10)
     return {"allocate": allocate_us, "allocate_two": allocate_two_us,
             "heartbeat_full": full_us, "heartbeat_delta": delta_us,
             "heartbeat_delta_full_path": delta_full_path_us,
             "heartbeat_delta_gpu": gpu_delta_us, "tick": tick_us,
+            "scrape": scrape_us, "inventory": inventory_us,
             "commit_allocate": round(statistics.median(commits) * 1e6, 1)}
 
 

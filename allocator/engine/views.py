@@ -20,7 +20,7 @@ from allocator.engine.nodes import NodeReports
 from allocator.engine.processes import ProcessWatch
 from allocator.ledger.lease import LeaseRecord
 from allocator.placement import policy
-from allocator.placement.cluster import Cluster
+from allocator.placement.cluster import GPU, Cluster
 from allocator.wire.protocol import (
     BookingsView,
     GPUView,
@@ -43,6 +43,12 @@ Visible = Callable[[LeaseRecord], bool]
 def everything(record: LeaseRecord) -> bool:
     """Every lease (the engine's own readers: metrics, tests)."""
     return True
+
+
+def shown(gpu: GPU) -> bool:
+    """Whether the inventory (and the metrics) show ``gpu``: a GPU its host no longer lists
+    is left out, unless it is in conflict (another host reports it): an admin must see that."""
+    return gpu.present or gpu.conflict is not None
 
 
 class Views:
@@ -147,9 +153,7 @@ class Views:
                 processes=self.processes.processes_of(g.uuid, lease_of),
             )
             for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.order))
-            # A GPU its host no longer lists is left out, unless it is in conflict (another
-            # host reports it): an admin must see that.
-            if g.present or g.conflict is not None
+            if shown(g)
         ]
         models = policy.summarize_models(self.cluster, self.settings, now, down_after)
         leases = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,10 @@ from allocator.engine import Engine
 from allocator.engine.booking_alerts import RECHECK_S
 from allocator.ledger.store import Changes
 from allocator.metrics import exporter as metrics
-from allocator.metrics.counters import ServiceStats
 from allocator.wire.protocol import BookingReply, DrainRequest, ErrorReply
 from tests.bookings.test_bookings_engine import NOW, Cluster, lab
 from tests.support.common import GTX1070, gpus
+from tests.support.scraped import EngineOnly
 
 LAB_START = int(NOW) + 3600
 """The lab's first occurrence: Tuesday 2026-12-01 10:00 in Berlin, an hour after NOW."""
@@ -54,19 +53,9 @@ class Watched(Cluster):
         self.engine.load(self.ledger.call(self.ledger.load), self.now)
 
 
-@dataclass
-class Replica:
-    """What the metrics read of a service: the engine under test."""
-
-    engine: Engine
-    stats: ServiceStats = field(default_factory=ServiceStats)
-    metrics: metrics.AllocatorMetrics = field(default_factory=metrics.AllocatorMetrics)
-    log: None = None
-
-
 def gauge(engine: Engine) -> dict[str, float]:
     """The ``swarm_gpu_booking_short_gpus`` samples of a scrape of ``engine``."""
-    reading = metrics.read_scrape(Replica(engine), engine.nodes.started_at)
+    reading = metrics.read_scrape(EngineOnly(engine), engine.nodes.started_at)
     [family] = [f for f in metrics.metric_families(reading)
                 if f.name == "swarm_gpu_booking_short_gpus"]
     return {sample.labels["booking"]: sample.value for sample in family.samples}

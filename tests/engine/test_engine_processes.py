@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
 from allocator.ledger.store import Changes, Ledger, LoadedState
 from allocator.metrics import exporter as metrics
-from allocator.metrics.counters import ServiceStats
 from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
@@ -46,6 +44,7 @@ from allocator.wire.protocol import (
     StopContainer,
     StopReason,
 )
+from tests.support.scraped import EngineOnly
 
 NODE = Sender(user_id="agent", via_nodes_exchange=True)
 HUB = Sender(user_id="hub", via_nodes_exchange=False)
@@ -134,19 +133,9 @@ def status_text(engine: Engine, now: float) -> str:
     return out.getvalue()
 
 
-@dataclass
-class Observed:
-    """What the metrics read of a service: here, only the engine is of interest."""
-
-    engine: Engine
-    stats: ServiceStats = field(default_factory=ServiceStats)
-    metrics: metrics.AllocatorMetrics = field(default_factory=metrics.AllocatorMetrics)
-    log: None = None
-
-
 def gpu_states(engine: Engine, now: float) -> dict[str, int]:
     """The GPU-state gauge (``swarm_gpu_gpus``): state -> GPUs, the zeros left out."""
-    snap = metrics.read_scrape(Observed(engine), now)
+    snap = metrics.read_scrape(EngineOnly(engine), now)
     return {state: count for (_, state), count in snap.gpus.items() if count}
 
 

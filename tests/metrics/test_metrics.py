@@ -323,3 +323,29 @@ def test_a_metrics_token_is_given_once_and_not_too_short(tmp_path):
     with pytest.raises(ValueError) as short:
         AllocatorSettings(metrics_token="short")
     assert "metrics_token" in settings_error_line(short.value)
+
+
+def test_the_gpu_gauge_counts_what_the_inventory_shows_by_state() -> None:
+    """The scrape reads the engine's state itself (not the inventory reply, too dear to build
+    per scrape): a silent host's GPUs are ``down``, a GPU its host no longer lists is left
+    out, and every GPU the inventory shows is counted once."""
+    from allocator.config import AllocatorSettings
+    from allocator.engine import Engine
+    from allocator.ledger.store import Changes
+    from tests.support.common import NODE, heartbeat
+    from tests.support.scraped import EngineOnly
+
+    settings = AllocatorSettings(allow_any_node_user=True, node_down_after_s=30)
+    engine = Engine(settings, started_at=0.0)
+    engine.handle(heartbeat("gpu-a", gpus("gpu-a", GTX1070, 3), sent_at=1.0), NODE, 1.0,
+                  Changes())
+    engine.handle(heartbeat("gpu-b", gpus("gpu-b", RTX3090, 2), sent_at=1.0), NODE, 1.0,
+                  Changes())
+    # gpu-a reports again without its third GPU; gpu-b falls silent.
+    engine.handle(heartbeat("gpu-a", gpus("gpu-a", GTX1070, 2), sent_at=40.0), NODE, 40.0,
+                  Changes())
+    snap = metrics.read_scrape(EngineOnly(engine), 40.0)
+    assert {key: count for key, count in snap.gpus.items() if count} == {
+        (GTX1070, "free"): 2, (RTX3090, "down"): 2}
+    assert sum(snap.gpus.values()) == len(engine.inventory(40.0).gpus)
+    assert snap.nodes["gpu-b"][0] is False and snap.nodes["gpu-a"][0] is True
