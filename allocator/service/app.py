@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 from allocator.amqp.broker import broker_user
 from allocator.config import AllocatorSettings, ConfigurationError, guarantee_problem
@@ -84,7 +85,7 @@ class AllocatorService:
         self._commands = Commands(settings, self.stats, self.user_id)
         self._memory = Memory(self.ledger, self.engine, clock,
                               after_reload=self._answers.push_waiting,
-                              rebuilt=heap.settle_after_rebuild if freeze_heap else None)
+                              rebuilding=heap.rebuilding if freeze_heap else nullcontext)
         self._decider = Decider(settings, self.engine, self.stats, clock)
         self._link = BrokerLink(settings, self.ledger)
         self.pruner = Pruner(self.ledger, self.stats.counters,

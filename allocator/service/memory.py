@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from allocator.engine import Engine
 from allocator.ledger.store import Changes, Ledger
@@ -24,15 +25,16 @@ class Memory:
 
     def __init__(self, ledger: Ledger, engine: Engine, clock: Callable[[], float],
                  after_reload: Callable[[], Awaitable[None]], *,
-                 rebuilt: Callable[[], None] | None = None) -> None:
+                 rebuilding: Callable[[], AbstractContextManager[object]] = nullcontext
+                 ) -> None:
         self._ledger = ledger
         self._engine = engine
         self._clock = clock
         self._after_reload = after_reload
         """Called after each rebuild (pushes the outcomes the ledger now holds)."""
-        self._rebuilt = rebuilt
-        """Called as soon as the engine holds the rebuilt state, before anything else runs
-        (:func:`allocator.service.heap.settle_after_rebuild` in the ``serve`` process)."""
+        self._rebuilding = rebuilding
+        """Around each rebuild, from reading the ledger to the engine holding its state
+        (:func:`allocator.service.heap.rebuilding` in the ``serve`` process)."""
         self._data_version: int | None = None
         """The ledger's ``data_version`` at the last rebuild; None before the first."""
 
@@ -44,11 +46,10 @@ class Memory:
         wrote, and a takeover finds what the active one wrote.
         """
         ledger = self._ledger
-        state = await ledger.run(ledger.load)
-        self._engine.load(state, self._clock(), fenced=fenced)
-        del state  # the rows the engine was built from: garbage now, before any settling
-        if self._rebuilt is not None:
-            self._rebuilt()
+        with self._rebuilding():
+            state = await ledger.run(ledger.load)
+            self._engine.load(state, self._clock(), fenced=fenced)
+            del state  # the rows the engine was built from: garbage once it holds them
         self._data_version = await ledger.run(ledger.data_version)
         # Another allocator may have decided queued requests whose clients wait here (a
         # takeover): what the ledger says now is committed, so it may be pushed.

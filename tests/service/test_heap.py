@@ -7,7 +7,9 @@ import gc
 import time
 import weakref
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,7 +59,7 @@ async def rebuilt_memory(ledger: Ledger, *, freeze: bool) -> Engine:
     engine = Engine(AllocatorSettings(ledger_path=ledger.path, allow_any_node_user=True),
                     started_at=time.time())
     memory = Memory(ledger, engine, time.time, nothing,
-                    rebuilt=heap.settle_after_rebuild if freeze else None)
+                    rebuilding=heap.rebuilding if freeze else nullcontext)
     await memory.reload()
     return engine
 
@@ -82,7 +84,7 @@ async def test_a_second_rebuild_frees_the_state_it_replaces(tmp_path: Path,
     try:
         engine = Engine(AllocatorSettings(ledger_path=ledger.path, allow_any_node_user=True),
                         started_at=time.time())
-        memory = Memory(ledger, engine, time.time, nothing, rebuilt=heap.settle_after_rebuild)
+        memory = Memory(ledger, engine, time.time, nothing, rebuilding=heap.rebuilding)
         await memory.reload()
         first = engine.leases[lease_id]
         # A reference cycle through the frozen record: reference counting alone never
@@ -93,5 +95,57 @@ async def test_a_second_rebuild_frees_the_state_it_replaces(tmp_path: Path,
         await memory.reload()
         assert engine.leases[lease_id] is not gone()
         assert gone() is None, "the replaced state was thawed and collected"
+    finally:
+        ledger.close()
+
+
+class CountingEngine(Engine):
+    """An engine that counts the collections Python started while it loaded its state."""
+
+    collections_during_load = 0
+
+    def load(self, *args: Any, **kwargs: Any) -> None:
+        started: list[int] = []
+
+        def count(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started.append(info["generation"])
+
+        gc.callbacks.append(count)
+        try:
+            super().load(*args, **kwargs)
+        finally:
+            gc.callbacks.remove(count)
+        self.collections_during_load = len(started)
+
+
+@pytest.fixture
+def eager_collector() -> Iterator[None]:
+    """A collection after every allocation of a tracked object, as a big load would get
+    many of: without the rebuild's pause, loading even this small ledger would start some."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+async def test_no_collection_runs_while_the_state_is_rebuilt(
+        tmp_path: Path, thawed: None, eager_collector: None, freeze: bool) -> None:
+    ledger, _ = ledger_with_a_lease(tmp_path / "ledger.sqlite")
+    try:
+        engine = CountingEngine(AllocatorSettings(ledger_path=ledger.path,
+                                                  allow_any_node_user=True),
+                                started_at=time.time())
+        memory = Memory(ledger, engine, time.time, nothing,
+                        rebuilding=heap.rebuilding if freeze else nullcontext)
+        await memory.reload()
+        assert gc.isenabled(), "collections run again once the rebuild is done"
+        if freeze:
+            assert engine.collections_during_load == 0
+        else:
+            assert engine.collections_during_load > 0, "the eager collector works"
     finally:
         ledger.close()
