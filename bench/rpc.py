@@ -32,7 +32,10 @@ one client can at best see the echo floor plus one fsync (``fsync_p50_ms``), and
 Where the allocator's share of one client's call goes: the allocator's own metrics
 (``swarm_gpu_batch_phase_seconds``, scraped before and after the one-client case; every call
 is a batch of its own there) give the mean of each part of applying a batch: decide, commit
-(with the hand-over to the ledger's thread), answer (reply and acknowledgement written).
+(with the hand-over to the ledger's thread), answer (reply and acknowledgement written); and of
+the commit, the transaction on the ledger's thread (``ledger_write``, from
+``swarm_gpu_ledger_write_seconds``) and the rest, the hand-over to that thread and back
+(``handover``).
 
 ``--profile DIR``: py-spy samples the allocator during each of its two cases (without pausing
 it; ``pip install py-spy``), writes the collapsed stacks to DIR and puts the busiest functions
@@ -126,17 +129,20 @@ async def echo_server(amqp_url: str) -> None:
 
 
 def batch_phases(metrics_port: int) -> dict[str, tuple[float, float]]:
-    """phase -> (seconds summed, batches) from the allocator's metrics endpoint."""
+    """phase -> (seconds summed, batches) from the allocator's metrics endpoint; the commit's
+    transaction on the ledger's thread (``swarm_gpu_ledger_write_seconds``) as the phase
+    ``ledger_write``, and what is left of the commit, the hand-over to that thread and back,
+    as ``handover`` (means computed by :func:`phase_means_ms`)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                 timeout=10) as response:
         text = response.read().decode()
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name != "swarm_gpu_batch_phase_seconds":
+        if family.name not in ("swarm_gpu_batch_phase_seconds", "swarm_gpu_ledger_write_seconds"):
             continue
         for sample in family.samples:
-            phase = sample.labels.get("phase", "")
+            phase = sample.labels.get("phase", "ledger_write")
             if sample.name.endswith("_sum"):
                 sums[phase] = sample.value
             elif sample.name.endswith("_count"):
@@ -152,6 +158,8 @@ def phase_means_ms(before: dict[str, tuple[float, float]],
         total_before, count_before = before.get(phase, (0.0, 0.0))
         if count > count_before:
             means[phase] = round((total - total_before) / (count - count_before) * 1000, 3)
+    if "commit" in means and "ledger_write" in means:
+        means["handover"] = round(means["commit"] - means["ledger_write"], 3)
     return means
 
 

@@ -47,6 +47,14 @@ def on_its_gpus(guarantee: Guarantee, model: str | None, host: str | None) -> bo
             and (guarantee.host is None or guarantee.host == host))
 
 
+def in_room(guarantee: Guarantee, room: Fraction, model: str | None, host: str | None,
+            units: Fraction) -> bool:
+    """Whether a grant of ``units`` of ``model`` on ``host`` falls in a booking's room: on
+    its GPUs, and no more than the ``room`` it has left. The one test of it, for the grant,
+    placement's quota and fair share's plan alike."""
+    return on_its_gpus(guarantee, model, host) and units <= room
+
+
 @dataclass(frozen=True)
 class Share:
     """One booking in effect: its guarantee, the leases it covers, and its room."""

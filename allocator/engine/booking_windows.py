@@ -21,7 +21,7 @@ from zoneinfo import ZoneInfo
 
 from allocator.bookings.checks import ResolvedBooking
 from allocator.bookings.guarantees import Guarantee, guarantees_at
-from allocator.bookings.in_effect import Held, Share, Shares, on_its_gpus, shares_of
+from allocator.bookings.in_effect import Held, Share, Shares, in_room, shares_of
 from allocator.config import AllocatorSettings
 from allocator.engine.bookings import BookingBook
 from allocator.ledger.lease import LeaseRecord
@@ -147,8 +147,8 @@ class BookingWindows:
 
     def in_room(self, share: Share, model: str | None, host: str, units: Fraction) -> bool:
         """Whether ``units`` of ``model`` on ``host`` fit in the share's room now."""
-        return (on_its_gpus(share.guarantee, model, host)
-                and units <= self.rooms.get(share.name, Fraction(0)))
+        return in_room(share.guarantee, self.rooms.get(share.name, Fraction(0)), model, host,
+                       units)
 
     def take(self, share: Share, units: Fraction) -> None:
         """A grant in the share's room: less room for the next request until the shares are

@@ -14,7 +14,7 @@ from allocator.config import AllocatorSettings
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.fence import StartFence
 from allocator.engine.nodes import NodeReports
-from allocator.placement import policy
+from allocator.placement import fairshare, policy
 from allocator.placement.cluster import GPU, Cluster, Node
 from allocator.placement.index import PlacementIndex
 
@@ -87,16 +87,12 @@ class Placer:
         # place first and check the quota of the actual placement.
         if isinstance(placement, policy.Refusal):
             return placement
-        model = policy.placement_model(placement, self.cluster)
-        refusal = policy.check_quota(placement.units, demand.user, demand.groups,
-                                     self.cluster, self.settings, model)
-        if refusal is not None and self.windows.rooms:
-            # A booking whose quota does not apply: its room is the member's limit there.
-            share = self.windows.booked_share(demand.user, demand.groups, demand.models,
-                                              demand.host)
-            if share is not None and not share.guarantee.quota_applies \
-                    and self.windows.in_room(share, model, placement.host, placement.units):
-                return placement
+        windows = self.windows
+        share = windows.booked_share(demand.user, demand.groups, demand.models,
+                                     demand.host) if windows.rooms else None
+        refusal = fairshare.quota_refusal(placement, demand, self.cluster, self.settings,
+                                          None if share is None else share.guarantee,
+                                          windows.rooms)
         return refusal if refusal is not None else placement
 
     def view(self, now: float) -> Cluster:

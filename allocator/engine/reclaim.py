@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from allocator.bookings.in_effect import Occupant, Share, Shares, on_its_gpus, to_clear
+from allocator.bookings.in_effect import Occupant, Shares, on_its_gpus, to_clear
 from allocator.config import AllocatorSettings
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.fence import StartFence
@@ -37,11 +37,6 @@ from allocator.wire.protocol import (
     ReleaseReason,
     StopReason,
 )
-
-
-def _booked(share: Share) -> fairshare.Booked:
-    g = share.guarantee
-    return fairshare.Booked(g.booking, g.model, g.host, g.quota_applies)
 
 
 class Reclaimer:
@@ -192,7 +187,7 @@ class Reclaimer:
                 share = self.windows.booked_share(demand.user, demand.groups, demand.models,
                                                   demand.host)
                 waiters.append(fairshare.Waiter(lease_id, demand, None if share is None else
-                                                _booked(share)))
+                                                share.guarantee))
         return waiters
 
     def _candidates(self, now: float, shares: Shares) -> list[fairshare.Candidate]:

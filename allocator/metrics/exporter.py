@@ -154,6 +154,14 @@ class AllocatorMetrics:
             buckets=PHASE_BUCKETS,
             registry=self.registry,
         )
+        self.ledger_write_seconds = Histogram(
+            "swarm_gpu_ledger_write_seconds",
+            "Seconds each batch's transaction took on the ledger's thread, fsync included "
+            "(part of the commit phase; the rest of that phase is the hand-over to the "
+            "ledger's thread and back); not with the replicated ledger log",
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
         self._collector: AllocatorCollector | None = None
         self._lock = threading.Lock()
 
@@ -162,10 +170,15 @@ class AllocatorMetrics:
         label = kind if kind in REQUEST_KINDS else "other"
         self.request_seconds.labels(label).observe(seconds)
 
-    def observe_batch(self, decide_s: float, commit_s: float, answer_s: float) -> None:
-        """Record how long one batch spent in each of :data:`BATCH_PHASES`."""
+    def observe_batch(self, decide_s: float, commit_s: float, answer_s: float, *,
+                      write_s: float | None = None) -> None:
+        """Record how long one batch spent in each of :data:`BATCH_PHASES`, and of its commit
+        ``write_s``, the ledger file's transaction on the ledger's thread (None: the batch
+        went to the replicated log)."""
         for phase, seconds in zip(BATCH_PHASES, (decide_s, commit_s, answer_s), strict=True):
             self.batch_phase_seconds.labels(phase).observe(seconds)
+        if write_s is not None:
+            self.ledger_write_seconds.observe(write_s)
 
     def install(self, service: Replica,
                 loop: asyncio.AbstractEventLoop | None = None) -> AllocatorCollector:

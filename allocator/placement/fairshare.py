@@ -35,6 +35,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from allocator.bookings.guarantees import Guarantee
+from allocator.bookings.in_effect import in_room
 from allocator.config import PolicySettings
 from allocator.placement import policy
 from allocator.placement.cluster import Claim, Cluster
@@ -100,22 +102,13 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Booked:
-    """The booking in effect a waiter is a member of, with room for it."""
-
-    booking: str
-    model: str
-    host: str | None
-    quota_applies: bool
-
-
-@dataclass(frozen=True)
 class Waiter:
     """A queued request, in queue order."""
 
     lease_id: str
     demand: policy.Demand
-    booked: Booked | None = None
+    booked: Guarantee | None = None
+    """The booking in effect the waiter is a member of, with room for it."""
 
 
 @dataclass(frozen=True)
@@ -155,12 +148,29 @@ def _copy(cluster: Cluster, draining: Collection[str]) -> Cluster:
                    claims={uuid: list(claims) for uuid, claims in cluster.claims.items()})
 
 
-def in_booking(booked: Booked | None, placement: policy.Placement, cluster: Cluster,
+def in_booking(booked: Guarantee | None, placement: policy.Placement, cluster: Cluster,
                rooms: Mapping[str, Fraction]) -> bool:
-    """Whether a placement of a member falls in its booking's room."""
-    return (booked is not None and placement.units <= rooms.get(booked.booking, Fraction(0))
-            and (booked.host is None or booked.host == placement.host)
-            and policy.placement_model(placement, cluster) == booked.model)
+    """Whether a placement of a member falls in its booking's room (``rooms``: booking ->
+    its room left)."""
+    return booked is not None and in_room(
+        booked, rooms.get(booked.booking, Fraction(0)), policy.placement_model(placement, cluster),
+        placement.host, placement.units)
+
+
+def quota_refusal(placement: policy.Placement, demand: policy.Demand, cluster: Cluster,
+                  settings: PolicySettings, booked: Guarantee | None,
+                  rooms: Mapping[str, Fraction]) -> policy.Refusal | None:
+    """Why the quota refuses ``placement`` of ``demand``, or None when it may be granted: it
+    is within the quota, or it falls in the room of the member's booking in effect
+    (``booked``) and that booking lifts the quota (``quota_applies`` false). The one rule,
+    for placement (:meth:`allocator.engine.placement.Placer.place`) and for the plan of who
+    fits (:func:`plan_reclaims`)."""
+    refusal = policy.check_quota(placement.units, demand.user, demand.groups, cluster,
+                                 settings, policy.placement_model(placement, cluster))
+    if (refusal is not None and booked is not None and not booked.quota_applies
+            and in_booking(booked, placement, cluster, rooms)):
+        return None
+    return refusal
 
 
 def _fits(waiter: Waiter, cluster: Cluster, settings: PolicySettings, now: float,
@@ -168,12 +178,8 @@ def _fits(waiter: Waiter, cluster: Cluster, settings: PolicySettings, now: float
     placement = policy.place(waiter.demand, cluster, now, down_after_s)
     if not isinstance(placement, policy.Placement):
         return None
-    booked = waiter.booked
-    if booked is not None and not booked.quota_applies and in_booking(booked, placement,
-                                                                      cluster, rooms):
-        return placement
-    if policy.check_quota(placement.units, waiter.demand.user, waiter.demand.groups, cluster,
-                          settings, policy.placement_model(placement, cluster)) is not None:
+    if quota_refusal(placement, waiter.demand, cluster, settings, waiter.booked,
+                     rooms) is not None:
         return None
     return placement
 

@@ -66,6 +66,9 @@ class _Phases:
     """The commit (or the log's append), every try."""
     committed_at: float = 0.0
     """When the commit that stood ended."""
+    writing: float | None = None
+    """Of ``committing``, the ledger file's transaction on the ledger's thread (the commit
+    that stood); None when the batch went to the replicated log instead."""
 
 
 class Batches:
@@ -137,7 +140,7 @@ class Batches:
             decided_at = time.monotonic()
             phases.deciding += decided_at - phase_began
             try:
-                await self._commit(changes)
+                phases.writing = await self._commit(changes)
             except (LogFenced, LogMismatch) as exc:
                 await self._fenced(batch, exc)
                 return None
@@ -156,12 +159,14 @@ class Batches:
             phases.committing += phases.committed_at - decided_at
             return changes, pending
 
-    async def _commit(self, changes: Changes) -> None:
+    async def _commit(self, changes: Changes) -> float | None:
+        """Commit the batch: the seconds the ledger file's transaction took on the ledger's
+        thread, or None when it went to the replicated log."""
         if self._log is not None:
             if changes:  # a batch that changed nothing is no entry of the log
                 await self._log.append(changes)
-        else:
-            await self._memory.commit(changes)
+            return None
+        return await self._memory.commit(changes)
 
     async def _isolate(self, batch: list[object], bad: Poisoned,
                        poisoned: dict[int, Pending | None]) -> None:
@@ -232,7 +237,7 @@ class Batches:
             self._metrics.observe_request(entry.kind, elapsed)
         if pending:
             self._metrics.observe_batch(phases.deciding, phases.committing,
-                                        answered_at - committed_at)
+                                        answered_at - committed_at, write_s=phases.writing)
 
     async def _snapshot(self, replicated: ReplicatedLog) -> None:
         """Append a snapshot of the ledger to the log, after a batch is answered and before

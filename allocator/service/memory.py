@@ -8,7 +8,7 @@ version moved on says another allocator is writing (:meth:`Memory.written_elsewh
 
 from __future__ import annotations
 
-import functools
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -55,13 +55,20 @@ class Memory:
         # takeover): what the ledger says now is committed, so it may be pushed.
         await self._after_reload()
 
-    async def commit(self, changes: Changes) -> None:
+    async def commit(self, changes: Changes) -> float:
         """Write one batch to the ledger file in one transaction, in one trip to the ledger's
         thread; :class:`~allocator.ledger.store.LedgerChanged` (nothing written) when another
-        allocator wrote since the last rebuild."""
+        allocator wrote since the last rebuild. Returns the seconds the transaction took on
+        the ledger's thread (the rest of the wait is the hand-over to it and back)."""
         ledger = self._ledger
-        await ledger.run(functools.partial(ledger.commit, changes,
-                                           expect_version=self._data_version))
+        expect_version = self._data_version
+
+        def write() -> float:
+            started = time.perf_counter()
+            ledger.commit(changes, expect_version=expect_version)
+            return time.perf_counter() - started
+
+        return await ledger.run(write)
 
     async def written_elsewhere(self) -> bool:
         """Whether another process has written the ledger since the last rebuild."""

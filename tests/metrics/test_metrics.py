@@ -107,6 +107,10 @@ async def test_scrape_reports_gpus_leases_queue_and_counters(allocator, client, 
     samples = await wait_until(every_batch_in_each_phase)
     assert samples['swarm_gpu_batch_phase_seconds_sum{phase="commit"}'] > 0
     assert samples['swarm_gpu_batch_phase_seconds_sum{phase="decide"}'] > 0
+    # Of each commit, the transaction on the ledger's thread: once per batch, within it.
+    assert samples["swarm_gpu_ledger_write_seconds_count"] == samples["swarm_gpu_batches_total"]
+    assert 0 < samples["swarm_gpu_ledger_write_seconds_sum"] \
+        <= samples['swarm_gpu_batch_phase_seconds_sum{phase="commit"}']
 
 
 def active_gauge(port: int) -> float:
