@@ -247,6 +247,7 @@ def test_the_dashboard_is_well_formed() -> None:
                    "swarm_gpu_node_last_heartbeat_timestamp_seconds",
                    "swarm_gpu_agent_gpu_healthy", "swarm_gpu_request_seconds_bucket",
                    "swarm_gpu_batches_total", "swarm_gpu_batch_phase_seconds_bucket",
+                   "swarm_gpu_ledger_write_seconds_bucket",
                    "swarm_gpu_agent_gpu_utilization_ratio", "swarm_gpu_group_gpus_held"):
         assert metric in queries, metric
 
