@@ -96,7 +96,8 @@ class Profiler:
     """py-spy sampling a running process, its stacks written collapsed (``-f raw``).
 
     Non-blocking (the process is not paused to read its stacks), so the figures measured
-    meanwhile stay the process's own; on-CPU samples only, every thread (the ledger's too).
+    meanwhile stay the process's own; every thread (the ledger's too), idle ones left out as
+    far as py-spy can tell: a thread blocked in ``epoll_wait`` or an fsync still counts.
     py-spy comes from the registries (``pip install py-spy``); it needs ptrace rights.
     """
 
