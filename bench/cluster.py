@@ -45,6 +45,10 @@ under one interval — the broker's queue depth, also sampled, says whether it d
 Before the rounds every host reports once (a full heartbeat), as in a cluster that has run
 for a while: until then the start fence keeps hosts out of placement.
 
+``--ledger-log stream`` runs the allocator as the stack ships it: every batch that writes
+anything is appended to a stream in the run's vhost and read back before it is answered (the
+default, ``off``, commits to the ledger file alone).
+
 Then the cold start: with the simulator running (deltas, as agents send by default; agents do
 not stop for an allocator restart), the allocator is stopped and started again on the same
 ledger (the 10,000 active leases and all the history the phases added); measured: process
@@ -117,8 +121,10 @@ ADMIN = "guest"
 """The broker user of the benchmark (loopback guest), made an allocator admin to force-release."""
 
 
-def allocator_env(amqp_url: str, ledger: Path, max_hosts: int) -> dict[str, str]:
+def allocator_env(amqp_url: str, ledger: Path, max_hosts: int,
+                  ledger_log: str = "off") -> dict[str, str]:
     return {
+        "SWARM_GPU_LEDGER_LOG": ledger_log,
         "SWARM_GPU_AMQP_URL": amqp_url,
         "SWARM_GPU_LEDGER_PATH": str(ledger),
         "SWARM_GPU_ALLOW_ANY_NODE_USER": "true",
@@ -565,7 +571,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                     "interval_s": args.interval, "amqp_url": vhost.url,
                                     "full_report_s": args.full_report_s,
                                     "containers": containers}))
-        env = allocator_env(vhost.url, ledger, max(args.hosts, 4096))
+        env = allocator_env(vhost.url, ledger, max(args.hosts, 4096), args.ledger_log)
         allocator = start_process(allocator_command(), env, tmp / "allocator.log")
         started.append(allocator)
         try:
@@ -576,6 +582,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "active_leases": active_leases(ledger),
                 "shared_model": f"{SHARED_MODEL} ({SHARE_SLOTS} slots)",
                 "heartbeat_interval_s": args.interval, "clients": args.clients,
+                "ledger_log": args.ledger_log,
                 "full_report_s": args.full_report_s,
                 "ledger_build_s": round(build_s, 1),
                 "allocator_rss_mib_loaded": stat.memory_mib()["rss_mib"],
@@ -870,6 +877,10 @@ def main() -> None:
                         help="in delta phases, a full heartbeat this often (the agent's "
                         "full_report_s)")
     parser.add_argument("--cold-starts", type=int, default=3)
+    parser.add_argument("--ledger-log", choices=["off", "stream"], default="off",
+                        help="the allocator's replicated ledger log (default: off; the stack "
+                        "ships stream): with stream every batch that writes anything is "
+                        "appended to the vhost's stream and read back before it is answered")
     parser.add_argument("--profile", metavar="DIR",
                         help="record the allocator with py-spy during every phase (raw stacks "
                         "in DIR, busiest functions in the JSON)")
