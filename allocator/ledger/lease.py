@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 from allocator.wire.protocol import Lease, LeaseState, ReclaimReason, ReleaseReason
@@ -82,24 +84,10 @@ class LeaseRecord:
         return row
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> LeaseRecord:
-        """Rebuild from a ledger row (JSON columns already decoded)."""
-        values: dict[str, Any] = {name: row.get(name) for name in _field_names()}
-        values["groups"] = tuple(row.get("groups") or ())
-        values["gpu_uuids"] = tuple(row.get("gpu_uuids") or ())
-        values["state"] = LeaseState(row["state"])
-        values["env"] = dict(row.get("env") or {})
-        values["request"] = dict(row.get("request") or {})
-        values["shared"] = bool(row.get("shared"))
-        values["priority"] = int(row.get("priority") or 0)
-        values["units"] = Fraction(int(row.get("units_num") or 0), int(row.get("units_den") or 1))
-        reason = row.get("release_reason")
-        values["release_reason"] = ReleaseReason(reason) if reason else None
-        warned = row.get("reclaim_reason")
-        values["reclaim_reason"] = ReclaimReason(warned) if warned else None
-        values["borrowed"] = bool(row.get("borrowed"))
-        values["idle_gpu_s"] = float(row.get("idle_gpu_s") or 0.0)
-        return cls(**values)
+    def from_row(cls, row: Mapping[str, Any]) -> LeaseRecord:
+        """Rebuild from a ledger row, column name -> value (JSON columns as stored, text, or
+        already decoded)."""
+        return row_reader(tuple(row))(tuple(row.values()))
 
     def to_protocol(self, queue_position: int | None = None) -> Lease:
         """The lease as replies show it."""
@@ -135,3 +123,72 @@ def _field_names() -> tuple[str, ...]:
     """The record's field names, once: ``dataclasses.fields`` on every row written or read
     was a measurable part of each grant's and of a cold start's time."""
     return tuple(f.name for f in fields(LeaseRecord))
+
+
+_CONVERTED = frozenset({"groups", "gpu_uuids", "state", "env", "request", "shared", "priority",
+                        "units", "release_reason", "reclaim_reason", "borrowed", "idle_gpu_s"})
+"""The fields a row's column does not give as they are: JSON text, enums, flags, the units'
+fraction (two columns) and the numbers a missing value defaults."""
+
+
+def _json(value: Any) -> Any:
+    """A JSON column as stored (text) or already decoded; None or empty text is None."""
+    if isinstance(value, str):
+        # Most leases name no groups: skip the decoder for the commonest text.
+        return () if value == "[]" else (json.loads(value) if value else None)
+    return value
+
+
+@lru_cache(maxsize=16)
+def row_reader(columns: tuple[str, ...]) -> Callable[[Sequence[Any]], LeaseRecord]:
+    """A function that rebuilds a record from one row of ``columns`` (a cursor's values, in
+    that order; JSON columns as text or decoded). A column the row lacks reads as None, a field
+    no column gives as None or its empty value.
+
+    The one rule for reading a lease row: a cold start reads tens of thousands of them, and a
+    dict per row, a copy to decode it and a lookup per field were most of that time
+    (docs/benchmarks.md, cold start).
+    """
+    at = {name: index for index, name in enumerate(columns)}
+    plain = tuple((name, at[name]) for name in _field_names()
+                  if name in at and name not in _CONVERTED)
+    absent = dict.fromkeys(name for name in _field_names()
+                           if name not in at and name not in _CONVERTED)
+
+    def index(name: str) -> int | None:
+        return at.get(name)
+
+    groups, uuids, state, env, request = (index(n) for n in (
+        "groups", "gpu_uuids", "state", "env", "request"))
+    shared, priority, num, den = (index(n) for n in ("shared", "priority", "units_num",
+                                                     "units_den"))
+    released, warned, borrowed, idle = (index(n) for n in (
+        "release_reason", "reclaim_reason", "borrowed", "idle_gpu_s"))
+
+    def cell(values: Sequence[Any], position: int | None) -> Any:
+        return None if position is None else values[position]
+
+    def read(values: Sequence[Any]) -> LeaseRecord:
+        kwargs: dict[str, Any] = {name: values[position] for name, position in plain}
+        if absent:
+            kwargs.update(absent)
+        if state is None:
+            raise KeyError("state")
+        release_reason, reclaim_reason = cell(values, released), cell(values, warned)
+        return LeaseRecord(
+            **kwargs,
+            groups=tuple(_json(cell(values, groups)) or ()),
+            gpu_uuids=tuple(_json(cell(values, uuids)) or ()),
+            state=LeaseState(values[state]),
+            env=dict(_json(cell(values, env)) or {}),
+            request=dict(_json(cell(values, request)) or {}),
+            shared=bool(cell(values, shared)),
+            priority=int(cell(values, priority) or 0),
+            units=Fraction(int(cell(values, num) or 0), int(cell(values, den) or 1)),
+            release_reason=ReleaseReason(release_reason) if release_reason else None,
+            reclaim_reason=ReclaimReason(reclaim_reason) if reclaim_reason else None,
+            borrowed=bool(cell(values, borrowed)),
+            idle_gpu_s=float(cell(values, idle) or 0.0),
+        )
+
+    return read

@@ -22,7 +22,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +43,7 @@ from pydantic import (
     model_validator,
 )
 
-from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.lease import LeaseRecord, row_reader
 from allocator.ledger.log_snapshot import STATE_TABLES, TRAIL_TABLES, Table, Tables, describe
 from allocator.placement.cluster import GPU, Node
 from allocator.wire.protocol import Health, LeaseState
@@ -1073,12 +1073,12 @@ class Ledger:
             if owner is not None:
                 owner.gpu_uuids.append(uuid)
         active = [s.value for s in LeaseState if not s.final]
-        leases = [LeaseRecord.from_row(self._decode_lease(row)) for row in self._lease_rows(
-            f"state IN ({', '.join('?' for _ in active)}) ORDER BY created_at", active)]
+        leases = self._lease_records(
+            f"state IN ({', '.join('?' for _ in active)}) ORDER BY created_at", active)
         final = [s.value for s in LeaseState if s.final]
-        finished = [LeaseRecord.from_row(self._decode_lease(row)) for row in self._lease_rows(
+        finished = self._lease_records(
             f"state IN ({', '.join('?' for _ in final)}) ORDER BY created_at DESC LIMIT ?",
-            [*final, finished_limit])]
+            [*final, finished_limit])
         finished.reverse()
         bookings = self.bookings()
         return LoadedState(list(nodes.values()), gpus, leases, agent_users, finished,
@@ -1112,12 +1112,12 @@ class Ledger:
                     "SELECT name, booking, created_at, created_by FROM bookings "
                     "WHERE removed_at IS NULL ORDER BY created_at, name")]
 
-    def _lease_rows(self, where: str, params: Sequence[Any]) -> Iterator[dict[str, Any]]:
-        """Lease rows as dicts (column name -> value), ``where`` with its ``ORDER BY``."""
+    def _lease_records(self, where: str, params: Sequence[Any]) -> list[LeaseRecord]:
+        """The leases whose rows match ``where`` (with its ``ORDER BY``), read straight from
+        the cursor's values (:func:`allocator.ledger.lease.row_reader`)."""
         cursor = self.db.conn.execute(f"SELECT * FROM leases WHERE {where}", params)
-        columns = [column[0] for column in cursor.description]
-        for values in cursor:
-            yield dict(zip(columns, values, strict=True))
+        read = row_reader(tuple(column[0] for column in cursor.description))
+        return [read(values) for values in cursor]
 
     def log_position(self) -> LogPosition | None:
         """Where this ledger stands in the replicated log; None if it never applied one."""
@@ -1163,18 +1163,11 @@ class Ledger:
     def find_lease(self, lease_id: str) -> LeaseRecord | None:
         """A lease by id, final ones included (on the ledger thread)."""
         rows = list(self.db["leases"].rows_where("lease_id = ?", [lease_id]))
-        return LeaseRecord.from_row(self._decode_lease(rows[0])) if rows else None
+        return LeaseRecord.from_row(rows[0]) if rows else None
 
     def latest_lease_for_key(self, request_key: str) -> LeaseRecord | None:
         """The newest lease of a request key, final ones included (on the ledger thread)."""
         rows = list(self.db["leases"].rows_where(
             "request_key = ?", [request_key], order_by="created_at desc", limit=1))
-        return LeaseRecord.from_row(self._decode_lease(rows[0])) if rows else None
+        return LeaseRecord.from_row(rows[0]) if rows else None
 
-    @staticmethod
-    def _decode_lease(row: dict[str, Any]) -> dict[str, Any]:
-        decoded = dict(row)
-        for column in LEASE_JSON_COLUMNS:
-            if decoded.get(column):
-                decoded[column] = json.loads(decoded[column])
-        return decoded
