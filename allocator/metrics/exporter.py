@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import threading
 import time
@@ -225,6 +226,9 @@ class ScrapeReading:
     """The replicated ledger log's figures; None without one."""
     active: bool = False
     """Whether the replica is the active one (:class:`Replica`)."""
+    frozen_objects: int = 0
+    """Objects Python's cycle collector skips (``gc.get_freeze_count()``): what ``serve``
+    froze after its last rebuild (:mod:`allocator.service.heap`); 0 where nothing froze."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +320,7 @@ def read_scrape(service: Observed, now: float) -> ScrapeReading:
     snap.queue_length = len(waiting_since)
     snap.queue_oldest_wait_s = max(now - min(waiting_since), 0.0) if waiting_since else 0.0
     snap.booking_short = engine.short_watch.missing()
+    snap.frozen_objects = gc.get_freeze_count()
     return snap
 
 
@@ -359,6 +364,10 @@ def metric_families(snap: ScrapeReading) -> Iterator[Metric]:
     yield GaugeMetricFamily("swarm_gpu_allocator_active", "1 if this replica is the active "
                             "allocator: it took a delivery within standby_after_s and, with "
                             "the ledger log, is its writer", value=int(snap.active))
+    yield GaugeMetricFamily("swarm_gpu_allocator_heap_frozen_objects",
+                            "Objects Python's cycle collector skips: the state loaded from "
+                            "the ledger, frozen after each rebuild (0: not frozen)",
+                            value=snap.frozen_objects)
     gpus = GaugeMetricFamily("swarm_gpu_gpus", "GPUs by model and state (free, held, "
                              "unhealthy, drained, down, conflict, draining, stuck_process, "
                              "outside_use)", labels=["model", "state"])

@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aio_pika
 import pytest
@@ -18,7 +19,9 @@ from allocator.metrics.counters import Count
 from allocator.wire.protocol import AllocateRequest, ShareRequest
 from allocator.wire.topology import RPC_EXCHANGE, RPC_ROUTING_KEY
 from tests.support.common import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
-from tests.support.faults import replica_ledger, running_allocator
+from tests.support.faults import AllocatorProcess, replica_ledger, running_allocator
+from tests.support.ports import free_port
+from tests.support.services import AmqpVhost
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -247,6 +250,35 @@ async def test_the_allocator_serves_metrics_on_its_configured_port(amqp_vhost, l
         await service.stop()
         await service.stop()  # stopping twice is harmless
     assert service.metrics_server is None
+
+
+async def test_serve_keeps_what_it_loaded_out_of_the_cycle_collector(
+        amqp_vhost: AmqpVhost, tmp_path: Path) -> None:
+    """``gpu-allocator serve`` freezes the state it loads (allocator/service/heap.py), and its
+    metrics say how many objects the collector skips: the switch is on in the process that
+    serves, not only in the module that implements it."""
+    port = free_port()
+    process = AllocatorProcess("heap", amqp_vhost.url, tmp_path / "ledger.sqlite", tmp_path,
+                               metrics_port=port)
+    await process.start()
+    try:
+        await process.wait_consuming(within=60)
+
+        def frozen() -> tuple[float] | None:
+            """The gauge once the metrics answer (a tuple, so that 0 is an answer too)."""
+            with contextlib.suppress(OSError):
+                samples = scrape(port)
+                if "swarm_gpu_allocator_heap_frozen_objects" in samples:
+                    return (samples["swarm_gpu_allocator_heap_frozen_objects"],)
+            return None
+
+        (count,) = await wait_until(lambda: asyncio.to_thread(frozen), within=30, interval=0.2)
+    finally:
+        code = await process.stop()
+    assert code == 0, process.log()[-3000:]
+    # Everything the process held at its load is frozen, its modules' objects included: tens
+    # of thousands even on an empty ledger (0 where nothing froze).
+    assert count > 10_000, count
 
 
 async def test_the_replicated_ledger_log_is_reported(amqp_vhost, ledger_path, nodes):
