@@ -155,14 +155,12 @@ def row_reader(columns: tuple[str, ...]) -> Callable[[Sequence[Any]], LeaseRecor
     absent = dict.fromkeys(name for name in _field_names()
                            if name not in at and name not in _CONVERTED)
 
-    def index(name: str) -> int | None:
-        return at.get(name)
-
-    groups, uuids, state, env, request = (index(n) for n in (
-        "groups", "gpu_uuids", "state", "env", "request"))
-    shared, priority, num, den = (index(n) for n in ("shared", "priority", "units_num",
-                                                     "units_den"))
-    released, warned, borrowed, idle = (index(n) for n in (
+    state = at["state"]  # a lease row without its state is no lease row (KeyError)
+    groups, uuids, env, request = (at.get(n) for n in ("groups", "gpu_uuids", "env",
+                                                       "request"))
+    shared, priority, num, den = (at.get(n) for n in ("shared", "priority", "units_num",
+                                                      "units_den"))
+    released, warned, borrowed, idle = (at.get(n) for n in (
         "release_reason", "reclaim_reason", "borrowed", "idle_gpu_s"))
 
     def cell(values: Sequence[Any], position: int | None) -> Any:
@@ -172,8 +170,6 @@ def row_reader(columns: tuple[str, ...]) -> Callable[[Sequence[Any]], LeaseRecor
         kwargs: dict[str, Any] = {name: values[position] for name, position in plain}
         if absent:
             kwargs.update(absent)
-        if state is None:
-            raise KeyError("state")
         release_reason, reclaim_reason = cell(values, released), cell(values, warned)
         return LeaseRecord(
             **kwargs,
