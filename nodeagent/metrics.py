@@ -96,7 +96,9 @@ class AgentMetrics:
         self.inventory_read_seconds = Histogram(
             "swarm_gpu_agent_inventory_read_seconds",
             "Seconds one read of the GPUs took (source nvml: every NVML query of every GPU; "
-            "simulated: reading the file), failed reads included",
+            "simulated: reading the file), failed reads included; a read past "
+            "inventory_timeout_s is observed when it ends, one that never ends only in "
+            "swarm_gpu_agent_inventory_errors_total",
             ["source"], buckets=CALL_BUCKETS, registry=self.registry)
         self.inventory_read_seconds.labels(source)
         self.docker_call_seconds = Histogram(
@@ -112,7 +114,12 @@ class AgentMetrics:
         self._collector: AgentCollector | None = None
 
     def observe_inventory_read(self, seconds: float) -> None:
-        """Record one inventory read's duration (from the reading thread)."""
+        """Record one inventory read's duration (from the reading thread, when the read ends).
+
+        A read past the timeout is recorded with its true duration once it ends, not when the
+        heartbeat gives up on it: a hung read's duration is not known, and recording the
+        timeout instead would make a histogram of the setting rather than of NVML.
+        """
         self.inventory_read_seconds.labels(self.source).observe(seconds)
 
     def count_inventory_error(self) -> None:

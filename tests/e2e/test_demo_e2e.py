@@ -31,20 +31,24 @@ import aiohttp
 import pytest
 
 from tests.support import services
+from tests.support.other_user import NOBODY, copy_for
 from tests.support.ports import free_port
 from tests.support.services import REPO_ROOT, require_service
 
 DEMO = REPO_ROOT / "scripts" / "demo"
+DEMO_SCRIPTS = ("scripts",)
+"""What ``scripts/demo`` reads before it checks its ground: itself and the scripts it sources."""
 COLD_DEMO_S = 600
 """A cold scripts/demo builds the base and notebook images: about 3 min on a 2-core machine."""
 
 
-def run_demo(args: list[str], env: dict[str, str], timeout: float,
-             user: str | None = None) -> subprocess.CompletedProcess[str]:
-    command = ["bash", str(DEMO), *args]
+def run_demo(args: list[str], env: dict[str, str], timeout: float, user: int | None = None,
+             checkout: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
+    """``scripts/demo ARGS`` of ``checkout`` (as ``user``, a uid, when given)."""
+    command = ["bash", str(checkout / DEMO.relative_to(REPO_ROOT)), *args]
     if user is not None:
         command = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *command]
-    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL, check=False)
 
 
@@ -228,15 +232,20 @@ def test_a_taken_port_is_named_and_the_cli_demo_offered(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_without_root_the_hub_demo_says_so_and_offers_the_cli_demo(tmp_path: Path) -> None:
+def test_without_root_the_hub_demo_says_so_and_offers_the_cli_demo() -> None:
     if os.geteuid() != 0:
         require_service("another user (setpriv)", "running the demo as another user needs root")
-    state = tmp_path / "demo"
-    demo = run_demo([], demo_env(state, free_port()), timeout=60, user="65534")
-    assert demo.returncode == 1
+    # The checkout itself may be closed to other users (a clone in a 0700 folder): the
+    # unprivileged user runs a copy of what the check needs, in a folder it owns, so that the
+    # demo could make its state folder there if it went on.
+    with copy_for(NOBODY, DEMO_SCRIPTS) as checkout:
+        state = checkout / "demo"
+        demo = run_demo([], demo_env(state, free_port()), timeout=60, user=NOBODY,
+                        checkout=checkout)
+        assert not state.exists()
+    assert demo.returncode == 1, demo.stderr
     assert "needs root" in demo.stderr
     assert "--engine" in demo.stderr and "scripts/demo --cli" in demo.stderr
-    assert not state.exists()
 
 
 @pytest.mark.slow
