@@ -68,8 +68,16 @@ c.JupyterHub.authenticator_class = "hubplugin.login.AdminAuthorizedAuthenticator
 c.NativeAuthenticator.open_signup = False  # True would let in everyone who signs up
 c.NativeAuthenticator.minimum_password_length = 10
 c.NativeAuthenticator.check_common_password = True
-c.NativeAuthenticator.allowed_failed_logins = 10  # then a name is refused for a minute
-c.NativeAuthenticator.seconds_before_next_try = 60
+# Failed logins wait per name AND client address (a stranger guessing at "admin" cannot lock
+# the admin out): 3 free, then 2 s, doubling up to 15 min. Signups: 3 per address and 30 in
+# all per hour. NativeAuthenticator's own lockout (allowed_failed_logins, per name alone)
+# is not used.
+c.AdminAuthorizedAuthenticator.login_free_failures = 3
+c.AdminAuthorizedAuthenticator.login_first_wait_s = 2.0
+c.AdminAuthorizedAuthenticator.login_max_wait_s = 900.0
+c.AdminAuthorizedAuthenticator.signups_per_address = 3
+c.AdminAuthorizedAuthenticator.signups_in_total = 30
+c.AdminAuthorizedAuthenticator.signup_window_s = 3600.0
 # The first admin: an authorized account, made at the hub's first start (before anyone can
 # sign up) with the password in this secret; the admin may change it at
 # /hub/change-password. Further admins: an admin ticks "admin" on a user in /hub/admin.
