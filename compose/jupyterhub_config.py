@@ -68,8 +68,16 @@ c.JupyterHub.authenticator_class = "hubplugin.login.AdminAuthorizedAuthenticator
 c.NativeAuthenticator.open_signup = False  # True would let in everyone who signs up
 c.NativeAuthenticator.minimum_password_length = 10
 c.NativeAuthenticator.check_common_password = True
-c.NativeAuthenticator.allowed_failed_logins = 10  # then a name is refused for a minute
-c.NativeAuthenticator.seconds_before_next_try = 60
+# Failed logins wait per name AND client address (a stranger guessing at "admin" cannot lock
+# the admin out): 3 free, then 2 s, doubling up to 15 min. Signups: 3 per address and 30 in
+# all per hour. NativeAuthenticator's own lockout (allowed_failed_logins, per name alone)
+# is not used.
+c.AdminAuthorizedAuthenticator.login_free_failures = 3
+c.AdminAuthorizedAuthenticator.login_first_wait_s = 2.0
+c.AdminAuthorizedAuthenticator.login_max_wait_s = 900.0
+c.AdminAuthorizedAuthenticator.signups_per_address = 3
+c.AdminAuthorizedAuthenticator.signups_in_total = 30
+c.AdminAuthorizedAuthenticator.signup_window_s = 3600.0
 # The first admin: an authorized account, made at the hub's first start (before anyone can
 # sign up) with the password in this secret; the admin may change it at
 # /hub/change-password. Further admins: an admin ticks "admin" on a user in /hub/admin.
@@ -109,7 +117,8 @@ if (api_token := secret("swarm-gpu-hub-api-token")) is not None:
 # password) in a file, a Docker secret: SWARM_GPU_AMQP_URL_FILE=/run/secrets/hub-amqp-url.
 # The spawner and the GPU page read that file themselves, so the password is in no
 # environment variable of the hub or the page. SWARM_GPU_AMQP_URL (the URL itself) still
-# works, for a hub whose start script builds the URL from a password file.
+# works, for a hub whose start script builds the URL from a password file (the stack's); the
+# page then gets it in a file of its own (below), never in its environment.
 if amqp_url_file := os.environ.get("SWARM_GPU_AMQP_URL_FILE"):
     c.GPUSwarmSpawner.allocator_url_file = amqp_url_file
 else:
@@ -127,21 +136,45 @@ c.GPUSwarmSpawner.wait_s = float(os.environ.get("SWARM_GPU_WAIT_S", "300"))
 # guaranteed or borrowed, a pending reclaim and its deadline, the queue position); admins and
 # the groups in SWARM_GPU_PAGE_ADMIN_GROUPS see every GPU. A managed service: the hub starts
 # it (python -m hubplugin.page), routes /services/gpu/ to it and logs users in with OAuth.
-# It asks the allocator with the hub's broker user and keeps its own small SQLite file of
-# usage samples (SWARM_GPU_PAGE_HISTORY_PATH; in the hub's data volume in the stack).
-# Every SWARM_GPU_PAGE_* variable of the hub is passed on (hubplugin/page/settings.py).
+# It asks the allocator (its inventory, over the broker) with the hub's broker user and keeps
+# its own small SQLite file of usage samples (SWARM_GPU_PAGE_HISTORY_PATH; in the hub's data
+# volume in the stack). Every SWARM_GPU_PAGE_* variable of the hub is passed on
+# (hubplugin/page/settings.py) but the broker URL: the page gets only the name of a file
+# that holds it (SWARM_GPU_PAGE_AMQP_URL_FILE), since a service's environment is handed on to
+# whatever it runs and shows in crash reports.
+
+
+def private_file(text: str, name: str) -> str:
+    """A new file ``name`` holding ``text``, readable by the hub's user only (mode 0600, in a
+    0700 folder of its own, made with O_EXCL), removed when the hub exits; its path."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="swarm-gpu-hub-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = os.path.join(folder, name)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(text + "\n")
+    return path
+
+
+# The page's broker URL: its own file if the hub names one, else the spawner's file, else the
+# URL (the page's own SWARM_GPU_PAGE_AMQP_URL, or the spawner's) written into a private file.
+page_url_file = (os.environ.get("SWARM_GPU_PAGE_AMQP_URL_FILE") or amqp_url_file
+                 or private_file(os.environ.get("SWARM_GPU_PAGE_AMQP_URL")
+                                 or c.GPUSwarmSpawner.allocator_url, "amqp-url"))
 services.append({
     "name": "gpu",
     "url": os.environ.get("SWARM_GPU_PAGE_URL", "http://127.0.0.1:10101"),
     "command": [sys.executable, "-m", "hubplugin.page"],
     "oauth_no_confirm": True,  # a page of the hub itself: no "authorize this service" step
     "environment": {
-        # the same broker URL as the spawner's: the file's name, else the URL itself
-        **({"SWARM_GPU_PAGE_AMQP_URL_FILE": amqp_url_file} if amqp_url_file
-           else {"SWARM_GPU_PAGE_AMQP_URL": c.GPUSwarmSpawner.allocator_url}),
         "SWARM_GPU_PAGE_HUB_ID": c.GPUSwarmSpawner.hub_id,
         "SWARM_GPU_PAGE_ADMIN_GROUPS": "staff",
-        **{k: v for k, v in os.environ.items() if k.startswith("SWARM_GPU_PAGE_")},
+        **{k: v for k, v in os.environ.items()
+           if k.startswith("SWARM_GPU_PAGE_") and k != "SWARM_GPU_PAGE_AMQP_URL"},
+        "SWARM_GPU_PAGE_AMQP_URL_FILE": page_url_file,
     },
 })
 # Every user may open it (the default role "user" has only "self").

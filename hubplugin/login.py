@@ -21,35 +21,63 @@ never grants anything by itself:
 
 Its login form is :class:`NativeLoginHandler`: NativeAuthenticator 1.3's own handler fails
 every login on JupyterHub 6 (it times the login with JupyterHub's statsd client, which
-JupyterHub 6 removed). Authorizing and discarding an account are plain links
-(``/hub/authorize/<name>``, ``/hub/discard/<name>``), which a browser follows without the
-hub's XSRF check: :class:`FromTheAuthorizePage` takes them only from the list at
-``/hub/authorize`` itself, so an image in a notebook or a link elsewhere that an admin opens
-cannot authorize an account.
+JupyterHub 6 removed). Failed logins are counted per name **and** client address, each try
+beyond the first few waiting twice as long as the last (:mod:`hubplugin.login_throttle`), so
+a stranger guessing at ``admin`` cannot lock the admin out; NativeAuthenticator's own
+lockout, per name alone, is not used. Signups are limited per client address and in total
+(:class:`SignupHandler`).
+
+Authorizing and discarding an account are forms at ``/hub/authorize`` that POST with the
+hub's XSRF token (:class:`ToggleAuthorizationHandler`, :class:`DiscardHandler`); a GET of
+``/hub/authorize/<name>`` or ``/hub/discard/<name>``, which an image in a notebook or a link
+elsewhere that an admin opens would send, changes nothing (405).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import bcrypt
+from jinja2 import ChoiceLoader, FileSystemLoader
 from jupyterhub.handlers import BaseHandler
 from nativeauthenticator import NativeAuthenticator
 from nativeauthenticator import handlers as native_handlers
 from nativeauthenticator.orm import UserInfo
 from tornado import web
-from traitlets import Unicode
+from traitlets import Float, Int, Unicode
+
+from hubplugin.login_throttle import LoginBackoff, SignupThrottle
 
 __all__ = [
     "AdminAuthorizedAuthenticator",
+    "AuthorizationAreaHandler",
     "DiscardHandler",
     "FirstAdminError",
-    "FromTheAuthorizePage",
     "NativeLoginHandler",
+    "SignupHandler",
     "ToggleAuthorizationHandler",
 ]
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+AUTHORIZATION_TEMPLATE = "swarm-gpu-authorization-area.html"
+"""The list at ``/hub/authorize`` with a form per change (a name of its own, so no other
+template path can shadow it)."""
+
+
+def client_address(handler: Any) -> str:
+    """The client's address as the hub sees it (behind its proxy: the proxy's
+    ``X-Forwarded-For``, as JupyterHub reads it)."""
+    return str(getattr(getattr(handler, "request", None), "remote_ip", "") or "")
+
+
+def in_words(wait_s: float) -> str:
+    """``wait_s`` rounded up, for a person: ``"5 s"``, ``"3 min"``."""
+    if wait_s < 120:
+        return f"{math.ceil(wait_s)} s"
+    return f"{math.ceil(wait_s / 60)} min"
 
 
 class FirstAdminError(ValueError):
@@ -66,6 +94,13 @@ class NativeLoginHandler(native_handlers.LoginHandler):  # type: ignore[misc]
                 for name in self.request.body_arguments if name != "_xsrf"}
         data.setdefault("username", "")
         data.setdefault("password", "")
+        wait_s = self.authenticator.login_wait_s(data["username"], client_address(self))
+        if wait_s > 0:
+            self.set_status(429)
+            self.finish(await self._render(
+                login_error=f"Too many failed logins for this name from your address: try "
+                f"again in {in_words(wait_s)}.", username=data["username"]))
+            return
         user = await self.login_user(data)
         if user:
             self._jupyterhub_user = user
@@ -86,42 +121,79 @@ class NativeLoginHandler(native_handlers.LoginHandler):  # type: ignore[misc]
         return BaseHandler.render_template(self, name, **namespace)
 
 
-class FromTheAuthorizePage:
-    """A link of the list at ``/hub/authorize`` that changes an account: taken only when the
-    browser came from that list on this hub (its ``Referer``; browsers send the full address
-    within one origin). The admin's login is checked by the handler, as before."""
+class SignupHandler(native_handlers.SignUpHandler):  # type: ignore[misc]
+    """``/hub/signup``, at most so many signups per client address and in total
+    (:class:`hubplugin.login_throttle.SignupThrottle`); more get status 429 and the time to
+    wait."""
 
-    request: Any
-    hub: Any
+    async def post(self) -> None:
+        """Sign up, unless this address (or everyone together) signed up too often."""
+        if not self.authenticator.enable_signup:
+            raise web.HTTPError(404)
+        address = client_address(self)
+        now = time.monotonic()
+        wait_s = self.authenticator.signup_throttle.wait_s(address, now)
+        if wait_s > 0:
+            self.set_status(429)
+            self.finish(await self.render_template(
+                "signup.html", ask_email=self.authenticator.ask_email_on_signup,
+                result_message=f"Too many signups: try again in {in_words(wait_s)}.",
+                alert="alert-danger", two_factor_auth=self.authenticator.allow_2fa,
+                recaptcha_key=self.authenticator.recaptcha_key, tos=self.authenticator.tos))
+            return
+        self.authenticator.signup_throttle.signed_up(address, now)
+        await super().post()
 
-    def prepare_from_the_authorize_page(self) -> None:
-        came_from = urlsplit(self.request.headers.get("Referer", ""))
-        if (came_from.netloc != self.request.host
-                or came_from.path != self.hub.base_url + "authorize"):
-            raise web.HTTPError(
-                403, "Authorize or discard an account from the list at /hub/authorize")
+
+class AuthorizationAreaHandler(native_handlers.AuthorizationAreaHandler):  # type: ignore[misc]
+    """``/hub/authorize``: the list of accounts, each change a form that POSTs with the hub's
+    XSRF token (:data:`AUTHORIZATION_TEMPLATE`)."""
+
+    _templates_added = False
+
+    def initialize(self, *args: Any, **kwargs: Any) -> None:
+        super().initialize(*args, **kwargs)
+        if not AuthorizationAreaHandler._templates_added:
+            # After the hub's own paths, as NativeAuthenticator adds its folder: the
+            # template's name is this module's own, so nothing else answers to it.
+            env = self.settings["jinja2_env"]
+            env.loader = ChoiceLoader([env.loader, FileSystemLoader([str(TEMPLATES)])])
+            AuthorizationAreaHandler._templates_added = True
+
+    @native_handlers.admin_users_scope  # type: ignore[untyped-decorator]
+    async def get(self) -> None:
+        """The list, with a form per account."""
+        self.finish(await self.render_template(
+            AUTHORIZATION_TEMPLATE, ask_email=self.authenticator.ask_email_on_signup,
+            users=self.db.query(UserInfo).all()))
 
 
-class ToggleAuthorizationHandler(FromTheAuthorizePage,
-                                 native_handlers.ToggleAuthorizationHandler):  # type: ignore[misc]
-    """``/hub/authorize/<name>``: authorize the account, or take the authorization back."""
+class ToggleAuthorizationHandler(native_handlers.ToggleAuthorizationHandler):  # type: ignore[misc]
+    """``POST /hub/authorize/<name>``: authorize the account, or take the authorization back.
+    The hub checks the POST's XSRF token before this runs; a GET changes nothing."""
 
-    async def prepare(self) -> None:
-        await super().prepare()
-        self.prepare_from_the_authorize_page()
+    async def get(self, slug: str) -> None:
+        """Refused: a link must not change an account."""
+        raise web.HTTPError(405, "Authorize an account with the form at /hub/authorize")
+
+    post = native_handlers.ToggleAuthorizationHandler.get
 
 
-class DiscardHandler(FromTheAuthorizePage,
-                     native_handlers.DiscardHandler):  # type: ignore[misc]
-    """``/hub/discard/<name>``: delete an account no admin authorized, freeing its name."""
+class DiscardHandler(native_handlers.DiscardHandler):  # type: ignore[misc]
+    """``POST /hub/discard/<name>``: delete an account no admin authorized, freeing its name.
+    The hub checks the POST's XSRF token before this runs; a GET changes nothing."""
 
-    async def prepare(self) -> None:
-        await super().prepare()
-        self.prepare_from_the_authorize_page()
+    async def get(self, user_name: str) -> None:
+        """Refused: a link must not delete an account."""
+        raise web.HTTPError(405, "Discard an account with the form at /hub/authorize")
+
+    post = native_handlers.DiscardHandler.get
 
 
 REPLACED_HANDLERS: dict[str, type] = {
     r"/login": NativeLoginHandler,
+    r"/signup": SignupHandler,
+    r"/authorize": AuthorizationAreaHandler,
     r"/authorize/([^/]*)": ToggleAuthorizationHandler,
     r"/discard/([^/]*)": DiscardHandler,
 }
@@ -144,9 +216,53 @@ class AdminAuthorizedAuthenticator(NativeAuthenticator):  # type: ignore[misc]
         added to admin_users. Empty: no account is made, and an admin must be made another way.""",
     )
 
+    login_free_failures = Int(
+        3, config=True,
+        help="Failed logins in a row, per name and client address, that cost no wait.")
+    login_first_wait_s = Float(
+        2.0, config=True,
+        help="The wait after the first failed login beyond login_free_failures (per name and "
+        "client address); each further failure doubles it.")
+    login_max_wait_s = Float(
+        900.0, config=True, help="The longest wait between two logins of one name from one "
+        "address.")
+    signups_per_address = Int(
+        3, config=True, help="Signups one client address may make in signup_window_s.")
+    signups_in_total = Int(
+        30, config=True, help="Signups all addresses together may make in signup_window_s.")
+    signup_window_s = Float(3600.0, config=True, help="The window of the signup limits.")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.login_backoff = LoginBackoff(
+            free_failures=self.login_free_failures, first_wait_s=self.login_first_wait_s,
+            max_wait_s=self.login_max_wait_s)
+        self.signup_throttle = SignupThrottle(
+            per_address=self.signups_per_address, in_total=self.signups_in_total,
+            window_s=self.signup_window_s)
         self.make_first_admin()
+
+    def login_wait_s(self, username: str, address: str) -> float:
+        """Seconds until ``address`` may try to log in as ``username`` again."""
+        return self.login_backoff.wait_s(self.normalize_username(username), address,
+                                         time.monotonic())
+
+    async def authenticate(self, handler: Any, data: dict[str, Any]) -> str | None:
+        """The account's name when its password (and second factor) is right and an admin
+        authorized it; a failure, for a name with or without an account, counts against that
+        name from the client's address only (:class:`LoginBackoff`)."""
+        username = self.normalize_username(data["username"])
+        address = client_address(handler)
+        now = time.monotonic()
+        if self.login_backoff.wait_s(username, address, now) > 0:
+            return None
+        user = self.get_user(username)
+        if user is not None and user.is_authorized and user.is_valid_password(
+                data["password"]) and (not user.has_2fa or user.is_valid_token(data.get("2fa"))):
+            self.login_backoff.succeeded(username, address)
+            return str(username)
+        self.login_backoff.failed(username, address, now)
+        return None
 
     def make_first_admin(self) -> None:
         """Make the first admin's authorized account from its password file, once."""

@@ -35,12 +35,48 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+"""What a spreadsheet takes a cell for a formula by when the cell starts with it (OWASP, "CSV
+Injection"): a user name such as ``=HYPERLINK(...)`` would run when an admin opens the
+export."""
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` as a CSV cell that no spreadsheet runs as a formula: text that starts with
+    one of :data:`FORMULA_STARTS` gets a ``'`` in front (OWASP's advice; the spreadsheet
+    shows the text as it was), anything else is left as it is. Only text: a number, a
+    negative one included, stays a number."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
 def write_csv(out: TextIO, names: Sequence[str], rows: Iterable[Sequence[Any]],
               progress: ProgressCallback | None = None) -> int:
-    """CSV with a header row. Lists and objects stay as their JSON text; None is empty."""
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(names)
-    return _counted(rows, writer.writerow, progress)
+    """CSV with a header row. Lists and objects stay as their JSON text; None is empty; every
+    cell passes through :func:`csv_cell`."""
+    writer = csv.writer(_RowsEndInNewline(out), lineterminator="\r\n")
+    writer.writerow([csv_cell(name) for name in names])
+
+    def write_row(row: Sequence[Any]) -> None:
+        writer.writerow(map(csv_cell, row))
+
+    return _counted(rows, write_row, progress)
+
+
+class _RowsEndInNewline:
+    """A file for :class:`csv.writer` whose rows end in ``\\r\\n``, written with ``\\n``.
+
+    Why: the csv module quotes a cell with a carriage return only when its line terminator
+    holds one; with ``\\n`` alone a user name with a CR came out bare, and split its row in
+    two for every reader. Each row is one ``write`` call, so its last two characters are the
+    terminator."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+
+    def write(self, row: str) -> int:
+        return self._out.write(row[:-2] + "\n" if row.endswith("\r\n") else row)
 
 
 def write_ndjson(out: TextIO, names: Sequence[str], rows: Iterable[Sequence[Any]],

@@ -185,8 +185,11 @@ def _parser() -> argparse.ArgumentParser:
     take = commands.add_parser(
         "backup", help="copy the ledger, consistent, while the allocator writes",
         description="SQLite's online backup of the ledger into PATH (a file, or a folder for "
-                    "ledger-<UTC time>.sqlite), as of one commit, with its ledger log position.")
-    take.add_argument("path", type=Path, metavar="PATH")
+                    "ledger-<UTC time>.sqlite: one that exists, or a path ending in / that is "
+                    "made), as of one commit, with its ledger log position; readable by its "
+                    "owner only (mode 0600).")
+    # str, not Path: Path drops the trailing "/" that says PATH is a folder
+    take.add_argument("path", metavar="PATH")
     ledger_option(take)
     take.add_argument("--force", action="store_true", help="replace PATH if it exists")
 

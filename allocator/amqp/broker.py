@@ -26,6 +26,12 @@ puts the one into the other, so a URL naming several nodes carries them to each.
 (:func:`plaintext_warning`), and a connection that TLS refused says why in one line
 (:func:`connection_failure`).
 
+Every ``amqps://`` connection uses a context made here (:func:`tls_context`), not aiormq's
+own: TLS 1.2 or newer (:data:`MINIMUM_TLS`), the broker's certificate checked against the CA
+and for the URL's host name. aiormq's ``no_verify_ssl`` query parameter, which turns that
+check off, is refused (:func:`check_tls_parameters`) unless the process's environment says
+:data:`INSECURE_NO_VERIFY_ENV` ``=1``, and then every start logs a warning.
+
 A connection the broker refused (its TLS, the login, the vhost, the user's permissions) is
 worded here once for every process (:func:`refusal`, :func:`start_failure`): the allocator's
 start and a node agent's log say the same line for the same mistake.
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import ipaddress
 import logging
@@ -163,6 +170,93 @@ def broker_address(amqp_url: str) -> str:
 TLS_QUERY = {"cafile": "amqp_ca_file", "certfile": "amqp_cert_file", "keyfile": "amqp_key_file"}
 """The URL's TLS query parameters (what aiormq reads), each with the setting that names it."""
 
+MINIMUM_TLS = ssl.TLSVersion.TLSv1_2
+"""The oldest TLS version a client offers or accepts: TLS 1.0 and 1.1 are deprecated (RFC
+8996); the shipped broker configuration allows 1.2 and 1.3 only, too."""
+
+INSECURE_NO_VERIFY_ENV = "SWARM_GPU_AMQP_INSECURE_SKIP_TLS_VERIFY"
+"""The environment variable that, set to ``1``, lets a broker URL's ``no_verify_ssl=1`` turn
+off the check of the broker's certificate (a test broker with a certificate nobody signed).
+Anyone who can reach the network path can then read and change every message and password."""
+
+NO_VERIFY_PARAMETER = "no_verify_ssl"
+"""aiormq's URL parameter that turns off the check of the broker's certificate (any value but
+``0`` does, ``no_verify_ssl=false`` included)."""
+
+UNREAD_TLS_PARAMETERS = ("verify", "verify_ssl", "ssl_verify", "check_hostname", "cert_reqs",
+                         "ssl_version", "ssl_options")
+"""URL parameters that look as if they set how TLS is checked, but that no client here reads:
+refused, so that nobody believes a URL with ``verify=0`` (or ``verify=1``) does what it says."""
+
+
+class InsecureTLSError(ValueError):
+    """A broker URL that would turn off, or seem to change, the check of the broker's TLS
+    certificate. Its message begins with :data:`INSECURE_TLS_CODE`."""
+
+
+INSECURE_TLS_CODE = "insecure-broker-tls"
+"""The stable code at the start of :class:`InsecureTLSError`'s message."""
+
+
+def insecure_no_verify_allowed(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether :data:`INSECURE_NO_VERIFY_ENV` is ``1`` in ``environ`` (the process's)."""
+    return (os.environ if environ is None else environ).get(INSECURE_NO_VERIFY_ENV) == "1"
+
+
+def check_tls_parameters(amqp_url: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Raise :class:`InsecureTLSError`, in one line, for a URL parameter that would turn off
+    the check of the broker's certificate (``no_verify_ssl`` other than ``0``, unless
+    :func:`insecure_no_verify_allowed`) or that looks like a TLS switch no client reads
+    (:data:`UNREAD_TLS_PARAMETERS`). Returns whether the URL turns the check off (allowed).
+    """
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(amqp_url).query,
+                                  keep_blank_values=True)
+    unread = [key for key in UNREAD_TLS_PARAMETERS if key in query]
+    if unread:
+        raise InsecureTLSError(
+            f"{INSECURE_TLS_CODE}: the broker URL {redact(amqp_url)} has {', '.join(unread)}, "
+            "which no swarm-gpu client reads: the broker's certificate is always checked "
+            "(TLS 1.2 or newer, against amqp_ca_file, for the URL's host); remove it")
+    values = query.get(NO_VERIFY_PARAMETER, [])
+    if all(value == "0" for value in values):
+        return False
+    if insecure_no_verify_allowed(environ):
+        return True
+    raise InsecureTLSError(
+        f"{INSECURE_TLS_CODE}: the broker URL {redact(amqp_url)} has "
+        f"{NO_VERIFY_PARAMETER}={values[-1]}, which turns off the check of the broker's TLS "
+        "certificate (anyone on the way could read the password and every message): remove "
+        f"it and set amqp_ca_file to the CA that signed the broker's certificate; only a "
+        f"test setup may allow it, with {INSECURE_NO_VERIFY_ENV}=1 in the environment")
+
+
+def tls_context(amqp_url: str) -> ssl.SSLContext | None:
+    """The TLS context of a connection to ``amqp_url``: None for ``amqp://``; for
+    ``amqps://`` the URL's CA (``cafile``, ``capath`` or ``cadata``; else the system's) and
+    client certificate (``certfile``, ``keyfile``), TLS :data:`MINIMUM_TLS` or newer, the
+    broker's certificate and host name checked (unless :func:`check_tls_parameters` allows
+    otherwise). Raises :class:`InsecureTLSError` as that function, OSError or ssl.SSLError
+    for a file it cannot load.
+    """
+    parts = urllib.parse.urlsplit(amqp_url)
+    if parts.scheme != "amqps":
+        return None
+    no_verify = check_tls_parameters(amqp_url)
+    query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    cadata = query.get("cadata")
+    context = ssl.create_default_context(
+        ssl.Purpose.SERVER_AUTH, cafile=query.get("cafile") or None,
+        capath=query.get("capath") or None,
+        # aiormq's cadata is base64 of the DER certificates
+        cadata=base64.b64decode(cadata) if cadata else None)
+    context.minimum_version = MINIMUM_TLS
+    if query.get("certfile"):
+        context.load_cert_chain(query["certfile"], query.get("keyfile") or None)
+    if no_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
 
 def with_tls(amqp_url: str, *, ca_file: str | Path | None = None,
              cert_file: str | Path | None = None, key_file: str | Path | None = None) -> str:
@@ -171,9 +265,12 @@ def with_tls(amqp_url: str, *, ca_file: str | Path | None = None,
 
     Without any file it is ``amqp_url`` as it is. Raises ValueError, in one line, when a file
     is given for a plain ``amqp://`` URL (its traffic would not be encrypted at all), or when
-    the URL names another file for the same parameter. Giving the same file twice is fine (a
-    setting read again).
+    the URL names another file for the same parameter; :class:`InsecureTLSError` for a URL
+    that turns off the check of the broker's certificate (:func:`check_tls_parameters`:
+    every client's URL passes through here when its settings are read). Giving the same file
+    twice is fine (a setting read again).
     """
+    check_tls_parameters(amqp_url)
     given = {key: str(value) for key, value in
              (("cafile", ca_file), ("certfile", cert_file), ("keyfile", key_file))
              if value is not None and str(value) != ""}
@@ -259,14 +356,25 @@ def plaintext_warning(amqp_url: str) -> str | None:
             "amqps:// with amqp_ca_file (docs/operations.md, TLS to the broker)")
 
 
+def no_verify_warning(amqp_url: str) -> str | None:
+    """The warning an allowed ``no_verify_ssl`` deserves (:func:`check_tls_parameters`);
+    None when the URL checks the broker's certificate. Pure but for the environment."""
+    if urllib.parse.urlsplit(amqp_url).scheme != "amqps" or not check_tls_parameters(amqp_url):
+        return None
+    return (f"the broker URL {redact(amqp_url)} has {NO_VERIFY_PARAMETER} and "
+            f"{INSECURE_NO_VERIFY_ENV}=1 allows it: the broker's TLS certificate is NOT "
+            "checked, so anyone on the way can read the password and every message; give "
+            "the clients the broker's CA (amqp_ca_file) and remove both")
+
+
 _warned_plaintext: set[str] = set()
 
 
 def warn_if_plaintext(amqp_url: str) -> None:
-    """Log :func:`plaintext_warning` once per process and broker address (the first
-    connection of each process that connects, through :func:`connect` and
-    :func:`connect_robust`)."""
-    warning = plaintext_warning(amqp_url)
+    """Log :func:`plaintext_warning` or :func:`no_verify_warning` once per process and broker
+    address (the first connection of each process that connects, through :func:`connect`
+    and :func:`connect_robust`: every start)."""
+    warning = plaintext_warning(amqp_url) or no_verify_warning(amqp_url)
     address = broker_address(amqp_url)
     if warning is not None and address not in _warned_plaintext:
         _warned_plaintext.add(address)
@@ -308,10 +416,16 @@ def connection_failure(exc: BaseException, amqp_url: str = "") -> str:
     return tls_failure(exc, amqp_url) or str(exc) or type(exc).__name__
 
 
+HOST_MISMATCH_CODES = (62, 64)
+"""OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH: a certificate
+the CA signed, for another name."""
+
+
 def tls_failure(exc: BaseException, amqp_url: str = "") -> str | None:
     """What TLS refused, in words, when that is why ``exc`` (a failed connection attempt to
     ``amqp_url``, or what it was raised from) happened: the broker's certificate not
-    trusted, this client's certificate refused or missing, TLS against a port that does not
+    trusted or for another host name, this client's certificate refused or missing, a TLS
+    version one side does not speak, TLS against a port that does not
     speak it; else None."""
     seen: list[BaseException] = []
     cause: BaseException | None = exc
@@ -319,6 +433,13 @@ def tls_failure(exc: BaseException, amqp_url: str = "") -> str | None:
         seen.append(cause)
         cause = cause.__cause__ or cause.__context__
     for error in seen:
+        if isinstance(error, ssl.SSLCertVerificationError) \
+                and error.verify_code in HOST_MISMATCH_CODES:
+            host = urllib.parse.urlsplit(amqp_url).hostname if amqp_url else None
+            named = f"the host {host} of the URL" if host else "the host of the URL"
+            return (f"the broker's TLS certificate does not name {named} "
+                    f"({error.verify_message}): connect with a name the certificate holds, "
+                    "or give the broker a certificate for this name")
         if isinstance(error, ssl.SSLCertVerificationError):
             return (f"the broker's TLS certificate is not trusted ({error.verify_message}): "
                     "amqp_ca_file must be the CA that signed it, and the certificate must "
@@ -329,6 +450,11 @@ def tls_failure(exc: BaseException, amqp_url: str = "") -> str | None:
                     or "UNKNOWN_CA" in reason:
                 return ("the broker refused this client's TLS certificate (or got none): set "
                         "amqp_cert_file and amqp_key_file to a certificate its CA signed")
+            if "UNSUPPORTED_PROTOCOL" in reason or "PROTOCOL_VERSION" in reason \
+                    or "NO_PROTOCOLS_AVAILABLE" in reason:
+                return ("the broker offers only a TLS version older than 1.2, which this "
+                        "client refuses: allow TLS 1.2 and 1.3 at the broker "
+                        "(ssl_options.versions in rabbitmq.conf)")
             if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
                 return ("the broker did not answer TLS on that port: amqps:// needs the "
                         "broker's TLS port (5671 by default)")
@@ -493,6 +619,8 @@ async def connect_robust(amqp_url: str, **kwargs: Any) -> aio_pika.abc.AbstractR
     urls = broker_urls(amqp_url)
     if len(urls) > 1:
         kwargs.setdefault("reconnect_interval", FAILOVER_RECONNECT_S)
+    # One context for every node: the host name each is checked for is its own URL's.
+    kwargs.setdefault("ssl_context", tls_context(amqp_url))
     if len(urls) == 1:
         kwargs.setdefault("connection_class", _ClosedWhenItFailsRobustConnection)
         robust: aio_pika.abc.AbstractRobustConnection = await aio_pika.connect_robust(
@@ -526,7 +654,8 @@ async def open_connection(url: str, timeout: TimeoutType = None,  # noqa: ASYNC1
     coroutine that is never awaited (a warning at an arbitrary later moment)."""
     extra: dict[str, Any] = {} if client_properties is None \
         else {"client_properties": client_properties}
-    connection = aio_pika.Connection(aio_pika.connection.make_url(url), **extra)
+    connection = aio_pika.Connection(aio_pika.connection.make_url(url),
+                                     ssl_context=tls_context(url), **extra)
     try:
         await connection.connect(timeout=timeout)
     except BaseException:

@@ -4,7 +4,11 @@ A backup is taken with SQLite's online backup API while the allocator writes: on
 copies every page inside one read transaction, so the copy is the ledger as of one commit
 (in WAL mode the reader neither waits for nor blocks the writer). It is one self-contained
 file (journal mode DELETE, no ``-wal``), checked with ``PRAGMA integrity_check``, and
-appears under its name only when complete. It records, as an event ``ledger_backup`` of its
+appears under its name only when complete. The backup holds every lease and user name: it is
+readable by its owner only (mode 0600, whatever the umask), and it is written into a file of
+a name nobody can guess, made for it (``O_EXCL``) in the target's folder and renamed into
+place, so a file or a link someone planted in a shared folder is never written through nor
+removed. It records, as an event ``ledger_backup`` of its
 own, when it was taken, from where, and the ledger log position it holds (a ledger keeps its
 position in the replicated log in its table ``log_position``, which the copy carries as of
 the same commit as everything else).
@@ -24,6 +28,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -84,12 +89,37 @@ def stamp(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
-def backup(ledger: Path, target: Path, *, now: float, overwrite: bool = False,
+TARGET_ERRORS = ("SQLITE_CANTOPEN", "SQLITE_READONLY", "SQLITE_FULL", "SQLITE_IOERR",
+                 "SQLITE_PERM")
+"""SQLite's errors that, met while the copy is written, are the target's fault (its folder,
+its disk), not the source ledger's."""
+
+
+def backup_path(target: Path | str, *, now: float) -> Path:
+    """Where ``gpu-ledger backup TARGET`` writes: ``TARGET/ledger-<stamp>.sqlite`` when
+    TARGET is a folder, or names one by ending in ``/`` (a folder made for it, its parent
+    must exist); else TARGET itself."""
+    text = str(target)
+    folder = Path(text)
+    if folder.is_dir() or text.endswith(("/", os.sep)):
+        return folder / f"ledger-{stamp(now)}.sqlite"
+    return folder
+
+
+def backup(ledger: Path, target: Path | str, *, now: float, overwrite: bool = False,
            busy_timeout_s: float = 5.0) -> BackupInfo:
     """Copy ``ledger`` to ``target`` (a file, or a folder to put ``ledger-<stamp>.sqlite``
-    in) while its allocator may be writing; returns what the backup holds."""
-    if target.is_dir():
-        target = target / f"ledger-{stamp(now)}.sqlite"
+    in: :func:`backup_path`) while its allocator may be writing; returns what the backup
+    holds. :class:`LedgerError` names the target and why when it cannot be written, the
+    ledger when it cannot be read."""
+    named_folder = str(target).endswith(("/", os.sep))
+    target = backup_path(target, now=now)
+    if named_folder and not target.parent.exists() and target.parent.parent.is_dir():
+        try:
+            target.parent.mkdir(mode=0o700)
+        except OSError as exc:
+            raise LedgerError(f"cannot make the folder {target.parent} for the backup: "
+                              f"{exc.strerror or exc}") from exc
     if not target.parent.is_dir():
         raise LedgerError(f"no folder {target.parent} to put the backup in")
     if target.exists() and not overwrite:
@@ -97,29 +127,75 @@ def backup(ledger: Path, target: Path, *, now: float, overwrite: bool = False,
     if ledger.exists() and target.exists() and target.samefile(ledger):
         raise LedgerError(f"{target} is the ledger itself")
     source = reports.open_readonly(ledger, busy_timeout_s=busy_timeout_s)
-    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
-        _copy(source, partial, ledger)
-        with contextlib.closing(sqlite3.connect(partial)) as copy:
-            position = _position(copy)
-            detail: dict[str, object] = {"source": str(ledger.resolve()),
-                                         "why": "taken by gpu-ledger backup"}
-            if position is not None:
-                detail.update(log_id=position.log_id, log_offset=position.offset,
-                              entry_id=position.entry_id, epoch=position.epoch)
-            with copy:
-                copy.execute("INSERT INTO events (at, kind, detail) VALUES (?, ?, ?)",
-                             (now, BACKUP_EVENT, json.dumps(detail)))
-            _integrity_check(copy, ledger)
-        _sync(partial)
-        os.replace(partial, target)
-        _sync(target.parent)
-    except sqlite3.Error as exc:
-        raise reports.ledger_error(ledger, exc) from exc
+        partial = _new_file(target, "partial", "the backup")
+        try:
+            _copy(source, partial, ledger, written=target)
+            with contextlib.closing(sqlite3.connect(partial)) as copy:
+                position = _position(copy)
+                detail: dict[str, object] = {"source": str(ledger.resolve()),
+                                             "why": "taken by gpu-ledger backup"}
+                if position is not None:
+                    detail.update(log_id=position.log_id, log_offset=position.offset,
+                                  entry_id=position.entry_id, epoch=position.epoch)
+                with copy:
+                    copy.execute("INSERT INTO events (at, kind, detail) VALUES (?, ?, ?)",
+                                 (now, BACKUP_EVENT, json.dumps(detail)))
+                _integrity_check(copy, ledger)
+            _sync(partial)
+            _put_in_place(partial, target, overwrite=overwrite)
+            _sync(target.parent)
+        except sqlite3.Error as exc:
+            raise _write_error(exc, target, ledger) from exc
+        except OSError as exc:
+            raise LedgerError(f"cannot write the backup {target}: "
+                              f"{exc.strerror or exc}") from exc
+        finally:
+            partial.unlink(missing_ok=True)
     finally:
         source.close()
-        partial.unlink(missing_ok=True)
     return inspect(target)
+
+
+def _new_file(beside: Path, what: str, role: str) -> Path:
+    """A new, empty file of a name nobody can guess in ``beside``'s folder, made with
+    ``O_EXCL`` and mode 0600 (``mkstemp``): SQLite then opens a file that is this process's
+    own, never one a name planted in a shared folder leads to. ``role`` names the file in
+    the error (:class:`LedgerError`) that says why it cannot be made."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{beside.name}.{what}-", dir=beside.parent)
+    except OSError as exc:
+        raise LedgerError(f"cannot write {role} {beside}: {exc.strerror or exc}") from exc
+    os.close(fd)
+    return Path(name)
+
+
+def _put_in_place(partial: Path, target: Path, *, overwrite: bool) -> None:
+    """Rename ``partial`` to ``target`` at once; without ``overwrite`` a file that appeared
+    at ``target`` meanwhile is kept and refused (a hard link, which never replaces)."""
+    if overwrite:
+        os.replace(partial, target)
+        return
+    try:
+        os.link(partial, target)
+    except FileExistsError as exc:
+        raise LedgerError(f"{target} exists; give another path, or --force to replace "
+                          "it") from exc
+    except OSError:
+        # A filesystem without hard links: the check above has to do.
+        if target.exists():
+            raise LedgerError(f"{target} exists; give another path, or --force to replace "
+                              "it") from None
+        os.replace(partial, target)
+
+
+def _write_error(exc: sqlite3.Error, target: Path, ledger: Path) -> LedgerError:
+    """An SQLite error of a backup: the target's when it is of writing (:data:`TARGET_ERRORS`),
+    else the source ledger's (:func:`allocator.admin.reports.ledger_error`)."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    if name.startswith(TARGET_ERRORS):
+        return LedgerError(f"cannot write the backup {target}: {exc}")
+    return reports.ledger_error(ledger, exc)
 
 
 def inspect(path: Path) -> BackupInfo:
@@ -156,15 +232,24 @@ def restore(source: Path, ledger: Path, *, new_log: bool, now: float) -> Restore
         raise LedgerError(f"{source} is the ledger itself")
     ledger.parent.mkdir(parents=True, exist_ok=True)
     lock = LedgerLock.take(ledger, exclusive=True)
-    partial = ledger.with_name(f".{ledger.name}.restoring-{os.getpid()}")
+    try:
+        partial = _new_file(ledger, "restoring", "the restored ledger")
+    except BaseException:
+        lock.release()
+        raise
     try:
         # The new file first, complete and synced, so the ledger is missing only between
         # two renames.
         backup_conn = reports.open_readonly(source)
         try:
-            _copy(backup_conn, partial, source)
+            _copy(backup_conn, partial, source, written=ledger)
         finally:
             backup_conn.close()
+        if ledger.exists():  # the restored ledger is the allocator's as the one it replaces
+            kept = ledger.stat()
+            os.chmod(partial, kept.st_mode & 0o7777)
+            with contextlib.suppress(PermissionError):  # only root may give it away
+                os.chown(partial, kept.st_uid, kept.st_gid)
         cleared = False
         with contextlib.closing(sqlite3.connect(partial)) as copy:
             position = _position(copy)
@@ -193,9 +278,12 @@ def restore(source: Path, ledger: Path, *, new_log: bool, now: float) -> Restore
                          position_cleared=cleared)
 
 
-def _copy(source: sqlite3.Connection, target: Path, name: Path) -> None:
-    """The whole of ``source`` into a new file ``target``, as of one commit."""
-    target.unlink(missing_ok=True)
+def _copy(source: sqlite3.Connection, target: Path, name: Path, *, written: Path) -> None:
+    """The whole of ``source`` (the ledger ``name``) into ``target``, an empty file of this
+    process's own (:func:`_new_file`), as of one commit; ``written`` is where it goes, for
+    errors."""
+    if target.stat().st_size != 0:
+        raise LedgerError(f"cannot write {written}: {target} is not the empty file made for it")
     with contextlib.closing(sqlite3.connect(target)) as copy:
         # pages=-1: every page in one step, inside one read transaction of the source. In
         # steps, a commit by the allocator between two would restart the copy from the start.

@@ -20,9 +20,12 @@ own variables (``SWARM_GPU_AMQP_URL``, ``NOTEBOOK_IMAGE``, ``SECRETS_DIR`` …).
 import hmac
 import json
 import os
+import time
 from pathlib import Path
 
 from jupyterhub.auth import Authenticator
+
+from hubplugin.login_throttle import LoginBackoff
 
 c = get_config()  # noqa: F821  (provided by JupyterHub when it loads this file)
 load_subconfig(str(Path(__file__).resolve().parents[1] / "jupyterhub_config.py"))  # noqa: F821
@@ -34,14 +37,23 @@ PASSWORDS_FILE = DEMO_DIR / "secrets" / "passwords.json"
 
 
 class DemoAuthenticator(Authenticator):  # type: ignore[misc]
-    """A password per user, read from the demo's passwords file at each login."""
+    """A password per user, read from the demo's passwords file at each login; failed logins
+    wait per name and client address as the example's do (hubplugin/login_throttle.py)."""
+
+    backoff = LoginBackoff()
 
     async def authenticate(self, handler, data):  # type: ignore[no-untyped-def]
+        name, address = data.get("username", ""), handler.request.remote_ip or ""
+        now = time.monotonic()
+        if self.backoff.wait_s(name, address, now) > 0:
+            return None
         passwords = json.loads(PASSWORDS_FILE.read_text())
-        expected = passwords.get(data.get("username", ""))
+        expected = passwords.get(name)
         given = data.get("password", "")
         if expected is not None and hmac.compare_digest(expected.encode(), given.encode()):
-            return data["username"]
+            self.backoff.succeeded(name, address)
+            return name
+        self.backoff.failed(name, address, now)
         return None
 
 

@@ -204,6 +204,35 @@ def test_the_example_hub_config_passes_the_file_not_the_url(
     assert PageSettings().amqp_url == SECRET_URL
 
 
+@pytest.mark.parametrize("hub_env", [
+    {"SWARM_GPU_AMQP_URL": SECRET_URL},
+    {"SWARM_GPU_AMQP_URL": "amqp://other:0ther@rabbitmq/swarm-gpu",
+     "SWARM_GPU_PAGE_AMQP_URL": SECRET_URL},
+])
+def test_the_example_hub_config_gives_the_page_no_broker_url_in_its_environment(
+    env: pytest.MonkeyPatch, hub_env: dict[str, str]
+) -> None:
+    """compose/jupyterhub_config.py with the broker URL itself (the stack's hub builds it
+    from a password file): the GPU page, which needs the broker for the allocator's
+    inventory, gets the name of a file only it and the hub can read, not the URL."""
+    for name, value in hub_env.items():
+        env.setenv(name, value)
+    config = load_hub_config()
+    (page,) = [s for s in config.JupyterHub.services if s["name"] == "gpu"]
+    environment = page["environment"]
+    assert "SWARM_GPU_PAGE_AMQP_URL" not in environment
+    for value in environment.values():
+        assert "amqp://" not in value and "amqps://" not in value, environment
+        assert SECRET not in value and "0ther" not in value, environment
+    url_file = Path(environment["SWARM_GPU_PAGE_AMQP_URL_FILE"])
+    assert url_file.stat().st_mode & 0o777 == 0o600
+    assert url_file.parent.stat().st_mode & 0o777 == 0o700
+    for name, value in environment.items():
+        env.setenv(name, value)
+    env.delenv("SWARM_GPU_PAGE_AMQP_URL", raising=False)
+    assert PageSettings().amqp_url == SECRET_URL
+
+
 def load_hub_config() -> Config:
     loader = PyFileConfigLoader("jupyterhub_config.py", path=str(REPO_ROOT / "compose"))
     config: Config = loader.load_config()

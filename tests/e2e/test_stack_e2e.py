@@ -603,7 +603,7 @@ def authorize(browser: Browser, admin_page: str, hub_url: str, name: str) -> Non
     /hub/authorize."""
     browser.navigate(admin_page, f"{hub_url}/hub/authorize")
     browser.submit(admin_page,
-                   f"document.querySelector('a[href$=\"/authorize/{name}\"]').click()")
+                   f"document.querySelector('form[action$=\"/authorize/{name}\"]').submit()")
 
 
 def test_the_spawn_form_in_chromium(cluster: Cluster, chromium_path: Path,

@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
 import shutil
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
@@ -26,6 +29,7 @@ from typing import Any
 import aio_pika
 import pytest
 
+from allocator.ledger import backup
 from allocator.ledger.backup import BACKUP_EVENT, RESTORE_EVENT
 from allocator.ledger.invariants import check_ledger
 from allocator.ledger.lease import LeaseRecord
@@ -161,6 +165,90 @@ def test_a_backup_goes_into_a_folder_and_never_over_a_file(tmp_path: Path) -> No
     again = gpu_ledger("backup", made, "--ledger", path)
     one_line_error(again, str(made), "exists", "--force")
     assert gpu_ledger("backup", made, "--ledger", path, "--force").returncode == 0
+
+
+def test_a_backup_is_its_owners_only_whatever_the_umask(tmp_path: Path) -> None:
+    """A backup holds every lease and user name: mode 0600 even under umask 000, and so is
+    the file SQLite writes it in before the rename (seen through the journal it leaves
+    none of)."""
+    path = tmp_path / "ledger.sqlite"
+    a_ledger(path, 2).close()
+    target = tmp_path / "open-folder" / "backup.sqlite"
+    target.parent.mkdir(mode=0o777)
+    taken = subprocess.run(["sh", "-c", 'umask 000 && exec "$0" backup "$1" --ledger "$2"',
+                            str(BIN / "gpu-ledger"), str(target), str(path)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert taken.returncode == 0, taken
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert [p.name for p in target.parent.iterdir()] == ["backup.sqlite"]
+
+
+def test_a_backup_never_writes_through_nor_removes_what_is_planted_beside_it(
+        tmp_path: Path) -> None:
+    """A shared folder where someone planted, under the names a backup's temporary file
+    used to have (``.NAME.partial-PID``), a link to a file of theirs and a file: neither is
+    followed, written or removed, and the backup is whole."""
+    path = tmp_path / "ledger.sqlite"
+    a_ledger(path, 2).close()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not yours")
+    target = shared / "backup.sqlite"
+    planted: list[Path] = []
+    for pid in range(os.getpid() - 5, os.getpid() + 6):  # the test's own pid included
+        link = shared / f".{target.name}.partial-{pid}"
+        link.symlink_to(victim)
+        planted.append(link)
+    plain = shared / f".{target.name}.partial-{os.getpid() + 100}"
+    plain.write_bytes(b"someone's file")
+    info = backup.backup(path, target, now=time.time())
+    assert victim.read_bytes() == b"not yours"
+    assert plain.read_bytes() == b"someone's file"
+    for link in planted:
+        assert link.is_symlink() and link.readlink() == victim, link
+    assert sorted(p.name for p in shared.iterdir()) == sorted(
+        [target.name, plain.name, *(link.name for link in planted)])
+    assert info.leases == 2 and not target.is_symlink()
+
+
+@pytest.mark.parametrize("how", ["an existing folder", "a path ending in /"])
+def test_a_backup_to_a_folder_is_a_named_file_in_it(tmp_path: Path, how: str) -> None:
+    path = tmp_path / "ledger.sqlite"
+    a_ledger(path, 1).close()
+    folder = tmp_path / "bk"
+    if how == "an existing folder":
+        folder.mkdir()
+    taken = gpu_ledger("backup", f"{folder}/", "--ledger", path)
+    assert taken.returncode == 0, taken
+    assert folder.is_dir(), f"{folder} must be a folder, not the backup"
+    (made,) = folder.iterdir()
+    assert re.fullmatch(r"ledger-\d{8}T\d{6}Z\.sqlite", made.name), made.name
+    assert taken.stdout.startswith(f"backed up {path} to {made} ")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600
+
+
+def test_a_backup_that_cannot_be_written_names_the_target_and_why(tmp_path: Path) -> None:
+    """Not the source ledger, which is fine. /sys refuses new files even to root (sysfs);
+    a file where a folder should be is the other case."""
+    path = tmp_path / "ledger.sqlite"
+    a_ledger(path, 1).close()
+    unwritable = Path("/sys/swarm-gpu-backup.sqlite")
+    try:
+        os.close(os.open(unwritable, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError:
+        pass
+    else:
+        unwritable.unlink()
+        pytest.skip("/sys takes new files here")
+    taken = gpu_ledger("backup", unwritable, "--ledger", path)
+    line = one_line_error(taken, f"cannot write the backup {unwritable}", "Permission denied")
+    assert f"ledger {path}" not in line, line
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    under_a_file = gpu_ledger("backup", a_file / "backup.sqlite", "--ledger", path)
+    one_line_error(under_a_file, f"no folder {a_file} to put the backup in")
 
 
 def test_a_backup_of_a_damaged_ledger_is_refused(tmp_path: Path) -> None:

@@ -380,15 +380,18 @@ class Hub:
     # ---------------------------------------------------------------- browser login
 
     async def form_post(self, path: str, fields: dict[str, str],
-                        jar: aiohttp.CookieJar | None = None) -> tuple[int, str]:
-        """GET the hub's page ``path`` for its XSRF cookie, then POST its form with
-        ``fields``, as a browser does; the status (redirects not followed) and the page."""
+                        jar: aiohttp.CookieJar | None = None, *, action: str | None = None,
+                        xsrf: bool = True) -> tuple[int, str]:
+        """GET the hub's page ``path`` for its XSRF cookie, then POST its form (to ``action``,
+        by default ``path`` itself) with ``fields`` and the token, as a browser does (without
+        the token if not ``xsrf``); the status (redirects not followed) and the page."""
         jar = jar if jar is not None else aiohttp.CookieJar(unsafe=True)
         async with aiohttp.ClientSession(cookie_jar=jar) as session:
             async with session.get(f"{self.url}{path}") as response:
                 await response.text()
-            xsrf = next((c.value for c in jar if c.key == "_xsrf"), "")
-            async with session.post(f"{self.url}{path}", data={**fields, "_xsrf": xsrf},
+            token = next((c.value for c in jar if c.key == "_xsrf"), "")
+            data = {**fields, "_xsrf": token} if xsrf else fields
+            async with session.post(f"{self.url}{action or path}", data=data,
                                     allow_redirects=False) as response:
                 return response.status, await response.text()
 
@@ -412,14 +415,11 @@ class Hub:
             if await self.log_in("admin", self.admin_password, jar) != 302:
                 raise HubError(f"the first admin cannot log in:\n{self.log_tail()}")
             self._admin_jar = jar
-        from_the_list = {"Referer": f"{self.url}/hub/authorize"}  # as a click there sends
-        async with (
-            aiohttp.ClientSession(cookie_jar=self._admin_jar) as session,
-            session.get(f"{self.url}/hub/authorize/{user}", allow_redirects=False,
-                        headers=from_the_list) as response,
-        ):
-            if response.status != 302:
-                raise HubError(f"authorizing {user}: {response.status}\n{self.log_tail()}")
+        # the form of the list at /hub/authorize, with the page's XSRF token
+        status, _ = await self.form_post("/hub/authorize", {}, self._admin_jar,
+                                         action=f"/hub/authorize/{user}")
+        if status != 302:
+            raise HubError(f"authorizing {user}: {status}\n{self.log_tail()}")
 
     async def login_password(self, user: str) -> str:
         """``user``'s password for the login form (the first admin's is the secret's): at the
