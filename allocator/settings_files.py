@@ -47,12 +47,13 @@ import os
 import re
 import textwrap
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import date, datetime, time
 from pathlib import Path
-from typing import Annotated, Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
@@ -63,7 +64,11 @@ __all__ = [
     "SecretsNotShadowed",
     "SettingsFileError",
     "environ_secret",
+    "in_file",
+    "key_lines",
+    "keys_at",
     "list_from_text",
+    "model_problems",
     "secret_file_field",
     "secret_from_file",
     "setting_help",
@@ -182,7 +187,7 @@ class NamedTomlFile(PydanticBaseSettingsSource):
             raise SettingsFileError(f"{path}: not valid TOML: {exc}") from None
         problems = settings_file_problems(self.settings_cls, data, text)
         if problems:
-            raise SettingsFileError("; ".join(f"{path}:{problem}" for problem in problems))
+            raise SettingsFileError(in_file(path, problems))
         return data
 
 
@@ -214,7 +219,7 @@ def _key_parts(text: str) -> tuple[str, ...] | None:
         at += 1
 
 
-def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+def key_lines(text: str) -> dict[tuple[str, ...], int]:
     """Line number (from 1) of each key and table header of a TOML text, by dotted path.
 
     Enough of TOML for an error message: keys and headers each on their own line, which is
@@ -259,6 +264,102 @@ def _json_ready(value: Any) -> Any:
     return value
 
 
+def _members(annotation: Any) -> list[Any]:
+    """The types ``annotation`` may be: a union's members, an ``Annotated``'s type."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _members(get_args(annotation)[0])
+    if origin in (Union, UnionType):
+        return [member for arg in get_args(annotation) for member in _members(arg)]
+    return [annotation]
+
+
+def _inside(annotation: Any, part: str | int) -> list[Any]:
+    """The types of what ``part`` names inside a value of ``annotation``."""
+    found = []
+    for member in _members(annotation):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            if part in member.model_fields:
+                found.append(member.model_fields[str(part)].annotation)
+        elif get_origin(member) in (dict, Mapping) and get_args(member):
+            found.append(get_args(member)[-1])
+        elif get_origin(member) in (list, tuple, set, frozenset) and get_args(member):
+            found.append(get_args(member)[0])
+    return found
+
+
+def _walk(model: type[BaseModel], path: tuple[str | int, ...]
+          ) -> tuple[tuple[str | int, ...], list[Any]]:
+    """``path`` as the file spells it, and the types that may be found there. A part that
+    names nothing inside (a tagged union's tag, which pydantic puts in an error's place) is
+    no key of the file: it is stepped over and left out."""
+    kinds: list[Any] = [model]
+    spelled: list[str | int] = []
+    for part in path:
+        inside = [found for kind in kinds for found in _inside(kind, part)]
+        if inside:
+            kinds = inside
+            spelled.append(part)
+    return tuple(spelled), kinds
+
+
+def keys_at(model: type[BaseModel], path: tuple[str | int, ...]) -> list[str]:
+    """The keys a file may hold at ``path`` inside ``model`` (a table's or an object's
+    fields), for the nearest to an unknown one."""
+    return sorted({name for kind in _walk(model, path)[1] for member in _members(kind)
+                   if isinstance(member, type) and issubclass(member, BaseModel)
+                   for name in member.model_fields})
+
+
+def _where(path: tuple[str | int, ...], lines: Mapping[tuple[str, ...], int]) -> str:
+    """``LINE: KEY`` for a key whose line is known, else ``KEY``."""
+    # A key inside an inline table has no line of its own: its table's line is near.
+    for end in range(len(path), 0, -1):
+        number = lines.get(tuple(str(part) for part in path[:end]))
+        if number is not None:
+            return f"{number}: {_dotted(path)}"
+    return _dotted(path)
+
+
+def _unknown_key(where: str, key: str, known: list[str]) -> str:
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"{where}: unknown key{f'; did you mean {near[0]}?' if near else ''}"
+
+
+def _wrong_value(where: str, err: Mapping[str, Any]) -> str:
+    got = err.get("input")
+    shown = f" (got {got!r})" if isinstance(got, str | int | float) else ""
+    # No place: the whole file (not JSON at all, say), whose text is not worth repeating.
+    return f"{where}: {err['msg']}{shown}" if where else str(err["msg"])
+
+
+def in_file(path: str | Path, problems: list[str]) -> str:
+    """``problems`` of the file ``path`` in one line: ``FILE:LINE: KEY: PROBLEM; ...``."""
+    return "; ".join(f"{path}:{problem}" if problem[:1].isdigit() else f"{path}: {problem}"
+                     for problem in problems)
+
+
+def model_problems(model: type[BaseModel], exc: ValidationError,
+                   lines: Mapping[tuple[str, ...], int] | None = None,
+                   only: Collection[str] | None = None) -> list[str]:
+    """Each error of ``exc`` (from validating a file's data as ``model``) as ``KEY: PROBLEM``,
+    with ``LINE: `` before it where ``lines`` (:func:`key_lines`) knows the key's line; an
+    unknown key with the nearest key its table may hold (``gpus.modle: unknown key; did you
+    mean model?``). ``only``: just the errors of these pydantic types."""
+    problems = []
+    for err in exc.errors(include_url=False):
+        if only is not None and err["type"] not in only:
+            continue
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":  # the key itself is unknown: its table's path
+            path = (*_walk(model, loc[:-1])[0], loc[-1])
+            where = _where(path, lines or {})
+            problems.append(_unknown_key(where, str(loc[-1]), keys_at(model, loc[:-1])))
+            continue
+        problems.append(_wrong_value(_where(_walk(model, loc)[0], lines or {}), err))
+    return problems
+
+
 def settings_file_problems(settings_cls: type[BaseSettings], data: Mapping[str, Any],
                            text: str = "") -> list[str]:
     """What is wrong in a settings file's ``data`` (``text``: the file, for line numbers),
@@ -269,33 +370,20 @@ def settings_file_problems(settings_cls: type[BaseSettings], data: Mapping[str, 
     what TOML's types are: a number must be a number, a boolean a boolean, a table's values
     of the table's type. Rules across settings are the settings class's, checked after.
     """
-    lines = _key_lines(text)
-
-    def where(path: tuple[str | int, ...]) -> str:
-        # A key inside an inline table has no line of its own: its table's line is near.
-        for end in range(len(path), 0, -1):
-            number = lines.get(tuple(str(part) for part in path[:end]))
-            if number is not None:
-                return f"{number}: {_dotted(path)}"
-        return f" {_dotted(path)}"
-
+    lines = key_lines(text)
     # ``config`` names the file; a file naming another would be read by nobody.
     known = [name for name in settings_cls.model_fields if name != "config"]
     problems = []
     for key, value in data.items():
         if key not in known:
-            near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {near[0]}?" if near else ""
-            problems.append(f"{where((key,))}: unknown key{hint}")
+            problems.append(_unknown_key(_where((key,), lines), key, known))
             continue
         try:
             _file_value_adapter(settings_cls, key).validate_json(
                 json.dumps(_json_ready(value)), strict=True)
         except ValidationError as exc:
-            for err in exc.errors(include_url=False):
-                got = err.get("input")
-                shown = f" (got {got!r})" if isinstance(got, str | int | float) else ""
-                problems.append(f"{where((key, *err['loc']))}: {err['msg']}{shown}")
+            problems.extend(_wrong_value(_where((key, *err["loc"]), lines), err)
+                            for err in exc.errors(include_url=False))
     return problems
 
 

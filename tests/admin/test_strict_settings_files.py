@@ -30,6 +30,7 @@ from allocator.config import load_settings as load_allocator_settings
 from allocator.settings_files import SettingsFileError, settings_file_problems
 from nodeagent.config import AgentSettings
 from nodeagent.config import load_settings as load_agent_settings
+from nodeagent.simulated import parse_inventory
 from tests.support.services import REPO_ROOT
 
 SETTINGS_ENV = ("SWARM_GPU_CONFIG", "SWARM_GPU_AGENT_CONFIG", "SWARM_GPU_AMQP_URL",
@@ -255,3 +256,45 @@ def test_every_example_file_loads(where: str, text: str, clean_env: pytest.Monke
 def test_the_shipped_allocator_toml_loads_through_the_loader(clean_env: pytest.MonkeyPatch) -> None:
     settings = load_allocator_settings(REPO_ROOT / "compose" / "allocator.toml")
     assert settings.share_slots == {"NVIDIA GeForce GTX 1070": 4}
+
+
+# ------------------------------------------------------------- the other files people type
+
+BOOKING_WITH_TYPOS = """name = "CS101 lab"
+group = "cs101"
+zone = "Europe/Berlin"
+lead = 900
+gpus = { modle = "a100", count = 15 }
+
+[window]
+kind = "weekly"
+weekdays = ["tue"]
+start = "10:00"
+duration = 7200
+until = 2027-02-09
+"""
+
+
+def test_a_booking_file_with_an_unknown_key_is_refused_before_the_allocator_is_asked(
+        tmp_path: Path) -> None:
+    path = tmp_path / "cs101.toml"
+    path.write_text(BOOKING_WITH_TYPOS)
+    # No broker listens at that URL: the file is refused before any connection.
+    code, lines = run_cli(["allocator.admin.ledger_cli", "booking", "add", "--file", str(path),
+                           "--amqp", "amqp://guest:guest@127.0.0.1:9/", "--timeout", "5"], {})
+    assert (code, lines) == (2, [
+        f"gpu-ledger: error: {path}:5: gpus.modle: unknown key; did you mean model?; "
+        f"{path}:11: window.duration: unknown key; did you mean duration_s?; "
+        f"{path}:4: lead: unknown key; did you mean lead_s?"])
+
+
+def test_a_simulated_inventory_names_an_unknown_key_and_the_key_meant() -> None:
+    text = json.dumps({"hosts": {"gpu-a": [
+        {"uuid": "GPU-1", "index": 0, "model": "NVIDIA GeForce GTX 1070",
+         "memory_total_mib": 8192, "processes": [{"pid": 7, "used_memory": 5}]}]},
+        "lease": {}})
+    with pytest.raises(ValueError) as exc:
+        parse_inventory(text)
+    assert str(exc.value) == (
+        "not a simulated inventory: hosts.gpu-a.0.processes.0.used_memory: unknown key; did "
+        "you mean used_memory_mib?; lease: unknown key; did you mean leases?")
