@@ -4,8 +4,9 @@ The allocator's ``allocator.toml`` and the node agent's settings file are what p
 typo must not pass silently (``bind_timeout = 600`` would leave the default in force). Each
 problem names the file, the line, the key (a dotted path inside a table) and, for an unknown
 key, the nearest setting. The environment stays tolerant (other programs' variables may share
-its prefix). Every example settings file of the README, docs/ and compose/ must load.
-These tests write real files and read them through the real loaders and entry points.
+its prefix). Every example settings file of the README, docs/, compose/ and the demo
+scripts must load. These tests write real files and read them through the real loaders and
+entry points.
 """
 
 from __future__ import annotations
@@ -226,6 +227,17 @@ def docstring_examples() -> list[tuple[str, str]]:
     return found
 
 
+def script_examples() -> list[tuple[str, str]]:
+    """The settings files the demo scripts write (``cat >... <<TOML``), ``$DEMO`` filled in."""
+    found = []
+    for script in ("scripts/demo", "scripts/demo-cli"):
+        text = (REPO_ROOT / script).read_text()
+        blocks = re.findall(r"<<TOML\n(.*?)^\s*TOML$", text, re.M | re.S)
+        assert blocks, f"{script} writes no settings file any more"
+        found += [(script, block.replace("$DEMO", "/tmp/demo")) for block in blocks]
+    return found
+
+
 def loads_as(text: str) -> list[str]:
     """The kinds of file ``text`` is a correct example of: allocator, agent, booking."""
     data = tomllib.loads(text)
@@ -247,8 +259,9 @@ def test_there_are_examples_to_check() -> None:
 
 
 @pytest.mark.parametrize("where, text", [
-    *[(str(path.relative_to(REPO_ROOT)), path.read_text()) for path in EXAMPLE_FILES],
-    *toml_examples(), *docstring_examples()])
+    pytest.param(where, text, id=where) for where, text in [
+        *[(str(path.relative_to(REPO_ROOT)), path.read_text()) for path in EXAMPLE_FILES],
+        *toml_examples(), *docstring_examples(), *script_examples()]])
 def test_every_example_file_loads(where: str, text: str, clean_env: pytest.MonkeyPatch) -> None:
     assert loads_as(text), f"{where}: the example is no correct settings or booking file"
 
