@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from allocator import __version__
 from allocator.amqp import broker
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings, ConfigurationError, load_settings
@@ -61,6 +62,7 @@ EXIT_INTERRUPTED = 130
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-allocator", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(

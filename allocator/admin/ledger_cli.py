@@ -49,6 +49,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from allocator import __version__
 from allocator.admin import booking_cli, exports, reports
 from allocator.amqp import broker
 from allocator.amqp.client import AllocatorClient, AllocatorError
@@ -89,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="See, account for and administer the swarm-gpu cluster.",
         epilog="Times are ISO 8601 (UTC unless an offset is given), epoch seconds, or 'now'.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def ledger_option(sub: argparse.ArgumentParser, group: Any = None) -> None:

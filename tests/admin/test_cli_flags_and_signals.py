@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import allocator
 from tests.support import services
 from tests.support.faults import allocator_env
 from tests.support.ports import free_port
@@ -131,3 +132,11 @@ def test_a_signal_stops_serve_while_it_waits_for_the_broker(
     assert code == 0, rest
     assert took < 3.0, f"serve took {took:.1f} s to stop after {signum.name}"
     assert rest[-1] == f"gpu-allocator: {signum.name} before the start was complete: stopped"
+
+
+@pytest.mark.parametrize("module, prog", [(ALLOCATOR, "gpu-allocator"), (LEDGER, "gpu-ledger")])
+def test_version_is_the_release(module: list[str], prog: str) -> None:
+    result = subprocess.run([sys.executable, "-m", *module, "--version"], cwd=REPO_ROOT,
+                            env=environment(), capture_output=True, text=True, timeout=60,
+                            check=True)
+    assert result.stdout.strip() == f"{prog} {allocator.__version__}"
