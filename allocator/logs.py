@@ -26,6 +26,7 @@ or a traceback.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import logging
 import re
@@ -42,16 +43,19 @@ from allocator.amqp.broker import redact
 __all__ = [
     "CONTEXT_FIELDS",
     "JUPYTERHUB_JSON_LOGGING",
+    "LIBRARY_LOGGERS",
     "LOG_LEVELS",
     "TEXT_FORMAT",
     "JsonLinesFormatter",
     "LogFormat",
     "LogLevel",
     "LogSettings",
+    "add_verbose_flag",
     "configure_logging",
     "hide_passwords",
     "lease_context",
     "log_settings_from_environment",
+    "quiet_libraries",
 ]
 
 LogFormat = Literal["text", "json"]
@@ -199,3 +203,33 @@ def configure_logging(level: str | int = "INFO", log_format: LogFormat = "text",
     root.setLevel(level.upper() if isinstance(level, str) else level)
     logging.captureWarnings(True)
     return handler
+
+
+LIBRARY_LOGGERS = ("aio_pika", "aiormq", "pamqp")
+"""The broker client's libraries: they log each reconnect and each closed connection."""
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """A command-line client's libraries say only warnings and worse unless ``verbose``: the
+    command prints its own one line on what failed, and aio-pika's note that it reconnects
+    (INFO) would come before it as noise. A service keeps them: there they are its history."""
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
+
+
+def add_verbose_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``-v``/``--verbose`` (``args.verbose``) on ``parser`` and on every subcommand under
+    it, so that ``gpu-allocator serve -v`` works as ``gpu-allocator -v serve`` does. Call it
+    once the subcommands are added."""
+    parser.add_argument("-v", "--verbose", action="store_true", help=help_text)
+    _verbose_on_subcommands(parser, help_text)
+
+
+def _verbose_on_subcommands(parser: argparse.ArgumentParser, help_text: str) -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases: one parser
+                # SUPPRESS: a subcommand without -v leaves the value given before it alone.
+                sub.add_argument("-v", "--verbose", action="store_true",
+                                 default=argparse.SUPPRESS, help=help_text)
+                _verbose_on_subcommands(sub, help_text)

@@ -264,7 +264,13 @@ if c.GPUSwarmSpawner.network_name == "host":
     c.GPUSwarmSpawner.use_internal_ip = True
     c.GPUSwarmSpawner.host_ip = os.environ.get("NOTEBOOK_HOST_IP", "127.0.0.1")
     c.Spawner.pre_spawn_hook = host_network_port
-c.GPUSwarmSpawner.extra_placement_spec = {"constraints": ["node.role == worker"]}
+# Placement: a server with GPUs runs on its lease's host, which the spawner pins
+# (node.hostname == <host>) whatever that node's role; a constraint here that a GPU node may
+# not meet (node.role == worker, with GPUs on a manager) would leave such a server pending
+# for good. A server without a GPU runs wherever Swarm places it. To keep notebooks off some
+# nodes, constrain on a label that every GPU node has too, e.g.
+#   c.GPUSwarmSpawner.extra_placement_spec = {
+#       "constraints": ["node.labels.swarm-gpu.notebooks == true"]}
 c.GPUSwarmSpawner.extra_container_spec = {
     "stop_grace_period": 10_000_000_000,  # nanoseconds
 }

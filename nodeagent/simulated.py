@@ -86,6 +86,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from allocator.settings_files import model_problems
 from allocator.wire.interconnect import GpuLink, HostGpu, HostInterconnect, LinkLevel
 from allocator.wire.model_names import mig_model_name
 from allocator.wire.protocol import MAX_MIB
@@ -310,11 +311,14 @@ class SimulatedInventory(BaseModel):
 
 
 def parse_inventory(text: str) -> SimulatedInventory:
-    """Parse the file's content; raises ``ValueError`` with a readable message."""
+    """Parse the file's content; raises ``ValueError`` with one line naming each bad key (an
+    unknown one with the nearest it could be: ``hosts.gpu-a.0.modle: unknown key; did you
+    mean model?``)."""
     try:
         return SimulatedInventory.model_validate_json(text)
     except ValidationError as exc:
-        raise ValueError(f"not a simulated inventory: {exc}") from exc
+        problems = "; ".join(model_problems(SimulatedInventory, exc))
+        raise ValueError(f"not a simulated inventory: {problems}") from exc
 
 
 class SimulatedSource:

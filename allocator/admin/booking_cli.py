@@ -26,7 +26,11 @@ from datetime import date, datetime, time
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+from pydantic import ValidationError
+
 from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.bookings.booking import Booking
+from allocator.settings_files import in_file, key_lines, model_problems
 from allocator.wire.protocol import BookingView, ErrorCode
 
 
@@ -129,7 +133,17 @@ def _from_file(path: Path) -> dict[str, Any]:
         raise BookingInputError(f"{path} is not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
         raise BookingInputError(f"{path} must hold one booking (an object/table)")
-    return _plain(data)  # type: ignore[no-any-return]
+    body: dict[str, Any] = _plain(data)
+    # A key the booking does not have is a typo the admin fixes here, told where and what
+    # was meant; every other problem is the allocator's answer, with its own error code.
+    try:
+        Booking.model_validate({"created_by": "-", **body})
+    except ValidationError as exc:
+        unknown = model_problems(Booking, exc, key_lines(text) if path.suffix == ".toml" else {},
+                                 only={"extra_forbidden"})
+        if unknown:
+            raise BookingInputError(in_file(path, unknown)) from None
+    return body
 
 
 _OPTIONS: Final = ("name", "group", "users", "model", "mig_profile", "count", "host", "zone",

@@ -12,10 +12,12 @@ Settings come from ``SWARM_GPU_*`` environment variables over the TOML file
 (``gpu-allocator serve --help`` lists them all, from :class:`allocator.config.AllocatorSettings`);
 a start that cannot work (bad settings, a broker that cannot be reached or refuses the user or
 the vhost, an unreadable ledger) exits with status 1 and one line that says what to fix. The
-client commands log as ``SWARM_GPU_LOG_LEVEL`` and ``SWARM_GPU_LOG_FORMAT`` say, and take
-``--amqp``, ``SWARM_GPU_AMQP_URL`` or, to keep the broker password
-out of the environment and the command line, ``SWARM_GPU_AMQP_URL_FILE`` (a file holding
-the URL).
+client commands log as ``SWARM_GPU_LOG_LEVEL`` and ``SWARM_GPU_LOG_FORMAT`` say (their broker
+libraries only warnings, unless ``-v``), and take ``--amqp``, ``SWARM_GPU_AMQP_URL`` or, to
+keep the broker password out of the environment and the command line,
+``SWARM_GPU_AMQP_URL_FILE`` (a file holding the URL); none of them is an error naming them.
+``-v`` may come before or after the command. ``serve`` stops on SIGTERM or SIGINT at any
+stage, the wait for the broker at start included (exit status 0).
 
 ``gpu-allocator health`` is the stack's healthcheck: it reads the settings as ``serve`` does
 and asks ``GET /healthz`` of the allocator on this machine (``metrics_port``); exit status 0
@@ -38,21 +40,29 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from allocator import __version__
 from allocator.amqp import broker
-from allocator.amqp.broker import DEFAULT_AMQP_URL
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings, ConfigurationError, load_settings
 from allocator.ledger.store import LedgerError
-from allocator.logs import configure_logging, log_settings_from_environment
+from allocator.logs import (
+    add_verbose_flag,
+    configure_logging,
+    log_settings_from_environment,
+    quiet_libraries,
+)
 from allocator.metrics.endpoint import ask_health
 from allocator.settings_files import environ_secret, settings_error_line, settings_help
+from allocator.tasks import cancel_and_wait
 from allocator.wire.protocol import AllocateRequest, Lease, ShareRequest
+
+EXIT_INTERRUPTED = 130
+"""Ctrl-C outside ``serve``'s own handling (the shell's 128 + SIGINT)."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-allocator", description=__doc__.split("\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="debug logging (overrides the log_level setting)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
@@ -113,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     leases.add_argument("--user", help="only this user's leases (default: everyone's)")
     leases.add_argument("--finished", type=float, default=0.0, metavar="S",
                         help="also the leases that ended within S seconds")
+    add_verbose_flag(parser, "debug logging (overrides the log_level setting); before or "
+                     "after the command")
     return parser
 
 
@@ -131,11 +143,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _health(args)
         logs = log_settings_from_environment("SWARM_GPU_")
         configure_logging("DEBUG" if args.verbose else logs.log_level, logs.log_format)
+        quiet_libraries(args.verbose)
         if args.amqp is None:
             try:
-                args.amqp = environ_secret("SWARM_GPU_AMQP_URL") or DEFAULT_AMQP_URL
+                args.amqp = environ_secret("SWARM_GPU_AMQP_URL")
             except ValueError as exc:  # both set, or a file that cannot be read
                 print(f"gpu-allocator: {exc}", file=sys.stderr)
+                return 1
+            if args.amqp is None:
+                print("gpu-allocator: no broker named: give --amqp URL or set "
+                      "SWARM_GPU_AMQP_URL or SWARM_GPU_AMQP_URL_FILE (a file holding the URL)",
+                      file=sys.stderr)
                 return 1
         try:
             args.amqp = broker.url_with_tls_arguments(args.amqp, args)
@@ -151,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # gets one line that names it rather than a traceback.
         print(f"gpu-allocator: ledger error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C outside the event loop's own handler (reading the settings, a client call)
+        print("gpu-allocator: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _one_line(exc: Exception) -> str:
@@ -196,25 +218,38 @@ async def _serve(args: argparse.Namespace) -> int:
     configure_logging("DEBUG" if args.verbose else settings.log_level, settings.log_format)
     service = AllocatorService(settings, freeze_heap=True)
     stop = asyncio.Event()
+    signals: list[str] = []
+
+    def on_signal(name: str) -> None:
+        signals.append(name)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal, signal.Signals(signum).name)
+    # A signal counts at every stage, the start included: waiting for the broker may last
+    # broker_wait_s, and an admin's Ctrl-C or Swarm's SIGTERM must not wait that out.
+    stopping = asyncio.create_task(stop.wait(), name="allocator-signal")
+    starting = asyncio.create_task(service.start(), name="allocator-start")
     try:
-        await service.start()
-    except broker.START_ERRORS as exc:
-        with contextlib.suppress(Exception):
-            await service.stop()
-        failure = broker.start_failure(exc, settings.amqp_url, role="allocator",
-                                       broker_wait_s=settings.broker_wait_s)
-        print(f"gpu-allocator: {failure}", file=sys.stderr)
-        return 1
-    try:
-        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            await cancel_and_wait([starting])
+            print(f"gpu-allocator: {signals[0]} before the start was complete: stopped",
+                  file=sys.stderr)
+            return 0
+        start_error = starting.exception()
+        if isinstance(start_error, broker.START_ERRORS):
+            failure = broker.start_failure(start_error, settings.amqp_url, role="allocator",
+                                           broker_wait_s=settings.broker_wait_s)
+            print(f"gpu-allocator: {failure}", file=sys.stderr)
+            return 1
+        starting.result()  # any other error of the start is raised as it was
         failing = asyncio.create_task(service.failed.wait())
         await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (stopping, failing):
-            task.cancel()
+        failing.cancel()
     finally:
+        stopping.cancel()
         with contextlib.suppress(Exception):
             await service.stop()
     if service.failure is not None:

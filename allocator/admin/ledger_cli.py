@@ -17,10 +17,11 @@
 Reading commands open the ledger read-only (``--ledger``, default ``$SWARM_GPU_LEDGER_PATH``);
 in WAL mode that works while the allocator runs and never disturbs it. Admin actions and the
 live status go through the running allocator (``--amqp``, default ``$SWARM_GPU_AMQP_URL`` or
-the content of the file ``$SWARM_GPU_AMQP_URL_FILE`` names),
-which records who did what and why. Times (``T``) are ISO 8601 (UTC unless an offset is
-given), epoch seconds, or ``now``. ``backup`` reads the ledger as the reading commands do;
-``restore`` replaces it, and refuses while an allocator has it open.
+the content of the file ``$SWARM_GPU_AMQP_URL_FILE`` names; none of them is an error that
+says so, never a guess at a broker), which records who did what and why. ``-v`` (before or
+after the command) logs what the broker client does. Times (``T``) are ISO 8601 (UTC unless
+an offset is given), epoch seconds, or ``now``. ``backup`` reads the ledger as the reading
+commands do; ``restore`` replaces it, and refuses while an allocator has it open.
 
 Exit status: 0 done, 1 ``check`` found violations, 2 an error (one line on stderr).
 """
@@ -48,14 +49,19 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from allocator import __version__
 from allocator.admin import booking_cli, exports, reports
 from allocator.amqp import broker
-from allocator.amqp.broker import DEFAULT_AMQP_URL
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.ledger import backup
 from allocator.ledger.invariants import NodeReport, Violation, check_ledger
 from allocator.ledger.store import LedgerError, LogPosition
-from allocator.logs import configure_logging, log_settings_from_environment
+from allocator.logs import (
+    add_verbose_flag,
+    configure_logging,
+    log_settings_from_environment,
+    quiet_libraries,
+)
 from allocator.settings_files import environ_secret, settings_error_line
 from allocator.wire.heartbeat_delta import apply_delta
 from allocator.wire.interconnect import HostInterconnect, matrix_lines
@@ -84,8 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="See, account for and administer the swarm-gpu cluster.",
         epilog="Times are ISO 8601 (UTC unless an offset is given), epoch seconds, or 'now'.")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="log what the broker client does (to stderr)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def ledger_option(sub: argparse.ArgumentParser, group: Any = None) -> None:
@@ -96,9 +101,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--busy-timeout", type=float, default=5.0, metavar="S",
                          help="how long to wait for a ledger another process locked")
 
-    def amqp_option(sub: argparse.ArgumentParser, default: str | None, group: Any = None) -> None:
+    def amqp_option(sub: argparse.ArgumentParser, group: Any = None) -> None:
+        # None: $SWARM_GPU_AMQP_URL (env_amqp), else an error saying how to name the broker
         (group or sub).add_argument(
-            "--amqp", default=default, metavar="URL",
+            "--amqp", default=None, metavar="URL",
             help="broker URL of the running allocator (default: $SWARM_GPU_AMQP_URL)")
         sub.add_argument("--timeout", type=float, default=10.0, metavar="S",
                          help="seconds to wait for the allocator")
@@ -122,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
                     "running allocator (--amqp, or $SWARM_GPU_AMQP_URL when no ledger is named).")
     source = status.add_mutually_exclusive_group()
     ledger_option(status, source)
-    amqp_option(status, None, source)
+    amqp_option(status, source)
     status.add_argument("--down-after", type=float, default=15.0, metavar="S",
                         help="offline: a node silent this long is down (default 15)")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -156,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--gpu", metavar="UUID", help="only this GPU of the host")
         sub.add_argument("--reason", default="", help="recorded in the ledger")
         sub.add_argument("--by", default=None, help="who (default: your login name)")
-        amqp_option(sub, env_amqp or DEFAULT_AMQP_URL)
+        amqp_option(sub)
 
     release = commands.add_parser("release", help="release a lease (--force: at once)")
     release.add_argument("lease_id")
@@ -164,14 +170,13 @@ def _parser() -> argparse.ArgumentParser:
                          help="free the GPUs now, even while the container runs (admins)")
     release.add_argument("--reason", default="", help="why (required with --force)")
     release.add_argument("--by", default=None, help="who (default: your login name)")
-    amqp_option(release, env_amqp or DEFAULT_AMQP_URL)
+    amqp_option(release)
 
-    booking_cli.add_booking_commands(
-        commands, lambda sub: amqp_option(sub, env_amqp or DEFAULT_AMQP_URL))
+    booking_cli.add_booking_commands(commands, amqp_option)
 
     check = commands.add_parser("check", help="verify the ledger's invariants")
     ledger_option(check)
-    amqp_option(check, env_amqp or DEFAULT_AMQP_URL)
+    amqp_option(check)
     check.add_argument("--live", action="store_true",
                        help="also compare bound leases with the containers the nodes report "
                             "(listens to their heartbeats on the broker)")
@@ -206,6 +211,8 @@ def _parser() -> argparse.ArgumentParser:
         help="with the replicated ledger log: clear the backup's log position, because the "
              "log it belongs to is lost (the allocator then starts a new log from this "
              "ledger); default: keep it, and the allocator catches up from there")
+    add_verbose_flag(parser, "log what the broker client does (to stderr); before or after "
+                     "the command")
     return parser
 
 
@@ -268,7 +275,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.amqp is None and args.ledger is None and os.environ.get("SWARM_GPU_LEDGER_PATH"):
         args.ledger = Path(os.environ["SWARM_GPU_LEDGER_PATH"])
     if args.ledger is None:
-        url = _with_tls(args.amqp or args.env_amqp or DEFAULT_AMQP_URL, args)
+        if not (args.amqp or args.env_amqp):
+            _fail("nothing to read the status from: for the ledger file give --ledger FILE or "
+                  "set SWARM_GPU_LEDGER_PATH; for the running allocator give --amqp URL or set "
+                  f"SWARM_GPU_AMQP_URL {NO_BROKER_HOW}")
+        url = _broker_url(args)
         status = _run_async(lambda: _live_status(url, args.timeout))
     else:
         with _open_ledger(args) as conn:
@@ -279,6 +290,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     render_status(status, _console())
     return EXIT_OK
+
+
+NO_BROKER_HOW = "or SWARM_GPU_AMQP_URL_FILE (a file holding the URL)"
+
+
+def _broker_url(args: argparse.Namespace) -> str:
+    """The running allocator's broker URL: ``--amqp``, else the environment's, with the TLS
+    options. None given is an error that says how to give one: trying RabbitMQ's default
+    user on this machine would answer an admin with a refused login, or with another
+    broker's cluster."""
+    url = args.amqp or args.env_amqp
+    if not url:
+        _fail(f"no broker named: give --amqp URL or set SWARM_GPU_AMQP_URL {NO_BROKER_HOW}")
+    return _with_tls(url, args)
 
 
 def _with_tls(url: str, args: argparse.Namespace) -> str:
@@ -303,7 +328,7 @@ def _print_topology(args: argparse.Namespace) -> int:
     if args.ledger is not None:
         raise CommandError("--topology reads the running allocator (--amqp): the ledger file "
                            "does not keep how a host's GPUs are joined")
-    url = _with_tls(args.amqp or args.env_amqp or DEFAULT_AMQP_URL, args)
+    url = _broker_url(args)
     interconnect = _run_async(lambda: _live_topology(url, args.timeout, args.topology))
     if args.json:
         json.dump(interconnect.model_dump(mode="json"), sys.stdout, indent=2)
@@ -720,12 +745,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: invalid settings: {settings_error_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     configure_logging(logging.DEBUG if args.verbose else logging.CRITICAL, log_format)
+    quiet_libraries(args.verbose)
     broker.security_log.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
-        # `check` without --live reads the ledger file only: its broker URL (often the plain
-        # default) is never used, so TLS files in the environment are no error there.
-        if getattr(args, "amqp", None) is not None and getattr(args, "live", True):
-            args.amqp = _with_tls(args.amqp, args)
+        # `check` without --live reads the ledger file only: it needs no broker, and TLS
+        # files in the environment are no error there. `status` reads either.
+        if hasattr(args, "amqp") and args.command != "status" and getattr(args, "live", True):
+            args.amqp = _broker_url(args)
         return COMMANDS[args.command](args)
     except (CommandError, LedgerError, AllocatorError) as exc:
         message = str(exc)

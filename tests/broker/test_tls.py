@@ -448,8 +448,8 @@ def test_the_command_line_clients_take_tls_files_from_the_environment() -> None:
 def test_gpu_ledger_check_of_a_file_ignores_the_tls_environment(tmp_path: Path) -> None:
     """In the stack's allocator container SWARM_GPU_AMQP_CA_FILE is set for the allocator and
     for ``gpu-ledger check --live``; ``gpu-ledger check`` of the ledger file alone uses no
-    broker, so the CA file beside the default (plain) URL is no error there. With --live it
-    is: the broker URL must then be amqps://."""
+    broker, so the CA file is no error there. With --live it is, beside a plain URL: the
+    broker URL must then be amqps://."""
     from allocator.ledger.store import Ledger
 
     ledger = Ledger(tmp_path / "ledger.sqlite")
@@ -465,7 +465,8 @@ def test_gpu_ledger_check_of_a_file_ignores_the_tls_environment(tmp_path: Path) 
 
     checked = gpu_ledger("check", "--ledger", str(ledger.path))
     assert checked.returncode == 0, checked.stderr
-    live = gpu_ledger("check", "--live", "--ledger", str(ledger.path))
+    live = gpu_ledger("check", "--live", "--ledger", str(ledger.path),
+                      "--amqp", "amqp://guest:guest@127.0.0.1:5672/")
     assert live.returncode == 2 and "is not amqps://" in live.stderr, live.stderr
 
 

@@ -1,4 +1,5 @@
-"""From a lease to the service's env, placement constraints and labels (pure)."""
+"""From a lease to the service's env, placement constraints and labels (pure); and the example
+hub configuration's placement, read by traitlets' own loader."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import copy
 from fractions import Fraction
 
 import pytest
+from traitlets.config import Config
+from traitlets.config.loader import PyFileConfigLoader
 
 from allocator.placement import policy
 from allocator.placement.cluster import GPU, Cluster
@@ -21,6 +24,7 @@ from hubplugin.builders import (
     placement_constraints,
 )
 from tests.support.hub_inventory import GTX1070, lease
+from tests.support.services import REPO_ROOT
 
 
 def test_no_gpu_means_void() -> None:
@@ -79,6 +83,19 @@ def test_a_granted_slice_carries_the_allocators_budget_and_hints() -> None:
 def test_unusable_leases_are_refused(overrides: dict, needle: str) -> None:
     with pytest.raises(BuildError, match=needle):
         build_service_spec(lease(**overrides))
+
+
+def test_the_example_hub_config_pins_a_gpu_notebook_only_to_its_lease_host() -> None:
+    # A GPU may be granted on any node the agent runs on, a manager included: a constraint of
+    # the example's that such a node cannot meet (node.role == worker) would leave the
+    # notebook pending for good.
+    config: Config = PyFileConfigLoader(
+        "jupyterhub_config.py", path=str(REPO_ROOT / "compose")).load_config()
+    spawner = config.GPUSwarmSpawner
+    admin = spawner.extra_placement_spec.get("constraints") \
+        if "extra_placement_spec" in spawner else None
+    for host in ("manager-1", "gpu-1"):
+        assert placement_constraints(admin, host) == [f"node.hostname == {host}"]
 
 
 def test_constraints_keep_the_admins_and_add_the_host() -> None:
