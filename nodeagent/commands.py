@@ -85,10 +85,10 @@ class CommandConsumer:
 
     ``counters`` (all since start): ``received``, ``refused_user`` (sender not in
     ``command_users``), ``invalid`` (did not decode), ``wrong_host``, ``hellos``, ``duplicate``
-    (a stop of that container is already under way), ``failed`` (Docker error or timeout), and one
-    ``outcome_<StopOutcome>`` per stop carried out (``outcome_stopped``, ``outcome_gone``,
-    ``outcome_not_running``, ``outcome_wrong_lease``); ``sessions``: times the consumer was
-    (re)established.
+    (a stop of that container for that lease is already under way), ``failed`` (Docker error
+    or timeout), and one ``outcome_<StopOutcome>`` per stop carried out (``outcome_stopped``,
+    ``outcome_gone``, ``outcome_not_running``, ``outcome_wrong_lease``); ``sessions``: times the
+    consumer was (re)established.
     """
 
     def __init__(self, amqp_url: str, host: str, stopper: Stopper, *,
@@ -113,8 +113,8 @@ class CommandConsumer:
         self._consuming = asyncio.Event()
         self._tried = asyncio.Event()
         """Set once the first session was established or failed."""
-        self._stopping: dict[str, asyncio.Task[None]] = {}
-        """container id -> its stop under way."""
+        self._stopping: dict[tuple[str, str], asyncio.Task[None]] = {}
+        """(container id, lease id) -> its stop under way."""
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._stopped = False
 
@@ -276,12 +276,15 @@ class CommandConsumer:
             if self.on_hello is not None:
                 self.on_hello(command)
             return
-        if command.container_id in self._stopping:
+        # A repeat is the same container for the same lease: a stop for another lease (left
+        # alone once its label is read) must not swallow the right one arriving meanwhile.
+        key = (command.container_id, command.lease_id)
+        if key in self._stopping:
             self.counters["duplicate"] += 1
             return
         task = asyncio.create_task(self._stop(command), name="stop-container")
-        self._stopping[command.container_id] = task
-        task.add_done_callback(lambda _: self._stopping.pop(command.container_id, None))
+        self._stopping[key] = task
+        task.add_done_callback(lambda _: self._stopping.pop(key, None))
 
     async def _stop(self, command: StopContainer) -> None:
         short = command.container_id[:12]

@@ -71,7 +71,7 @@ STOP_OUTCOMES_REFUSED = ("refused_user", "invalid", "wrong_host", "wrong_lease")
 """Stop commands refused: from a broker user not in ``command_users``, not a command, for
 another host, or for a container that is not that lease's (left alone)."""
 STOP_OUTCOMES_OTHER = ("duplicate", "failed")
-"""A stop of a container already being stopped; a Docker error or timeout."""
+"""A stop of a container already being stopped for the same lease; a Docker error or timeout."""
 STOP_OUTCOMES = (*STOP_OUTCOMES_TAKEN, *STOP_OUTCOMES_REFUSED, *STOP_OUTCOMES_OTHER)
 """Every ``outcome`` label of ``swarm_gpu_agent_stop_commands_total``."""
 

@@ -336,9 +336,14 @@ async def test_docker_calls_events_stop_commands_and_holders(
 
             def outcome(s: Samples, name: str) -> float:
                 return value(s, "swarm_gpu_agent_stop_commands_total", outcome=name) or 0
+            # One scrape is not one instant: the histograms are read before the collector
+            # reads the counters, so a scrape may count the stop as done while its histogram
+            # was read just before the call ended. Wait for the call too.
             samples = await scraped_when(
                 port, lambda s: outcome(s, "stopped") == 1
-                and value(s, "swarm_gpu_agent_gpu_held", **gpu0) == 0, within=30)
+                and value(s, "swarm_gpu_agent_gpu_held", **gpu0) == 0
+                and (value(s, "swarm_gpu_agent_docker_call_seconds_count", call="stop")
+                     or 0) >= 1, within=30)
             assert value(samples, "swarm_gpu_agent_stop_commands_received_total") == 4
             assert [outcome(samples, name) for name in
                     ("refused_user", "invalid", "wrong_lease", "failed")] == [1, 1, 1, 0]
