@@ -136,15 +136,16 @@ class Engine:
                                    "node messages must be published to the nodes exchange")
             if not self.nodes.may_report(message.host, sender, now, changes, message.kind):
                 return None
+            since = len(changes.events)
             if isinstance(message, Heartbeat):
                 self._heartbeat(message, sender, now, changes)
             elif isinstance(message, HeartbeatDelta):
                 self._heartbeat_delta(message, sender, now, changes)
             else:
                 self.containers.container_event(message, now, changes)
-                return None
-            if message.host in self.cluster.nodes:  # taken, not refused
-                self.outbox.greet(message.host, message.agent_id)
+            self.nodes.keep_within_budget(message.host, sender, since, now, changes)
+            if not isinstance(message, ContainerEvent) and message.host in self.cluster.nodes:
+                self.outbox.greet(message.host, message.agent_id)  # taken, not refused
             return None
         if sender.via_nodes_exchange:
             self.counters.add(Count.REQUEST_FROM_NODE_EXCHANGE)

@@ -80,9 +80,8 @@ class GpuInventory:
             if gpu is not None and gpu.host != node.host:
                 if self._held(gpu, now):
                     self.counters.add(Count.DUPLICATE_GPU)
-                    if self.nodes.may_record_report_anomaly(node.host, now):
-                        changes.event(now, "duplicate_gpu", host=node.host,
-                                      gpu_uuid=info.uuid, owner=gpu.host)
+                    changes.event(now, "duplicate_gpu", host=node.host,
+                                  gpu_uuid=info.uuid, owner=gpu.host)
                     skipped = True
                 else:
                     claimed.append(info)
