@@ -409,8 +409,8 @@ class Engine:
         return self.book.leases
 
     @property
-    def by_key(self) -> dict[str, str]:
-        """request_key -> id of its active (queued, granted, bound) lease."""
+    def by_key(self) -> dict[tuple[str | None, str], str]:
+        """(key space, request_key) -> id of its active (queued, granted, bound) lease."""
         return self.book.by_key
 
     @property

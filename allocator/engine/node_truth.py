@@ -15,7 +15,7 @@ these adoptions (:mod:`allocator.engine.fence`).
 from __future__ import annotations
 
 from allocator.engine.leases import LeaseBook
-from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
 from allocator.ledger.store import Changes
 from allocator.metrics.counters import Count, Counters
 from allocator.placement import adoption
@@ -64,9 +64,11 @@ class NodeTruth:
         conflicts); True when adopted."""
         record = self.book.leases.get(lease_id)
         queued = record is not None and record.state is LeaseState.QUEUED
+        # Adopted leases hold their request keys apart from the hubs' (key_space): a label
+        # naming someone's key takes it from nobody, and two labels cannot share one.
         conflicts = adoption.judge(lease_id, grant, host, self.cluster,
-                                   self.book.by_key.get(grant.request_key), holder,
-                                   queued=queued)
+                                   self.book.by_key.get((ADOPTED_OWNER, grant.request_key)),
+                                   holder, queued=queued)
         container_id = holder.container_id
         if conflicts:
             known = {(c.kind, c.gpu_uuid)
@@ -87,9 +89,12 @@ class NodeTruth:
     def _adopt(self, lease_id: str, container_id: str, grant: ContainerGrant, host: str,
                node_time: float, now: float, changes: Changes, via: str) -> None:
         book = self.book
+        # Charged to nobody and the admins' alone (ADOPTED_OWNER): the labels' user, groups
+        # and key are kept to show, but a label cannot be told from a forged one.
         record = LeaseRecord(lease_id=lease_id, request_key=grant.request_key,
                              user=grant.user, groups=tuple(grant.groups),
-                             state=LeaseState.BOUND, created_at=now, request={})
+                             state=LeaseState.BOUND, created_at=now, request={},
+                             owner=ADOPTED_OWNER)
         models = {self.cluster.gpus[u].model for u in grant.gpu_uuids}
         record.host = host
         record.gpu_uuids = tuple(grant.gpu_uuids)

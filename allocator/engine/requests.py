@@ -22,7 +22,7 @@ from allocator.engine.leases import LeaseBook, may_act_on
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.state import Sender, count_anomaly, log
-from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
 from allocator.ledger.store import Changes
 from allocator.logs import lease_context
 from allocator.metrics.counters import Count, Counters, Family
@@ -64,7 +64,7 @@ class LeaseRequests:
                  changes: Changes) -> BaseModel:
         """Grant now, queue (``wait_s``, or behind the start fence), or refuse. The lease
         belongs to ``sender``'s broker user."""
-        existing_id = self.book.by_key.get(request.request_key)
+        existing_id = self.book.by_key.get((None, request.request_key))
         if existing_id is not None:
             return self._retry(request, sender, self.book.leases[existing_id])
         demand = policy.make_demand(request, self.placer.model_catalog(), self.settings)
@@ -139,6 +139,13 @@ class LeaseRequests:
                         extra=lease_context(record.lease_id, record.host, record.user))
         asker = (f"broker user {sender.user_id!r}" if sender.user_id is not None
                  else "a request without a broker user (AMQP user_id)")
+        if record.owner == ADOPTED_OWNER:
+            return error_reply(
+                ErrorCode.FORBIDDEN,
+                f"lease {record.lease_id} was adopted from the grant labels of a running "
+                f"container, which name no hub: {asker} may not {doing} it; admins "
+                "(admin_users) may, and it ends when its container does.",
+                owner=record.owner)
         return error_reply(
             ErrorCode.FORBIDDEN,
             f"lease {record.lease_id} (request key {record.request_key!r}) belongs to another "

@@ -173,6 +173,6 @@ class Views:
         if not resolved:
             return None
         held = [Held(r.lease_id, r.user, r.groups, r.model, r.host or "", r.units,
-                     r.granted_at or 0.0) for r in self.book.holding()]
+                     r.granted_at or 0.0) for r in self.book.charged_holding()]
         free = {(m.model, host): n for m in models for host, n in m.hosts.items()}
         return bookings_view(resolved, now, bookings.capacity(now), held, free)

@@ -98,7 +98,9 @@ class Claim:
     """What one lease holds on one GPU."""
 
     lease_id: str
-    user: str
+    user: str | None
+    """The user it counts against; None: nobody (a lease adopted from its container's labels,
+    whose user is only what a label says)."""
     groups: tuple[str, ...]
     exclusive: bool
     memory_mib: int

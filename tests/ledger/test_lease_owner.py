@@ -10,6 +10,7 @@ hubs as two real broker users with their own passwords and permissions on the re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import pytest
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
+from allocator.ledger.lease import ADOPTED_OWNER
 from allocator.ledger.log_entries import Batch, decode_entry
 from allocator.ledger.log_snapshot import decode_parts, encode_parts
 from allocator.ledger.store import (
@@ -244,7 +246,7 @@ def test_another_hub_may_not_take_over_a_request_key_in_use(tmp_path: Path) -> N
     forbidden(cluster.apply(ask, HUB_B), first.lease.lease_id, "retry an allocate",
               "request keys of its own")
     forbidden(cluster.apply(ask.model_copy(update={"count": 2}), HUB_B), "'hub-a'")
-    assert list(cluster.engine.by_key) == ["shared/alice/"]
+    assert list(cluster.engine.by_key) == [(None, "shared/alice/")]
     retry = cluster.apply(ask, HUB_A)
     assert isinstance(retry, LeaseReply) and retry.lease.lease_id == first.lease.lease_id
     # Once it is released, the key is free for anyone's next lease.
@@ -293,25 +295,29 @@ def test_listings_show_a_hub_its_own_leases_and_admins_every_lease(tmp_path: Pat
 
 
 def test_a_lease_whose_owner_is_unknown_is_anyones_as_before(tmp_path: Path) -> None:
-    """Adopted from its container's grant labels after a lost ledger, or asked for without
-    an AMQP user_id: no owner; any broker user may see and release it, so a lost ledger
-    strands no lease. A request without a user_id acts on no owned lease."""
+    """Asked for without an AMQP user_id: no owner; any broker user may see and release it.
+    A request without a user_id acts on no owned lease. A lease adopted from its container's
+    grant labels is no hub's: only admins see and release it (the labels may be forged)."""
     cluster = Cluster(tmp_path)
     grant = ContainerGrant(host=HOST, gpu_uuids=["GPU-3"], user="frank",
                            request_key="hub-a/frank/")
     cluster.beat([ContainerInfo(container_id="c-frank", lease_id="lost", grant=grant,
                                 started_at=0.5)])
     adopted = cluster.engine.leases["lost"]
-    assert adopted.state is LeaseState.BOUND and adopted.owner is None
+    assert adopted.state is LeaseState.BOUND and adopted.owner == ADOPTED_OWNER
     anonymous = cluster.allocate(NO_USER, "gina").lease.lease_id
     assert cluster.engine.leases[anonymous].owner is None
     owned = cluster.bound(HUB_A, "hank")
     for sender in (HUB_A, HUB_B, NO_USER):
         listing = cluster.apply(LeasesRequest(), sender)
-        assert {"lost", anonymous} <= {lease.lease_id for lease in listing.leases}
+        assert anonymous in {lease.lease_id for lease in listing.leases}
+        assert "lost" not in {lease.lease_id for lease in listing.leases}
+        forbidden(cluster.apply(ReleaseRequest(lease_id="lost"), sender), "lost")
+    listing = cluster.apply(LeasesRequest(), ADMIN)
+    assert {"lost", anonymous, owned} <= {lease.lease_id for lease in listing.leases}
     forbidden(cluster.apply(StatusRequest(lease_id=owned), NO_USER), "without a broker user")
     forbidden(cluster.apply(ReleaseRequest(lease_id=owned), NO_USER), "without a broker user")
-    for lease_id, sender in (("lost", HUB_B), (anonymous, HUB_A)):
+    for lease_id, sender in (("lost", ADMIN), (anonymous, HUB_A)):
         released = cluster.apply(ReleaseRequest(lease_id=lease_id), sender)
         assert isinstance(released, LeaseReply), released
         assert released.lease.state in (LeaseState.RELEASING, LeaseState.RELEASED)
@@ -471,14 +477,38 @@ def two_hubs(rabbitmq: services.RabbitMQ) -> Iterator[Broker]:
         yield loaded
 
 
-@pytest.fixture
-async def allocator_of(two_hubs: Broker, ledger_path: Path) -> AsyncIterator[AllocatorService]:
-    service = AllocatorService(two_hubs.settings(ledger_path))
+@contextlib.asynccontextmanager
+async def serving(settings: AllocatorSettings) -> AsyncIterator[AllocatorService]:
+    """An allocator service with ``settings``, started, and stopped afterwards."""
+    service = AllocatorService(settings)
     await service.start()
     try:
         yield service
     finally:
         await service.stop()
+
+
+@pytest.fixture
+async def allocator_of(two_hubs: Broker, ledger_path: Path) -> AsyncIterator[AllocatorService]:
+    async with serving(two_hubs.settings(ledger_path)) as service:
+        yield service
+
+
+@contextlib.asynccontextmanager
+async def reported_cluster(
+        broker: Broker) -> AsyncIterator[tuple[AllocatorClient, AllocatorClient,
+                                               AllocatorClient]]:
+    """gpu-a reported by its own agent user; then the clients of hub A (the shipped ``hub``
+    user), hub B and an admin, once the allocator lists the node."""
+    await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                  agent_beat("gpu-a"), user_id=broker.prefix + "agent-gpu-a")
+    async with AllocatorClient(broker.url("hub"), timeout_s=10) as hub_a, \
+            AllocatorClient(broker.url("hub-b"), timeout_s=10) as hub_b, \
+            AllocatorClient(broker.url("admin"), timeout_s=10) as admin:
+        async def reported() -> object:
+            return (await hub_a.inventory()).nodes
+        await wait_until(reported)
+        yield hub_a, hub_b, admin
 
 
 async def test_two_hubs_on_the_real_broker_act_only_on_their_own_leases(
@@ -497,14 +527,7 @@ async def test_two_hubs_on_the_real_broker_act_only_on_their_own_leases(
                                command_users=[broker.prefix + "allocator"], timeout_s=5)
     assert await consumer.start(wait_s=10), consumer.last_error
     try:
-        await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
-                      agent_beat("gpu-a"), user_id=agent_user)
-        async with AllocatorClient(broker.url("hub"), timeout_s=10) as hub_a, \
-                AllocatorClient(broker.url("hub-b"), timeout_s=10) as hub_b, \
-                AllocatorClient(broker.url("admin"), timeout_s=10) as admin:
-            async def reported() -> object:
-                return (await hub_a.inventory()).nodes
-            await wait_until(reported)
+        async with reported_cluster(broker) as (hub_a, hub_b, admin):
             leases = [await hub_a.allocate(AllocateRequest(request_key=f"a/{user}/", user=user))
                       for user in ("alice", "bob")]
             for lease in leases:
@@ -550,3 +573,48 @@ async def test_two_hubs_on_the_real_broker_act_only_on_their_own_leases(
     finally:
         await consumer.stop()
     assert allocator_of.engine.counters["foreign_lease"] == 4
+
+
+@pytest.fixture
+async def quota_allocator(two_hubs: Broker,
+                          ledger_path: Path) -> AsyncIterator[AllocatorService]:
+    async with serving(two_hubs.settings(ledger_path).model_copy(update={
+            "user_quota": {"victim": 1}, "group_quota": {"lab": 1},
+            "start_fence_s": 0.0})) as service:
+        yield service
+
+
+async def test_a_forged_label_on_the_real_broker_takes_nothing_from_its_user(
+        two_hubs: Broker, quota_allocator: AllocatorService) -> None:
+    """Root on gpu-a starts a container labelled for ``victim`` (her group, her hub's request
+    key); the agent reports it with its own credential and the allocator adopts it. Victim,
+    held to one GPU, still gets one through her hub under her own key; no hub may release
+    the forged lease (it would stop a container no hub asked for); an admin may."""
+    broker, agent_user = two_hubs, two_hubs.prefix + "agent-gpu-a"
+    hub_user = broker.prefix + "hub"
+    async with reported_cluster(broker) as (hub_a, hub_b, admin):
+        free = [gpu.uuid for gpu in (await hub_a.inventory()).gpus]
+        grant = ContainerGrant(host="gpu-a", gpu_uuids=[free[0]], user="victim",
+                               groups=["lab"], request_key="hub/victim/")
+        await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, event_routing_key("gpu-a"),
+                      encode(ContainerEvent(host="gpu-a", container_id="f" * 64,
+                                            lease_id="forged", action=ContainerAction.START,
+                                            at=time.time(), grant=grant)),
+                      user_id=agent_user)
+
+        async def adopted() -> bool:
+            return (await admin.status(lease_id="forged")).state is LeaseState.BOUND
+        await wait_until(adopted)
+        mine = await hub_a.allocate(AllocateRequest(request_key="hub/victim/", user="victim",
+                                                    groups=["lab"]))
+        assert mine.state is LeaseState.GRANTED and mine.lease_id != "forged"
+        assert mine.gpu_uuids == [free[1]]
+        assert quota_allocator.engine.leases[mine.lease_id].owner == hub_user
+        for client in (hub_a, hub_b):
+            with pytest.raises(AllocatorError) as refused:
+                await client.release(lease_id="forged")
+            assert refused.value.code is ErrorCode.FORBIDDEN
+            assert "adopted" in str(refused.value)
+        assert (await admin.status(lease_id="forged")).state is LeaseState.BOUND
+        released = await admin.release(lease_id="forged", reason="forged label")
+        assert released.state is LeaseState.RELEASING
