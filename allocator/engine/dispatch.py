@@ -171,7 +171,7 @@ class Engine:
         if isinstance(message, DrainRequest):
             return self._drain(message, sender, now, changes)
         if isinstance(message, QuotaRequest):
-            return self.views.quota(message)
+            return self.views.quota(message, visible)
         if isinstance(message, LeasesRequest):
             return self.views.leases_reply(message, now, visible)
         if isinstance(message, BookingRequest):
@@ -380,7 +380,8 @@ class Engine:
         self.outbox.not_greeted(hosts)
 
     def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
-        """An in-memory lease by id or request key (active first, then recently finished)."""
+        """An in-memory lease by id or request key, any owner's (active first, then recently
+        finished)."""
         return self.book.find(lease_id, request_key)
 
     def lease_reply(self, record: LeaseRecord) -> LeaseReply:

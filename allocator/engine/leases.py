@@ -54,10 +54,14 @@ def may_act_on(record: LeaseRecord, sender: Sender, admin_users: Collection[str]
 
 
 def key_space(owner: str | None) -> str | None:
-    """The space of request keys a lease of ``owner`` holds its key in: a lease adopted
-    from its container's labels holds it apart from every hub's, so that a label naming
-    someone's request key takes it from nobody; every other lease shares one space."""
-    return ADOPTED_OWNER if owner == ADOPTED_OWNER else None
+    """The space of request keys a lease of ``owner`` holds its key in: its owner's own.
+    Request keys are free text, so two hubs (two broker users, which RabbitMQ verifies)
+    may use the same one; each is then a key of its own hub and neither takes it from the
+    other. A lease adopted from its container's labels (:data:`ADOPTED_OWNER`) holds its
+    key apart from every hub's, so a label naming someone's key takes it from nobody; the
+    leases whose owner is not known (None) share one space, which every asker also looks
+    in (:meth:`LeaseBook.active_for`)."""
+    return owner
 
 
 class LeaseBook:
@@ -373,19 +377,35 @@ class LeaseBook:
 
     # ------------------------------------------------------------------ lookups
 
-    def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
-        """An in-memory lease by id or request key (active first, then recently finished)."""
+    def active_for(self, request_key: str, asker: str | None) -> LeaseRecord | None:
+        """The active lease ``request_key`` names for the broker user ``asker``: the one in
+        its own key space, else one whose owner is not known (anyone's, as before owners
+        were recorded, so that an upgrade strands no request key)."""
+        for space in dict.fromkeys((key_space(asker), None)):
+            lease_id = self.by_key.get((space, request_key))
+            if lease_id is not None:
+                return self.leases[lease_id]
+        return None
+
+    def find(self, lease_id: str | None, request_key: str | None, asker: str | None = None,
+             *, every_owner: bool = True) -> LeaseRecord | None:
+        """An in-memory lease by id, or by request key as the broker user ``asker`` names it
+        (:meth:`active_for`, then its newest recently finished one); ``every_owner``: any
+        owner's under that key, active first (an admin's lookup, the service's own)."""
         if lease_id is not None:
             return self.leases.get(lease_id) or self.recent.get(lease_id)
         assert request_key is not None
-        active = self.by_key.get((None, request_key))
+        active = self.active_for(request_key, asker)
         if active is not None:
-            return self.leases[active]
+            return active
+        spaces = {key_space(asker), None}
         newest: LeaseRecord | None = None
         for record in (*self.leases.values(), *self.recent.values()):
-            if record.request_key == request_key and key_space(record.owner) is None and (
-                newest is None or record.created_at >= newest.created_at
-            ):
+            if record.request_key != request_key or not (
+                    every_owner or key_space(record.owner) in spaces):
+                continue
+            if newest is None or (record.state.active, record.created_at) >= (
+                    newest.state.active, newest.created_at):
                 newest = record
         return newest
 

@@ -63,13 +63,20 @@ class Views:
         self.nodes = nodes
         self.processes = processes
 
-    def quota(self, request: QuotaRequest) -> QuotaReply:
-        """The user's quotas and what they and their groups hold now; with a count, whether
-        granting that many now would be borrowed."""
+    def quota(self, request: QuotaRequest, visible: Visible = everything) -> QuotaReply:
+        """The user's quotas and what they and their groups hold now in the leases the asker
+        may see (``visible``: a hub its own and those whose owner is not known, an admin
+        every lease), so that a hub learns nothing of another hub's users; with a count,
+        whether granting that many now would be borrowed."""
         views = []
         model = (None if request.model is None
                  else self.settings.aliases.get(request.model, request.model))
-        standings = policy.quota_standings(request.user, request.groups, self.cluster,
+        leases = self.book.leases
+        seen = Cluster(nodes=self.cluster.nodes, gpus=self.cluster.gpus, claims={
+            uuid: [claim for claim in claims
+                   if claim.lease_id in leases and visible(leases[claim.lease_id])]
+            for uuid, claims in self.cluster.claims.items()})
+        standings = policy.quota_standings(request.user, request.groups, seen,
                                            self.settings, model=model,
                                            every_model=model is None)
         for standing in standings:
