@@ -264,6 +264,16 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         "on record); past it, further new GPU uuids of that host are ignored and counted "
         "(anomaly gpu_limit).",
     )
+    declared_gpus: dict[str, dict[str, NonNegativeInt]] = Field(
+        default_factory=dict,
+        description="host -> {model (as its agent reports it, or an alias): GPUs of that "
+        "model the site installed there}. Optional, per host: of a host listed, at most that "
+        "many GPUs of each model are placed (the first by index); GPUs beyond it, or of a "
+        "model not listed, stay out of placement and are shown as a conflict (event and "
+        "anomaly undeclared_gpu), so that an agent credential cannot draw placements to GPUs "
+        "that do not exist. A host not listed is taken as its agent reports it (up to "
+        "max_gpus_per_host).",
+    )
     refused_events_per_minute: int = Field(
         default=10, ge=0, le=10_000,
         description="Ledger events a refused node message writes (heartbeat_rejected, "

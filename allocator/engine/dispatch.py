@@ -117,7 +117,7 @@ class Engine:
         self.truth.load()
         self.processes.load()
         self.book.load(state)
-        self.gpus.load()
+        self.gpus.load(now)
         self.index.rebuild(cluster)
         self.placer.inventory_changed()
         self.bookings.load(state)

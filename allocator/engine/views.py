@@ -155,7 +155,7 @@ class Views:
                 compute_capability=g.compute_capability, architecture=g.architecture,
                 mig_enabled=g.mig_enabled, mig_parent_uuid=g.mig_parent_uuid,
                 mig_profile=g.mig_profile,
-                conflict=g.conflict,
+                conflict=g.conflict or g.undeclared,
                 process_state=g.process_state,
                 processes=self.processes.processes_of(g.uuid, lease_of),
             )

@@ -93,6 +93,8 @@ class Count(StrEnum):
     """A GPU used by a process that no lease on it accounts for (one per episode)."""
     OUTSIDE_GRANT = "outside_grant"
     """A lease's container found using a GPU it was not granted."""
+    UNDECLARED_GPU = "undeclared_gpu"
+    """A GPU its host reports beyond what the site declared for it (``declared_gpus``)."""
     QUEUED_BEHIND_FENCE = "queued_behind_fence"
     """A request that waited for the nodes' first reports after a start (the start fence)."""
     NODE_EVENTS_UNRECORDED = "node_events_unrecorded"
@@ -186,6 +188,7 @@ COUNT_EXPORTED: Final[Mapping[Count, Exported]] = MappingProxyType({
     Count.STUCK_PROCESS: _ANOMALY,
     Count.OUTSIDE_USE: _ANOMALY,
     Count.OUTSIDE_GRANT: _ANOMALY,
+    Count.UNDECLARED_GPU: _ANOMALY,
     Count.QUEUED_BEHIND_FENCE: Exported("swarm_gpu_queued_behind_fence", "Requests that waited "
                                         "for the nodes' first reports after an allocator "
                                         "start (the start fence); each also counts in "
