@@ -290,7 +290,9 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         "ended, anomalies its reports repeat such as duplicate_gpu): per broker user and "
         "host. The rest are only counted (swarm_gpu_node_events_unrecorded), so that one "
         "agent credential cannot fill the ledger's disk with events of its own host. 0: "
-        "counted only.",
+        "counted only. Also the adoptions one host's containers may make a minute; the "
+        "rest wait as conflicts (adoption_deferred), their GPUs kept out, until a later "
+        "report.",
     )
     history_retention_days: float = Field(
         default=400.0, ge=0,

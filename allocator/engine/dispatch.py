@@ -94,7 +94,7 @@ class Engine:
                               self.placer, self.processes, self.windows, new_lease_id)
         self.requests = LeaseRequests(settings, counters, self.book, self.placer, self.start_fence,
                                       self.outbox)
-        self.truth = NodeTruth(counters, cluster, index, self.book)
+        self.truth = NodeTruth(settings, counters, cluster, index, self.book)
         self.containers = NodeReconciliation(settings, counters, self.book, self.truth,
                                              self.idle, self.outbox, self.requests, self.nodes)
         self.reclaim = Reclaimer(settings, counters, self.book, self.idle, self.placer,

@@ -14,7 +14,9 @@ these adoptions (:mod:`allocator.engine.fence`).
 
 from __future__ import annotations
 
+from allocator.config import AllocatorSettings
 from allocator.engine.leases import LeaseBook
+from allocator.engine.nodes import EventBudget
 from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
 from allocator.ledger.store import Changes
 from allocator.metrics.counters import Count, Counters
@@ -33,8 +35,12 @@ class NodeTruth:
     conflict, :mod:`allocator.engine.gpus`, which comes back at the claimant's next report).
     """
 
-    def __init__(self, counters: Counters, cluster: Cluster, index: PlacementIndex,
-                 book: LeaseBook) -> None:
+    def __init__(self, settings: AllocatorSettings, counters: Counters, cluster: Cluster,
+                 index: PlacementIndex, book: LeaseBook) -> None:
+        self.settings = settings
+        self.adoptions = EventBudget(settings.node_events_per_minute)
+        """The adoptions each host may still make this minute (memory only: a reload keeps
+        it)."""
         self.counters = counters
         self.cluster = cluster
         self.index = index
@@ -69,6 +75,11 @@ class NodeTruth:
         conflicts = adoption.judge(lease_id, grant, host, self.cluster,
                                    self.book.by_key.get((ADOPTED_OWNER, grant.request_key)),
                                    holder, queued=queued)
+        if not conflicts and not self.adoptions.take((None, host), now):
+            # Each adoption is a lease row and its history: one agent credential must not
+            # grow the ledger without bound by containers that come and go.
+            conflicts = adoption.deferred(lease_id, grant, holder,
+                                          self.settings.node_events_per_minute)
         container_id = holder.container_id
         if conflicts:
             known = {(c.kind, c.gpu_uuid)

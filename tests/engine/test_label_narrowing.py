@@ -191,3 +191,24 @@ def test_a_forged_container_is_released_by_admins_alone(tmp_path: Path) -> None:
     released = engine.handle(ReleaseRequest(lease_id="forged-1"), admin, 3.0, Changes())
     assert isinstance(released, LeaseReply) and released.lease.state is LeaseState.RELEASING
     assert [c.lease_id for c in engine.take_commands()] == ["forged-1"]
+
+
+def test_adoptions_beyond_a_hosts_budget_wait_as_conflicts(tmp_path: Path) -> None:
+    """One adoption a minute for host a: the second labelled container waits as a conflict,
+    its GPU kept out of placement (not handed out twice), and is adopted at the host's first
+    report of the next minute."""
+    settings = AllocatorSettings(ledger_path=tmp_path / "ledger.sqlite",
+                                 allow_any_node_user=True, start_fence_s=0.0,
+                                 node_events_per_minute=1)
+    engine = Engine(settings, started_at=0.0)
+    first = forged("forged-1", 0, user="u1").model_copy(update={"container_id": "c1"})
+    second = forged("forged-2", 1, user="u2").model_copy(update={"container_id": "c2"})
+    engine.handle(beat(1.0, [first, second]), NODE, 1.0, Changes())
+    assert "forged-1" in engine.leases and "forged-2" not in engine.leases
+    assert conflict_on(engine, 1) is not None and "node_events_per_minute" in str(
+        conflict_on(engine, 1))
+    refused = ask(engine, "carol", 2.0)
+    assert isinstance(refused, ErrorReply), "neither GPU is free to give"
+    engine.handle(beat(61.0, [first, second]), NODE, 61.0, Changes())
+    assert engine.leases["forged-2"].state is LeaseState.BOUND
+    assert conflict_on(engine, 1) is None
