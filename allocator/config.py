@@ -264,15 +264,35 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         "on record); past it, further new GPU uuids of that host are ignored and counted "
         "(anomaly gpu_limit).",
     )
+    declared_gpus: dict[str, dict[str, NonNegativeInt]] = Field(
+        default_factory=dict,
+        description="host -> {model (as its agent reports it, or an alias): GPUs of that "
+        "model the site installed there}. Optional, per host: of a host listed, at most that "
+        "many GPUs of each model are placed (the first by index); GPUs beyond it, or of a "
+        "model not listed, stay out of placement and are shown as a conflict (event and "
+        "anomaly undeclared_gpu), so that an agent credential cannot draw placements to GPUs "
+        "that do not exist. A host not listed is taken as its agent reports it (up to "
+        "max_gpus_per_host).",
+    )
     refused_events_per_minute: int = Field(
         default=10, ge=0, le=10_000,
         description="Ledger events a refused node message writes (heartbeat_rejected, "
-        "request_refused...), or an anomaly a host's own reports repeat (duplicate_gpu, "
-        "unknown_lease_container, zombie_container), at most this many per minute for one "
-        "sender: per broker user for hosts it does not report for, per broker user and host "
-        "otherwise. The rest are "
-        "only counted (swarm_gpu_node_events_unrecorded), so that one agent credential "
-        "cannot fill the ledger's disk. 0: counted only.",
+        "request_refused...), at most this many per minute for one broker user (for all "
+        "the hosts it does not report for together). The rest are only counted "
+        "(swarm_gpu_node_events_unrecorded), so that one agent credential cannot fill the "
+        "ledger's disk. 0: counted only. The events of accepted reports have their own "
+        "budget, node_events_per_minute.",
+    )
+    node_events_per_minute: int = Field(
+        default=30, ge=0, le=10_000,
+        description="Ledger events one host's accepted reports (heartbeats, deltas, container "
+        "events) may write a minute, whatever they say (GPU health, adoptions, containers "
+        "ended, anomalies its reports repeat such as duplicate_gpu): per broker user and "
+        "host. The rest are only counted (swarm_gpu_node_events_unrecorded), so that one "
+        "agent credential cannot fill the ledger's disk with events of its own host. 0: "
+        "counted only. Also the adoptions one host's containers may make a minute; the "
+        "rest wait as conflicts (adoption_deferred), their GPUs kept out, until a later "
+        "report.",
     )
     history_retention_days: float = Field(
         default=400.0, ge=0,

@@ -141,13 +141,15 @@ class BookingBook:
 
     def capacity(self, now: float) -> Capacity:
         """The GPUs bookings may draw on now: present, not a GPU in MIG mode itself (its
-        instances count), not drained, on a node that is up and not drained."""
+        instances count), not drained, within what the site declared for its node
+        (``declared_gpus``), on a node that is up and not drained."""
         nodes = self.cluster.nodes
         counted = []
         for gpu in self.cluster.gpus.values():
             node = nodes.get(gpu.host)
             if (node is None or node.drained or gpu.drained or not gpu.present
-                    or gpu.mig_enabled or not self.nodes.up(node, now)):
+                    or gpu.mig_enabled or gpu.undeclared is not None
+                    or not self.nodes.up(node, now)):
                 continue
             counted.append((gpu.host, gpu.model))
         return Capacity.of_gpus(counted)

@@ -131,9 +131,8 @@ class NodeReconciliation:
         finished = self.book.recent.get(lease_id)
         kind = Count.ZOMBIE_CONTAINER if finished is not None else Count.UNKNOWN_LEASE_CONTAINER
         self.counters.add(kind)
-        if self.nodes.may_record_report_anomaly(host, now):
-            changes.event(now, kind.value, host=host, lease_id=lease_id,
-                          container_id=container_id)
+        changes.event(now, kind.value, host=host, lease_id=lease_id,
+                      container_id=container_id)
         if finished is not None and finished.host in (None, host):
             # A container of a lease this allocator finished (e.g. a start after the bind
             # deadline reclaimed it): it would use GPUs the ledger gave away. A lease the

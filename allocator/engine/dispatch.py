@@ -94,7 +94,7 @@ class Engine:
                               self.placer, self.processes, self.windows, new_lease_id)
         self.requests = LeaseRequests(settings, counters, self.book, self.placer, self.start_fence,
                                       self.outbox)
-        self.truth = NodeTruth(counters, cluster, index, self.book)
+        self.truth = NodeTruth(settings, counters, cluster, index, self.book)
         self.containers = NodeReconciliation(settings, counters, self.book, self.truth,
                                              self.idle, self.outbox, self.requests, self.nodes)
         self.reclaim = Reclaimer(settings, counters, self.book, self.idle, self.placer,
@@ -117,7 +117,7 @@ class Engine:
         self.truth.load()
         self.processes.load()
         self.book.load(state)
-        self.gpus.load()
+        self.gpus.load(now)
         self.index.rebuild(cluster)
         self.placer.inventory_changed()
         self.bookings.load(state)
@@ -136,15 +136,16 @@ class Engine:
                                    "node messages must be published to the nodes exchange")
             if not self.nodes.may_report(message.host, sender, now, changes, message.kind):
                 return None
+            since = len(changes.events)
             if isinstance(message, Heartbeat):
                 self._heartbeat(message, sender, now, changes)
             elif isinstance(message, HeartbeatDelta):
                 self._heartbeat_delta(message, sender, now, changes)
             else:
                 self.containers.container_event(message, now, changes)
-                return None
-            if message.host in self.cluster.nodes:  # taken, not refused
-                self.outbox.greet(message.host, message.agent_id)
+            self.nodes.keep_within_budget(message.host, sender, since, now, changes)
+            if not isinstance(message, ContainerEvent) and message.host in self.cluster.nodes:
+                self.outbox.greet(message.host, message.agent_id)  # taken, not refused
             return None
         if sender.via_nodes_exchange:
             self.counters.add(Count.REQUEST_FROM_NODE_EXCHANGE)
@@ -170,7 +171,7 @@ class Engine:
         if isinstance(message, DrainRequest):
             return self._drain(message, sender, now, changes)
         if isinstance(message, QuotaRequest):
-            return self.views.quota(message)
+            return self.views.quota(message, visible)
         if isinstance(message, LeasesRequest):
             return self.views.leases_reply(message, now, visible)
         if isinstance(message, BookingRequest):
@@ -379,7 +380,8 @@ class Engine:
         self.outbox.not_greeted(hosts)
 
     def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
-        """An in-memory lease by id or request key (active first, then recently finished)."""
+        """An in-memory lease by id or request key, any owner's (active first, then recently
+        finished)."""
         return self.book.find(lease_id, request_key)
 
     def lease_reply(self, record: LeaseRecord) -> LeaseReply:
@@ -408,8 +410,8 @@ class Engine:
         return self.book.leases
 
     @property
-    def by_key(self) -> dict[str, str]:
-        """request_key -> id of its active (queued, granted, bound) lease."""
+    def by_key(self) -> dict[tuple[str | None, str], str]:
+        """(key space, request_key) -> id of its active (queued, granted, bound) lease."""
         return self.book.by_key
 
     @property

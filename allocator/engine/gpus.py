@@ -23,6 +23,7 @@ from allocator.ledger.store import Changes
 from allocator.metrics.counters import Count, Counters
 from allocator.placement import policy
 from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.declared import beyond_declared
 from allocator.placement.index import PlacementIndex
 from allocator.wire.protocol import GPUInfo, Heartbeat
 
@@ -61,12 +62,15 @@ class GpuInventory:
         """GPU uuid -> the move conflict message this part put on the GPU (so that it clears
         its own message and never a grant conflict's)."""
 
-    def load(self) -> None:
+    def load(self, now: float) -> None:
         """A rebuild from the ledger: no report is known to match the GPUs, no claim stands
-        (the GPUs are new objects, without a conflict)."""
+        (the GPUs are new objects, without a conflict); what the site declared is judged at
+        once, before anything is placed."""
         self.steady.clear()
         self.claims.clear()
         self.shown.clear()
+        for node in self.cluster.nodes.values():
+            self.judge_declared(node, now, None)
 
     def upsert(self, node: Node, beat: Heartbeat, now: float, changes: Changes) -> bool:
         """Upsert the node's GPUs, claims of other hosts' GPUs included; True when anything
@@ -80,9 +84,8 @@ class GpuInventory:
             if gpu is not None and gpu.host != node.host:
                 if self._held(gpu, now):
                     self.counters.add(Count.DUPLICATE_GPU)
-                    if self.nodes.may_record_report_anomaly(node.host, now):
-                        changes.event(now, "duplicate_gpu", host=node.host,
-                                      gpu_uuid=info.uuid, owner=gpu.host)
+                    changes.event(now, "duplicate_gpu", host=node.host,
+                                  gpu_uuid=info.uuid, owner=gpu.host)
                     skipped = True
                 else:
                     claimed.append(info)
@@ -126,10 +129,34 @@ class GpuInventory:
                                            and self.cluster.gpus[u].host == node.host},
                              key=lambda u: self.cluster.gpus[u].order)
             node.gpu_uuids = ordered
+        changed = self.judge_declared(node, now, changes) or changed
         if changed or skipped:
             self.steady.pop(node.host, None)
         else:
             self.steady[node.host] = beat
+        return changed
+
+    def judge_declared(self, node: Node, now: float, changes: Changes | None) -> bool:
+        """Mark the node's GPUs beyond what the site declared for it (``declared_gpus``,
+        :mod:`allocator.placement.declared`) and clear the others; True when a mark
+        changed. A GPU newly beyond it is an event and an anomaly (none with ``changes``
+        None: a load, which judges every node again)."""
+        declared = self.settings.declared_gpus.get(node.host)
+        gpus = [gpu for gpu in self.cluster.gpus_of(node.host)
+                if gpu.host == node.host and gpu.present]
+        beyond = ({} if declared is None else
+                  beyond_declared(node.host, gpus, declared, self.settings.aliases))
+        changed = False
+        for gpu in gpus:
+            wanted = beyond.get(gpu.uuid)
+            if gpu.undeclared == wanted:
+                continue
+            if wanted is not None and gpu.undeclared is None and changes is not None:
+                self.counters.add(Count.UNDECLARED_GPU)
+                changes.event(now, "undeclared_gpu", host=node.host, gpu_uuid=gpu.uuid,
+                              model=gpu.model, message=wanted)
+            gpu.undeclared = wanted
+            changed = True
         return changed
 
     def _held(self, gpu: GPU, now: float) -> bool:

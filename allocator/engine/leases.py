@@ -24,7 +24,7 @@ from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.processes import ProcessWatch
 from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES, Sender
-from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
 from allocator.ledger.store import Changes, LoadedState
 from allocator.metrics.counters import Count, Counters, Family
 from allocator.placement import gpu_sets, policy
@@ -43,10 +43,25 @@ from allocator.wire.protocol import (
 def may_act_on(record: LeaseRecord, sender: Sender, admin_users: Collection[str]) -> bool:
     """Whether ``sender`` may release ``record``, ask for it, or see it in a listing: the
     broker user that asked for it (its hub), an admin, or anyone when its owner is not known
-    (a lease from before owners were recorded, or adopted from its container's labels: an
-    upgrade or a lost ledger strands no lease). The one rule of lease ownership."""
-    return (record.owner is None or sender.user_id in admin_users
-            or (sender.user_id is not None and sender.user_id == record.owner))
+    (a lease from before owners were recorded: an upgrade strands no lease). A lease adopted
+    from its container's labels (:data:`ADOPTED_OWNER`) is the admins' alone: its labels
+    may be forged, and its container ends it anyway when it stops. The one rule of lease
+    ownership."""
+    if sender.user_id in admin_users or record.owner is None:
+        return True
+    return (record.owner != ADOPTED_OWNER and sender.user_id is not None
+            and sender.user_id == record.owner)
+
+
+def key_space(owner: str | None) -> str | None:
+    """The space of request keys a lease of ``owner`` holds its key in: its owner's own.
+    Request keys are free text, so two hubs (two broker users, which RabbitMQ verifies)
+    may use the same one; each is then a key of its own hub and neither takes it from the
+    other. A lease adopted from its container's labels (:data:`ADOPTED_OWNER`) holds its
+    key apart from every hub's, so a label naming someone's key takes it from nobody; the
+    leases whose owner is not known (None) share one space, which every asker also looks
+    in (:meth:`LeaseBook.active_for`)."""
+    return owner
 
 
 class LeaseBook:
@@ -77,8 +92,9 @@ class LeaseBook:
         """Makes lease ids: random by default; tests pass a counter to replay runs exactly."""
         self.leases: dict[str, LeaseRecord] = {}
         """Leases not yet final, by id."""
-        self.by_key: dict[str, str] = {}
-        """request_key -> id of its active (queued, granted, bound) lease."""
+        self.by_key: dict[tuple[str | None, str], str] = {}
+        """(key space, request_key) -> id of its active (queued, granted, bound) lease (see
+        :func:`key_space`)."""
         self.by_host: dict[str, dict[str, LeaseRecord]] = {}
         """host -> the leases of :attr:`leases` placed there, so that a heartbeat reconciles
         its own host's leases instead of scanning every lease of the cluster."""
@@ -116,7 +132,7 @@ class LeaseBook:
         if record.host is not None:
             self.by_host.setdefault(record.host, {})[record.lease_id] = record
         if record.state.active:
-            self.by_key[record.request_key] = record.lease_id
+            self.by_key[self.key_of(record)] = record.lease_id
         if record.state is LeaseState.QUEUED:
             key = policy.queue_order_key(record.priority, record.enqueued_at or record.created_at,
                                          record.lease_id)
@@ -128,11 +144,19 @@ class LeaseBook:
         if record.state in TIMED_STATES:
             self.timed[record.lease_id] = record
 
+    @staticmethod
+    def key_of(record: LeaseRecord) -> tuple[str | None, str]:
+        """The lease's entry in :attr:`by_key`."""
+        return (key_space(record.owner), record.request_key)
+
     def claim_gpus(self, record: LeaseRecord) -> None:
-        """Claim the lease's GPUs in the cluster."""
-        policy.claim_gpus(self.cluster, record.lease_id, record.user, record.groups,
-                          record.gpu_uuids, shared=record.shared,
-                          memory_mib=record.memory_mib, units=record.units)
+        """Claim the lease's GPUs in the cluster, counted against its user and groups if it
+        is :attr:`~LeaseRecord.charged`."""
+        charged = record.charged
+        policy.claim_gpus(self.cluster, record.lease_id, record.user if charged else None,
+                          record.groups if charged else (), record.gpu_uuids,
+                          shared=record.shared, memory_mib=record.memory_mib,
+                          units=record.units)
 
     def dequeue(self, lease_id: str) -> None:
         self.queue = [entry for entry in self.queue if entry[1] != lease_id]
@@ -156,6 +180,11 @@ class LeaseBook:
     def holding(self) -> list[LeaseRecord]:
         """The leases that hold GPUs (granted, bound, releasing)."""
         return [r for r in self.leases.values() if r.state.holds_gpus]
+
+    def charged_holding(self) -> list[LeaseRecord]:
+        """The leases that hold GPUs and count against their users' and groups' guarantees
+        and bookings (:attr:`~LeaseRecord.charged`)."""
+        return [r for r in self.leases.values() if r.state.holds_gpus and r.charged]
 
     def queued_demand(self, record: LeaseRecord) -> policy.Demand | policy.Refusal | None:
         """What a queued request asks, resolved against the current models; None when its
@@ -217,7 +246,7 @@ class LeaseBook:
                 model=record.model))
         policy.apply_placement(self.cluster, placement, record.lease_id, demand)
         self.index.refresh(self.cluster, placement.host)
-        self.by_key[record.request_key] = record.lease_id
+        self.by_key[self.key_of(record)] = record.lease_id
         changes.transition(record, old, now, "granted", by=record.user)
         self.counters.add(Count.GRANTED)
 
@@ -246,7 +275,7 @@ class LeaseBook:
         record.releasing_at = now
         record.released_by = by
         record.release_note = note
-        self.by_key.pop(record.request_key, None)
+        self.by_key.pop(self.key_of(record), None)
         changes.transition(record, old, now, why, by=by)
         # Swarm stops a removed service's task only seconds later (a 2 s gossip delay
         # comes first); the node agent stops it at once, so the GPU is free in
@@ -285,8 +314,8 @@ class LeaseBook:
         record.released_by = record.released_by or by
         if note:
             record.release_note = note
-        if self.by_key.get(record.request_key) == record.lease_id:
-            del self.by_key[record.request_key]
+        if self.by_key.get(self.key_of(record)) == record.lease_id:
+            del self.by_key[self.key_of(record)]
         self.leases.pop(record.lease_id, None)
         if record.host is not None:
             self.by_host.get(record.host, {}).pop(record.lease_id, None)
@@ -348,19 +377,35 @@ class LeaseBook:
 
     # ------------------------------------------------------------------ lookups
 
-    def find(self, lease_id: str | None, request_key: str | None) -> LeaseRecord | None:
-        """An in-memory lease by id or request key (active first, then recently finished)."""
+    def active_for(self, request_key: str, asker: str | None) -> LeaseRecord | None:
+        """The active lease ``request_key`` names for the broker user ``asker``: the one in
+        its own key space, else one whose owner is not known (anyone's, as before owners
+        were recorded, so that an upgrade strands no request key)."""
+        for space in dict.fromkeys((key_space(asker), None)):
+            lease_id = self.by_key.get((space, request_key))
+            if lease_id is not None:
+                return self.leases[lease_id]
+        return None
+
+    def find(self, lease_id: str | None, request_key: str | None, asker: str | None = None,
+             *, every_owner: bool = True) -> LeaseRecord | None:
+        """An in-memory lease by id, or by request key as the broker user ``asker`` names it
+        (:meth:`active_for`, then its newest recently finished one); ``every_owner``: any
+        owner's under that key, active first (an admin's lookup, the service's own)."""
         if lease_id is not None:
             return self.leases.get(lease_id) or self.recent.get(lease_id)
         assert request_key is not None
-        active = self.by_key.get(request_key)
+        active = self.active_for(request_key, asker)
         if active is not None:
-            return self.leases[active]
+            return active
+        spaces = {key_space(asker), None}
         newest: LeaseRecord | None = None
         for record in (*self.leases.values(), *self.recent.values()):
-            if record.request_key == request_key and (
-                newest is None or record.created_at >= newest.created_at
-            ):
+            if record.request_key != request_key or not (
+                    every_owner or key_space(record.owner) in spaces):
+                continue
+            if newest is None or (record.state.active, record.created_at) >= (
+                    newest.state.active, newest.created_at):
                 newest = record
         return newest
 

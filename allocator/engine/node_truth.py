@@ -14,8 +14,10 @@ these adoptions (:mod:`allocator.engine.fence`).
 
 from __future__ import annotations
 
+from allocator.config import AllocatorSettings
 from allocator.engine.leases import LeaseBook
-from allocator.ledger.lease import LeaseRecord
+from allocator.engine.nodes import EventBudget
+from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
 from allocator.ledger.store import Changes
 from allocator.metrics.counters import Count, Counters
 from allocator.placement import adoption
@@ -33,8 +35,12 @@ class NodeTruth:
     conflict, :mod:`allocator.engine.gpus`, which comes back at the claimant's next report).
     """
 
-    def __init__(self, counters: Counters, cluster: Cluster, index: PlacementIndex,
-                 book: LeaseBook) -> None:
+    def __init__(self, settings: AllocatorSettings, counters: Counters, cluster: Cluster,
+                 index: PlacementIndex, book: LeaseBook) -> None:
+        self.settings = settings
+        self.adoptions = EventBudget(settings.node_events_per_minute)
+        """The adoptions each host may still make this minute (memory only: a reload keeps
+        it)."""
         self.counters = counters
         self.cluster = cluster
         self.index = index
@@ -64,9 +70,16 @@ class NodeTruth:
         conflicts); True when adopted."""
         record = self.book.leases.get(lease_id)
         queued = record is not None and record.state is LeaseState.QUEUED
+        # Adopted leases hold their request keys apart from the hubs' (key_space): a label
+        # naming someone's key takes it from nobody, and two labels cannot share one.
         conflicts = adoption.judge(lease_id, grant, host, self.cluster,
-                                   self.book.by_key.get(grant.request_key), holder,
-                                   queued=queued)
+                                   self.book.by_key.get((ADOPTED_OWNER, grant.request_key)),
+                                   holder, queued=queued)
+        if not conflicts and not self.adoptions.take((None, host), now):
+            # Each adoption is a lease row and its history: one agent credential must not
+            # grow the ledger without bound by containers that come and go.
+            conflicts = adoption.deferred(lease_id, grant, holder,
+                                          self.settings.node_events_per_minute)
         container_id = holder.container_id
         if conflicts:
             known = {(c.kind, c.gpu_uuid)
@@ -87,9 +100,12 @@ class NodeTruth:
     def _adopt(self, lease_id: str, container_id: str, grant: ContainerGrant, host: str,
                node_time: float, now: float, changes: Changes, via: str) -> None:
         book = self.book
+        # Charged to nobody and the admins' alone (ADOPTED_OWNER): the labels' user, groups
+        # and key are kept to show, but a label cannot be told from a forged one.
         record = LeaseRecord(lease_id=lease_id, request_key=grant.request_key,
                              user=grant.user, groups=tuple(grant.groups),
-                             state=LeaseState.BOUND, created_at=now, request={})
+                             state=LeaseState.BOUND, created_at=now, request={},
+                             owner=ADOPTED_OWNER)
         models = {self.cluster.gpus[u].model for u in grant.gpu_uuids}
         record.host = host
         record.gpu_uuids = tuple(grant.gpu_uuids)

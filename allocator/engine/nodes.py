@@ -29,7 +29,8 @@ from allocator.wire.protocol import (
 )
 
 REFUSAL_WINDOW_S = 60.0
-"""The window of ``refused_events_per_minute``: whole minutes of the allocator's clock."""
+"""The window of ``refused_events_per_minute`` and ``node_events_per_minute``: whole minutes
+of the allocator's clock."""
 
 
 class EventBudget:
@@ -108,6 +109,8 @@ class NodeReports:
         """Hosts whose clock skew was logged (once until it is back within bounds)."""
         self.refusal_budget = EventBudget(settings.refused_events_per_minute)
         """The ledger events refused node messages may still write this minute."""
+        self.report_budget = EventBudget(settings.node_events_per_minute)
+        """The ledger events each host's accepted reports may still write this minute."""
         self.interconnect_judged: dict[str, HostInterconnect] = {}
         """host -> the interconnect its reports last carried, taken or ignored: the reports a
         delta stands for carry it again, and it is judged once (memory only)."""
@@ -157,17 +160,28 @@ class NodeReports:
         self.counters.add(Count.NODE_EVENTS_UNRECORDED)
         return False
 
-    def may_record_report_anomaly(self, host: str, now: float) -> bool:
-        """Whether an anomaly in ``host``'s own report (a GPU another host holds, a container
-        of a lease this allocator does not hold) may write a ledger event: within
-        ``refused_events_per_minute`` for the host. Else it is counted as unrecorded.
+    def keep_within_budget(self, host: str, sender: Sender, since: int, now: float,
+                           changes: Changes) -> None:
+        """The one budget of what an accepted report writes as events: of the events from
+        ``since`` on (those one node message about ``host`` wrote), keep the first ones
+        within ``node_events_per_minute`` for the sender and the host; drop the rest and
+        count them as unrecorded.
 
-        An agent repeats such an anomaly in every heartbeat, for as long as it lasts: unbounded,
-        one agent credential could fill the ledger's disk with the same event."""
-        if self.refusal_budget.take((self.agent_users.get(host), host), now):
-            return True
-        self.counters.add(Count.NODE_EVENTS_UNRECORDED)
-        return False
+        Whatever a report says, its events are the sender's to multiply (GPU health that
+        flaps, containers that come and go, an anomaly repeated in every heartbeat): one
+        agent credential could otherwise fill the ledger's disk. The decisions stand, only
+        their events are dropped; lease rows and their state history are always written.
+        """
+        written = len(changes.events) - since
+        if written <= 0:
+            return
+        key = (sender.user_id, host)
+        kept = 0
+        while kept < written and self.report_budget.take(key, now):
+            kept += 1
+        if kept < written:
+            del changes.events[since + kept:]
+            self.counters.add(Count.NODE_EVENTS_UNRECORDED, written - kept)
 
     def owns(self, host: str, sender: Sender) -> bool:
         """Whether ``sender`` is the broker user that reports for ``host`` (no side effect)."""

@@ -220,14 +220,12 @@ class ProcessWatch:
             self.outside[gpu.uuid] = outside
             if not was:
                 self.counters.add(Count.OUTSIDE_USE)
-                if self.nodes.may_record_report_anomaly(gpu.host, now):
-                    changes.event(now, "outside_use", host=gpu.host, gpu_uuid=gpu.uuid,
-                                  pids=sorted(p.pid for p in outside),
-                                  processes=_described(outside))
+                changes.event(now, "outside_use", host=gpu.host, gpu_uuid=gpu.uuid,
+                              pids=sorted(p.pid for p in outside),
+                              processes=_described(outside))
         elif was:
             del self.outside[gpu.uuid]
-            if self.nodes.may_record_report_anomaly(gpu.host, now):
-                changes.event(now, "outside_use_ended", host=gpu.host, gpu_uuid=gpu.uuid)
+            changes.event(now, "outside_use_ended", host=gpu.host, gpu_uuid=gpu.uuid)
 
     def _flag_outside_grant(self, host: str, holders: dict[str, LeaseRecord],
                             found: dict[str, list[str]], now: float, changes: Changes) -> None:
@@ -241,10 +239,9 @@ class ProcessWatch:
             self.outside_grant[record.lease_id] = used
             if set(used) - set(known):
                 self.counters.add(Count.OUTSIDE_GRANT)
-                if self.nodes.may_record_report_anomaly(host, now):
-                    changes.event(now, "outside_grant", host=host, lease_id=record.lease_id,
-                                  user=record.user, container_id=record.container_id,
-                                  granted=list(record.gpu_uuids), gpu_uuids=list(used))
+                changes.event(now, "outside_grant", host=host, lease_id=record.lease_id,
+                              user=record.user, container_id=record.container_id,
+                              granted=list(record.gpu_uuids), gpu_uuids=list(used))
 
     # ------------------------------------------------------------------ timers
 

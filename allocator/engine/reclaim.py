@@ -78,7 +78,7 @@ class Reclaimer:
         if (not booked and not self._fair_share_active()) or self.start_fence.holds(now):
             return boundary  # a window that just ended: the queue's order changed
         book = self.book
-        shares = self.windows.shares(now, book.holding()) if booked else Shares()
+        shares = self.windows.shares(now, book.charged_holding()) if booked else Shares()
         # Covered by a window that runs: before it starts a member's lease is ordinary.
         self._recompute_borrowed(changes, self.windows.booking_of)
         warned = [r for r in book.holding() if r.reclaim_at is not None
@@ -170,7 +170,8 @@ class Reclaimer:
         holding = self.book.holding()
         borrowed = fairshare.borrowed_leases(
             [fairshare.Holding(r.lease_id, r.user, r.groups, r.units, r.granted_at or 0.0,
-                               r.borrowed, r.model) for r in holding], self.settings, covered)
+                               r.borrowed, r.model) for r in holding if r.charged],
+            self.settings, covered)
         for record in holding:
             now_borrowed = record.lease_id in borrowed
             if record.borrowed != now_borrowed:

@@ -2,8 +2,9 @@
 and the queue served again whenever GPUs may have come free.
 
 A lease belongs to the broker user that asked for it (:func:`~allocator.engine.leases.may_act_on`):
-a request that names another's lease (a release, a status, an allocate retry under its key)
-is answered ``forbidden`` and changes nothing.
+a request that names another's lease by its id (a release, a status) is answered
+``forbidden`` and changes nothing. Request keys are each broker user's own
+(:func:`~allocator.engine.leases.key_space`): the same key from two hubs names two leases.
 
 Planning a reclaim for a request that queues is the dispatcher's
 (:class:`~allocator.engine.dispatch.Engine`), after :meth:`LeaseRequests.allocate`.
@@ -22,7 +23,7 @@ from allocator.engine.leases import LeaseBook, may_act_on
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.state import Sender, count_anomaly, log
-from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
 from allocator.ledger.store import Changes
 from allocator.logs import lease_context
 from allocator.metrics.counters import Count, Counters, Family
@@ -64,9 +65,9 @@ class LeaseRequests:
                  changes: Changes) -> BaseModel:
         """Grant now, queue (``wait_s``, or behind the start fence), or refuse. The lease
         belongs to ``sender``'s broker user."""
-        existing_id = self.book.by_key.get(request.request_key)
-        if existing_id is not None:
-            return self._retry(request, sender, self.book.leases[existing_id])
+        existing = self.book.active_for(request.request_key, sender.user_id)
+        if existing is not None:
+            return self._retry(request, sender, existing)
         demand = policy.make_demand(request, self.placer.model_catalog(), self.settings)
         if isinstance(demand, policy.Refusal):
             if self.start_fence.holds(now) and demand.code in START_FENCE_WAITS_FOR:
@@ -139,21 +140,34 @@ class LeaseRequests:
                         extra=lease_context(record.lease_id, record.host, record.user))
         asker = (f"broker user {sender.user_id!r}" if sender.user_id is not None
                  else "a request without a broker user (AMQP user_id)")
+        if record.owner == ADOPTED_OWNER:
+            return error_reply(
+                ErrorCode.FORBIDDEN,
+                f"lease {record.lease_id} was adopted from the grant labels of a running "
+                f"container, which name no hub: {asker} may not {doing} it; admins "
+                "(admin_users) may, and it ends when its container does.",
+                owner=record.owner)
         return error_reply(
             ErrorCode.FORBIDDEN,
             f"lease {record.lease_id} (request key {record.request_key!r}) belongs to another "
             f"hub, broker user {record.owner!r}: {asker} may not {doing} it. A hub acts only "
-            "on the leases it asked for (and each hub needs request keys of its own); "
-            "admins (admin_users) act on any.",
+            "on the leases it asked for; admins (admin_users) act on any.",
             owner=record.owner)
 
     def status(self, request: StatusRequest, sender: Sender) -> BaseModel:
         """One lease, by id or request key (the newest of that key), if the sender may see
         it."""
-        record = self.book.find(request.lease_id, request.request_key)
+        record = self.find(request.lease_id, request.request_key, sender)
         if record is None:
             return not_found(request.lease_id, request.request_key)
         return self.refuse_foreign(record, sender, "see") or self.book.reply(record)
+
+    def find(self, lease_id: str | None, request_key: str | None,
+             sender: Sender) -> LeaseRecord | None:
+        """The lease a request names: by id, or by request key in the sender's key space
+        (an admin's: any owner's)."""
+        return self.book.find(lease_id, request_key, sender.user_id,
+                              every_owner=sender.user_id in self.settings.admin_users)
 
     def _refuse(self, refusal: policy.Refusal) -> ErrorReply:
         self.counters.add_to(Family.REFUSED, refusal.code.value)
@@ -220,7 +234,7 @@ class LeaseRequests:
                 changes: Changes) -> BaseModel:
         """Cancel a queued lease, stop a granted or bound one (it ends when its container is
         gone), or, forced by an admin, end it at once and give its GPUs to the queue."""
-        record = self.book.find(request.lease_id, request.request_key)
+        record = self.find(request.lease_id, request.request_key, sender)
         if record is None:
             return not_found(request.lease_id, request.request_key)
         foreign = self.refuse_foreign(record, sender, "release")

@@ -63,13 +63,20 @@ class Views:
         self.nodes = nodes
         self.processes = processes
 
-    def quota(self, request: QuotaRequest) -> QuotaReply:
-        """The user's quotas and what they and their groups hold now; with a count, whether
-        granting that many now would be borrowed."""
+    def quota(self, request: QuotaRequest, visible: Visible = everything) -> QuotaReply:
+        """The user's quotas and what they and their groups hold now in the leases the asker
+        may see (``visible``: a hub its own and those whose owner is not known, an admin
+        every lease), so that a hub learns nothing of another hub's users; with a count,
+        whether granting that many now would be borrowed."""
         views = []
         model = (None if request.model is None
                  else self.settings.aliases.get(request.model, request.model))
-        standings = policy.quota_standings(request.user, request.groups, self.cluster,
+        leases = self.book.leases
+        seen = Cluster(nodes=self.cluster.nodes, gpus=self.cluster.gpus, claims={
+            uuid: [claim for claim in claims
+                   if claim.lease_id in leases and visible(leases[claim.lease_id])]
+            for uuid, claims in self.cluster.claims.items()})
+        standings = policy.quota_standings(request.user, request.groups, seen,
                                            self.settings, model=model,
                                            every_model=model is None)
         for standing in standings:
@@ -148,7 +155,7 @@ class Views:
                 compute_capability=g.compute_capability, architecture=g.architecture,
                 mig_enabled=g.mig_enabled, mig_parent_uuid=g.mig_parent_uuid,
                 mig_profile=g.mig_profile,
-                conflict=g.conflict,
+                conflict=g.conflict or g.undeclared,
                 process_state=g.process_state,
                 processes=self.processes.processes_of(g.uuid, lease_of),
             )
@@ -173,6 +180,6 @@ class Views:
         if not resolved:
             return None
         held = [Held(r.lease_id, r.user, r.groups, r.model, r.host or "", r.units,
-                     r.granted_at or 0.0) for r in self.book.holding()]
+                     r.granted_at or 0.0) for r in self.book.charged_holding()]
         free = {(m.model, host): n for m in models for host, n in m.hosts.items()}
         return bookings_view(resolved, now, bookings.capacity(now), held, free)

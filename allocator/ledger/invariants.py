@@ -18,7 +18,8 @@ What is checked, with the violation ``kind`` each reports:
 - ``bound_without_container``: a bound lease without its container id or bind time.
 - ``released_without_reason``: a final lease without a release reason or release time.
 - ``bad_share``: a shared lease on more than one GPU, or without a memory budget.
-- ``duplicate_request_key``: two active leases of one request key (one server, two leases).
+- ``duplicate_request_key``: two active leases of one request key of one owner (one server,
+  two leases; the same key of two hubs is two servers).
 
 With what the nodes report (``reports``, e.g. from their heartbeats), also:
 
@@ -108,12 +109,16 @@ def check_ledger(conn: sqlite3.Connection, reports: Mapping[str, NodeReport] | N
         for uuid, host, memory, slots in conn.execute(
             "SELECT uuid, host, memory_total_mib, share_slots FROM gpus")
     }
-    active_keys: dict[str, str] = {}
+    active_keys: dict[tuple[str | None, str], str] = {}
+    """(owner, request key) -> its active lease: request keys are each owner's own."""
     bound: dict[str, tuple[str | None, str | None, float | None]] = {}
     """lease id -> (host, container id, bound at), for the live check."""
+    # A ledger from before owners (schema 5) is read as every owner unknown.
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(leases)")}
+    owner = "owner" if "owner" in columns else "NULL"
     cursor = conn.execute(
         "SELECT lease_id, request_key, state, host, gpu_uuids, shared, memory_mib, granted_at, "
-        "bound_at, container_id, released_at, release_reason FROM leases")
+        f"bound_at, container_id, released_at, release_reason, {owner} FROM leases")
     cursor.arraysize = 1000
     while chunk := cursor.fetchmany():
         for row in chunk:
@@ -125,11 +130,12 @@ def check_ledger(conn: sqlite3.Connection, reports: Mapping[str, NodeReport] | N
     return violations
 
 
-def _check_lease(row: tuple[Any, ...], gpus: dict[str, _GPU], active_keys: dict[str, str],
+def _check_lease(row: tuple[Any, ...], gpus: dict[str, _GPU],
+                 active_keys: dict[tuple[str | None, str], str],
                  bound: dict[str, tuple[str | None, str | None, float | None]],
                  violations: list[Violation]) -> None:
     (lease_id, key, state, host, uuids_json, shared, memory, granted_at, bound_at,
-     container_id, released_at, reason) = row
+     container_id, released_at, reason, owner) = row
 
     def report(kind: str, message: str, **where: Any) -> None:
         violations.append(Violation(kind, f"lease {lease_id}: {message}", lease_id=lease_id,
@@ -143,12 +149,13 @@ def _check_lease(row: tuple[Any, ...], gpus: dict[str, _GPU], active_keys: dict[
         report("granted_without_gpus", f"gpu_uuids is not a JSON list: {uuids_json!r}")
         uuids = []
     if state in _ACTIVE:
-        other = active_keys.get(key)
+        other = active_keys.get((owner, key))
         if other is not None:
             report("duplicate_request_key",
-                   f"request key {key!r} has two active leases ({other} and {lease_id})")
+                   f"request key {key!r} of owner {owner!r} has two active leases ({other} "
+                   f"and {lease_id})")
         else:
-            active_keys[key] = lease_id
+            active_keys[(owner, key)] = lease_id
     if state == LeaseState.QUEUED.value and uuids:
         report("queued_with_gpus", f"queued but lists GPUs {uuids}")
     if state in _HOLDING:

@@ -11,6 +11,11 @@ from typing import Any
 
 from allocator.wire.protocol import Lease, LeaseState, ReclaimReason, ReleaseReason
 
+ADOPTED_OWNER = "(adopted)"
+"""The owner of a lease adopted from its running container's grant labels: no broker user's
+request made it, and the labels name none (they cannot be told from forged ones). A reserved
+name: give no broker user this one."""
+
 
 @dataclass
 class LeaseRecord:
@@ -64,8 +69,17 @@ class LeaseRecord:
     """The broker user (AMQP ``user_id``, which the broker verifies) whose request made the
     lease: its hub. Only that user and ``admin_users`` may release it or see it
     (:func:`allocator.engine.leases.may_act_on`). None: not known (a lease from before owners
-    were recorded, one adopted from its container's labels, or a request that carried no
-    user_id), and then any broker user that may send requests may, as before."""
+    were recorded, or a request that carried no user_id), and then any broker user that may
+    send requests may, as before. :data:`ADOPTED_OWNER`: adopted from its container's labels
+    (no broker user asked for it): admins only, and charged to nobody (:attr:`charged`)."""
+
+    @property
+    def charged(self) -> bool:
+        """Whether the lease counts against its user's and groups' quotas, guarantees and
+        bookings: every lease but one adopted from its container's labels, whose user and
+        groups are only what a label says (anyone who may use a node's Docker API sets
+        them)."""
+        return self.owner != ADOPTED_OWNER
 
     def to_row(self) -> dict[str, Any]:
         """The ledger row (JSON-able scalars only)."""

@@ -1165,9 +1165,19 @@ class Ledger:
         rows = list(self.db["leases"].rows_where("lease_id = ?", [lease_id]))
         return LeaseRecord.from_row(rows[0]) if rows else None
 
-    def latest_lease_for_key(self, request_key: str) -> LeaseRecord | None:
-        """The newest lease of a request key, final ones included (on the ledger thread)."""
+    def latest_lease_for_key(self, request_key: str, *,
+                             asker: str | None = None,
+                             every_owner: bool = True) -> LeaseRecord | None:
+        """The newest lease of a request key, final ones included (on the ledger thread):
+        any owner's, or, without ``every_owner``, one of the broker user ``asker``'s or of
+        an owner not known (request keys are each broker user's own,
+        :func:`allocator.engine.leases.key_space`)."""
+        where = "request_key = ?"
+        params: list[str | None] = [request_key]
+        if not every_owner:
+            where += " AND (owner IS NULL OR owner = ?)"
+            params.append(asker)
         rows = list(self.db["leases"].rows_where(
-            "request_key = ?", [request_key], order_by="created_at desc", limit=1))
+            where, params, order_by="created_at desc", limit=1))
         return LeaseRecord.from_row(rows[0]) if rows else None
 

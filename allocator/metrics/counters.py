@@ -93,11 +93,14 @@ class Count(StrEnum):
     """A GPU used by a process that no lease on it accounts for (one per episode)."""
     OUTSIDE_GRANT = "outside_grant"
     """A lease's container found using a GPU it was not granted."""
+    UNDECLARED_GPU = "undeclared_gpu"
+    """A GPU its host reports beyond what the site declared for it (``declared_gpus``)."""
     QUEUED_BEHIND_FENCE = "queued_behind_fence"
     """A request that waited for the nodes' first reports after a start (the start fence)."""
     NODE_EVENTS_UNRECORDED = "node_events_unrecorded"
-    """Refused node messages (and requests through the nodes exchange) past
-    ``refused_events_per_minute`` for their sender and host: counted, no ledger event."""
+    """Ledger events of node messages not written: refusals (and requests through the nodes
+    exchange) past ``refused_events_per_minute`` for their sender, events of a host's
+    accepted reports past ``node_events_per_minute`` for its sender and host."""
     # the service
     RECEIVED = "received"
     BATCHES = "batches"
@@ -185,14 +188,17 @@ COUNT_EXPORTED: Final[Mapping[Count, Exported]] = MappingProxyType({
     Count.STUCK_PROCESS: _ANOMALY,
     Count.OUTSIDE_USE: _ANOMALY,
     Count.OUTSIDE_GRANT: _ANOMALY,
+    Count.UNDECLARED_GPU: _ANOMALY,
     Count.QUEUED_BEHIND_FENCE: Exported("swarm_gpu_queued_behind_fence", "Requests that waited "
                                         "for the nodes' first reports after an allocator "
                                         "start (the start fence); each also counts in "
                                         "swarm_gpu_queued"),
-    Count.NODE_EVENTS_UNRECORDED: Exported("swarm_gpu_node_events_unrecorded", "Refused node "
-                                           "messages past refused_events_per_minute for their "
-                                           "sender and host: counted in their own counter, "
-                                           "no ledger event"),
+    Count.NODE_EVENTS_UNRECORDED: Exported("swarm_gpu_node_events_unrecorded", "Ledger "
+                                           "events of node messages not written: refusals "
+                                           "past refused_events_per_minute for their sender, "
+                                           "events of a host's accepted reports past "
+                                           "node_events_per_minute for its sender and host "
+                                           "(each still counted in its own counter)"),
     Count.RECEIVED: Exported("swarm_gpu_messages_received", "Messages taken off the inbound "
                              "queue"),
     Count.BATCHES: Exported("swarm_gpu_batches", "Batches of messages applied and committed to "

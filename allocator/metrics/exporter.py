@@ -278,7 +278,7 @@ def read_scrape(service: Observed, now: float) -> ScrapeReading:
         if not shown(gpu):
             continue
         node_up, node_drained, _ = snap.nodes.get(gpu.host, (False, False, None))
-        if gpu.conflict is not None:
+        if gpu.conflict is not None or gpu.undeclared is not None:
             state = "conflict"
         elif gpu.process_state in (ProcessState.STUCK_PROCESS, ProcessState.OUTSIDE_USE):
             state = gpu.process_state.value

@@ -50,6 +50,10 @@ class ConflictKind(StrEnum):
     QUEUED_LEASE = "queued_lease"
     """The labels name a lease that is queued here, not granted: a container never binds
     one (anyone with the node's Docker API could bind someone's waiting request)."""
+    ADOPTION_DEFERRED = "adoption_deferred"
+    """Its node's adoptions of this minute reached ``node_events_per_minute``: adopted at a
+    later report, its GPUs kept out meanwhile (each adoption is a lease row and its
+    history, and labels are anyone's with the node's Docker API)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,19 @@ def judge(lease_id: str, grant: ContainerGrant, host: str, cluster: Cluster,
                 f"{who} of lease {lease_id} would take the slices of GPU {gpu_uuid} on {host} "
                 f"to {promised} MiB of {gpu.memory_total_mib} MiB"))
     return conflicts
+
+
+def deferred(lease_id: str, grant: ContainerGrant, holder: LabelHolder,
+             per_minute: int) -> list[Conflict]:
+    """Why an adoptable grant waits: its node adopted ``per_minute`` containers this minute
+    already. One conflict per GPU it names, so that they stay out of placement meanwhile."""
+    who = holder.describe()
+    return [Conflict(ConflictKind.ADOPTION_DEFERRED, gpu_uuid,
+                     f"{who} of lease {lease_id} names GPU {gpu_uuid} of {grant.host}, "
+                     f"whose adoptions reached {per_minute} this minute "
+                     "(node_events_per_minute): adopted at a later report, kept out of "
+                     "placement meanwhile")
+            for gpu_uuid in grant.gpu_uuids]
 
 
 def units_of(grant: ContainerGrant, cluster: Cluster) -> Fraction:

@@ -49,6 +49,11 @@ class GPU:
     """Why a running container's grant contradicts the ledger on this GPU (see
     :mod:`allocator.placement.adoption`); None when nothing does. Kept in memory only: it is judged
     again from every listing of the node."""
+    undeclared: str | None = None
+    """Why the site's declaration of its host (``declared_gpus``) has no room for it: its
+    host reports more GPUs of its model than declared, or a model not declared; None:
+    within it, or the host declares nothing. Out of placement, shown as a conflict. Memory
+    only: judged again from every report of its host and at every load."""
     process_state: ProcessState | None = None
     """Why the processes on it keep it out of placement (draining after a lease's end, a
     process left behind, use outside swarm-gpu: :mod:`allocator.engine.processes`); None:
@@ -62,10 +67,12 @@ class GPU:
 
     @property
     def placeable(self) -> bool:
-        """Allocatable, healthy, listed by its node, not drained, not in conflict and not
-        kept out by its processes (node state is checked separately)."""
+        """Allocatable, healthy, listed by its node, not drained, not in conflict, within
+        what the site declared for its node and not kept out by its processes (node state
+        is checked separately)."""
         return (self.allocatable and self.present and self.health is Health.HEALTHY
-                and not self.drained and self.conflict is None and self.process_state is None)
+                and not self.drained and self.conflict is None and self.undeclared is None
+                and self.process_state is None)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -98,7 +105,9 @@ class Claim:
     """What one lease holds on one GPU."""
 
     lease_id: str
-    user: str
+    user: str | None
+    """The user it counts against; None: nobody (a lease adopted from its container's labels,
+    whose user is only what a label says)."""
     groups: tuple[str, ...]
     exclusive: bool
     memory_mib: int

@@ -874,10 +874,11 @@ def apply_placement(cluster: Cluster, placement: Placement, lease_id: str, deman
                shared=placement.shared, memory_mib=placement.memory_mib, units=placement.units)
 
 
-def claim_gpus(cluster: Cluster, lease_id: str, user: str, groups: tuple[str, ...],
+def claim_gpus(cluster: Cluster, lease_id: str, user: str | None, groups: tuple[str, ...],
                gpu_uuids: Sequence[str], *, shared: bool, memory_mib: int | None,
                units: Fraction) -> None:
     """Record one lease's claims on its GPUs (a new grant, or a lease loaded from the ledger).
+    ``user`` None and no ``groups``: the claims count against no quota.
 
     An exclusive claim promises each GPU's whole memory and counts 1; a slice its budget and
     ``units`` (1/slots). ``units`` is the lease's total, split evenly over its GPUs.

@@ -79,12 +79,14 @@ class Answers:
                 continue
             lease_id, request_key = entry.lookup
             ledger = self._ledger
+            sender = Sender(user_id=entry.message.user_id, via_nodes_exchange=False)
             fetch = (functools.partial(ledger.find_lease, lease_id) if lease_id is not None
-                     else functools.partial(ledger.latest_lease_for_key, request_key or ""))
+                     else functools.partial(  # the asker's own key space, as in the engine
+                         ledger.latest_lease_for_key, request_key or "", asker=sender.user_id,
+                         every_owner=sender.user_id in self._engine.settings.admin_users))
             record = await ledger.run(fetch)
             if record is not None and entry.reply is not None:
                 # Another hub's lease stays another's when it is read from the ledger.
-                sender = Sender(user_id=entry.message.user_id, via_nodes_exchange=False)
                 entry.reply = self._engine.lease_reply_for(
                     record, sender, "release" if entry.kind == "release" else "see")
 

@@ -19,12 +19,13 @@ from allocator.wire.protocol import (
     ContainerEvent,
     ContainerGrant,
     ContainerInfo,
-    ErrorCode,
     ErrorReply,
     GPUInfo,
     Heartbeat,
     LeaseReply,
     LeaseState,
+    QuotaReply,
+    QuotaRequest,
     ReleaseReason,
 )
 
@@ -119,20 +120,23 @@ def test_an_empty_ledger_adopts_running_containers_before_granting(tmp_path: Pat
     assert engine.recent["lease-x"].release_reason is ReleaseReason.CONTAINER_EXITED
 
 
-def test_an_adopted_lease_counts_against_its_groups_quota(tmp_path: Path) -> None:
-    """The groups travel in the grant labels: after a lost ledger, the group's quota still
-    sees the GPU its member's running notebook holds."""
+def test_an_adopted_lease_holds_its_gpu_but_counts_against_no_quota(tmp_path: Path) -> None:
+    """The groups travel in the grant labels, and are kept to show; but a label cannot be
+    told from a forged one, so after a lost ledger the GPU a running notebook holds stays
+    held (nobody else gets it) and counts against no user's or group's quota."""
     engine = Engine(settings(tmp_path, group_quota={"students": 1}), started_at=0.0)
     engine.load(_empty_state(tmp_path), 0.0, fenced=True)
     changes = Changes()
     labelled = running("lease-s", "c-s", grant("a", 0, groups=("students",)), started_at=0.1)
     engine.handle(beat("a", 1.0, [labelled]), NODE, 1.0, changes)
     assert engine.leases["lease-s"].groups == ("students",)
-    refused = allocate(engine, "hub/bob/", 1.5, changes, model=MODEL, groups=["students"])
-    assert isinstance(refused, ErrorReply), refused
-    assert refused.error.code is ErrorCode.QUOTA_EXCEEDED
-    other = allocate(engine, "hub/carol/", 1.5, changes, model=MODEL, groups=["staff"])
-    assert isinstance(other, LeaseReply) and other.lease.gpu_uuids == [uuid("a", 1)]
+    granted = allocate(engine, "hub/bob/", 1.5, changes, model=MODEL, groups=["students"])
+    assert isinstance(granted, LeaseReply), granted
+    assert granted.lease.gpu_uuids == [uuid("a", 1)], "not the adopted lease's GPU"
+    quota = engine.handle(QuotaRequest(user="carol", groups=["students"]), HUB, 1.6, changes)
+    assert isinstance(quota, QuotaReply)
+    assert [(view.name, view.held) for view in quota.quotas if view.scope == "group"] == [
+        ("students", 1.0)], "bob's own lease counts, the adopted one does not"
 
 
 def _empty_state(tmp_path: Path) -> LoadedState:

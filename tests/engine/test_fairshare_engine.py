@@ -575,7 +575,8 @@ def test_per_model_guarantees_borrow_and_reclaim_within_their_model(tmp_path: Pa
     assert second.lease.lease_id not in engine.leases
     assert engine.recent[second.lease.lease_id].release_reason == "reclaimed"
     assert engine.leases[first.lease.lease_id].state is LeaseState.GRANTED
-    assert engine.leases[engine.by_key["b1"]].state is LeaseState.GRANTED
+    bobs = engine.find(None, "b1")
+    assert bobs is not None and bobs.state is LeaseState.GRANTED
 
 
 @pytest.mark.parametrize(("settings", "fragment"), [

@@ -508,7 +508,9 @@ def test_a_steady_host_takes_the_short_path_and_a_changed_one_does_not() -> None
     machine = FastPathMachine()
     try:
         # ann's lease on h0, bound at the start; its container's use now reported in full.
-        lease_id = machine.engines[0].by_key["ann/h0"]
+        found = machine.engines[0].find(None, "ann/h0")
+        assert found is not None
+        lease_id = found.lease_id
         running = machine.containers[lease_id]
         running.use = [ProcessUse(gpu_uuid=machine.engines[0].leases[lease_id].gpu_uuids[0],
                                   memory_used_mib=100, utilization_pct=1.0)]

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from allocator.config import AllocatorSettings
-from allocator.engine import Engine
+from allocator.engine import Engine, Sender
+from allocator.ledger.lease import ADOPTED_OWNER
 from allocator.ledger.store import Changes
 from allocator.wire.protocol import (
     AllocateRequest,
@@ -17,10 +18,15 @@ from allocator.wire.protocol import (
     ContainerEvent,
     ContainerGrant,
     ContainerInfo,
+    ErrorCode,
     ErrorReply,
     Heartbeat,
     LeaseReply,
     LeaseState,
+    QuotaReply,
+    QuotaRequest,
+    ReleaseRequest,
+    StatusRequest,
 )
 from tests.support.common import GTX1070, HUB, NODE, gpus, heartbeat
 
@@ -133,3 +139,76 @@ def test_a_conflict_lasts_only_while_its_container_runs(tmp_path: Path) -> None:
     engine.handle(beat(9.0, [holder]), NODE, 9.0, Changes())
     assert conflict_on(engine, 0) is None
     assert engine.conflicted_gpus() == {}
+
+
+def test_a_forged_container_counts_against_nobodys_quota_nor_takes_a_request_key(
+        tmp_path: Path) -> None:
+    """A container labelled for user ``victim`` (her groups, her hub's request key) on a free
+    GPU: adopted, so its GPU is not handed out twice, but charged to nobody. Victim's own
+    request under her own key is granted within her quota of one GPU (before, it was
+    refused ``quota_exceeded``, or answered with the forged lease), and her group's
+    guarantee does not see it either."""
+    settings = AllocatorSettings(ledger_path=tmp_path / "ledger.sqlite",
+                                 allow_any_node_user=True, start_fence_s=0.0,
+                                 user_quota={"victim": 1}, group_quota={"lab": 1})
+    engine = Engine(settings, started_at=0.0)
+    label = forged("forged-1", 0, user="victim").model_copy(update={"grant": ContainerGrant(
+        host="a", gpu_uuids=[GPUS[0].uuid], user="victim", groups=["lab"],
+        request_key="hub/victim/")})
+    engine.handle(beat(1.0, [label]), NODE, 1.0, Changes())
+    adopted = engine.leases["forged-1"]
+    assert adopted.state is LeaseState.BOUND and adopted.owner == ADOPTED_OWNER
+    assert engine.cluster.claims_on(GPUS[0].uuid), "its GPU stays held"
+    quota = engine.handle(QuotaRequest(user="victim", groups=["lab"]), HUB, 1.5, Changes())
+    assert isinstance(quota, QuotaReply)
+    assert [view.held for view in quota.quotas] == [0.0, 0.0]
+    mine = ask(engine, "victim", 2.0, groups=["lab"])
+    assert isinstance(mine, LeaseReply), mine
+    assert mine.lease.lease_id != "forged-1" and mine.lease.gpu_uuids == [GPUS[1].uuid]
+    assert engine.leases[mine.lease.lease_id].owner == HUB.user_id
+    assert not engine.leases[mine.lease.lease_id].borrowed
+
+
+def test_a_forged_container_is_released_by_admins_alone(tmp_path: Path) -> None:
+    """No hub may release (stop) or see an adopted lease: the labels name no hub, and a hub
+    could otherwise stop another hub's notebook adopted after a lost ledger. An admin may;
+    the container's own end ends it as any lease."""
+    settings = AllocatorSettings(ledger_path=tmp_path / "ledger.sqlite",
+                                 allow_any_node_user=True, start_fence_s=0.0,
+                                 admin_users=["admin"])
+    engine = Engine(settings, started_at=0.0)
+    engine.handle(beat(1.0, [forged("forged-1", 0, user="victim")]), NODE, 1.0, Changes())
+    engine.take_commands()
+    for request in (ReleaseRequest(lease_id="forged-1"), StatusRequest(lease_id="forged-1")):
+        refused = engine.handle(request, HUB, 2.0, Changes())
+        assert isinstance(refused, ErrorReply) and refused.error.code is ErrorCode.FORBIDDEN
+    by_key = engine.handle(ReleaseRequest(request_key="hub/victim/"), HUB, 2.0, Changes())
+    assert isinstance(by_key, ErrorReply) and by_key.error.code is ErrorCode.NOT_FOUND, (
+        "its request key is no hub's")
+    assert engine.leases["forged-1"].state is LeaseState.BOUND
+    assert engine.take_commands() == []
+    admin = Sender(user_id="admin", via_nodes_exchange=False)
+    released = engine.handle(ReleaseRequest(lease_id="forged-1"), admin, 3.0, Changes())
+    assert isinstance(released, LeaseReply) and released.lease.state is LeaseState.RELEASING
+    assert [c.lease_id for c in engine.take_commands()] == ["forged-1"]
+
+
+def test_adoptions_beyond_a_hosts_budget_wait_as_conflicts(tmp_path: Path) -> None:
+    """One adoption a minute for host a: the second labelled container waits as a conflict,
+    its GPU kept out of placement (not handed out twice), and is adopted at the host's first
+    report of the next minute."""
+    settings = AllocatorSettings(ledger_path=tmp_path / "ledger.sqlite",
+                                 allow_any_node_user=True, start_fence_s=0.0,
+                                 node_events_per_minute=1)
+    engine = Engine(settings, started_at=0.0)
+    first = forged("forged-1", 0, user="u1").model_copy(update={"container_id": "c1"})
+    second = forged("forged-2", 1, user="u2").model_copy(update={"container_id": "c2"})
+    engine.handle(beat(1.0, [first, second]), NODE, 1.0, Changes())
+    assert "forged-1" in engine.leases and "forged-2" not in engine.leases
+    assert conflict_on(engine, 1) is not None and "node_events_per_minute" in str(
+        conflict_on(engine, 1))
+    refused = ask(engine, "carol", 2.0)
+    assert isinstance(refused, ErrorReply), "neither GPU is free to give"
+    engine.handle(beat(61.0, [first, second]), NODE, 61.0, Changes())
+    assert engine.leases["forged-2"].state is LeaseState.BOUND
+    assert conflict_on(engine, 1) is None

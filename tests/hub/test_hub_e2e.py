@@ -217,7 +217,7 @@ async def test_gpu_server_through_rest(
         container = spec["TaskTemplate"]["ContainerSpec"]
         # The whole grant travels with the container (an allocator that lost the ledger
         # adopts the lease from these labels).
-        # alice is in "students" (the hub's groups above): an adopted lease counts there again.
+        # alice is in "students" (the hub's groups above): an adopted lease shows them.
         assert container["Labels"] == {**grant_labels(lease, server_name="",
                                                       groups=["students"]),
                                        "swarm-gpu.test": "e2e"}

@@ -264,3 +264,16 @@ def test_container_of_a_released_lease_is_an_orphan(ledger):
     found = check_ledger(ledger, report(alice="c-alice", bob="c-bob", nobody="c-x"))
     assert kinds(found) == ["orphan_container"]
     assert "no lease" in found[0].message
+
+
+def test_one_request_key_of_two_owners_is_two_servers(ledger):
+    """Request keys are each hub's own: two hubs' active leases under one key are sound,
+    two of one hub's are not."""
+    add_lease(ledger, "hub-a-1", "queued", request_key="shared/k/", owner="hub-a")
+    add_lease(ledger, "hub-b-1", "queued", request_key="shared/k/", owner="hub-b")
+    ledger.commit()
+    assert check_ledger(ledger) == []
+    add_lease(ledger, "hub-b-2", "queued", request_key="shared/k/", owner="hub-b")
+    ledger.commit()
+    assert [(v.kind, v.lease_id) for v in check_ledger(ledger)] == [
+        ("duplicate_request_key", "hub-b-2")]

@@ -10,6 +10,7 @@ hubs as two real broker users with their own passwords and permissions on the re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import pytest
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
+from allocator.ledger.lease import ADOPTED_OWNER
 from allocator.ledger.log_entries import Batch, decode_entry
 from allocator.ledger.log_snapshot import decode_parts, encode_parts
 from allocator.ledger.store import (
@@ -56,6 +58,8 @@ from allocator.wire.protocol import (
     LeaseState,
     QueueReply,
     QueueRequest,
+    QuotaReply,
+    QuotaRequest,
     ReleaseReason,
     ReleaseRequest,
     StatusRequest,
@@ -147,6 +151,12 @@ def forbidden(reply: object, *words: str) -> None:
         assert word in reply.error.message, (word, reply.error.message)
 
 
+def not_found(reply: object) -> None:
+    """``reply`` is a ``not_found`` error: a request key of another hub names nothing."""
+    assert isinstance(reply, ErrorReply), reply
+    assert reply.error.code is ErrorCode.NOT_FOUND, reply
+
+
 def test_a_lease_records_the_broker_user_that_asked_in_the_ledger(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path)
     lease_id = cluster.allocate(HUB_A, "alice").lease.lease_id
@@ -170,13 +180,14 @@ def test_another_hub_may_not_release_a_lease_nor_stop_its_container(tmp_path: Pa
     cluster.engine.take_commands()
     history = len(cluster.changes.history)
     for request in (ReleaseRequest(lease_id=lease_id),
-                    ReleaseRequest(request_key="hub-a/alice/"),
                     ReleaseRequest(lease_id=lease_id, force=True)):
         forbidden(cluster.apply(request, HUB_B), lease_id, "'hub-a'", "'hub-b'", "release")
+    # Its request key is hub A's: in hub B's keys it names nothing.
+    not_found(cluster.apply(ReleaseRequest(request_key="hub-a/alice/"), HUB_B))
     assert cluster.engine.leases[lease_id].state is LeaseState.BOUND
     assert cluster.engine.take_commands() == [], "its container is not stopped"
     assert len(cluster.changes.history) == history, "nothing written"
-    assert cluster.engine.counters["foreign_lease"] == 3
+    assert cluster.engine.counters["foreign_lease"] == 2
     # Its own hub may; force stays the admins'.
     forbidden(cluster.apply(ReleaseRequest(lease_id=lease_id, force=True), HUB_A),
               "force-release is for admins")
@@ -203,15 +214,16 @@ def test_another_hub_may_not_see_a_lease_active_or_finished(tmp_path: Path) -> N
     lease_id = cluster.bound(HUB_A, "alice")
     by_id, by_key = StatusRequest(lease_id=lease_id), StatusRequest(request_key="hub-a/alice/")
     for request in (by_id, by_key):
-        forbidden(cluster.apply(request, HUB_B), lease_id, "'hub-a'", "see")
         for sender in (HUB_A, ADMIN):
             seen = cluster.apply(request, sender)
             assert isinstance(seen, LeaseReply) and seen.lease.lease_id == lease_id
+    forbidden(cluster.apply(by_id, HUB_B), lease_id, "'hub-a'", "see")
+    not_found(cluster.apply(by_key, HUB_B))
     cluster.apply(ReleaseRequest(lease_id=lease_id), HUB_A)
     cluster.died(lease_id)
     assert cluster.engine.recent[lease_id].state is LeaseState.RELEASED
-    for request in (by_id, by_key):
-        forbidden(cluster.apply(request, HUB_B), lease_id)
+    forbidden(cluster.apply(by_id, HUB_B), lease_id)
+    not_found(cluster.apply(by_key, HUB_B))
     # Releasing a finished lease twice is a no-op for its owner, and still no answer for
     # another hub (it would show the lease).
     forbidden(cluster.apply(ReleaseRequest(lease_id=lease_id), HUB_B), lease_id)
@@ -225,7 +237,8 @@ def test_another_hub_may_not_withdraw_a_queued_request_nor_wait_on_it(tmp_path: 
     queued = cluster.allocate(HUB_A, "bob", wait_s=600)
     assert queued.lease.state is LeaseState.QUEUED
     lease_id = queued.lease.lease_id
-    forbidden(cluster.apply(ReleaseRequest(request_key="hub-a/bob/"), HUB_B), "release")
+    forbidden(cluster.apply(ReleaseRequest(lease_id=lease_id), HUB_B), "release")
+    not_found(cluster.apply(ReleaseRequest(request_key="hub-a/bob/"), HUB_B))
     forbidden(cluster.apply(StatusRequest(lease_id=lease_id), HUB_B), "see")
     assert cluster.engine.leases[lease_id].state is LeaseState.QUEUED
     assert cluster.engine.book.queue_position(lease_id) == 1
@@ -234,24 +247,65 @@ def test_another_hub_may_not_withdraw_a_queued_request_nor_wait_on_it(tmp_path: 
     assert cancelled.lease.release_reason is ReleaseReason.CANCELLED
 
 
-def test_another_hub_may_not_take_over_a_request_key_in_use(tmp_path: Path) -> None:
-    """A retry under a key is a status of its lease (and, queued, a reply address for its
-    outcome): another hub gets neither, even asking exactly the same."""
+def test_request_keys_are_each_hubs_own(tmp_path: Path) -> None:
+    """Request keys are free text: hub B may send the very key hub A uses (by mistake, or
+    to squat it with a long wait). Each is then a key of its own hub: B gets a lease of its
+    own, and A's retries, status and release under the key reach A's lease alone, never
+    ``forbidden`` (before, A's spawns got ``forbidden`` for as long as B kept it)."""
     cluster = Cluster(tmp_path)
-    ask = AllocateRequest(request_key="shared/alice/", user="alice", wait_s=600)
-    first = cluster.apply(ask, HUB_A)
+    ask = AllocateRequest(request_key="hub/alice/", user="alice", wait_s=86_400)
+    squat = cluster.apply(ask, HUB_B)
+    assert isinstance(squat, LeaseReply)
+    mine = cluster.apply(ask, HUB_A)
+    assert isinstance(mine, LeaseReply), mine
+    assert mine.lease.lease_id != squat.lease.lease_id
+    assert cluster.engine.leases[mine.lease.lease_id].owner == "hub-a"
+    assert set(cluster.engine.by_key) == {("hub-a", "hub/alice/"), ("hub-b", "hub/alice/")}
+    retry = cluster.apply(ask, HUB_A)
+    assert isinstance(retry, LeaseReply) and retry.lease.lease_id == mine.lease.lease_id
+    status = cluster.apply(StatusRequest(request_key="hub/alice/"), HUB_A)
+    assert isinstance(status, LeaseReply) and status.lease.lease_id == mine.lease.lease_id
+    released = cluster.apply(ReleaseRequest(request_key="hub/alice/"), HUB_A)
+    assert isinstance(released, LeaseReply) and released.lease.lease_id == mine.lease.lease_id
+    assert cluster.engine.leases[squat.lease.lease_id].state is LeaseState.GRANTED
+    # Released, A's key names A's finished lease; a new allocate under it is a new lease.
+    status = cluster.apply(StatusRequest(request_key="hub/alice/"), HUB_A)
+    assert isinstance(status, LeaseReply) and status.lease.lease_id == mine.lease.lease_id
+    again = cluster.apply(ask, HUB_A)
+    assert isinstance(again, LeaseReply) and again.lease.lease_id not in (
+        mine.lease.lease_id, squat.lease.lease_id)
+    assert cluster.engine.counters["foreign_lease"] == 0
+    # An admin's lookup by key finds a lease of any hub's.
+    seen = cluster.apply(StatusRequest(request_key="hub/alice/"), ADMIN)
+    assert isinstance(seen, LeaseReply) and seen.lease.state is LeaseState.GRANTED
+
+
+def test_a_key_whose_lease_has_no_known_owner_is_still_everyones(tmp_path: Path) -> None:
+    """A lease of a ledger from before owners (no owner): a hub's retry under its key finds
+    it, as before, rather than making a second lease for the same server."""
+    cluster = Cluster(tmp_path)
+    ask = AllocateRequest(request_key="hub/old/", user="old")
+    first = cluster.apply(ask, NO_USER)
     assert isinstance(first, LeaseReply)
-    forbidden(cluster.apply(ask, HUB_B), first.lease.lease_id, "retry an allocate",
-              "request keys of its own")
-    forbidden(cluster.apply(ask.model_copy(update={"count": 2}), HUB_B), "'hub-a'")
-    assert list(cluster.engine.by_key) == ["shared/alice/"]
     retry = cluster.apply(ask, HUB_A)
     assert isinstance(retry, LeaseReply) and retry.lease.lease_id == first.lease.lease_id
-    # Once it is released, the key is free for anyone's next lease.
-    cluster.apply(ReleaseRequest(lease_id=first.lease.lease_id), HUB_A)
-    second = cluster.apply(ask, HUB_B)
-    assert isinstance(second, LeaseReply) and second.lease.lease_id != first.lease.lease_id
-    assert cluster.engine.leases[second.lease.lease_id].owner == "hub-b"
+
+
+def test_a_hub_learns_the_quota_use_of_its_own_leases_only(tmp_path: Path) -> None:
+    """Two hubs' "alice" are one user to the quota, but a hub asking about a user sees held
+    only what its own leases hold (and leases of no known owner); an admin sees all."""
+    cluster = Cluster(tmp_path)
+    cluster.engine.settings = cluster.engine.settings.model_copy(
+        update={"user_quota": {"alice": 3}})
+    cluster.bound(HUB_A, "alice")
+    cluster.apply(AllocateRequest(request_key="b/alice/1", user="alice", count=2), HUB_B)
+
+    def held(sender: Sender) -> float:
+        reply = cluster.apply(QuotaRequest(user="alice"), sender)
+        assert isinstance(reply, QuotaReply)
+        return reply.quotas[0].held
+    assert (held(HUB_A), held(HUB_B), held(ADMIN)) == (1.0, 2.0, 3.0)
+    assert held(NO_USER) == 0.0
 
 
 def test_listings_show_a_hub_its_own_leases_and_admins_every_lease(tmp_path: Path) -> None:
@@ -293,28 +347,57 @@ def test_listings_show_a_hub_its_own_leases_and_admins_every_lease(tmp_path: Pat
 
 
 def test_a_lease_whose_owner_is_unknown_is_anyones_as_before(tmp_path: Path) -> None:
-    """Adopted from its container's grant labels after a lost ledger, or asked for without
-    an AMQP user_id: no owner; any broker user may see and release it, so a lost ledger
-    strands no lease. A request without a user_id acts on no owned lease."""
+    """Asked for without an AMQP user_id: no owner; any broker user may see and release it.
+    A request without a user_id acts on no owned lease. A lease adopted from its container's
+    grant labels is no hub's: only admins see and release it (the labels may be forged)."""
     cluster = Cluster(tmp_path)
     grant = ContainerGrant(host=HOST, gpu_uuids=["GPU-3"], user="frank",
                            request_key="hub-a/frank/")
     cluster.beat([ContainerInfo(container_id="c-frank", lease_id="lost", grant=grant,
                                 started_at=0.5)])
     adopted = cluster.engine.leases["lost"]
-    assert adopted.state is LeaseState.BOUND and adopted.owner is None
+    assert adopted.state is LeaseState.BOUND and adopted.owner == ADOPTED_OWNER
     anonymous = cluster.allocate(NO_USER, "gina").lease.lease_id
     assert cluster.engine.leases[anonymous].owner is None
     owned = cluster.bound(HUB_A, "hank")
     for sender in (HUB_A, HUB_B, NO_USER):
         listing = cluster.apply(LeasesRequest(), sender)
-        assert {"lost", anonymous} <= {lease.lease_id for lease in listing.leases}
+        assert anonymous in {lease.lease_id for lease in listing.leases}
+        assert "lost" not in {lease.lease_id for lease in listing.leases}
+        forbidden(cluster.apply(ReleaseRequest(lease_id="lost"), sender), "lost")
+    listing = cluster.apply(LeasesRequest(), ADMIN)
+    assert {"lost", anonymous, owned} <= {lease.lease_id for lease in listing.leases}
     forbidden(cluster.apply(StatusRequest(lease_id=owned), NO_USER), "without a broker user")
     forbidden(cluster.apply(ReleaseRequest(lease_id=owned), NO_USER), "without a broker user")
-    for lease_id, sender in (("lost", HUB_B), (anonymous, HUB_A)):
+    for lease_id, sender in (("lost", ADMIN), (anonymous, HUB_A)):
         released = cluster.apply(ReleaseRequest(lease_id=lease_id), sender)
         assert isinstance(released, LeaseReply), released
         assert released.lease.state in (LeaseState.RELEASING, LeaseState.RELEASED)
+
+
+def test_the_ledger_finds_a_key_in_the_askers_key_space(tmp_path: Path) -> None:
+    """A status by key of a lease that left memory is read from the ledger: there too, the
+    key names the asker's own lease (or one of no known owner), an admin's any."""
+    cluster = Cluster(tmp_path)
+    ask = AllocateRequest(request_key="hub/alice/", user="alice")
+    ours = cluster.apply(ask, HUB_A)
+    theirs = cluster.apply(ask, HUB_B)
+    assert isinstance(ours, LeaseReply) and isinstance(theirs, LeaseReply)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.open()
+    try:
+        ledger.call(lambda: ledger.commit(cluster.changes))
+
+        def newest(asker: str | None, every_owner: bool) -> str | None:
+            found = ledger.call(lambda: ledger.latest_lease_for_key(
+                "hub/alice/", asker=asker, every_owner=every_owner))
+            return None if found is None else found.lease_id
+        assert newest("hub-a", False) == ours.lease.lease_id
+        assert newest("hub-b", False) == theirs.lease.lease_id
+        assert newest("hub-c", False) is None
+        assert newest(None, True) == theirs.lease.lease_id
+    finally:
+        ledger.close()
 
 
 # ----------------------------------------------------------------------------- the ledger log
@@ -471,14 +554,38 @@ def two_hubs(rabbitmq: services.RabbitMQ) -> Iterator[Broker]:
         yield loaded
 
 
-@pytest.fixture
-async def allocator_of(two_hubs: Broker, ledger_path: Path) -> AsyncIterator[AllocatorService]:
-    service = AllocatorService(two_hubs.settings(ledger_path))
+@contextlib.asynccontextmanager
+async def serving(settings: AllocatorSettings) -> AsyncIterator[AllocatorService]:
+    """An allocator service with ``settings``, started, and stopped afterwards."""
+    service = AllocatorService(settings)
     await service.start()
     try:
         yield service
     finally:
         await service.stop()
+
+
+@pytest.fixture
+async def allocator_of(two_hubs: Broker, ledger_path: Path) -> AsyncIterator[AllocatorService]:
+    async with serving(two_hubs.settings(ledger_path)) as service:
+        yield service
+
+
+@contextlib.asynccontextmanager
+async def reported_cluster(
+        broker: Broker) -> AsyncIterator[tuple[AllocatorClient, AllocatorClient,
+                                               AllocatorClient]]:
+    """gpu-a reported by its own agent user; then the clients of hub A (the shipped ``hub``
+    user), hub B and an admin, once the allocator lists the node."""
+    await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
+                  agent_beat("gpu-a"), user_id=broker.prefix + "agent-gpu-a")
+    async with AllocatorClient(broker.url("hub"), timeout_s=10) as hub_a, \
+            AllocatorClient(broker.url("hub-b"), timeout_s=10) as hub_b, \
+            AllocatorClient(broker.url("admin"), timeout_s=10) as admin:
+        async def reported() -> object:
+            return (await hub_a.inventory()).nodes
+        await wait_until(reported)
+        yield hub_a, hub_b, admin
 
 
 async def test_two_hubs_on_the_real_broker_act_only_on_their_own_leases(
@@ -497,14 +604,7 @@ async def test_two_hubs_on_the_real_broker_act_only_on_their_own_leases(
                                command_users=[broker.prefix + "allocator"], timeout_s=5)
     assert await consumer.start(wait_s=10), consumer.last_error
     try:
-        await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, heartbeat_routing_key("gpu-a"),
-                      agent_beat("gpu-a"), user_id=agent_user)
-        async with AllocatorClient(broker.url("hub"), timeout_s=10) as hub_a, \
-                AllocatorClient(broker.url("hub-b"), timeout_s=10) as hub_b, \
-                AllocatorClient(broker.url("admin"), timeout_s=10) as admin:
-            async def reported() -> object:
-                return (await hub_a.inventory()).nodes
-            await wait_until(reported)
+        async with reported_cluster(broker) as (hub_a, hub_b, admin):
             leases = [await hub_a.allocate(AllocateRequest(request_key=f"a/{user}/", user=user))
                       for user in ("alice", "bob")]
             for lease in leases:
@@ -519,13 +619,19 @@ async def test_two_hubs_on_the_real_broker_act_only_on_their_own_leases(
                 await wait_until(bound)
             alice, bob = leases
             for call in (hub_b.release(lease_id=alice.lease_id),
-                         hub_b.release(request_key="a/alice/", force=True),
+                         hub_b.release(lease_id=alice.lease_id, force=True),
                          hub_b.status(lease_id=alice.lease_id),
-                         hub_b.status(request_key="a/bob/")):
+                         hub_b.status(lease_id=bob.lease_id)):
                 with pytest.raises(AllocatorError) as refused:
                     await call
                 assert refused.value.code is ErrorCode.FORBIDDEN
                 assert broker.prefix + "hub-b" in str(refused.value)
+            # Hub A's request keys are its own: in hub B's they name nothing.
+            for call in (hub_b.release(request_key="a/alice/", force=True),
+                         hub_b.status(request_key="a/bob/")):
+                with pytest.raises(AllocatorError) as refused:
+                    await call
+                assert refused.value.code is ErrorCode.NOT_FOUND
             assert (await hub_a.status(lease_id=alice.lease_id)).state is LeaseState.BOUND
             assert (await hub_b.inventory(include_leases=True)).leases == []
             every = {lease.lease_id for lease in
@@ -550,3 +656,77 @@ async def test_two_hubs_on_the_real_broker_act_only_on_their_own_leases(
     finally:
         await consumer.stop()
     assert allocator_of.engine.counters["foreign_lease"] == 4
+
+
+@pytest.fixture
+async def quota_allocator(two_hubs: Broker,
+                          ledger_path: Path) -> AsyncIterator[AllocatorService]:
+    async with serving(two_hubs.settings(ledger_path).model_copy(update={
+            "user_quota": {"victim": 1}, "group_quota": {"lab": 1},
+            "start_fence_s": 0.0})) as service:
+        yield service
+
+
+async def test_a_forged_label_on_the_real_broker_takes_nothing_from_its_user(
+        two_hubs: Broker, quota_allocator: AllocatorService) -> None:
+    """Root on gpu-a starts a container labelled for ``victim`` (her group, her hub's request
+    key); the agent reports it with its own credential and the allocator adopts it. Victim,
+    held to one GPU, still gets one through her hub under her own key; no hub may release
+    the forged lease (it would stop a container no hub asked for); an admin may."""
+    broker, agent_user = two_hubs, two_hubs.prefix + "agent-gpu-a"
+    hub_user = broker.prefix + "hub"
+    async with reported_cluster(broker) as (hub_a, hub_b, admin):
+        free = [gpu.uuid for gpu in (await hub_a.inventory()).gpus]
+        grant = ContainerGrant(host="gpu-a", gpu_uuids=[free[0]], user="victim",
+                               groups=["lab"], request_key="hub/victim/")
+        await publish(broker.url("agent-gpu-a"), NODES_EXCHANGE, event_routing_key("gpu-a"),
+                      encode(ContainerEvent(host="gpu-a", container_id="f" * 64,
+                                            lease_id="forged", action=ContainerAction.START,
+                                            at=time.time(), grant=grant)),
+                      user_id=agent_user)
+
+        async def adopted() -> bool:
+            return (await admin.status(lease_id="forged")).state is LeaseState.BOUND
+        await wait_until(adopted)
+        mine = await hub_a.allocate(AllocateRequest(request_key="hub/victim/", user="victim",
+                                                    groups=["lab"]))
+        assert mine.state is LeaseState.GRANTED and mine.lease_id != "forged"
+        assert mine.gpu_uuids == [free[1]]
+        assert quota_allocator.engine.leases[mine.lease_id].owner == hub_user
+        for client in (hub_a, hub_b):
+            with pytest.raises(AllocatorError) as refused:
+                await client.release(lease_id="forged")
+            assert refused.value.code is ErrorCode.FORBIDDEN
+            assert "adopted" in str(refused.value)
+        assert (await admin.status(lease_id="forged")).state is LeaseState.BOUND
+        released = await admin.release(lease_id="forged", reason="forged label")
+        assert released.state is LeaseState.RELEASING
+
+
+async def test_another_hub_on_the_real_broker_cannot_squat_a_request_key(
+        two_hubs: Broker, allocator_of: AllocatorService) -> None:
+    """Hub B (its own broker user) queues under hub A's key for alice with a day's wait, on
+    a cluster hub A has filled; hub A's spawn for alice under that key still queues a lease
+    of its own (before: ``forbidden`` for the day), gets its own lease's status and
+    withdrawal by the key, and hub B's quota answer about alice counts only hub B's lease."""
+    broker = two_hubs
+    async with reported_cluster(broker) as (hub_a, hub_b, admin):
+        full = await hub_a.allocate(AllocateRequest(request_key="hub/bob/", user="bob",
+                                                    count="all"))
+        assert full.state is LeaseState.GRANTED
+        squat = await hub_b.allocate(AllocateRequest(request_key="hub/alice/", user="alice",
+                                                     wait_s=86_400))
+        assert squat.state is LeaseState.QUEUED
+        own = await hub_a.allocate(AllocateRequest(request_key="hub/alice/", user="alice",
+                                                   wait_s=600))
+        assert own.state is LeaseState.QUEUED and own.lease_id != squat.lease_id
+        assert allocator_of.engine.leases[own.lease_id].owner == broker.prefix + "hub"
+        assert (await hub_a.status(request_key="hub/alice/")).lease_id == own.lease_id
+        assert (await hub_b.status(request_key="hub/alice/")).lease_id == squat.lease_id
+        assert (await hub_b.quota("bob")).quotas[0].held == 0.0
+        assert (await hub_a.quota("bob")).quotas[0].held == float(len(full.gpu_uuids))
+        assert (await admin.quota("bob")).quotas[0].held == float(len(full.gpu_uuids))
+        withdrawn = await hub_a.release(request_key="hub/alice/")
+        assert withdrawn.lease_id == own.lease_id and withdrawn.state is LeaseState.RELEASED
+        assert (await hub_b.status(lease_id=squat.lease_id)).state is LeaseState.QUEUED
+        await hub_b.release(lease_id=squat.lease_id)
