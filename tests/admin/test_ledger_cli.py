@@ -30,6 +30,7 @@ import pytest
 from allocator.admin import reports
 from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
+from allocator.ledger.readonly import open_readonly
 from allocator.ledger.store import Ledger
 from allocator.service import AllocatorService
 from allocator.wire.protocol import (
@@ -348,7 +349,7 @@ def test_usage_is_clipped_and_weighted(tmp_path):
                 (lease, lease, user, json.dumps(groups), state, (granted or t0) - 1,
                  json.dumps(uuids), model, shared, num, den, granted, released,
                  "container_exited" if released else None))
-    conn = reports.open_readonly(path)
+    conn = open_readonly(path)
     window = reports.Filters(since=t0 + hour, until=t0 + 3 * hour)
     usage = {(r.key, r.model): r.gpu_hours for r in reports.usage(conn, window)}
     # x2: 2 GPUs for the 1 h left in the window; sl: 1/4 for 2 h; run: 1 GPU for 2 h (up to
@@ -656,7 +657,7 @@ def test_usage_counts_idle_gpu_hours_and_reclaims(tmp_path):
                 "VALUES (?, ?, ?, '[]', ?, ?, 'h', ?, 'M', 0, ?, 1, ?, ?, ?, ?, ?)",
                 (lease, lease, user, state, granted, json.dumps(uuids), len(uuids), granted,
                  released, reason, idle_s, since))
-    conn = reports.open_readonly(path)
+    conn = open_readonly(path)
     rows_out = {r.key: r for r in reports.usage(conn, reports.Filters(), now=t0 + 5 * hour)}
     # a: 8 GPU-hours, half idle; b: 2 GPU-hours, idle since its 2nd hour (a spell still open
     # at its release); c: 5 GPU-hours, idle for the last two; d: 1, busy.

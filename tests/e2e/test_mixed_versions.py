@@ -59,8 +59,8 @@ from typing import Any
 
 import pytest
 
-from allocator.admin.reports import open_readonly
 from allocator.amqp.client import AllocatorClient
+from allocator.ledger.readonly import open_readonly
 from allocator.ledger.store import SCHEMA_VERSION
 from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 from nodeagent.simulated import make_gpu, write_inventory

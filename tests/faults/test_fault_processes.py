@@ -35,8 +35,8 @@ from typing import Any
 import aiodocker
 import pytest
 
-from allocator.admin.reports import open_readonly
 from allocator.amqp.client import AllocatorClient
+from allocator.ledger.readonly import open_readonly
 from allocator.wire.lease_container import grant_labels
 from allocator.wire.protocol import (
     AllocateRequest,
