@@ -42,44 +42,11 @@ from allocator.wire.protocol import (
     ShareRequest,
 )
 from tests.support.common import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
+from tests.support.ledger_cli import REPO, assert_one_line_error, gpu_ledger
 
 pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
 
-REPO = Path(__file__).resolve().parents[2]
 UNREACHABLE = "amqp://guest:guest@127.0.0.1:1/"
-
-
-@dataclass
-class Run:
-    """What a CLI run did."""
-
-    rc: int
-    out: str
-    err: str
-
-    def json(self):
-        return json.loads(self.out)
-
-
-async def gpu_ledger(*args: str | Path, env: dict[str, str] | None = None,
-                     limit_s: float = 60) -> Run:
-    """Run ``gpu-ledger`` in a subprocess without blocking the allocator's event loop."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "allocator.admin.ledger_cli", *map(str, args), cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "COLUMNS": "200", **(env or {})})
-    out, err = await asyncio.wait_for(process.communicate(), limit_s)
-    assert process.returncode is not None
-    return Run(process.returncode, out.decode(), err.decode())
-
-
-def assert_one_line_error(run: Run, *words: str) -> None:
-    assert run.rc == 2, run
-    lines = run.err.strip().splitlines()
-    assert len(lines) == 1, run.err
-    assert lines[0].startswith("gpu-ledger: error: ")
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 @dataclass

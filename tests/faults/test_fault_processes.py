@@ -49,9 +49,9 @@ from allocator.wire.protocol import (
 )
 from nodeagent.agent import NodeAgent
 from nodeagent.simulated import make_gpu, simulated_uuid, write_inventory
-from tests.faults.test_fault_nodes import agent_settings, host_up
 from tests.support import services
 from tests.support.common import GTX1070, started, wait_until
+from tests.support.fault_nodes import agent_settings, host_up
 from tests.support.faults import assert_sound, audit_ledger, await_state, report, running_allocator
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]

@@ -20,8 +20,8 @@ from allocator.metrics.counters import Count
 from allocator.service import AllocatorService
 from allocator.wire.protocol import AllocateRequest, ContainerInfo, encode
 from allocator.wire.topology import NODES_EXCHANGE, heartbeat_routing_key
-from tests.broker.test_broker_permissions import TEMPLATE, Broker, agent_beat, loaded_broker
 from tests.support import services
+from tests.support.broker_definitions import TEMPLATE, Broker, agent_beat, loaded_broker
 from tests.support.common import GTX1070, NODE, gpus, heartbeat, wait_until
 
 PER_MINUTE = 5
