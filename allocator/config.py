@@ -23,12 +23,16 @@ from pydantic import Field, NonNegativeInt, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from allocator.amqp.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
-from allocator.ledger.log_snapshot import SNAPSHOT_BYTES
 from allocator.logs import LogSettings
 from allocator.metrics.endpoint import HealthSettings, MetricsTokenSettings
 from allocator.settings_files import FileSettings, secret_file_field
 from allocator.wire.model_names import ModelNames, unbranded
-from allocator.wire.topology import ALLOCATOR_QUEUE, LEDGER_LOG_STREAM, RABBITMQ_SEGMENT_BYTES
+from allocator.wire.topology import (
+    ALLOCATOR_QUEUE,
+    LEDGER_LOG_STREAM,
+    RABBITMQ_SEGMENT_BYTES,
+    SNAPSHOT_BYTES,
+)
 
 ENV_PREFIX = "SWARM_GPU_"
 

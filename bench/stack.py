@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.test_stack_e2e import Cluster, eventually, read_env  # noqa: E402
+from tests.support.stack import Cluster, eventually, read_env  # noqa: E402
 
 
 def spawn_seconds(cluster: Cluster, user: str, options: dict[str, object]) -> float:

@@ -55,6 +55,7 @@ from allocator.amqp import broker
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.ledger import backup
 from allocator.ledger.invariants import NodeReport, Violation, check_ledger
+from allocator.ledger.readonly import ledger_error, open_readonly
 from allocator.ledger.store import LedgerError, LogPosition
 from allocator.logs import (
     add_verbose_flag,
@@ -238,11 +239,11 @@ def _ledger_path(args: argparse.Namespace) -> Path:
 @contextlib.contextmanager
 def _open_ledger(args: argparse.Namespace) -> Iterator[sqlite3.Connection]:
     path = _ledger_path(args)
-    conn = reports.open_readonly(path, busy_timeout_s=args.busy_timeout)
+    conn = open_readonly(path, busy_timeout_s=args.busy_timeout)
     try:
         yield conn
     except sqlite3.Error as exc:
-        raise reports.ledger_error(path, exc) from exc
+        raise ledger_error(path, exc) from exc
     finally:
         conn.close()
 
@@ -756,7 +757,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CommandError, LedgerError, AllocatorError) as exc:
         message = str(exc)
     except sqlite3.Error as exc:
-        message = str(reports.ledger_error(getattr(args, "ledger", "") or "", exc))
+        message = str(ledger_error(getattr(args, "ledger", "") or "", exc))
     except OSError as exc:
         message = f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)
     except KeyboardInterrupt:

@@ -45,7 +45,7 @@ calls per message, in order (a part calls only the parts it was given):
 - :mod:`allocator.engine.reclaim` - ``Reclaimer``: fair share in action: warn, withdraw and
   carry out reclaims and idle releases (and warn before a booking's window);
 - :mod:`allocator.engine.views` - ``Views``: read-only answers (inventory, quota, leases,
-  status, queue).
+  status, queue), and the figures a metrics scrape reads (:meth:`Engine.figures`).
 """
 
 from allocator.engine.dispatch import Engine

@@ -33,6 +33,7 @@ from allocator.engine.views import Views
 from allocator.ledger.lease import LeaseRecord
 from allocator.ledger.store import Changes, LoadedState
 from allocator.metrics.counters import Count, Counters
+from allocator.metrics.figures import EngineFigures
 from allocator.placement import policy
 from allocator.placement.cluster import Cluster, Node
 from allocator.placement.index import PlacementIndex
@@ -396,6 +397,14 @@ class Engine:
     def inventory(self, now: float, include_leases: bool = False) -> InventoryReply:
         """The cluster as the inventory reply shows it."""
         return self.views.inventory(now, include_leases)
+
+    def figures(self, now: float) -> EngineFigures:
+        """What a metrics scrape reads of the engine (:mod:`allocator.metrics.figures`), in
+        one walk of its GPUs and leases; call between two messages."""
+        figures = self.views.figures(now)
+        figures.booking_short = self.short_watch.missing()
+        figures.engine_counters = self.counters.copy()
+        return figures
 
     def conflicted_gpus(self) -> dict[str, str]:
         """GPU uuid -> why it is out of placement (a running container's grant contradicts

@@ -1,5 +1,5 @@
 """Read-only answers from the engine's memory: the inventory, quotas, the ``leases`` listing,
-the queue. Nothing here changes state.
+the queue, and the figures a metrics scrape reads. Nothing here changes state.
 
 The listings show a lease only to whom :func:`~allocator.engine.leases.may_act_on` lets act
 on it (``visible``): a hub sees its own leases, admins every lease; the GPUs, their holders'
@@ -8,28 +8,32 @@ lease ids and the counts stay whole, since every hub places on the same GPUs.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from fractions import Fraction
 
 from allocator.bookings.in_effect import Held
 from allocator.bookings.schedule import bookings_view
-from allocator.config import AllocatorSettings
+from allocator.config import AllocatorSettings, PolicySettings
 from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.nodes import NodeReports
 from allocator.engine.processes import ProcessWatch
 from allocator.ledger.lease import LeaseRecord
+from allocator.metrics.figures import SHARES, EngineFigures
 from allocator.placement import policy
 from allocator.placement.cluster import GPU, Cluster
 from allocator.wire.protocol import (
     BookingsView,
     GPUView,
+    Health,
     InventoryReply,
     LeasesReply,
     LeasesRequest,
     LeaseState,
     ModelSummary,
     NodeView,
+    ProcessState,
     QueueReply,
     QuotaReply,
     QuotaRequest,
@@ -49,6 +53,12 @@ def shown(gpu: GPU) -> bool:
     """Whether the inventory (and the metrics) show ``gpu``: a GPU its host no longer lists
     is left out, unless it is in conflict (another host reports it): an admin must see that."""
     return gpu.present or gpu.conflict is not None
+
+
+def groups_with_a_guarantee(settings: PolicySettings) -> list[str]:
+    """The groups the settings give a guarantee (``group_quota``, ``group_model_quota``), in
+    name order: the group label's values (bounded by the settings, not by the requests)."""
+    return sorted({*settings.group_quota, *settings.group_model_quota})
 
 
 class Views:
@@ -169,6 +179,69 @@ class Views:
         return InventoryReply(at=now, nodes=nodes, gpus=gpus, models=models,
                               queued=len(self.book.queue), leases=leases,
                               bookings=self.bookings_view(now, models))
+
+    def figures(self, now: float) -> EngineFigures:
+        """What a metrics scrape reports of the cluster, the leases and the queue
+        (:mod:`allocator.metrics.figures`; the engine adds its bookings and counters)."""
+        figures = EngineFigures()
+        # Read from the engine's own state, not from inventory(): that builds a reply model
+        # of every node and GPU and each model's summary, 124 ms of stalled event loop per
+        # scrape on 1,000 hosts x 8 GPUs and 10,000 leases, where this walk costs 21 ms
+        # (bench/engine.py, scrape against inventory).
+        cluster = self.cluster
+        for node in cluster.nodes.values():
+            figures.nodes[node.host] = (self.nodes.up(node, now), node.drained,
+                                        node.last_heartbeat)
+        # Tallied into lists and counted at once (Counter.update counts in C): a Counter
+        # increment per GPU and per lease was most of a scrape.
+        gpu_states: list[tuple[str, str]] = []
+        for gpu in cluster.gpus.values():
+            if not shown(gpu):
+                continue
+            node_up, node_drained, _ = figures.nodes.get(gpu.host, (False, False, None))
+            if gpu.conflict is not None or gpu.undeclared is not None:
+                state = "conflict"
+            elif gpu.process_state in (ProcessState.STUCK_PROCESS, ProcessState.OUTSIDE_USE):
+                state = gpu.process_state.value
+            elif cluster.claims_on(gpu.uuid):
+                state = "held"
+            elif gpu.process_state is ProcessState.DRAINING:
+                state = "draining"
+            elif gpu.health is not Health.HEALTHY:
+                state = "unhealthy"
+            elif gpu.drained or node_drained:
+                state = "drained"
+            elif not node_up:
+                state = "down"
+            else:
+                state = "free"
+            gpu_states.append((gpu.model, state))
+            if gpu.share_slots > 1:
+                free_slots = cluster.free_slots(gpu)
+                figures.slots[gpu.model, "free"] += free_slots
+                figures.slots[gpu.model, "held"] += gpu.share_slots - free_slots
+        figures.gpus.update(gpu_states)
+        leases = self.book.leases.values()
+        for lease_state, count in Counter([record.state for record in leases]).items():
+            figures.leases[lease_state.value] += count
+        figures.group_held = {group: dict.fromkeys(SHARES, Fraction(0))
+                              for group in groups_with_a_guarantee(self.settings)}
+        if figures.group_held:
+            for record in leases:
+                if record.state.holds_gpus:
+                    # The lease's standing as fair share keeps it
+                    # (allocator.placement.fairshare.borrowed_leases, at each grant and
+                    # tick): the one reclaim acts on, not a second reckoning.
+                    share = "borrowed" if record.borrowed else "guaranteed"
+                    for group in dict.fromkeys(record.groups):
+                        if group in figures.group_held:
+                            figures.group_held[group][share] += record.units
+        waiting_since = [record.enqueued_at or record.created_at for record in leases
+                         if record.state is LeaseState.QUEUED]
+        figures.queue_length = len(waiting_since)
+        figures.queue_oldest_wait_s = (max(now - min(waiting_since), 0.0) if waiting_since
+                                       else 0.0)
+        return figures
 
     # --- What users see of bookings (allocator.bookings.schedule) -------------------------
 

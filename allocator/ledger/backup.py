@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from allocator.admin import reports
+from allocator.ledger.readonly import ledger_error, open_readonly
 from allocator.ledger.store import (
     LedgerCorrupt,
     LedgerError,
@@ -126,7 +126,7 @@ def backup(ledger: Path, target: Path | str, *, now: float, overwrite: bool = Fa
         raise LedgerError(f"{target} exists; give another path, or --force to replace it")
     if ledger.exists() and target.exists() and target.samefile(ledger):
         raise LedgerError(f"{target} is the ledger itself")
-    source = reports.open_readonly(ledger, busy_timeout_s=busy_timeout_s)
+    source = open_readonly(ledger, busy_timeout_s=busy_timeout_s)
     try:
         partial = _new_file(target, "partial", "the backup")
         try:
@@ -191,17 +191,17 @@ def _put_in_place(partial: Path, target: Path, *, overwrite: bool) -> None:
 
 def _write_error(exc: sqlite3.Error, target: Path, ledger: Path) -> LedgerError:
     """An SQLite error of a backup: the target's when it is of writing (:data:`TARGET_ERRORS`),
-    else the source ledger's (:func:`allocator.admin.reports.ledger_error`)."""
+    else the source ledger's (:func:`allocator.ledger.readonly.ledger_error`)."""
     name = getattr(exc, "sqlite_errorname", "") or ""
     if name.startswith(TARGET_ERRORS):
         return LedgerError(f"cannot write the backup {target}: {exc}")
-    return reports.ledger_error(ledger, exc)
+    return ledger_error(ledger, exc)
 
 
 def inspect(path: Path) -> BackupInfo:
     """What the backup (or any ledger file) at ``path`` holds; :class:`LedgerError` if it is
     no ledger, of a newer schema, or damaged."""
-    conn = reports.open_readonly(path)
+    conn = open_readonly(path)
     try:
         _integrity_check(conn, path)
         schema = int(conn.execute("PRAGMA user_version").fetchone()[0])
@@ -219,7 +219,7 @@ def inspect(path: Path) -> BackupInfo:
                           position=_position(conn), leases=int(leases),
                           active_leases=int(active))
     except sqlite3.Error as exc:
-        raise reports.ledger_error(path, exc) from exc
+        raise ledger_error(path, exc) from exc
     finally:
         conn.close()
 
@@ -240,7 +240,7 @@ def restore(source: Path, ledger: Path, *, new_log: bool, now: float) -> Restore
     try:
         # The new file first, complete and synced, so the ledger is missing only between
         # two renames.
-        backup_conn = reports.open_readonly(source)
+        backup_conn = open_readonly(source)
         try:
             _copy(backup_conn, partial, source, written=ledger)
         finally:
@@ -270,7 +270,7 @@ def restore(source: Path, ledger: Path, *, new_log: bool, now: float) -> Restore
         os.replace(partial, ledger)
         _sync(ledger.parent)
     except sqlite3.Error as exc:
-        raise reports.ledger_error(source, exc) from exc
+        raise ledger_error(source, exc) from exc
     finally:
         partial.unlink(missing_ok=True)
         lock.release()

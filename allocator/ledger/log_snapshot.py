@@ -42,10 +42,6 @@ from pydantic import (
     model_validator,
 )
 
-SNAPSHOT_BYTES = 256 << 20
-"""How much the log grows between two snapshots unless configured (the allocator's
-``ledger_log_snapshot_bytes`` default)."""
-
 STATE_TABLES = ("nodes", "gpus", "leases", "bookings")
 """What a replica serves and accounts from: every node, GPU and lease, finished ones too
 (a request key's status, usage accounting and zombie containers all read lease rows), and

@@ -81,7 +81,6 @@ from allocator.ledger.log_entries import (
     decode_entry,
 )
 from allocator.ledger.log_snapshot import (
-    SNAPSHOT_BYTES,
     AsOf,
     PartHeader,
     SnapshotAssembly,
@@ -96,7 +95,7 @@ from allocator.ledger.store import (
     LedgerUnwritable,
     LogPosition,
 )
-from allocator.wire.topology import RABBITMQ_SEGMENT_BYTES, QueueSpec
+from allocator.wire.topology import RABBITMQ_SEGMENT_BYTES, SNAPSHOT_BYTES, QueueSpec
 from allocator.wire.topology import (
     stream_arguments as stream_arguments,  # re-exported: tests use it
 )

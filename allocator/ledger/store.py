@@ -766,7 +766,7 @@ class Ledger:
 
     def open(self) -> None:
         """Open for writing, creating and migrating as needed (read-only readers use
-        :func:`allocator.admin.reports.open_readonly`). Runs on the ledger thread."""
+        :func:`allocator.ledger.readonly.open_readonly`). Runs on the ledger thread."""
         self.call(self._open)
 
     def _open(self) -> None:

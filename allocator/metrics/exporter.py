@@ -5,17 +5,20 @@ Two parts, so that the request path pays (almost) nothing:
 - :meth:`AllocatorMetrics.observe_request` records one request's latency in a histogram: the
   only call the service makes per request (a dictionary lookup and an add under a lock).
 - :class:`AllocatorCollector` computes everything else *at scrape time* from what the engine
-  and the service already keep (their :class:`~allocator.metrics.counters.Counters`, the cluster,
-  the leases). The reading (:class:`ScrapeReading`) is taken on the allocator's event loop,
-  between two batches, because the engine's dicts are only consistent there; the HTTP server
-  thread waits for it (bounded) instead of reading them while the loop changes them.
+  and the service already keep: the figures the engine publishes
+  (:class:`~allocator.metrics.figures.EngineFigures`: its counters, the cluster, the leases)
+  and the service's :class:`~allocator.metrics.counters.Counters`. The reading
+  (:class:`ScrapeReading`) is taken on the allocator's event loop, between two batches,
+  because the engine's dicts are only consistent there; the HTTP server thread waits for it
+  (bounded) instead of reading them while the loop changes them.
 
 Each service owns an :class:`AllocatorMetrics`, with a registry of its own, so the
 process-wide default registry (and whatever else registers there) stays out of the
 allocator's endpoint, and two services in one process (tests, a takeover drill) never share a
 count. This module reads a service only through :class:`Observed` and :class:`Replica` (what
-it is handed); it does not import the service. Start the endpoint with :func:`serve`; see
-``docs/operations.md`` for the metric list.
+it is handed), and the engine only through the figures it publishes; it imports neither, nor
+the ledger nor the settings (docs/design.md, module map: the metrics stand below them).
+Start the endpoint with :func:`serve`; see ``docs/operations.md`` for the metric list.
 """
 
 from __future__ import annotations
@@ -28,17 +31,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from allocator.config import PolicySettings
-from allocator.engine import Engine
-from allocator.engine.views import shown
 from allocator.metrics import endpoint as http_endpoint
 from allocator.metrics.counters import (
     COUNT_EXPORTED,
@@ -48,11 +47,8 @@ from allocator.metrics.counters import (
     Exported,
     ServiceStats,
 )
-from allocator.wire.protocol import Health, LeaseState, ProcessState
-
-if TYPE_CHECKING:
-    from allocator.ledger.replication import SnapshotTaken
-    from allocator.ledger.store import LogPosition
+from allocator.metrics.figures import GPU_STATES, SHARES, EngineFigures, FiguresSource
+from allocator.wire.protocol import LeaseState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,18 +69,6 @@ replies, acknowledgements and pushed grants)."""
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                  0.5, 1.0, 2.5, 5.0)
 
-GPU_STATES = ("free", "held", "unhealthy", "drained", "down", "conflict", "draining",
-              "stuck_process", "outside_use")
-"""Each present GPU is in exactly one: conflict (a running container's grant contradicts the
-ledger on it) first, then stuck_process (an ended lease's process still on it past
-release_verify_s), outside_use (a process no lease on it accounts for), held (any claim),
-draining (a lease on it ended, its processes not yet seen gone), unhealthy, drained (the GPU
-or its node), down (its node is silent), else free."""
-
-SHARES = ("guaranteed", "borrowed")
-"""How a held lease stands in fair share: within every guarantee of its owner, or beyond one
-(borrowed: reclaim may take it for a request within its guarantee)."""
-
 SNAPSHOT_TIMEOUT_S = 2.0
 """How long a scrape waits for the event loop; a loop blocked longer is itself the news."""
 
@@ -93,7 +77,7 @@ class Observed(Protocol):
     """What the metrics read of an allocator service (its engine is replaced on a reload)."""
 
     @property
-    def engine(self) -> Engine: ...
+    def engine(self) -> FiguresSource: ...
 
     @property
     def stats(self) -> ServiceStats: ...
@@ -113,6 +97,28 @@ class Replica(Observed, Protocol):
     def active(self) -> bool: ...
 
 
+class PositionObserved(Protocol):
+    """What the metrics read of the log's position:
+    :class:`allocator.ledger.store.LogPosition`."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def offset(self) -> int: ...
+
+
+class SnapshotObserved(Protocol):
+    """What the metrics read of the newest snapshot a replica took:
+    :class:`allocator.ledger.replication.SnapshotTaken`."""
+
+    @property
+    def seconds(self) -> float: ...
+
+    @property
+    def stored_bytes(self) -> int: ...
+
+
 class LogObserved(Protocol):
     """What the metrics read of the replicated ledger log (``ledger_log = "stream"``):
     :class:`allocator.ledger.replication.ReplicatedLog`."""
@@ -124,10 +130,10 @@ class LogObserved(Protocol):
     is_writer: bool
 
     @property
-    def position(self) -> LogPosition | None: ...
+    def position(self) -> PositionObserved | None: ...
 
     @property
-    def last_snapshot(self) -> SnapshotTaken | None: ...
+    def last_snapshot(self) -> SnapshotObserved | None: ...
 
     @property
     def caught_up(self) -> asyncio.Event: ...
@@ -204,23 +210,10 @@ class AllocatorMetrics:
 
 
 @dataclass
-class ScrapeReading:
-    """What one scrape reports, read from the engine and the service in one go."""
+class ScrapeReading(EngineFigures):
+    """What one scrape reports, read from the engine (the figures it publishes) and the
+    service in one go."""
 
-    gpus: Counter[tuple[str, str]] = field(default_factory=Counter)
-    """(model, state) -> GPUs"""
-    slots: Counter[tuple[str, str]] = field(default_factory=Counter)
-    """(model, free|held) -> share slots, for models with more than one slot"""
-    leases: Counter[str] = field(default_factory=Counter)
-    group_held: dict[str, dict[str, Fraction]] = field(default_factory=dict)
-    """group with a guarantee -> share (:data:`SHARES`) -> GPUs its members' leases hold"""
-    queue_length: int = 0
-    queue_oldest_wait_s: float = 0.0
-    nodes: dict[str, tuple[bool, bool, float | None]] = field(default_factory=dict)
-    """host -> (up, drained, last heartbeat)"""
-    booking_short: dict[str, int] = field(default_factory=dict)
-    """booking -> GPUs missing in its next short occurrence (0 when whole)"""
-    engine_counters: Counters = field(default_factory=Counters)
     service_counters: Counters = field(default_factory=Counters)
     log: LogFigures | None = None
     """The replicated ledger log's figures; None without one."""
@@ -243,7 +236,7 @@ class LogFigures:
     caught_up: bool
     epoch: int | None
     offset: int | None
-    last_snapshot: SnapshotTaken | None
+    last_snapshot: SnapshotObserved | None
 
 
 def log_figures(replicated: LogObserved) -> LogFigures:
@@ -258,70 +251,15 @@ def log_figures(replicated: LogObserved) -> LogFigures:
 
 
 def read_scrape(service: Observed, now: float) -> ScrapeReading:
-    """Read the engine and the service (call on the allocator's event loop)."""
-    engine = service.engine
+    """Read the engine's figures and the service (call on the allocator's event loop)."""
+    figures = service.engine.figures(now)
     replicated = service.log
-    snap = ScrapeReading(engine_counters=engine.counters.copy(),
-                    service_counters=service.stats.counters.copy(),
-                    log=log_figures(replicated) if replicated is not None else None)
-    # Read from the engine's own state, not from engine.inventory(): that builds a reply
-    # model of every node and GPU and each model's summary, 124 ms of stalled event loop per
-    # scrape on 1,000 hosts x 8 GPUs and 10,000 leases, where this walk costs 21 ms
-    # (bench/engine.py, scrape against inventory).
-    cluster = engine.cluster
-    for node in cluster.nodes.values():
-        snap.nodes[node.host] = (engine.nodes.up(node, now), node.drained, node.last_heartbeat)
-    # Tallied into lists and counted at once (Counter.update counts in C): a Counter
-    # increment per GPU and per lease was most of a scrape.
-    gpu_states: list[tuple[str, str]] = []
-    for gpu in cluster.gpus.values():
-        if not shown(gpu):
-            continue
-        node_up, node_drained, _ = snap.nodes.get(gpu.host, (False, False, None))
-        if gpu.conflict is not None or gpu.undeclared is not None:
-            state = "conflict"
-        elif gpu.process_state in (ProcessState.STUCK_PROCESS, ProcessState.OUTSIDE_USE):
-            state = gpu.process_state.value
-        elif cluster.claims_on(gpu.uuid):
-            state = "held"
-        elif gpu.process_state is ProcessState.DRAINING:
-            state = "draining"
-        elif gpu.health is not Health.HEALTHY:
-            state = "unhealthy"
-        elif gpu.drained or node_drained:
-            state = "drained"
-        elif not node_up:
-            state = "down"
-        else:
-            state = "free"
-        gpu_states.append((gpu.model, state))
-        if gpu.share_slots > 1:
-            free_slots = cluster.free_slots(gpu)
-            snap.slots[gpu.model, "free"] += free_slots
-            snap.slots[gpu.model, "held"] += gpu.share_slots - free_slots
-    snap.gpus.update(gpu_states)
-    leases = engine.leases.values()
-    for lease_state, count in Counter([record.state for record in leases]).items():
-        snap.leases[lease_state.value] += count
-    snap.group_held = {group: dict.fromkeys(SHARES, Fraction(0))
-                       for group in groups_with_a_guarantee(engine.settings)}
-    if snap.group_held:
-        for record in leases:
-            if record.state.holds_gpus:
-                # The lease's standing as fair share keeps it
-                # (allocator.placement.fairshare.borrowed_leases, at each grant and tick):
-                # the one reclaim acts on, not a second reckoning.
-                share = "borrowed" if record.borrowed else "guaranteed"
-                for group in dict.fromkeys(record.groups):
-                    if group in snap.group_held:
-                        snap.group_held[group][share] += record.units
-    waiting_since = [record.enqueued_at or record.created_at for record in leases
-                     if record.state is LeaseState.QUEUED]
-    snap.queue_length = len(waiting_since)
-    snap.queue_oldest_wait_s = max(now - min(waiting_since), 0.0) if waiting_since else 0.0
-    snap.booking_short = engine.short_watch.missing()
-    snap.frozen_objects = gc.get_freeze_count()
-    return snap
+    return ScrapeReading(
+        **{published.name: getattr(figures, published.name)
+           for published in fields(EngineFigures)},
+        service_counters=service.stats.counters.copy(),
+        log=log_figures(replicated) if replicated is not None else None,
+        frozen_objects=gc.get_freeze_count())
 
 
 def read_replica_scrape(replica: Replica, now: float) -> ScrapeReading:
@@ -330,12 +268,6 @@ def read_replica_scrape(replica: Replica, now: float) -> ScrapeReading:
     snap = read_scrape(replica, now)
     snap.active = replica.active
     return snap
-
-
-def groups_with_a_guarantee(settings: PolicySettings) -> list[str]:
-    """The groups the settings give a guarantee (``group_quota``, ``group_model_quota``), in
-    name order: the group label's values (bounded by the settings, not by the requests)."""
-    return sorted({*settings.group_quota, *settings.group_model_quota})
 
 
 # --------------------------------------------------------------------------- families

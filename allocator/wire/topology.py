@@ -90,6 +90,10 @@ RABBITMQ_SEGMENT_BYTES = 500_000_000
 """RabbitMQ's default ``x-stream-max-segment-size-bytes`` (the allocator's
 ``ledger_log_segment_bytes`` default)."""
 
+SNAPSHOT_BYTES = 256 << 20
+"""How much the log stream grows between two snapshots of the ledger unless configured (the
+allocator's ``ledger_log_snapshot_bytes`` default)."""
+
 
 HEARTBEAT_ROUTING_PREFIX = "heartbeat."
 """What every heartbeat's routing key starts with (full reports and deltas alike)."""

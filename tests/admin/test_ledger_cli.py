@@ -30,6 +30,7 @@ import pytest
 from allocator.admin import reports
 from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
+from allocator.ledger.readonly import open_readonly
 from allocator.ledger.store import Ledger
 from allocator.service import AllocatorService
 from allocator.wire.protocol import (
@@ -41,44 +42,11 @@ from allocator.wire.protocol import (
     ShareRequest,
 )
 from tests.support.common import GTX1070, RTX3090, NodeSimulator, gpus, wait_until
+from tests.support.ledger_cli import REPO, assert_one_line_error, gpu_ledger
 
 pytestmark = pytest.mark.slow  # real processes, brokers and engines: seconds each
 
-REPO = Path(__file__).resolve().parents[2]
 UNREACHABLE = "amqp://guest:guest@127.0.0.1:1/"
-
-
-@dataclass
-class Run:
-    """What a CLI run did."""
-
-    rc: int
-    out: str
-    err: str
-
-    def json(self):
-        return json.loads(self.out)
-
-
-async def gpu_ledger(*args: str | Path, env: dict[str, str] | None = None,
-                     limit_s: float = 60) -> Run:
-    """Run ``gpu-ledger`` in a subprocess without blocking the allocator's event loop."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "allocator.admin.ledger_cli", *map(str, args), cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "COLUMNS": "200", **(env or {})})
-    out, err = await asyncio.wait_for(process.communicate(), limit_s)
-    assert process.returncode is not None
-    return Run(process.returncode, out.decode(), err.decode())
-
-
-def assert_one_line_error(run: Run, *words: str) -> None:
-    assert run.rc == 2, run
-    lines = run.err.strip().splitlines()
-    assert len(lines) == 1, run.err
-    assert lines[0].startswith("gpu-ledger: error: ")
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 @dataclass
@@ -348,7 +316,7 @@ def test_usage_is_clipped_and_weighted(tmp_path):
                 (lease, lease, user, json.dumps(groups), state, (granted or t0) - 1,
                  json.dumps(uuids), model, shared, num, den, granted, released,
                  "container_exited" if released else None))
-    conn = reports.open_readonly(path)
+    conn = open_readonly(path)
     window = reports.Filters(since=t0 + hour, until=t0 + 3 * hour)
     usage = {(r.key, r.model): r.gpu_hours for r in reports.usage(conn, window)}
     # x2: 2 GPUs for the 1 h left in the window; sl: 1/4 for 2 h; run: 1 GPU for 2 h (up to
@@ -656,7 +624,7 @@ def test_usage_counts_idle_gpu_hours_and_reclaims(tmp_path):
                 "VALUES (?, ?, ?, '[]', ?, ?, 'h', ?, 'M', 0, ?, 1, ?, ?, ?, ?, ?)",
                 (lease, lease, user, state, granted, json.dumps(uuids), len(uuids), granted,
                  released, reason, idle_s, since))
-    conn = reports.open_readonly(path)
+    conn = open_readonly(path)
     rows_out = {r.key: r for r in reports.usage(conn, reports.Filters(), now=t0 + 5 * hour)}
     # a: 8 GPU-hours, half idle; b: 2 GPU-hours, idle since its 2nd hour (a spell still open
     # at its release); c: 5 GPU-hours, idle for the last two; d: 1, busy.

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from allocator.amqp.client import AllocatorClient
 from allocator.wire.interconnect import HostInterconnect, LinkLevel, build_interconnect
-from tests.admin.test_ledger_cli import assert_one_line_error, gpu_ledger
 from tests.support.common import A100, GTX1070, NodeSimulator, gpus, heartbeat, wait_until
 from tests.support.faults import running_allocator
+from tests.support.ledger_cli import assert_one_line_error, gpu_ledger
 
 
 def two_nvlink_pairs(uuids: list[str]) -> HostInterconnect:

@@ -20,7 +20,6 @@ from typing import Any
 import aio_pika
 import aiodocker
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from allocator.wire.lease_container import grant_labels
@@ -40,40 +39,12 @@ from nodeagent.simulated import (
 )
 from tests.support.common import wait_until
 from tests.support.ports import free_port
+from tests.support.prometheus_text import Samples, scrape, scrape_text, value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
 GTX1070 = "NVIDIA GeForce GTX 1070"
 A100 = "NVIDIA A100-SXM4-40GB"
-
-Samples = dict[str, list[tuple[dict[str, str], float]]]
-"""Sample name -> (labels, value) of each of its samples."""
-
-
-def scrape_text(port: int) -> str:
-    """GET /metrics from the agent's real HTTP endpoint."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return str(response.read().decode())
-
-
-def parse(text: str) -> Samples:
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
-    return samples
-
-
-async def scrape(port: int) -> Samples:
-    return parse(await asyncio.to_thread(scrape_text, port))
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    """The value of the one sample of ``name`` whose labels include ``labels``."""
-    found = [v for got, v in samples.get(name, [])
-             if all(got.get(k) == want for k, want in labels.items())]
-    assert len(found) <= 1, f"{name}{labels}: {len(found)} samples"
-    return found[0] if found else None
 
 
 def settings_for(host: str, amqp_url: str, inventory: Path, **overrides: Any) -> AgentSettings:

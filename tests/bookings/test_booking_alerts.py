@@ -18,7 +18,7 @@ from allocator.engine.booking_alerts import RECHECK_S
 from allocator.ledger.store import Changes
 from allocator.metrics import exporter as metrics
 from allocator.wire.protocol import BookingReply, DrainRequest, ErrorReply
-from tests.bookings.test_bookings_engine import NOW, Cluster, lab
+from tests.support.booking_engine import NOW, Cluster, lab
 from tests.support.common import GTX1070, gpus
 from tests.support.scraped import EngineOnly
 

@@ -18,8 +18,8 @@ from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.service import AllocatorService
 from allocator.wire.protocol import AllocateRequest, ErrorCode, LeaseState
-from tests.admin.test_ledger_cli import assert_one_line_error, gpu_ledger
 from tests.support.common import GTX1070, RawRPC, gpus, started, wait_until
+from tests.support.ledger_cli import assert_one_line_error, gpu_ledger
 
 BERLIN = ZoneInfo("Europe/Berlin")
 TOMORROW = (datetime.now(BERLIN) + timedelta(days=1)).date()

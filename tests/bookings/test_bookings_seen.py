@@ -7,20 +7,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
-from zoneinfo import ZoneInfo
 
 import pytest
 
 from allocator.amqp.client import AllocatorClient
-from allocator.bookings.booking import Booking, read_booking
-from allocator.bookings.checks import ResolvedBooking
 from allocator.bookings.in_effect import Held
 from allocator.bookings.outlook import is_member, outlook_for, window_text
 from allocator.bookings.schedule import SOON_S, WEEK_S, bookings_view
-from allocator.bookings.supply import Capacity
 from allocator.wire.protocol import (
     CLIENT_RELEASE_HEADER,
     AllocateRequest,
@@ -28,39 +23,9 @@ from allocator.wire.protocol import (
     InventoryReply,
     LeaseState,
 )
+from tests.support.bookings_seen import BERLIN, CS101, FOUR, LATER, ML, NINE, WEEKLY, held
 from tests.support.common import GTX1070, NodeSimulator, gpus, started, wait_until
-from tests.wire.test_compatibility import _RawClient
-
-BERLIN = ZoneInfo("Europe/Berlin")
-NINE = datetime(2026, 12, 8, 9, 0, tzinfo=BERLIN).timestamp()
-"""Tuesday 2026-12-08, 09:00 in Berlin (08:00 UTC)."""
-
-
-def booking(name: str, group: str, count: int, start: str, end: str, **more: Any) -> Booking:
-    body = {"name": name, "group": group, "gpus": {"model": "1070", "count": count},
-            "zone": "Europe/Berlin", "created_by": "admin",
-            "window": {"kind": "once", "start": start, "end": end}, **more}
-    found = read_booking(body)
-    assert isinstance(found, Booking), found
-    return found
-
-
-CS101 = ResolvedBooking(booking("CS101 lab", "cs101", 2, "2026-12-08T08:30",
-                                "2026-12-08T12:00"), GTX1070)
-ML = ResolvedBooking(booking("ML lab", "ml", 2, "2026-12-08T10:00", "2026-12-08T11:30"),
-                     GTX1070)
-WEEKLY = ResolvedBooking(read_booking({
-    "name": "Thesis", "users": ["carol"], "gpus": {"model": "1070", "count": 1},
-    "zone": "Europe/Berlin", "created_by": "admin",
-    "window": {"kind": "weekly", "weekdays": ["mon", "thu"], "start": "14:00",
-               "duration_s": 3600, "until": "2027-02-01"}}), GTX1070)  # type: ignore[arg-type]
-LATER = ResolvedBooking(booking("Exam", "cs101", 1, "2026-12-22T09:00", "2026-12-22T10:00"),
-                        GTX1070)
-FOUR = Capacity.of_gpus([("gpu-a", GTX1070)] * 4)
-
-
-def held(lease_id: str, user: str, groups: tuple[str, ...]) -> Held:
-    return Held(lease_id, user, groups, GTX1070, "gpu-a", Fraction(1), NINE - 3600)
+from tests.support.raw_client import RawClient
 
 
 def view(free: int, holding: list[Held], now: float = NINE) -> BookingsView:
@@ -186,7 +151,7 @@ async def test_the_inventory_carries_the_bookings_to_a_0_3_0_client_only(
         assert (await older.inventory()).bookings is None
     for headers, reads in ((None, False), ({CLIENT_RELEASE_HEADER: "0.2.0"}, False),
                            ({CLIENT_RELEASE_HEADER: "0.3.0"}, True)):
-        async with _RawClient(amqp_vhost.url, headers) as raw:
+        async with RawClient(amqp_vhost.url, headers) as raw:
             body = await raw.call(kind="inventory")
             assert body["ok"] is True and ("bookings" in body) is reads, (headers, body)
     monkeypatch.setattr("allocator.amqp.client.__version__", "0.3.0")

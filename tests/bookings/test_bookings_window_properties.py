@@ -28,7 +28,7 @@ from allocator.wire.protocol import (
     LeaseState,
     ReleaseRequest,
 )
-from tests.bookings.test_bookings_window_engine import NINE, BookedCluster
+from tests.support.booked_cluster import NINE, BookedCluster
 from tests.support.common import ADMIN
 
 GPUS = 3

@@ -24,8 +24,8 @@ from allocator.wire.topology import (
     allocator_queue_spec,
 )
 from nodeagent.publisher import Publisher
-from tests.broker.test_broker_permissions import TEMPLATE, Broker, loaded_broker, render_definitions
 from tests.support import services
+from tests.support.broker_definitions import TEMPLATE, Broker, loaded_broker, render_definitions
 from tests.support.common import GTX1070, gpus, heartbeat
 
 BOUND = 20

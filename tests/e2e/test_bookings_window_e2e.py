@@ -21,9 +21,9 @@ from allocator.amqp.client import AllocatorClient
 from allocator.config import AllocatorSettings
 from allocator.service import AllocatorService
 from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
-from tests.e2e.test_fairshare_e2e import Site, bound_lease
-from tests.e2e.test_stop_on_release import plain_containers
 from tests.support.common import GTX1070, started, wait_until
+from tests.support.fairshare_site import Site, bound_lease
+from tests.support.plain_containers import plain_containers
 
 pytestmark = pytest.mark.docker
 

@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,45 +21,13 @@ from allocator.config import AllocatorSettings
 from allocator.metrics.counters import Family
 from allocator.service import AllocatorService
 from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReclaimReason, ReleaseReason
-from nodeagent.agent import NodeAgent
-from nodeagent.config import AgentSettings
-from nodeagent.simulated import make_gpu, write_inventory
-from tests.e2e.test_stop_on_release import plain_containers
 from tests.support.common import GTX1070, started, wait_until
+from tests.support.fairshare_site import Site, bound_lease
+from tests.support.plain_containers import plain_containers
 
 pytestmark = pytest.mark.docker
 
 IDLE_WINDOW_S = 2.0
-
-
-class Site:
-    """One host of two GTX 1070s with a real agent, and the per-lease use it reports."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.host = f"fair-{uuid.uuid4().hex[:8]}"
-        self.inventory = tmp_path / f"{self.host}.json"
-        self.gpus = [make_gpu(self.host, i, GTX1070) for i in range(2)]
-        self.use: dict[str, dict[str, Any]] = {}
-        self.write()
-
-    def write(self) -> None:
-        write_inventory(self.inventory, {self.host: self.gpus}, self.use)
-
-    def set_use(self, lease_id: str, pct: float) -> None:
-        self.use[lease_id] = {"utilization_pct": pct, "memory_used_mib": 600}
-        self.write()
-
-    @contextlib.asynccontextmanager
-    async def agent(self, amqp_url: str) -> AsyncIterator[NodeAgent]:
-        agent = NodeAgent(AgentSettings(
-            host=self.host, amqp_url=amqp_url, inventory="simulated",
-            simulated_file=self.inventory, interval_s=0.5, publish_timeout_s=2.0, docker=True,
-            command_users=["guest"], amqp_reconnect_s=0.2))
-        await agent.start()
-        try:
-            yield agent
-        finally:
-            await agent.stop()
 
 
 async def cli_lines(amqp_url: str, *args: str) -> list[str]:
@@ -89,24 +55,6 @@ def running_allocator(
     settings: AllocatorSettings,
 ) -> contextlib.AbstractAsyncContextManager[AllocatorService]:
     return started(AllocatorService(settings))
-
-
-async def bound_lease(client: AllocatorClient, docker: Any, site: Site, user: str,
-                      server: str, pct: float) -> Lease:
-    """A lease of ``user`` on the site, its container running, its processes at ``pct``."""
-    async def up() -> bool:
-        return any(n.host == site.host and n.up for n in (await client.inventory()).nodes)
-    await wait_until(up, within=30)
-    lease = await client.allocate(AllocateRequest(request_key=f"e2e/{user}/{server}", user=user,
-                                                  host=site.host))
-    assert lease.state is LeaseState.GRANTED
-    site.set_use(lease.lease_id, pct)
-    await docker.run_labelled(lease.lease_id)
-
-    async def bound() -> bool:
-        return (await client.status(lease_id=lease.lease_id)).state is LeaseState.BOUND
-    await wait_until(bound, within=30)
-    return lease
 
 
 async def idle_for_the_window(client: AllocatorClient, lease_id: str) -> Lease | None:

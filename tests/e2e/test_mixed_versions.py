@@ -59,8 +59,8 @@ from typing import Any
 
 import pytest
 
-from allocator.admin.reports import open_readonly
 from allocator.amqp.client import AllocatorClient
+from allocator.ledger.readonly import open_readonly
 from allocator.ledger.store import SCHEMA_VERSION
 from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 from nodeagent.simulated import make_gpu, write_inventory
@@ -219,7 +219,7 @@ async def _up_for(client: AllocatorClient, host: str, seconds: float) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _in_state(client: AllocatorClient, lease_id: str, state: LeaseState) -> Lease | None:
+async def in_state(client: AllocatorClient, lease_id: str, state: LeaseState) -> Lease | None:
     lease = await client.status(lease_id=lease_id)
     return lease if lease.state is state else None
 
@@ -286,12 +286,12 @@ async def _kill_frees_the_gpu(client: AllocatorClient, host: str, docker_url: st
     try:
         container = await docker.start_labelled(lease.lease_id, services.BUSYBOX_IMAGE,
                                                 ["sleep", "300"], stop_signal="SIGKILL")
-        bound = await wait_until(lambda: _in_state(client, lease.lease_id, LeaseState.BOUND),
+        bound = await wait_until(lambda: in_state(client, lease.lease_id, LeaseState.BOUND),
                                  within=20)
         assert bound.container_id == container
         await docker.containers.container(container).kill()
         released = await wait_until(
-            lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED), within=20)
+            lambda: in_state(client, lease.lease_id, LeaseState.RELEASED), within=20)
         assert released.release_reason is ReleaseReason.CONTAINER_EXITED
     finally:
         await docker.close()
@@ -381,7 +381,7 @@ async def test_replicas_of_both_releases_on_one_ledger_log(
             assert first.process is not None
             await first.process.wait()
             # The standby takes over with both leases: same lease, GPUs and host.
-            took = await wait_until(lambda: _in_state(client, by_new.lease_id,
+            took = await wait_until(lambda: in_state(client, by_new.lease_id,
                                                       LeaseState.GRANTED), within=20)
             assert (took.host, took.gpu_uuids) == (by_new.host, by_new.gpu_uuids)
             taken_old = await client.status(lease_id=by_old["lease_id"])

@@ -39,8 +39,8 @@ from allocator.wire.topology import (
     command_routing_key,
     heartbeat_routing_key,
 )
-from tests.broker.test_broker_permissions import TEMPLATE, Broker, loaded_broker, publish
 from tests.support import services
+from tests.support.broker_definitions import TEMPLATE, Broker, loaded_broker, publish
 from tests.support.common import GTX1070, gpus, heartbeat, wait_until
 
 HOST = "gpu-a"

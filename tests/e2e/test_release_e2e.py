@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from allocator.amqp.client import AllocatorClient
 from allocator.wire.lease_container import LEASE_LABEL
 from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
 from tests.support.common import GTX1070, docker_cli, wait_until
+from tests.support.lease_probes import container_of, granted_on, state_of
 
 pytestmark = pytest.mark.docker
 
@@ -60,28 +60,6 @@ async def lease_service(lease: Lease, image: str) -> AsyncIterator[str]:
     finally:
         with contextlib.suppress(AssertionError):
             await docker_cli("service", "rm", name)
-
-
-async def state_of(client: AllocatorClient, lease_id: str, state: LeaseState) -> Lease | None:
-    lease = await client.status(lease_id=lease_id)
-    return lease if lease.state is state else None
-
-
-async def granted_on(client: AllocatorClient, host: str, user: str) -> Lease:
-    async def known() -> bool:
-        return any(n.host == host and n.up for n in (await client.inventory()).nodes)
-    await wait_until(known, within=15)
-    lease = await client.allocate(AllocateRequest(request_key=f"e2e/{user}/", user=user,
-                                                  host=host, model=GTX1070))
-    assert lease.state is LeaseState.GRANTED and lease.host == host
-    return lease
-
-
-async def container_of(lease: Lease) -> str:
-    async def running() -> str:
-        return await docker_cli("ps", "-q", "--no-trunc", "--filter",
-                                f"label={LEASE_LABEL}={lease.lease_id}")
-    return await wait_until(running, within=30)
 
 
 async def test_killed_container_frees_its_gpu_at_once(allocator, client, amqp_vhost, tmp_path,

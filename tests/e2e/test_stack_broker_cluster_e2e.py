@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from allocator.amqp.client import AllocatorClient, AllocatorError
-from tests.e2e.test_stack_e2e import (
+from tests.support.stack import (
     ALLOCATOR_NODES,
     GTX1070,
     RTX3090,

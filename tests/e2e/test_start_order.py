@@ -31,12 +31,12 @@ import pytest
 
 from allocator.amqp.client import AllocatorClient
 from nodeagent.simulated import make_gpu, write_inventory
-from tests.agent.test_agent_metrics import scrape, value
-from tests.broker.test_broker_permissions import TEMPLATE, loaded_broker
 from tests.support import services
+from tests.support.broker_definitions import TEMPLATE, loaded_broker
 from tests.support.common import wait_until
 from tests.support.faults import REPO_ROOT, AllocatorProcess
 from tests.support.ports import free_port
+from tests.support.prometheus_text import scrape, value
 
 pytestmark = pytest.mark.slow
 

@@ -36,13 +36,12 @@ from allocator.wire.topology import AGENTS_EXCHANGE, command_routing_key
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
-from tests.e2e.test_release_e2e import container_of, granted_on, state_of
-from tests.support.common import GTX1070, LabelledDocker, docker_cli, wait_until
+from tests.support.common import GTX1070, docker_cli, wait_until
+from tests.support.lease_probes import container_of, granted_on, state_of
+from tests.support.plain_containers import TRAP_TERM, plain_containers
 
 pytestmark = pytest.mark.docker
 
-TRAP_TERM = 'trap "exit 0" TERM; while true; do sleep 0.1; done'
-"""Exits at once on SIGTERM (a shell as PID 1 ignores SIGTERM without a trap)."""
 
 SWARM_STOP_DELAY_S = 2.0
 """Docker 20.10 waits this long (gossip convergence) before it stops a removed task that is
@@ -86,28 +85,6 @@ async def trap_service(lease: Lease, image: str) -> AsyncIterator[str]:
     finally:
         with contextlib.suppress(AssertionError):
             await docker_cli("service", "rm", name)
-
-
-class PlainContainers(LabelledDocker):
-    """Lease-labelled containers of one image that exit at once on SIGTERM."""
-
-    def __init__(self, url: str, image: str) -> None:
-        super().__init__(url)
-        self.image = image
-
-    async def run_labelled(self, label: str) -> str:
-        return await self.start_labelled(label, self.image, ["sh", "-c", TRAP_TERM],
-                                         prefix="stop")
-
-
-@contextlib.asynccontextmanager
-async def plain_containers(docker_engine: str, image: str) -> AsyncIterator[PlainContainers]:
-    """Starts plain containers with a lease label; removes them afterwards."""
-    docker = PlainContainers(docker_engine, image)
-    try:
-        yield docker
-    finally:
-        await docker.close()
 
 
 async def send_command(amqp_url: str, command: StopContainer | bytes, *,

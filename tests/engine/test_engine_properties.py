@@ -38,10 +38,9 @@ from allocator.wire.protocol import (
     ShareRequest,
 )
 from tests.support.common import ADMIN, NODE
+from tests.support.engine_models import BIG, MEMORY, SMALL
 
-SMALL, BIG = "NVIDIA GeForce GTX 1070", "NVIDIA A100-SXM4-80GB"
 HOSTS = {"h0": [SMALL, SMALL, BIG], "h1": [BIG, BIG], "h2": [SMALL] * 4}
-MEMORY = {SMALL: 8192, BIG: 81920}
 HUB = ADMIN
 """The hub's requests come from an admin here, so that force-releases are allowed too."""
 

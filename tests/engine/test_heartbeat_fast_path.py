@@ -52,8 +52,8 @@ from allocator.wire.protocol import (
     ReleaseRequest,
     ShareRequest,
 )
-from tests.engine.test_engine_properties import BIG, MEMORY, SMALL
 from tests.support.common import ADMIN, NODE
+from tests.support.engine_models import BIG, MEMORY, SMALL
 
 HOSTS = {"h0": [SMALL, SMALL, BIG], "h1": [BIG, BIG], "h2": [SMALL] * 3}
 THIEF = "h3"

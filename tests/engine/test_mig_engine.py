@@ -10,22 +10,10 @@ from pathlib import Path
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
 from allocator.ledger.store import Changes, Ledger
-from allocator.wire.protocol import AllocateRequest, ErrorReply, GPUInfo, Heartbeat, LeaseReply
+from allocator.wire.protocol import AllocateRequest, ErrorReply, LeaseReply
 from tests.support.common import A100_40GB as A100
 from tests.support.common import HUB, NODE
-
-PARENT = "GPU-parent"
-
-
-def mig_beat(seq: int, at: float, profiles: list[str], mig_mode: bool = True) -> Heartbeat:
-    gpus = [GPUInfo(uuid=PARENT, index=0, model=A100, memory_total_mib=40960,
-                    mig_mode=mig_mode, compute_capability="8.0", architecture="ampere")]
-    gpus += [GPUInfo(uuid=f"MIG-{profile}-{n}", index=0, model=f"{A100} MIG {profile}",
-                     memory_total_mib=4864, mig_parent_uuid=PARENT, mig_profile=profile,
-                     mig_index=n, compute_capability="8.0", architecture="ampere")
-             for n, profile in enumerate(profiles)]
-    return Heartbeat(host="m", agent_id="agent-m", seq=seq, sent_at=at, interval_s=2,
-                     gpus=gpus, containers=[], containers_complete=True, source="simulated")
+from tests.support.mig import PARENT, mig_beat
 
 
 def test_mig_fields_survive_a_rebuild_from_the_ledger(tmp_path: Path) -> None:

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import time
-import urllib.parse
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -77,6 +76,7 @@ from allocator.wire.protocol import (
 )
 from allocator.wire.topology import DEAD_LETTER_QUEUE, NODES_EXCHANGE, RPC_EXCHANGE
 from tests.support import services
+from tests.support.broker_users import broker_user
 from tests.support.common import (
     GTX1070,
     NodeSimulator,
@@ -559,24 +559,6 @@ class Harness:
         gpus_now = self.allocator.engine.cluster.gpus
         for uuid_, (host, present) in self.anchor_gpus.items():
             assert (gpus_now[uuid_].host, gpus_now[uuid_].present) == (host, present), uuid_
-
-
-@contextlib.contextmanager
-def broker_user(rabbitmq: services.RabbitMQ, vhost: services.AmqpVhost):
-    """A second broker user with full rights on the vhost (the other host's agent)."""
-    name = f"{services.VHOST_PREFIX}agent-{uuid.uuid4().hex[:8]}"
-    password = uuid.uuid4().hex
-    quoted = urllib.parse.quote(name, safe="")
-    rabbitmq.api("PUT", f"/api/users/{quoted}", {"password": password, "tags": ""})
-    try:
-        rabbitmq.api("PUT", f"/api/permissions/{urllib.parse.quote(vhost.name, safe='')}/{quoted}",
-                     {"configure": ".*", "write": ".*", "read": ".*"})
-        url = (f"amqp://{quoted}:{password}@{rabbitmq.host}:{rabbitmq.port}/"
-               f"{urllib.parse.quote(vhost.name, safe='')}")
-        yield name, url
-    finally:
-        with contextlib.suppress(Exception):
-            rabbitmq.api("DELETE", f"/api/users/{quoted}")
 
 
 async def count_dead_letters(url: str) -> int:

@@ -33,8 +33,8 @@ from allocator.wire.protocol import AllocateRequest, GPUView, InventoryReply, Le
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
-from tests.faults.test_fault_hostile_input import broker_user
 from tests.support import services
+from tests.support.broker_users import broker_user
 from tests.support.common import GTX1070, NodeSimulator, gpus, heartbeat, wait_until
 from tests.support.faults import assert_sound, audit_ledger, report, running_allocator
 

@@ -54,6 +54,7 @@ from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
 from tests.support.common import GTX1070, LabelledDocker, NodeSimulator, gpus, started, wait_until
+from tests.support.fault_nodes import agent_settings, host_up
 from tests.support.faults import (
     REPO_ROOT,
     assert_sound,
@@ -72,12 +73,6 @@ SLACK_S = 1.5
 
 def ask(user: str, host: str | None = None) -> AllocateRequest:
     return AllocateRequest(request_key=f"hub/{user}/", user=user, host=host)
-
-
-async def host_up(client: AllocatorClient, host: str, within: float = 15.0) -> None:
-    async def up():
-        return [n for n in (await client.inventory()).nodes if n.host == host and n.up]
-    await wait_until(up, within=within)
 
 
 # ------------------------------------------------------------------- simulated nodes
@@ -204,22 +199,6 @@ async def test_a_listing_the_engine_could_not_give_releases_nothing(amqp_vhost, 
 
 
 # ----------------------------------------------------------- real agent, real engine
-
-
-def agent_settings(host: str, amqp_url: str, inventory: Path, docker_url: str,
-                   **overrides: Any) -> AgentSettings:
-    values: dict[str, Any] = {
-        "host": host, "amqp_url": amqp_url, "inventory": "simulated",
-        "simulated_file": inventory, "interval_s": 0.25, "publish_timeout_s": 1.0,
-        "amqp_reconnect_s": 0.2, "docker": True, "docker_url": docker_url,
-        "docker_backoff_s": 0.1, "docker_backoff_max_s": 0.5, "docker_replay_grace_s": 0.5,
-        "docker_timeout_s": 3.0, "xid_poll_s": 0.2,
-        # Deltas in between, but a full report well within the 1.5 s that `gpu-ledger check
-        # --live` listens (it counts a host once heard in full).
-        "full_report_s": 0.5,
-    }
-    values.update(overrides)
-    return AgentSettings(**values)
 
 
 def write_host(tmp_path: Path, host: str, count: int = 2) -> Path:

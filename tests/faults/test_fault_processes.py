@@ -35,8 +35,8 @@ from typing import Any
 import aiodocker
 import pytest
 
-from allocator.admin.reports import open_readonly
 from allocator.amqp.client import AllocatorClient
+from allocator.ledger.readonly import open_readonly
 from allocator.wire.lease_container import grant_labels
 from allocator.wire.protocol import (
     AllocateRequest,
@@ -49,9 +49,9 @@ from allocator.wire.protocol import (
 )
 from nodeagent.agent import NodeAgent
 from nodeagent.simulated import make_gpu, simulated_uuid, write_inventory
-from tests.faults.test_fault_nodes import agent_settings, host_up
 from tests.support import services
 from tests.support.common import GTX1070, started, wait_until
+from tests.support.fault_nodes import agent_settings, host_up
 from tests.support.faults import assert_sound, audit_ledger, await_state, report, running_allocator
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]

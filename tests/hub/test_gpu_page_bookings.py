@@ -14,16 +14,8 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from allocator.amqp.client import AllocatorClient
-from tests.hub.test_gpu_page import (
-    RECLAIMS,
-    SEEN,
-    TEST_BUDGET_S,
-    cluster,  # noqa: F401  (a fixture: gpu-a two GTX 1070, gpu-b two RTX 3090)
-    lease_for,
-    open_page,
-    page_hub,  # noqa: F401  (a fixture: the real hub with the GPU page)
-)
 from tests.support.common import GTX1070, RTX3090, started
+from tests.support.gpu_page import RECLAIMS, SEEN, TEST_BUDGET_S, lease_for, open_page
 from tests.support.hub_browser import Browser
 from tests.support.hub_harness import Hub
 
@@ -57,7 +49,7 @@ MODELS = """Object.fromEntries([...document.querySelectorAll('#sg-model option')
 
 
 async def test_the_form_marks_booked_and_reclaimable_choices_and_the_page_shows_bookings(
-    cluster: Any, client: AllocatorClient, page_hub: Hub, chromium_path: Path,  # noqa: F811
+    cluster: Any, client: AllocatorClient, page_hub: Hub, chromium_path: Path,
     tmp_path: Path,
 ) -> None:
     """The staff's lab books one RTX 3090 now for two hours; CS101 (students) books both GTX

@@ -12,9 +12,9 @@ from hubplugin.page.app import TEMPLATE
 from hubplugin.page.calendar import week_calendar
 from hubplugin.page.view import Viewer, page_context
 from hubplugin.templating import template
-from tests.bookings.test_bookings_seen import CS101, FOUR, LATER, ML, NINE, WEEKLY, held
-from tests.hub.test_gpu_page_view import WINDOW, cluster_with
+from tests.support.bookings_seen import CS101, FOUR, LATER, ML, NINE, WEEKLY, held
 from tests.support.hub_inventory import lease
+from tests.support.page_view import WINDOW, cluster_with
 
 
 def booked(leases: list[Lease]) -> InventoryReply:

@@ -15,7 +15,6 @@ import pytest
 from allocator.amqp.client import AllocatorClient
 from allocator.wire.interconnect import HostInterconnect, LinkLevel, build_interconnect
 from allocator.wire.protocol import AllocateRequest, GPUInfo, LeaseState
-from tests.hub.test_gpu_page import SEEN, TEST_BUDGET_S, USERS, open_page
 from tests.support.common import (
     GTX1070,
     RTX3090,
@@ -25,6 +24,7 @@ from tests.support.common import (
     started,
     wait_until,
 )
+from tests.support.gpu_page import SEEN, TEST_BUDGET_S, USERS, open_page
 from tests.support.hub_browser import Browser
 from tests.support.hub_harness import Hub
 

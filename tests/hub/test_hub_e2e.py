@@ -15,20 +15,28 @@ import os
 import shutil
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiodocker
 import pytest
 
-from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.amqp.client import AllocatorClient
 from allocator.wire.lease_container import LEASE_LABEL, grant_labels
-from allocator.wire.protocol import ErrorCode, Lease, LeaseState
+from allocator.wire.protocol import Lease, LeaseState
 from nodeagent.agent import NodeAgent
-from nodeagent.config import AgentSettings
 from nodeagent.simulated import make_gpu, write_inventory
-from tests.support.common import GTX1070, RTX3090, started, wait_until
+from tests.support.common import GTX1070, RTX3090, wait_until
+from tests.support.hub_e2e import (
+    HubFactory,
+    env_of,
+    eventually,
+    in_state,
+    lease_of,
+    node_agent,
+    service_spec,
+)
 from tests.support.hub_harness import Hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.docker, pytest.mark.slow]
@@ -38,32 +46,6 @@ TEST_BUDGET_S = 150
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture
-async def docker(docker_engine: str) -> AsyncIterator[aiodocker.Docker]:
-    async with aiodocker.Docker(url=docker_engine) as client:
-        yield client
-
-
-@pytest.fixture
-async def swarm_host(docker: aiodocker.Docker) -> str:
-    """The hostname of this engine's Swarm node (what ``node.hostname ==`` matches)."""
-    info = await docker.system.info()
-    node = await docker.nodes.inspect(node_id=info["Swarm"]["NodeID"])
-    return str(node["Description"]["Hostname"])
-
-
-@contextlib.asynccontextmanager
-async def node_agent(host: str, amqp_url: str, inventory: Path, *, docker: bool
-                     ) -> AsyncIterator[NodeAgent]:
-    """A real node agent reading a simulated inventory (this machine has no GPU). It takes
-    stop commands from ``guest``, the allocator's broker user here (in a cluster: allocator)."""
-    agent = NodeAgent(AgentSettings(
-        host=host, amqp_url=amqp_url, inventory="simulated", simulated_file=inventory,
-        interval_s=0.5, publish_timeout_s=2.0, docker=docker, command_users=["guest"]))
-    async with started(agent):
-        yield agent
 
 
 @pytest.fixture
@@ -97,88 +79,6 @@ async def single_gpu_agent(amqp_vhost: Any, swarm_host: str, tmp_path: Path,
                 return any(n.up for n in (await rpc.inventory()).nodes)
             await wait_until(up, within=20)
         yield local
-
-
-HubFactory = Callable[..., Awaitable[Hub]]
-
-
-@pytest.fixture
-async def hub_factory(
-    tmp_path: Path, chp_path: Path, amqp_vhost: Any, docker_engine: str, busybox_image: str,
-    docker: aiodocker.Docker,
-) -> AsyncIterator[HubFactory]:
-    hubs: list[Hub] = []
-
-    async def make(users: dict[str, list[str]] | None = None, **kwargs: Any) -> Hub:
-        hub = Hub(
-            tmp_path / f"hub{len(hubs)}", chp=chp_path,
-            amqp_url=kwargs.pop("amqp_url", amqp_vhost.url), docker_host=docker_engine,
-            image=busybox_image,
-            users=users or {"alice": ["students"], "bob": ["students"], "carol": ["staff"]},
-            **kwargs,
-        )
-        hubs.append(hub)
-        await hub.start()
-        return hub
-
-    yield make
-    for hub in hubs:
-        await hub.stop()
-        for service in await docker.services.list():
-            if service["Spec"]["Name"].startswith(hub.prefix):
-                with contextlib.suppress(aiodocker.DockerError):
-                    await docker.services.delete(service["ID"])
-        await _containers_gone(docker, hub.prefix)
-
-
-async def _containers_gone(docker: aiodocker.Docker, prefix: str, within: float = 60.0) -> None:
-    """Wait until no container of the hub's services is left on the engine (removed with
-    force when it outstays a service's removal). The next test's allocator starts on an empty
-    ledger and would adopt a lease container that is still there, by its grant labels, as it
-    does on a real node: the servers of one test must not become another test's leases."""
-    deadline = time.monotonic() + within
-    while True:
-        left = [c for c in await docker.containers.list(all=True)
-                if c["Labels"].get("com.docker.swarm.service.name", "").startswith(prefix)]
-        if not left:
-            return
-        if time.monotonic() > deadline:
-            for container in left:
-                with contextlib.suppress(aiodocker.DockerError):
-                    await container.delete(force=True)
-            return
-        await asyncio.sleep(0.3)
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], *, within: float = 30.0,
-                     what: str = "condition") -> Any:
-    timeout = within
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"{what} not reached within {timeout} s (last: {last!r})")
-
-
-async def lease_of(client: AllocatorClient, key: str) -> Lease | None:
-    try:
-        return await client.status(request_key=key)
-    except AllocatorError as exc:
-        if exc.code is ErrorCode.NOT_FOUND:
-            return None
-        raise
-
-
-async def service_spec(docker: aiodocker.Docker, name: str) -> dict[str, Any]:
-    service = await docker.services.inspect(name)
-    return dict(service["Spec"])
-
-
-def env_of(spec: dict[str, Any]) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in spec["TaskTemplate"]["ContainerSpec"]["Env"])
 
 
 def spawner_state(hub: Hub, user: str) -> dict[str, Any]:
@@ -232,7 +132,7 @@ async def test_gpu_server_through_rest(
 
         # the container runs: the node (agent) binds the lease
         bound = await eventually(
-            lambda: _in_state(client, lease.lease_id, LeaseState.BOUND), what="bound lease")
+            lambda: in_state(client, lease.lease_id, LeaseState.BOUND), what="bound lease")
         assert bound.container_id
 
         inventory = await client.inventory(include_leases=True)
@@ -258,7 +158,7 @@ async def test_gpu_server_through_rest(
         after = await client.status(lease_id=lease.lease_id)
         assert after.state in (LeaseState.RELEASING, LeaseState.RELEASED)
         released = await eventually(
-            lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED), what="released")
+            lambda: in_state(client, lease.lease_id, LeaseState.RELEASED), what="released")
         assert released.release_reason is not None
         # The agent stopped both servers' containers when the hub released their leases,
         # without waiting for Swarm to stop the removed services' tasks.
@@ -269,11 +169,6 @@ async def test_gpu_server_through_rest(
             await docker.services.inspect(hub.service_name("alice"))
         assert "gpu_lease_id" not in spawner_state(hub, "alice")
         assert hub.alive()
-
-
-async def _in_state(client: AllocatorClient, lease_id: str, state: LeaseState) -> Lease | None:
-    lease = await client.status(lease_id=lease_id)
-    return lease if lease.state is state else None
 
 
 FORGED: list[tuple[dict[str, Any], int, str]] = [
@@ -462,7 +357,7 @@ async def test_hub_restart_keeps_the_lease_and_releases_it_later(
         assert lease is not None and len(lease.gpu_uuids) == 2
 
         await hub.stop()  # the server keeps running while the hub is away
-        await eventually(lambda: _in_state(client, lease.lease_id, LeaseState.BOUND),
+        await eventually(lambda: in_state(client, lease.lease_id, LeaseState.BOUND),
                          what="bound lease")
         await hub.start()
         model = await hub.server_model("carol")
@@ -471,7 +366,7 @@ async def test_hub_restart_keeps_the_lease_and_releases_it_later(
         assert again.state is LeaseState.BOUND  # nothing double-booked, nothing leaked
 
         await hub.stop_server("carol")
-        await eventually(lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED),
+        await eventually(lambda: in_state(client, lease.lease_id, LeaseState.RELEASED),
                          what="released after restart")
 
 
@@ -554,12 +449,12 @@ async def test_killed_notebook_frees_its_gpu_and_is_not_restarted(
         lease = await lease_of(client, hub.request_key("alice"))
         assert lease is not None
         bound = await eventually(
-            lambda: _in_state(client, lease.lease_id, LeaseState.BOUND), what="bound lease")
+            lambda: in_state(client, lease.lease_id, LeaseState.BOUND), what="bound lease")
         assert bound.container_id is not None
 
         await docker.containers.container(bound.container_id).kill()
         released = await eventually(
-            lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED), what="released")
+            lambda: in_state(client, lease.lease_id, LeaseState.RELEASED), what="released")
         assert released.release_reason is not None
         assert released.release_reason.value == "container_exited"
         one070 = next(m for m in (await client.inventory()).models if m.model == GTX1070)

@@ -8,8 +8,8 @@ from allocator.bookings.schedule import bookings_view
 from allocator.wire.protocol import InventoryReply
 from hubplugin.booked import choice_text
 from hubplugin.form import render_form
-from tests.bookings.test_bookings_seen import CS101, FOUR, ML, NINE, held
-from tests.hub.test_hub_form import PROFILES, STAFF, parse
+from tests.support.bookings_seen import CS101, FOUR, ML, NINE, held
+from tests.support.hub_form import PROFILES, STAFF, parse
 from tests.support.hub_inventory import A100, GTX1070, RTX3090, inventory
 
 

@@ -32,9 +32,9 @@ from hubplugin.options import build_allocate_request as request_for
 from hubplugin.page.app import TEMPLATE
 from hubplugin.page.view import Viewer, page_context
 from hubplugin.templating import template
-from tests.hub.test_gpu_page_view import NOW, WINDOW, cluster_with
-from tests.hub.test_hub_form import STAFF, parse
+from tests.support.hub_form import STAFF, parse
 from tests.support.hub_inventory import A100, GTX1070, RTX3090, inventory, lease
+from tests.support.page_view import NOW, WINDOW, cluster_with
 
 TIMES = "\u00d7"
 

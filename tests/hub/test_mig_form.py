@@ -12,10 +12,10 @@ from allocator.ledger.store import Changes
 from allocator.wire.protocol import AllocateRequest, LeaseReply
 from hubplugin.form import render_form
 from hubplugin.options import GPUPermissions
-from tests.engine.test_mig_engine import mig_beat
-from tests.hub.test_hub_form import parse
 from tests.support.common import A100_40GB as A100
 from tests.support.common import HUB, MIG_1G, NODE
+from tests.support.hub_form import parse
+from tests.support.mig import mig_beat
 
 STAFF = GPUPermissions(max_gpus=4, groups=["staff"])
 

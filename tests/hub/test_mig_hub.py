@@ -27,25 +27,19 @@ from nodeagent.simulated import (
     simulated_uuid,
     write_inventory,
 )
-from tests.hub import test_hub_e2e as hub_e2e
-from tests.hub.test_hub_e2e import (
+from tests.support.common import A100_40GB as A100
+from tests.support.common import MIG_1G, wait_until
+from tests.support.hub_e2e import (
     HubFactory,
-    _in_state,
     env_of,
     eventually,
+    in_state,
     lease_of,
     node_agent,
     service_spec,
 )
-from tests.support.common import A100_40GB as A100
-from tests.support.common import MIG_1G, wait_until
 
 pytestmark = [pytest.mark.hub, pytest.mark.docker, pytest.mark.slow]
-
-# The hub end-to-end fixtures, shared by name: the engine client, this node's name, hubs.
-docker = hub_e2e.docker
-swarm_host = hub_e2e.swarm_host
-hub_factory = hub_e2e.hub_factory
 
 TEST_BUDGET_S = 150
 
@@ -82,7 +76,7 @@ async def test_notebook_gets_the_instance_uuids_and_keeps_them_through_a_reparti
         env = env_of(await service_spec(docker, hub.service_name("carol")))
         assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(lease.gpu_uuids)
         assert all(u.startswith("MIG-") for u in env["NVIDIA_VISIBLE_DEVICES"].split(","))
-        await eventually(lambda: _in_state(client, lease.lease_id, LeaseState.BOUND),
+        await eventually(lambda: in_state(client, lease.lease_id, LeaseState.BOUND),
                          what="bound lease")
 
         # The admin destroys every instance and creates one 7g.40gb while carol's runs.
@@ -112,7 +106,7 @@ async def test_notebook_gets_the_instance_uuids_and_keeps_them_through_a_reparti
 
         # Stopping the notebook frees the lease; the removed instances go with it.
         await hub.stop_server("carol")
-        await eventually(lambda: _in_state(client, lease.lease_id, LeaseState.RELEASED),
+        await eventually(lambda: in_state(client, lease.lease_id, LeaseState.RELEASED),
                          what="released")
 
         async def removed_gone() -> bool:

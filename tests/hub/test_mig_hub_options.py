@@ -20,9 +20,9 @@ from hubplugin.options import (
     load_profiles,
     parse_user_options,
 )
-from tests.engine.test_mig_engine import mig_beat
 from tests.support.common import A100_40GB as A100
 from tests.support.common import NODE
+from tests.support.mig import mig_beat
 
 STAFF = GPUPermissions(max_gpus=8, groups=["staff"], allow_all_gpus_of_host=True)
 TWO = GPUPermissions(max_gpus=2, groups=["staff"], allow_all_gpus_of_host=True)

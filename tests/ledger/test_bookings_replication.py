@@ -13,9 +13,9 @@ from allocator.config import AllocatorSettings
 from allocator.engine import Engine
 from allocator.ledger.store import Changes, Ledger, LogPosition
 from allocator.wire.protocol import BookingReply, BookingRequest
-from tests.bookings.test_bookings_engine import ADMIN, NOW, Cluster, lab
-from tests.ledger.test_ledger_log import replica
+from tests.support.booking_engine import ADMIN, NOW, Cluster, lab
 from tests.support.common import GTX1070, gpus, wait_until
+from tests.support.ledger_log import replica
 
 
 def rows(path: Path, sql: str) -> list[tuple[Any, ...]]:

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from allocator.admin.reports import open_readonly
 from allocator.ledger.invariants import NodeReport, Violation, check_ledger
+from allocator.ledger.readonly import open_readonly
 from allocator.ledger.store import Ledger
 from allocator.wire.protocol import AllocateRequest, ContainerAction, LeaseState, ShareRequest
 from tests.support.common import GTX1070, RTX3090, gpus, wait_until

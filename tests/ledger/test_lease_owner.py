@@ -68,7 +68,8 @@ from allocator.wire.protocol import (
 from allocator.wire.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
 from nodeagent.commands import CommandConsumer
 from nodeagent.containers import StopOutcome
-from tests.broker.test_broker_permissions import (
+from tests.support import services
+from tests.support.broker_definitions import (
     SHIPPED_USERS,
     TEMPLATE,
     Broker,
@@ -76,7 +77,6 @@ from tests.broker.test_broker_permissions import (
     loaded_broker,
     publish,
 )
-from tests.support import services
 from tests.support.common import wait_until
 from tests.support.services import require_service
 

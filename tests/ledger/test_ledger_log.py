@@ -5,56 +5,17 @@ history is refused. (Whole allocator processes: tests/faults/test_fault_ledger_l
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sqlite3
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aio_pika
 import pytest
 
 from allocator.ledger.log_entries import Batch
-from allocator.ledger.replication import LogFenced, LogMismatch, LogUnavailable, ReplicatedLog
-from allocator.ledger.store import Changes, ChangeSet, Ledger
+from allocator.ledger.replication import LogFenced, LogMismatch, LogUnavailable
+from allocator.ledger.store import ChangeSet, Ledger
 from tests.support.common import wait_until
-
-STREAM = "swarm-gpu.ledger-log"
-
-
-def batch(lease_id: str) -> Changes:
-    changes = Changes()
-    changes.leases[lease_id] = {"lease_id": lease_id, "request_key": f"k/{lease_id}/",
-                                "user": "u", "state": "queued", "created_at": 1.0,
-                                "groups": [], "request": {}, "gpu_uuids": [], "env": {}}
-    changes.event(1.0, "test", lease_id=lease_id)
-    return changes
-
-
-@contextlib.asynccontextmanager
-async def replica(url: str, path: Path, **options: Any) -> AsyncIterator[ReplicatedLog]:
-    """A replica of the log on the ledger at ``path`` (``options``: ReplicatedLog's)."""
-    ledger = Ledger(path)
-    ledger.open()
-    connection = await aio_pika.connect_robust(url, timeout=10)
-    replicated = ReplicatedLog(ledger, STREAM, **{"max_bytes": 64 << 20, "timeout_s": 5,
-                                                  **options})
-    try:
-        await replicated.start(connection)
-        yield replicated
-    finally:
-        await replicated.stop()
-        await connection.close()
-        ledger.close()
-
-
-def lease_ids(path: Path) -> list[str]:
-    conn = sqlite3.connect(path)
-    try:
-        return [row[0] for row in conn.execute("SELECT lease_id FROM leases ORDER BY lease_id")]
-    finally:
-        conn.close()
+from tests.support.ledger_log import STREAM, batch, lease_ids, replica
 
 
 async def test_a_deposed_writer_is_fenced_and_every_replica_has_one_history(

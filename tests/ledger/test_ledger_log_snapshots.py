@@ -23,9 +23,9 @@ from allocator.ledger.log_snapshot import AsOf, PartHeader, encode_parts
 from allocator.ledger.replication import ReplicatedLog
 from allocator.ledger.store import Changes, ChangeSet, Ledger, LogPosition
 from allocator.metrics import exporter as metrics
-from tests.ledger.test_ledger_log import STREAM, batch, lease_ids, replica
 from tests.support.common import wait_until
 from tests.support.faults import Proxy, first_kept_offset
+from tests.support.ledger_log import STREAM, batch, lease_ids, replica
 
 TINY: dict[str, Any] = {"max_bytes": 64 << 10, "segment_bytes": 4 << 10,
                         "snapshot_bytes": 12 << 10, "snapshot_part_bytes": 1 << 10}

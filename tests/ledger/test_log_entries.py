@@ -300,7 +300,7 @@ def test_every_row_the_engine_writes_is_one_the_schema_knows() -> None:
 
 
 def test_a_ledger_opens_only_for_writing(tmp_path: Path) -> None:
-    """Read-only readers use reports.open_readonly; a Ledger creates its file."""
+    """Read-only readers use readonly.open_readonly; a Ledger creates its file."""
     path = tmp_path / "new" / "ledger.sqlite"
     ledger = Ledger(path)
     ledger.open()

@@ -30,8 +30,8 @@ from allocator.wire.protocol import (
     encode,
 )
 from allocator.wire.topology import NODES_EXCHANGE, event_routing_key, heartbeat_routing_key
-from tests.broker.test_broker_permissions import TEMPLATE, Broker, agent_beat, loaded_broker
 from tests.support import services
+from tests.support.broker_definitions import TEMPLATE, Broker, agent_beat, loaded_broker
 from tests.support.common import GTX1070, NODE, gpus, heartbeat, wait_until
 
 PER_MINUTE = 5

@@ -28,8 +28,8 @@ from typing import Any
 
 import aio_pika
 
-from allocator.admin.reports import open_readonly
 from allocator.ledger.invariants import NodeReport, Violation, check_ledger
+from allocator.ledger.readonly import open_readonly
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

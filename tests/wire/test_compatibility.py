@@ -41,6 +41,7 @@ from allocator.wire.topology import (
 )
 from tests.support.common import GTX1070, NodeSimulator, gpus, heartbeat
 from tests.support.faults import running_allocator
+from tests.support.raw_client import RawClient
 
 
 def _with_new_fields(body: bytes) -> bytes:
@@ -213,51 +214,6 @@ async def test_an_unreadable_heartbeat_keeps_its_host_up_and_is_counted(amqp_vho
         assert [gpu.health for gpu in inventory.gpus if gpu.host == "gpu-a"] == ["healthy"]
 
 
-
-class _RawClient:
-    """A client written from docs/protocol.md alone: raw AMQP, with or without the
-    ``swarm-gpu-release`` header; every answer on its direct reply-to address, in order."""
-
-    def __init__(self, amqp_url: str, headers: dict[str, str] | None) -> None:
-        self.amqp_url = amqp_url
-        self.headers = headers
-        self.answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._connection: aio_pika.abc.AbstractConnection | None = None
-        self._exchange: aio_pika.abc.AbstractExchange | None = None
-        self._calls = 0
-
-    async def __aenter__(self) -> _RawClient:
-        self._connection = await aio_pika.connect(self.amqp_url, timeout=10)
-        channel = await self._connection.channel()
-
-        async def on_answer(answer: aio_pika.abc.AbstractIncomingMessage) -> None:
-            await self.answers.put(json.loads(answer.body))
-
-        replies = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
-        await replies.consume(on_answer, no_ack=True)
-        self._exchange = await channel.get_exchange(RPC_EXCHANGE, ensure=False)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._connection is not None:
-            await self._connection.close()
-
-    async def call(self, **body: object) -> dict[str, Any]:
-        """Publish one request; its answer."""
-        assert self._exchange is not None
-        self._calls += 1
-        await self._exchange.publish(
-            aio_pika.Message(json.dumps({"v": 1, **body}).encode(),
-                             correlation_id=f"c{self._calls}", reply_to=DIRECT_REPLY_TO,
-                             content_type="application/json",
-                             headers=dict[str, Any](self.headers) if self.headers else None),
-            routing_key=RPC_ROUTING_KEY)
-        return await self.next_answer()
-
-    async def next_answer(self) -> dict[str, Any]:
-        return await asyncio.wait_for(self.answers.get(), 10)
-
-
 async def test_replies_carry_the_fields_of_the_release_the_client_reads(amqp_vhost,
                                                                        tmp_path: Path) -> None:
     """A request without the swarm-gpu-release header (a 0.1.0 client) gets 0.1.0's fields
@@ -289,7 +245,7 @@ async def test_replies_carry_the_fields_of_the_release_the_client_reads(amqp_vho
                 ({CLIENT_RELEASE_HEADER: "0.2.0"}, "0.2.0"),
                 ({CLIENT_RELEASE_HEADER: "0.3.0"}, "0.3.0"),
                 ({CLIENT_RELEASE_HEADER: "7.0.0"}, "7.0.0"))):
-            async with _RawClient(amqp_vhost.url, headers) as client:
+            async with RawClient(amqp_vhost.url, headers) as client:
                 granted = await client.call(kind="allocate", request_key=f"a/{n}/",
                                             user="alice")
                 assert granted["lease"]["state"] == "granted", granted
