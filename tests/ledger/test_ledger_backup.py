@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,11 @@ from allocator.ledger.backup import BACKUP_EVENT, RESTORE_EVENT
 from allocator.ledger.invariants import check_ledger
 from allocator.ledger.lease import LeaseRecord
 from allocator.ledger.log_entries import Claim
-from allocator.ledger.replication import LogMismatch, ReplicatedLog
+from allocator.ledger.replication import LogMismatch
 from allocator.ledger.store import SCHEMA_VERSION, Changes, Ledger, LedgerInUse, LedgerLock
 from allocator.placement.cluster import Node
 from allocator.wire.protocol import LeaseState
+from tests.support.ledger_log import lease_ids, replica
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -385,8 +386,6 @@ def test_restore_refuses_what_is_no_ledger(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ with the ledger log
 
-STREAM = "swarm-gpu.ledger-log"
-
 
 async def wait_for(predicate: Callable[[], Awaitable[bool]], within: float = 15) -> None:
     async with asyncio.timeout(within):
@@ -394,26 +393,6 @@ async def wait_for(predicate: Callable[[], Awaitable[bool]], within: float = 15)
             if await predicate():
                 return
             await asyncio.sleep(0.05)
-
-
-@contextlib.asynccontextmanager
-async def replica(url: str, path: Path, stream: str = STREAM,
-                  timeout_s: float = 5) -> AsyncIterator[ReplicatedLog]:
-    ledger = Ledger(path)
-    ledger.open()
-    connection = await aio_pika.connect_robust(url, timeout=10)
-    replicated = ReplicatedLog(ledger, stream, max_bytes=64 << 20, timeout_s=timeout_s)
-    try:
-        await replicated.start(connection)
-        yield replicated
-    finally:
-        await replicated.stop()
-        await connection.close()
-        ledger.close()
-
-
-def lease_ids(path: Path) -> list[str]:
-    return [row[0] for row in rows(path, "SELECT lease_id FROM leases ORDER BY lease_id")]
 
 
 async def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:

@@ -27,12 +27,14 @@ def batch(lease_id: str) -> Changes:
 
 
 @contextlib.asynccontextmanager
-async def replica(url: str, path: Path, **options: Any) -> AsyncIterator[ReplicatedLog]:
-    """A replica of the log on the ledger at ``path`` (``options``: ReplicatedLog's)."""
+async def replica(url: str, path: Path, stream: str = STREAM,
+                  **options: Any) -> AsyncIterator[ReplicatedLog]:
+    """A replica of the log ``stream`` on the ledger at ``path`` (``options``:
+    ReplicatedLog's)."""
     ledger = Ledger(path)
     ledger.open()
     connection = await aio_pika.connect_robust(url, timeout=10)
-    replicated = ReplicatedLog(ledger, STREAM, **{"max_bytes": 64 << 20, "timeout_s": 5,
+    replicated = ReplicatedLog(ledger, stream, **{"max_bytes": 64 << 20, "timeout_s": 5,
                                                   **options})
     try:
         await replicated.start(connection)
