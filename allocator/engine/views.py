@@ -185,9 +185,9 @@ class Views:
         (:mod:`allocator.metrics.figures`; the engine adds its bookings and counters)."""
         figures = EngineFigures()
         # Read from the engine's own state, not from inventory(): that builds a reply model
-        # of every node and GPU and each model's summary, 124 ms of stalled event loop per
-        # scrape on 1,000 hosts x 8 GPUs and 10,000 leases, where this walk costs 21 ms
-        # (bench/engine.py, scrape against inventory).
+        # of every node and GPU and each model's summary, several times the stalled event
+        # loop of this walk on a large cluster (docs/benchmarks.md, bench/engine.py scrape
+        # against inventory).
         cluster = self.cluster
         for node in cluster.nodes.values():
             figures.nodes[node.host] = (self.nodes.up(node, now), node.drained,
