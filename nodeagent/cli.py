@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import signal
 import sys
@@ -86,6 +87,10 @@ HEALTH_COMMAND = "health"
 """The first argument that makes ``gpu-nodeagent`` a healthcheck instead of the agent."""
 
 
+DISTRIBUTION = "swarm-gpu"
+"""The installed distribution whose version ``--version`` prints."""
+
+
 def parse_args(argv: Sequence[str] | None, *, prog: str = "gpu-nodeagent",
                description: str = "swarm-gpu node agent: reports this host's GPUs and lease "
                "containers. 'gpu-nodeagent health [options]' asks the agent running here "
@@ -93,6 +98,10 @@ def parse_args(argv: Sequence[str] | None, *, prog: str = "gpu-nodeagent",
                ) -> tuple[argparse.Namespace, dict[str, Any]]:
     """The command line: the options that are not settings, and the settings it gives."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    # The release as installed: the agent may not import the allocator's package itself
+    # (only the surface modules), and the distribution carries the same version.
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {importlib.metadata.version(DISTRIBUTION)}")
     # The flags' shape (kebab case, --no-X for booleans, short names) is AgentSettings' config;
     # each flag's help is its setting's (description, default, environment variable).
     flags: CliSettingsSource[AgentSettings] = CliSettingsSource(

@@ -134,7 +134,8 @@ def test_a_signal_stops_serve_while_it_waits_for_the_broker(
     assert rest[-1] == f"gpu-allocator: {signum.name} before the start was complete: stopped"
 
 
-@pytest.mark.parametrize("module, prog", [(ALLOCATOR, "gpu-allocator"), (LEDGER, "gpu-ledger")])
+@pytest.mark.parametrize("module, prog", [(ALLOCATOR, "gpu-allocator"), (LEDGER, "gpu-ledger"),
+                                          (["nodeagent"], "gpu-nodeagent")])
 def test_version_is_the_release(module: list[str], prog: str) -> None:
     result = subprocess.run([sys.executable, "-m", *module, "--version"], cwd=REPO_ROOT,
                             env=environment(), capture_output=True, text=True, timeout=60,
