@@ -39,6 +39,7 @@ from allocator.ledger.store import SCHEMA_VERSION, Changes, Ledger, LedgerInUse,
 from allocator.placement.cluster import Node
 from allocator.wire.protocol import LeaseState
 from tests.support.ledger_log import lease_ids, replica
+from tests.support.services import require_service
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -242,7 +243,7 @@ def test_a_backup_that_cannot_be_written_names_the_target_and_why(tmp_path: Path
         pass
     else:
         unwritable.unlink()
-        pytest.skip("/sys takes new files here")
+        require_service("an unwritable folder", "/sys takes new files here")
     taken = gpu_ledger("backup", unwritable, "--ledger", path)
     line = one_line_error(taken, f"cannot write the backup {unwritable}", "Permission denied")
     assert f"ledger {path}" not in line, line

@@ -14,10 +14,8 @@ import subprocess
 import tomllib
 from pathlib import Path
 
-import pytest
-
 import allocator
-from tests.support.services import REPO_ROOT
+from tests.support.services import REPO_ROOT, require_service
 
 IMAGE_TAG = re.compile(r"\bswarm-gpu(?:-[a-z]+)?:([A-Za-z0-9][A-Za-z0-9_.-]*)")
 """An image of the project with a literal tag (``swarm-gpu:0.3.0``, ``swarm-gpu-hub:0.3.0``);
@@ -49,7 +47,7 @@ def git(*args: str) -> str:
         result = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                                 timeout=60, check=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"not a git checkout with its history: {exc}")
+        require_service("git history", f"not a git checkout with its history: {exc}")
     return result.stdout
 
 
