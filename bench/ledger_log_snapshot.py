@@ -37,8 +37,9 @@ from common import machine, services
 
 from allocator.config import AllocatorSettings
 from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.log_rules import ENTRY_OVERHEAD_BYTES
 from allocator.ledger.log_snapshot import encode_parts
-from allocator.ledger.replication import ENTRY_OVERHEAD_BYTES, SNAPSHOT_PART_BYTES, ReplicatedLog
+from allocator.ledger.replication import SNAPSHOT_PART_BYTES, ReplicatedLog
 from allocator.ledger.store import Changes, Ledger
 from allocator.placement.cluster import GPU, Node
 from allocator.wire.protocol import LeaseState, ReleaseReason

@@ -37,9 +37,8 @@ from it. An empty ledger replays the log from its start while the stream keeps i
 A full or read-only disk is an error of this replica's store, not of the log: the entry is
 in the log and every other replica applies it. The replica stops serving (its batch in flight
 goes back to the queue: :class:`LogStalled`), keeps following, writes the same entry again
-every ``STORE_RETRY_S``, and serves again once it is applied
-(:attr:`ReplicatedLog.store_failure`). Only an entry that cannot be read or applied for what
-it holds stops the replica for good.
+every ``STORE_RETRY_S``, and serves again once it is applied (:mod:`allocator.ledger.log_store`).
+Only an entry that cannot be read or applied for what it holds stops the replica for good.
 
 Snapshots (:mod:`allocator.ledger.log_snapshot`). The stream keeps only ``ledger_log_max_bytes``.
 The writer appends a snapshot of the ledger's state (nodes, GPUs, leases; not the lease
@@ -63,8 +62,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
@@ -72,13 +70,32 @@ import aio_pika.abc
 from aiormq.exceptions import ChannelInvalidStateError
 
 from allocator.amqp.declare import OnRefusal, Refusal, Tolerate, declare_queue
+from allocator.ledger.log_catch_up import ScanFromOldest, SnapshotSearch
 from allocator.ledger.log_entries import (
     Batch,
-    BrokenEntry,
     Claim,
     Entry,
     SnapshotPart,
     decode_entry,
+)
+from allocator.ledger.log_probes import (
+    newest_snapshot_start,
+    offset_of,
+    oldest_entry,
+    stream_exists,
+)
+from allocator.ledger.log_rules import (
+    ENTRY_OVERHEAD_BYTES,
+    Applied,
+    CatchUp,
+    NotHistory,
+    Verdict,
+    fence,
+    grown_since_snapshot,
+    join,
+    resume,
+    snapshot_outgrows_retention,
+    stream_is_not_the_log,
 )
 from allocator.ledger.log_snapshot import (
     AsOf,
@@ -87,6 +104,7 @@ from allocator.ledger.log_snapshot import (
     decode_parts,
     encode_parts,
 )
+from allocator.ledger.log_store import ReplicaStore
 from allocator.ledger.store import (
     Changes,
     ChangeSet,
@@ -107,18 +125,9 @@ SNAPSHOT_PART_BYTES = 1 << 20
 in 3.10, 16 MiB from 4.0) and small enough that a part never holds up the stream's other
 readers for long."""
 
-ENTRY_OVERHEAD_BYTES = 300
-"""What the stream stores per entry besides its body (AMQP properties, annotations, a share
-of a chunk header): 257 bytes measured on RabbitMQ 3.10.8. The log's growth is counted with
-it, so that many small entries cannot make retention drop more than the settings allow for."""
-
 FOLLOW_RETRY_S = 1.0
 """Pause before consuming the stream again after a broker error while catching up."""
 
-STORE_RETRY_S = 1.0
-"""Pause before writing an entry to this replica's ledger again after its storage refused it
-(disk full, read-only): one small transaction a second costs nothing, and the replica serves
-again within a second of the space coming back."""
 
 
 RETENTION_ARGUMENTS = ("x-max-length-bytes", "x-stream-max-segment-size-bytes")
@@ -164,19 +173,6 @@ class SnapshotTaken:
     """Every replica reads it as a whole snapshot (no other entry broke its run)."""
 
 
-@dataclass
-class _CatchUp:
-    """A replica loading a snapshot: its place in the log is gone, or it had none."""
-
-    log_id: str | None
-    """The log it must be (a ledger too old for what the stream keeps); None: any."""
-    assembly: SnapshotAssembly = field(default_factory=SnapshotAssembly)
-    hint: int | None = None
-    """The offset the consumer was started at, the newest snapshot's as-of entry; None:
-    scanning from the oldest entry kept for the first whole snapshot."""
-    hint_read: bool = False
-
-
 class ReplicatedLog:
     """One replica's side of the log: its consumer, its applier and, when active, its writes."""
 
@@ -204,18 +200,9 @@ class ReplicatedLog:
         self.mismatch: LogMismatch | None = None
         """Set when the log is not this ledger's history: stop serving."""
         self.mismatch_event = asyncio.Event()
-        self.store_failure: LedgerUnwritable | None = None
-        """Set while this replica's ledger refuses to apply the next entry (disk full,
-        read-only): the replica follows without serving and writes the entry again every
-        ``STORE_RETRY_S`` until it works. An error of the local store, not of the log."""
-        self.store_failing = asyncio.Event()
-        """Set while :attr:`store_failure` is."""
-        self.store_writable = asyncio.Event()
-        """Set while it is not."""
-        self.store_writable.set()
-        self.store_retries = 0
-        """Writes of an entry to this ledger tried again after its storage refused them."""
-        self._store_failed_at = 0.0
+        self.store = ReplicaStore(ledger, stream, self._store_failed)
+        """This replica's ledger as the log writes to it, and whether its storage takes
+        writes (:mod:`allocator.ledger.log_store`)."""
         self.caught_up = asyncio.Event()
         """Cleared while the replica loads a snapshot (it cannot claim the log meanwhile)."""
         self.caught_up.set()
@@ -230,7 +217,7 @@ class ReplicatedLog:
         accepted after its wait ended makes it no writer (its engine was not rebuilt)."""
         self._assembly = SnapshotAssembly(keep_payloads=False)
         """Follows the snapshots in the entries applied (a seeding one is loaded)."""
-        self._catch_up: _CatchUp | None = None
+        self._catch_up: SnapshotSearch | None = None
         self._waiters: dict[str, asyncio.Future[bool]] = {}
         self._inbox: asyncio.Queue[tuple[int, aio_pika.abc.AbstractIncomingMessage]] = \
             asyncio.Queue()
@@ -259,17 +246,8 @@ class ReplicatedLog:
     # ------------------------------------------------------------------ life
 
     async def exists(self, connection: aio_pika.abc.AbstractConnection) -> bool:
-        """Whether the log's stream has been declared (on a channel of its own: a passive
-        declaration of a queue that does not exist closes its channel)."""
-        channel = await connection.channel()
-        try:
-            await channel.declare_queue(self.stream, passive=True)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return False
-        finally:
-            with contextlib.suppress(Exception):
-                await channel.close()
-        return True
+        """Whether the log's stream has been declared."""
+        return await stream_exists(connection, self.stream)
 
     async def start(self, connection: aio_pika.abc.AbstractConnection) -> None:
         """Declare the stream and follow it from this ledger's position."""
@@ -453,55 +431,16 @@ class ReplicatedLog:
         if position is None or self._verified.is_set():
             return
         assert self._connection is not None, "start() first"
-        first: asyncio.Future[tuple[int, Entry | None]] = \
-            asyncio.get_running_loop().create_future()
-
-        # Never acknowledged: with a prefetch of one, one entry is all this channel receives,
-        # and an ack racing the channel's close would close the whole connection (a frame on
-        # a closed channel is a connection error).
-        async def oldest(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            if first.done():
-                return
-            offset = int((message.headers or {}).get("x-stream-offset", -1))  # type: ignore[arg-type]
-            try:
-                first.set_result((offset, decode_entry(message.body)))
-            except BrokenEntry:  # the applier stops on it in its turn
-                first.set_result((offset, None))
-
-        verified = asyncio.ensure_future(self._verified.wait())
-        channel = await self._connection.channel()
         try:
-            await channel.set_qos(prefetch_count=1)
-            queue = await channel.declare_queue(self.stream, passive=True)
-            await queue.consume(oldest, arguments={"x-stream-offset": "first"})
-            async with asyncio.timeout(self.timeout_s):
-                either: list[asyncio.Future[Any]] = [first, verified]
-                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        except TimeoutError:
-            pass
+            oldest = await oldest_entry(self._connection, self.stream, self.timeout_s,
+                                        unless=self._verified)
         except (aio_pika.exceptions.AMQPError, OSError) as exc:
             log.warning("ledger log %s: cannot read its oldest entry (%s); claiming anyway",
                         self.stream, exc or type(exc).__name__)
             return
-        finally:
-            verified.cancel()
-            with contextlib.suppress(Exception):
-                await channel.close()
         if self._verified.is_set():
             return  # the consumer read this ledger's entry (or found the mismatch itself)
-        why = None
-        if not first.done():
-            why = (f"the stream holds no entry (none came within {self.timeout_s:g} s), this "
-                   f"ledger applied offset {position.offset}")
-        else:
-            offset, entry = first.result()
-            if entry is not None and entry.log_id != position.log_id:
-                why = (f"the stream's oldest entry is of log {entry.log_id}, this ledger "
-                       f"follows log {position.log_id}")
-            elif entry is not None and offset == 0 and not entry.genesis:
-                why = (f"the stream was started by a claim of a ledger that was not its log "
-                       f"(offset 0 is no genesis), this ledger applied offset "
-                       f"{position.offset}")
+        why = stream_is_not_the_log(position, oldest, self.timeout_s)
         if why is not None:
             mismatch = LogMismatch(
                 f"the ledger {self.ledger.path} is not the history of the ledger log "
@@ -580,8 +519,9 @@ class ReplicatedLog:
             log.info("ledger log %s: snapshot of the ledger at offset %d appended (%d bytes "
                      "in %d parts, %.2f s)", self.stream, position.offset, taken.payload_bytes,
                      taken.parts, taken.seconds)
-            kept = self.max_bytes - 2 * self.segment_bytes
-            if 2 * taken.stored_bytes + self.snapshot_bytes > kept:
+            if snapshot_outgrows_retention(taken.stored_bytes, max_bytes=self.max_bytes,
+                                           segment_bytes=self.segment_bytes,
+                                           snapshot_bytes=self.snapshot_bytes):
                 log.error("ledger log %s: a snapshot of %d bytes is too large for the "
                           "stream's retention: with ledger_log_max_bytes = %d, "
                           "ledger_log_segment_bytes = %d and ledger_log_snapshot_bytes = %d "
@@ -634,9 +574,9 @@ class ReplicatedLog:
 
     def _raise_if_stalled(self) -> None:
         # A claim would be appended and then wait for an apply that cannot happen here.
-        if self.store_failure is not None:
+        if self.store.failure is not None:
             raise LogStalled(f"this replica's ledger cannot apply the ledger log "
-                             f"{self.stream} now: {self.store_failure}")
+                             f"{self.stream} now: {self.store.failure}")
 
     # ------------------------------------------------------------------ reads
 
@@ -677,7 +617,7 @@ class ReplicatedLog:
             "snapshot) or restore a backup of a current replica (docs/operations.md).")
 
     async def _apply_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        offset = int((message.headers or {}).get("x-stream-offset", -1))  # type: ignore[arg-type]
+        offset = offset_of(message)
         entry = decode_entry(message.body)
         if self._catch_up is not None:
             await self._catch_up_with(offset, entry)
@@ -688,34 +628,14 @@ class ReplicatedLog:
             expected, self._verify = self._verify, None
             self._verified.set()
             assert position is not None
-            if offset == position.offset and entry.entry_id == expected:
-                self._assembly = SnapshotAssembly(
-                    (offset, entry.entry_id, entry.log_id, entry.genesis), keep_payloads=False)
+            if not await self._act_on(resume(position, expected, offset, entry), offset,
+                                      entry):
                 return
-            if entry.log_id == position.log_id and offset > position.offset + 1:
-                # Its place is gone from the stream; everything it holds came from this log
-                # up to that place, so the log's newest snapshot may replace it.
-                await self._begin_catch_up(
-                    offset, entry, position.log_id,
-                    f"its place in the log (offset {position.offset}) is older than the "
-                    f"oldest entry the stream keeps (offset {offset})")
-                return
-            if offset > position.offset + 1 or offset < position.offset or \
-                    entry.log_id != position.log_id or offset == position.offset:
-                raise self._not_the_history(
-                    f"it applied entry {expected} at offset {position.offset} of log "
-                    f"{position.log_id}, the log has entry {entry.entry_id} of log "
-                    f"{entry.log_id} at offset {offset}")
         if position is not None and offset <= position.offset:
             return  # a redelivery after a reconnect: applied already
         if position is None:
-            if self._ledger_had_data and (not entry.genesis or offset != 0
-                                          or entry.writer != self.writer_id):
-                raise self._not_the_history("it has data but was never part of this log")
-            if not entry.genesis or offset != 0:
-                await self._begin_catch_up(
-                    offset, entry, None,
-                    f"the log's oldest entry kept is offset {offset}, not its start")
+            if not await self._act_on(join(self._ledger_had_data, self.writer_id, offset,
+                                           entry), offset, entry):
                 return
             log_id, epoch, writer = entry.log_id, 0, ""
         else:
@@ -723,25 +643,13 @@ class ReplicatedLog:
                 raise LogMismatch(f"ledger log {self.stream} holds entries of log "
                                   f"{entry.log_id}; this ledger follows {position.log_id}")
             log_id, epoch, writer = position.log_id, position.epoch, position.writer
-        changes = Changes()
-        accepted = False
-        if entry.log_id != log_id:
-            pass  # a second replica's attempt to start the log, after the first: skipped
-        elif entry.kind == "claim":
-            if entry.epoch > epoch:
-                accepted, epoch, writer = True, entry.epoch, entry.writer
-        elif entry.epoch == epoch and entry.writer == writer:
-            accepted = True
-            if isinstance(entry, Batch):
-                changes = entry.changes.to_changes()
-        # The log's growth since its newest whole snapshot (from its start while it has
-        # none; unknown stays unknown until the next one).
+        fenced = fence(entry, log_id, epoch, writer)
+        epoch, writer = fenced.epoch, fenced.writer
         snapshot_from = position.snapshot_from if position is not None else None
-        grown = position.bytes_since_snapshot if position is not None else 0
-        grown = None if grown is None else grown + len(message.body) + ENTRY_OVERHEAD_BYTES
+        grown = grown_since_snapshot(position, len(message.body))
         seed = None
         snapshot = self._assembly.see(entry.seen(offset))
-        if snapshot is not None and accepted:
+        if snapshot is not None and fenced.accepted:
             snapshot_from, grown = snapshot.header.as_of.offset, 0
             if snapshot.as_of_genesis and snapshot.header.as_of.writer != self.writer_id:
                 # The ledger the log was started from: every other replica loads it.
@@ -753,12 +661,12 @@ class ReplicatedLog:
             if seed is not None:
                 self.ledger.load_snapshot(seed, new_position)
             else:
-                self.ledger.commit(changes, position=new_position)
+                self.ledger.commit(fenced.changes, position=new_position)
 
-        await self._write(commit)
+        await self.store.write(commit)
         self.position = new_position
         self._consume_arguments["x-stream-offset"] = offset + 1
-        if accepted:
+        if fenced.accepted:
             self.entries_applied += 1
         else:
             self.entries_fenced += 1
@@ -771,55 +679,30 @@ class ReplicatedLog:
         # that were in flight still arrive, and taking them for a mandate would let it decide
         # on a memory that lacks them (the same request key granted twice, seen in the
         # broker-cluster test). Only a claim (:meth:`claim`) makes it the writer again.
-        self._resolve(entry.entry_id, accepted)
+        self._resolve(entry.entry_id, fenced.accepted)
 
-    async def _write(self, write: Callable[[], None]) -> None:
-        """Run ``write`` (one entry's transaction) on the ledger's thread until it is done.
-
-        A write the storage refuses (:class:`~allocator.ledger.store.LedgerUnwritable`: disk full,
-        read-only) is no broken entry: every other replica applies it, and so will this one
-        once its disk takes writes again. Meanwhile this replica stops serving
-        (:meth:`_store_failed`), keeps the entry and everything after it unread, and tries
-        the same write again every ``STORE_RETRY_S``; nothing is skipped, so the entry is
-        applied exactly once, in its place. Any other error still stops the replica.
-        """
-        while True:
-            try:
-                await self.ledger.run(write)
-            except LedgerUnwritable as exc:
-                if self.store_failure is None:
-                    self._store_failed(exc)
-                else:
-                    self.store_retries += 1
-                    self.store_failure = exc
-                await asyncio.sleep(STORE_RETRY_S)
-                continue
-            if self.store_failure is not None:
-                self._store_recovered()
-            return
+    async def _act_on(self, verdict: Verdict, offset: int, entry: Entry) -> bool:
+        """Carry out a verdict of :mod:`~allocator.ledger.log_rules` on the entry at
+        ``offset``; True when the entry is still to be applied by the epoch rule."""
+        if isinstance(verdict, NotHistory):
+            raise self._not_the_history(verdict.why)
+        if isinstance(verdict, CatchUp):
+            await self._begin_catch_up(offset, entry, verdict.log_id, verdict.why)
+            return False
+        if isinstance(verdict, Applied):
+            self._assembly = SnapshotAssembly(
+                (offset, entry.entry_id, entry.log_id, entry.genesis), keep_payloads=False)
+            return False
+        return True
 
     def _store_failed(self, exc: LedgerUnwritable) -> None:
-        log.error("ledger log %s: this replica's ledger cannot apply the next entry (%s); "
-                  "it follows the log without serving and writes the entry again every "
-                  "%g s until its storage takes it", self.stream, exc, STORE_RETRY_S)
-        self.store_failure = exc
-        self._store_failed_at = time.monotonic()
+        """This replica's storage refused an entry: it stops serving until it takes it."""
         self.is_writer = False
-        self.store_writable.clear()
-        self.store_failing.set()
         stalled = LogStalled(f"the entry is in the ledger log {self.stream}, but this "
                              f"replica's ledger cannot apply it now ({exc})")
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(stalled)
-
-    def _store_recovered(self) -> None:
-        log.warning("ledger log %s: this replica's ledger takes writes again after %.1f s; "
-                    "the entry it could not apply is applied, and the replica serves again",
-                    self.stream, time.monotonic() - self._store_failed_at)
-        self.store_failure = None
-        self.store_failing.clear()
-        self.store_writable.set()
 
     def _resolve(self, entry_id: str, accepted: bool) -> None:
         waiter = self._waiters.get(entry_id)
@@ -835,7 +718,7 @@ class ReplicatedLog:
         log.warning("ledger log %s: %s; catching up from the log's newest snapshot",
                     self.stream, why)
         self.caught_up.clear()
-        self._catch_up = _CatchUp(log_id)
+        self._catch_up = SnapshotSearch(log_id)
         hint = await self._newest_snapshot_hint(log_id or entry.log_id)
         if hint is not None and hint > offset:
             self._catch_up.hint = hint
@@ -848,69 +731,39 @@ class ReplicatedLog:
     async def _newest_snapshot_hint(self, log_id: str) -> int | None:
         """Where the newest whole snapshot starts, as the stream's newest entry says."""
         assert self._connection is not None
-        found: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
-
-        async def newest(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            with contextlib.suppress(Exception):
-                await message.ack()
-            if not found.done():
-                try:
-                    entry = decode_entry(message.body)
-                except BrokenEntry:  # not an entry: no pointer
-                    found.set_result(None)
-                    return
-                found.set_result(entry.snapshot_from if entry.log_id == log_id else None)
-
-        channel = await self._connection.channel()
         try:
-            await channel.set_qos(prefetch_count=10)
-            queue = await channel.declare_queue(self.stream, passive=True)
-            await queue.consume(newest, arguments={"x-stream-offset": "last"})
-            async with asyncio.timeout(self.timeout_s):
-                return await found
+            return await newest_snapshot_start(self._connection, self.stream, log_id,
+                                               self.timeout_s)
         except (TimeoutError, aio_pika.exceptions.AMQPError, OSError) as exc:
             log.warning("ledger log %s: the newest entry did not say where the newest "
                         "snapshot is (%s); looking from the oldest entry kept", self.stream,
                         exc or type(exc).__name__)
             return None
-        finally:
-            with contextlib.suppress(Exception):
-                await channel.close()
 
     async def _scan_from_oldest(self, why: str) -> None:
         log.warning("ledger log %s: %s; looking for the first whole snapshot from the oldest "
                     "entry kept", self.stream, why)
         assert self._catch_up is not None
-        self._catch_up = _CatchUp(self._catch_up.log_id)
+        self._catch_up = SnapshotSearch(self._catch_up.log_id)
         await self._follow_again("first")
 
     async def _catch_up_with(self, offset: int, entry: Entry) -> None:
         """Read one entry while catching up: nothing is applied until a whole snapshot is
         read; then it is loaded and the log is followed from its last part."""
-        catch_up = self._catch_up
-        assert catch_up is not None
-        if catch_up.hint is not None and not catch_up.hint_read:
-            catch_up.hint_read = True
-            if offset != catch_up.hint:
-                await self._scan_from_oldest(f"the newest snapshot's start (offset "
-                                             f"{catch_up.hint}) is no longer kept")
-                return
-            catch_up.assembly.see(entry.seen(offset))
+        assert self._catch_up is not None
+        snapshot = self._catch_up.see(offset, entry)
+        if isinstance(snapshot, ScanFromOldest):
+            await self._scan_from_oldest(snapshot.why)
             return
-        snapshot = catch_up.assembly.see(entry.seen(offset))
+        if isinstance(snapshot, NotHistory):
+            raise self._not_the_history(snapshot.why)
         if snapshot is None:
-            if catch_up.hint is not None and not catch_up.assembly.assembling:
-                await self._scan_from_oldest(f"the entries after offset {catch_up.hint} do not "
-                                             "make a whole snapshot")
             return
-        if catch_up.log_id is not None and snapshot.log_id != catch_up.log_id:
-            raise self._not_the_history(f"it follows log {catch_up.log_id}, the stream's "
-                                        f"snapshot is of log {snapshot.log_id}")
         tables = await asyncio.to_thread(decode_parts, snapshot.payloads)
         header = snapshot.header
         position = LogPosition(snapshot.log_id, snapshot.last_offset, snapshot.last_entry_id,
                                header.as_of.epoch, header.as_of.writer, header.as_of.offset, 0)
-        await self._write(lambda: self.ledger.load_snapshot(tables, position,
+        await self.store.write(lambda: self.ledger.load_snapshot(tables, position,
                                                             loaded_at=time.time()))
         self.position = position
         self._catch_up = None

@@ -180,7 +180,7 @@ async def serve_while_writable(replicated: ReplicatedLog, consuming: asyncio.Eve
                                pause: Callable[[], Awaitable[None]],
                                resume: Callable[[], Awaitable[None]]) -> None:
     """Stop consuming requests (``pause``) while this replica's ledger cannot apply the log
-    (:attr:`~allocator.ledger.replication.ReplicatedLog.store_failure`), and consume again
+    (:attr:`~allocator.ledger.log_store.ReplicaStore.failure`), and consume again
     (``resume``) once it can; return when the log turns out not to be this ledger's
     history (the caller stops serving for good).
 
@@ -189,8 +189,8 @@ async def serve_while_writable(replicated: ReplicatedLog, consuming: asyncio.Eve
     paused, single-active-consumer gives the requests to another replica, if there is one;
     if not, they wait in the queue (no restart would help: the disk is the same after one).
     """
-    mismatch, failing, writable = (replicated.mismatch_event, replicated.store_failing,
-                                   replicated.store_writable)
+    mismatch, failing, writable = (replicated.mismatch_event, replicated.store.failing,
+                                   replicated.store.writable)
     while True:
         await _first_of(mismatch, failing)
         await _first_of(mismatch, consuming)
@@ -198,7 +198,7 @@ async def serve_while_writable(replicated: ReplicatedLog, consuming: asyncio.Eve
             return
         await pause()
         log.warning("stopped consuming requests: this replica's ledger cannot apply the "
-                    "ledger log (%s); following it until it can", replicated.store_failure)
+                    "ledger log (%s); following it until it can", replicated.store.failure)
         await _first_of(mismatch, writable)
         if mismatch.is_set():
             return

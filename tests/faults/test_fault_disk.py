@@ -185,7 +185,7 @@ async def test_read_only_disk_answers_storage_error_and_a_restart_carries_on(
                         await client.allocate(ask("second"), timeout_s=2)
                     replicated = allocator.log
                     assert replicated is not None
-                    message = str(replicated.store_failure)
+                    message = str(replicated.store.failure)
                     assert await allocator.is_standby()
                     assert not allocator.failed.is_set(), allocator.failure
                 assert "read-only" in message, message
@@ -260,9 +260,9 @@ async def test_disk_full_in_stream_mode_stops_serving_and_resumes_with_nothing_l
             async def retrying() -> bool:
                 assert replicated is not None and not allocator.failed.is_set(), \
                     allocator.failure
-                return replicated.store_retries >= 2
+                return replicated.store.retries >= 2
             await wait_until(retrying)
-            failure = str(replicated.store_failure)
+            failure = str(replicated.store.failure)
             assert "full" in failure, failure
             # Following without serving: not the writer, no consumer (nothing is answered),
             # nothing applied past the entry.
@@ -288,11 +288,11 @@ async def test_disk_full_in_stream_mode_stops_serving_and_resumes_with_nothing_l
             # The same request key again: answered from the entry the log held all along.
             granted[stuck] = await answered(lambda: client.allocate(ask(stuck)))
             answered_after_s = time.monotonic() - freed_at
-            assert replicated.store_failure is None and not allocator.failed.is_set()
+            assert replicated.store.failure is None and not allocator.failed.is_set()
             granted["after"] = await client.allocate(ask("after"))
             assert await free_gpus(client) == GPUS - len(granted)
             fenced = allocator.stats.counters["fenced_batches"]
-            retries = replicated.store_retries
+            retries = replicated.store.retries
             position = replicated.position
             assert position is not None
         entries = await log_entries(url, position.offset)
@@ -338,11 +338,11 @@ async def test_disk_full_in_stream_mode_the_other_replica_serves_from_the_entry(
                 key = f"user{i}"
                 asked_at = time.monotonic()
                 granted[key] = await client.allocate(ask(key))
-                if stalled.store_failure is not None:
+                if stalled.store.failure is not None:
                     stuck_call_s = time.monotonic() - asked_at
                     break
-            assert stalled.store_failure is not None, "the full disk never stopped a write"
-            assert "full" in str(stalled.store_failure)
+            assert stalled.store.failure is not None, "the full disk never stopped a write"
+            assert "full" in str(stalled.store.failure)
             stalled_after = stalled.position
             assert stalled_after is not None
             assert not await other.is_standby() and await active.is_standby()
@@ -354,7 +354,7 @@ async def test_disk_full_in_stream_mode_the_other_replica_serves_from_the_entry(
 
             async def caught_up() -> bool:
                 assert stalled is not None and serving is not None
-                return stalled.store_failure is None and stalled.position == serving.position
+                return stalled.store.failure is None and stalled.position == serving.position
             await wait_until(caught_up, within=30)
             caught_up_s = time.monotonic() - freed_at
             granted["after"] = await client.allocate(ask("after"))
