@@ -146,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--agent", action="append", default=[], metavar="HOST",
                         help="a GPU host (repeat); its broker user is agent-HOST")
     parser.add_argument("--vhost", default=TEMPLATE_VHOST)
+    parser.add_argument("--user-prefix", default="", metavar="PREFIX",
+                        help="put PREFIX before every user name (the password files keep "
+                        "the plain names), so that several sites can share one broker")
     parser.add_argument("--template", type=Path, default=TEMPLATE)
     parser.add_argument("--output", "-o", type=Path, help="default: stdout")
     args = parser.parse_args(argv)
@@ -157,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   if not u["name"].startswith(AGENT_PREFIX)]
                  + [f"{AGENT_PREFIX}{host}" for host in args.agent])
         definitions = render(template, passwords=read_passwords(args.passwords, users),
-                             agents=args.agent, vhost=args.vhost)
+                             agents=args.agent, vhost=args.vhost,
+                             user_prefix=args.user_prefix)
     except (OSError, ValueError, KeyError) as exc:
         print(f"render_definitions: error: {exc}", file=sys.stderr)
         return 2

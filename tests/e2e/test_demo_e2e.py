@@ -23,10 +23,12 @@ import shlex
 import shutil
 import socket
 import subprocess
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import aiohttp
 import pytest
 
@@ -77,6 +79,47 @@ def exported(env_file: Path) -> dict[str, str]:
             name, _, value = words[1].partition("=")
             values[name] = value
     return values
+
+
+def demo_vhost(state: Path) -> str:
+    """The demo's vhost, from the admin's broker URL that its env file points to."""
+    url = Path(exported(state / "env")["SWARM_GPU_AMQP_URL_FILE"]).read_text().strip()
+    return url.rsplit("/", 1)[1]
+
+
+def vhost_users(broker: services.RabbitMQ, vhost: str) -> set[str]:
+    """The broker users with any right on ``vhost``."""
+    return {entry["user"] for entry in
+            broker.api("GET", f"/api/vhosts/{urllib.parse.quote(vhost, safe='')}/permissions")}
+
+
+def assert_only_the_demos_users(broker: services.RabbitMQ, vhost: str, agents: int) -> set[str]:
+    """Only the demo's own users (the shipped roles, one agent a host) have rights on its
+    vhost, and guest, whose password everyone knows, cannot even open it."""
+    users = vhost_users(broker, vhost)
+    (admin,) = [user for user in users if user.endswith("-admin")]
+    prefix = admin.removesuffix("admin")
+    assert re.fullmatch(r"demo-[0-9a-f]{6}-", prefix), users
+    assert all(user.startswith(prefix) for user in users), users
+    assert sorted(user.removeprefix(prefix) for user in users if "-agent-" not in user) == [
+        "admin", "allocator", "hub"], users
+    assert sum("-agent-" in user for user in users) == agents, users
+
+    async def guest_opens_the_vhost() -> None:
+        connection = await aio_pika.connect(
+            f"amqp://guest:guest@{broker.host}:{broker.port}/{vhost}", timeout=10)
+        await connection.close()
+
+    # The broker answers the open with Connection.Close (NOT_ALLOWED); aiormq reports it as
+    # a cancelled open whose cause names the frame.
+    with pytest.raises((asyncio.CancelledError, aio_pika.exceptions.AMQPError)) as refused:
+        asyncio.run(guest_opens_the_vhost())
+    assert "Connection.Close" in repr(refused.value) + repr(refused.value.__cause__)
+    return users
+
+
+def broker_users(broker: services.RabbitMQ) -> set[str]:
+    return {user["name"] for user in broker.api("GET", "/api/users")}
 
 
 @pytest.fixture
@@ -165,10 +208,11 @@ async def test_the_demo_starts_gpu_notebooks_from_the_hub_and_stops_clean(
     await asyncio.to_thread(browse, hub, passwords, tmp_path, chromium_path)
 
     settings = exported(state / "env")
-    vhost = settings["SWARM_GPU_AMQP_URL"].rsplit("/", 1)[1]
+    vhost = demo_vhost(state)
     prefix = settings["SWARM_GPU_DEMO_PREFIX"]
     broker = services.rabbitmq_from_env()
     assert services.vhost_exists(broker, vhost)
+    users = await asyncio.to_thread(assert_only_the_demos_users, broker, vhost, 1)
     assert demo_processes(state)
 
     stop = run_demo(["stop"], env, timeout=120)
@@ -176,6 +220,7 @@ async def test_the_demo_starts_gpu_notebooks_from_the_hub_and_stops_clean(
     assert demo_processes(state) == []
     assert not services.port_open("127.0.0.1", port)
     assert not services.vhost_exists(broker, vhost)
+    assert not users & broker_users(broker)
     code, body = services.docker_api(docker_engine, "GET", "/services")
     assert code == 200
     assert [s["Spec"]["Name"] for s in json.loads(body)
@@ -251,7 +296,8 @@ def test_without_root_the_hub_demo_says_so_and_offers_the_cli_demo() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_cli_demo_allocates_without_docker(tmp_path: Path) -> None:
-    problem = services.check_rabbitmq(services.rabbitmq_from_env())
+    broker = services.rabbitmq_from_env()
+    problem = services.check_rabbitmq(broker)
     if problem:
         require_service("RabbitMQ", problem)
     env = demo_env(tmp_path / "demo", free_port())
@@ -261,7 +307,9 @@ def test_the_cli_demo_allocates_without_docker(tmp_path: Path) -> None:
         assert re.search(r'"lease_id": "[0-9a-f]+"', demo.stdout), demo.stdout
         assert "unknown_model" in demo.stdout + demo.stderr
         assert demo_processes(tmp_path / "demo")
+        users = assert_only_the_demos_users(broker, demo_vhost(tmp_path / "demo"), agents=3)
     finally:
         stop = run_demo(["stop"], env, timeout=120)
     assert stop.returncode == 0
     assert demo_processes(tmp_path / "demo") == []
+    assert not users & broker_users(broker)
