@@ -67,10 +67,10 @@ async def test_the_hub_serves_https_redirects_http_and_sets_secure_cookies(
 
 
 async def the_hub_speaks_tls_with_its_certificate(hub: Hub) -> None:
-    async with hub.client_session() as session:
-        async with session.get(f"{hub.url}/hub/health") as response:
-            assert response.status == 200
-            assert response.url.scheme == "https"
+    async with hub.client_session() as session, \
+            session.get(f"{hub.url}/hub/health") as response:
+        assert response.status == 200
+        assert response.url.scheme == "https"
     # a client that does not trust the test's CA refuses the hub: TLS with that certificate
     async with aiohttp.ClientSession() as session:
         with pytest.raises(aiohttp.ClientConnectorCertificateError):
@@ -129,10 +129,9 @@ async def plain_http_is_redirected(hub: Hub) -> None:
             assert response.status == 400
             assert "Location" not in response.headers
     # followed, the redirect lands on the hub over HTTPS
-    async with hub.client_session() as session:
-        async with session.get(f"{plain}/hub/health") as response:
-            assert response.status == 200
-            assert str(response.url) == f"https://127.0.0.1:{hub.port}/hub/health"
+    async with hub.client_session() as session, session.get(f"{plain}/hub/health") as response:
+        assert response.status == 200
+        assert str(response.url) == f"https://127.0.0.1:{hub.port}/hub/health"
 
 
 async def the_login_cookies_are_secure(hub: Hub) -> None:
