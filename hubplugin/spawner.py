@@ -7,7 +7,8 @@ what a user may pick and is allowed (:mod:`hubplugin.options`), the form
 (:mod:`hubplugin.form`), a profile's setting overrides (:mod:`hubplugin.overrides`), the
 allocate-and-wait conversation (:mod:`hubplugin.leasing`), the progress messages
 (:mod:`hubplugin.progress`), the service's env, placement and labels
-(:mod:`hubplugin.builders`) and the error pages (:mod:`hubplugin.errors`).
+(:mod:`hubplugin.builders`), the user's volume (:mod:`hubplugin.volumes`) and the error pages
+(:mod:`hubplugin.errors`).
 
 Life of one server (docs/design.md, flows 1 and 3):
 
