@@ -13,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 from traitlets.config import Config
 from traitlets.config.loader import PyFileConfigLoader
 
@@ -62,6 +66,7 @@ async def test_the_hub_serves_https_redirects_http_and_sets_secure_cookies(
             await tls_1_1_is_refused(hub, ca.cert, server)
             await plain_http_is_redirected(hub)
             await the_login_cookies_are_secure(hub)
+            await the_stacks_health_check_follows_the_scheme(hub)
         finally:
             await hub.stop()
 
@@ -142,6 +147,21 @@ async def the_login_cookies_are_secure(hub: Hub) -> None:
     for name, cookie in cookies.items():
         assert cookie["secure"], f"{name} is not Secure"
         assert cookie["httponly"] or name == "_xsrf", f"{name} is not HttpOnly"
+
+
+async def the_stacks_health_check_follows_the_scheme(hub: Hub) -> None:
+    """compose/stack.yml's check of the hub (its port here): over HTTPS when the certificate
+    is given, and it fails when it asks the TLS port over plain HTTP (so the check tests)."""
+    stack = yaml.safe_load((REPO_ROOT / "compose" / "stack.yml").read_text())
+    test = stack["services"]["jupyterhub"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python3", "-c"]
+    code = test[3].replace("127.0.0.1:8000", f"127.0.0.1:{hub.port}")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_HUB_TLS")}
+    for env, passes in (({**base, "SWARM_GPU_HUB_TLS_CERT_FILE": "/run/secrets/x"}, True),
+                        (base, False)):
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code], env=env,
+                                       capture_output=True, text=True, timeout=30, check=False)
+        assert (done.returncode == 0) is passes, done.stderr
 
 
 # ----------------------------------------------------------------------- the settings
