@@ -170,7 +170,8 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         default="full",
         description="SQLite's synchronous mode. 'full': every decision is fsynced before it is "
         "answered, and survives a power cut. 'normal': it is in the WAL (survives a crash of "
-        "the allocator, not of the machine) and each request saves one fsync, about 1-3 ms.",
+        "the allocator, not of the machine) and each request saves one fsync (what that costs: "
+        "docs/benchmarks.md, durability modes).",
     )
     bind_timeout_s: float = Field(
         default=300.0, gt=0, description="A granted lease no container binds by then is reclaimed."

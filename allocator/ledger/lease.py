@@ -160,8 +160,8 @@ def row_reader(columns: tuple[str, ...]) -> Callable[[Sequence[Any]], LeaseRecor
     no column gives as None or its empty value.
 
     The one rule for reading a lease row. A cold start reads tens of thousands of them, and a
-    dict per row, a decoded copy of it and a lookup per field cost about 8 % of the ledger's
-    load at 5,000 hosts and 10,000 leases (docs/benchmarks.md, cold start).
+    dict per row, a decoded copy of it and a lookup per field were a measurable part of the
+    ledger's load (docs/benchmarks.md, cold start).
     """
     at = {name: index for index, name in enumerate(columns)}
     plain = tuple((name, at[name]) for name in _field_names()
