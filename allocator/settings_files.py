@@ -223,14 +223,27 @@ def key_lines(text: str) -> dict[tuple[str, ...], int]:
     """Line number (from 1) of each key and table header of a TOML text, by dotted path.
 
     Enough of TOML for an error message: keys and headers each on their own line, which is
-    how settings files are written; a key it cannot place is reported without a line."""
+    how settings files are written; a key it cannot place is reported without a line. The
+    tables of an array (``[[nodes]]``) are numbered from 0 as pydantic places an error
+    (``nodes.1.roles``)."""
     lines: dict[tuple[str, ...], int] = {}
     table: tuple[str, ...] = ()
+    arrays: dict[tuple[str, ...], int] = {}  # each array of tables' last index so far
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
-        header = re.fullmatch(r"\[\[?(.+?)\]\]?\s*(?:#.*)?", stripped)
+        header = re.fullmatch(r"\[(\[?)(.+?)\]\]?\s*(?:#.*)?", stripped)
         if header:
-            table = _key_parts(header.group(1)) or ()
+            named = _key_parts(header.group(2)) or ()
+            table = ()
+            for at, part in enumerate(named, start=1):
+                table += (part,)
+                if table in arrays and not (header.group(1) and at == len(named)):
+                    table += (str(arrays[table]),)  # inside the array's latest table
+            if header.group(1):
+                array = table
+                lines.setdefault(array, number)
+                arrays[array] = arrays.get(array, -1) + 1
+                table = (*array, str(arrays[array]))
             lines.setdefault(table, number)
             continue
         key, equals, _ = stripped.partition("=")
