@@ -334,9 +334,15 @@ def _where(path: tuple[str | int, ...], lines: Mapping[tuple[str, ...], int]) ->
     return _dotted(path)
 
 
-def _unknown_key(where: str, key: str, known: list[str]) -> str:
+def _nearest(key: str, known: list[str]) -> str | None:
+    """The known key nearest to ``key``, if one is near enough to be what was meant."""
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    return f"{where}: unknown key{f'; did you mean {near[0]}?' if near else ''}"
+    return near[0] if near else None
+
+
+def _unknown_key(where: str, key: str, known: list[str]) -> str:
+    near = _nearest(key, known)
+    return f"{where}: unknown key{f'; did you mean {near}?' if near else ''}"
 
 
 def _wrong_value(where: str, err: Mapping[str, Any]) -> str:
@@ -358,12 +364,22 @@ def model_problems(model: type[BaseModel], exc: ValidationError,
     """Each error of ``exc`` (from validating a file's data as ``model``) as ``KEY: PROBLEM``,
     with ``LINE: `` before it where ``lines`` (:func:`key_lines`) knows the key's line; an
     unknown key with the nearest key its table may hold (``gpus.modle: unknown key; did you
-    mean model?``). ``only``: just the errors of these pydantic types."""
+    mean model?``). ``only``: just the errors of these pydantic types. A required key that is
+    missing where an unknown key is its misspelling is said once, by the unknown key."""
+    errors = [err for err in exc.errors(include_url=False)
+              if only is None or err["type"] in only]
+    meant = set()  # (table, key): the nearest key of an unknown one
+    for err in errors:
+        if err["type"] == "extra_forbidden":
+            loc = tuple(err["loc"])
+            near = _nearest(str(loc[-1]), keys_at(model, loc[:-1]))
+            if near is not None:
+                meant.add((loc[:-1], near))
     problems = []
-    for err in exc.errors(include_url=False):
-        if only is not None and err["type"] not in only:
-            continue
+    for err in errors:
         loc = tuple(err["loc"])
+        if err["type"] == "missing" and (loc[:-1], str(loc[-1])) in meant:
+            continue
         if err["type"] == "extra_forbidden":  # the key itself is unknown: its table's path
             path = (*_walk(model, loc[:-1])[0], loc[-1])
             where = _where(path, lines or {})

@@ -54,10 +54,17 @@ def test_a_typo_in_the_second_node_names_its_own_line(tmp_path: Path) -> None:
     text = SITE.replace('address = "10.0.0.12"\nroles', 'address = "10.0.0.12"\nrolse')
     message = error_of(tmp_path, text)
     where = f"{tmp_path / 'site.toml'}:{line_of(text, 'rolse')}"
-    assert f"{where}: nodes.1.rolse: unknown key; did you mean roles?" in message
+    # Said once: the missing `roles` is what the unknown key meant.
+    assert message == f"{where}: nodes.1.rolse: unknown key; did you mean roles?"
+
+
+def test_a_missing_key_names_its_own_table(tmp_path: Path) -> None:
+    text = SITE.replace('address = "10.0.0.12"\nroles = ["allocator", "gpu"]\n',
+                        'address = "10.0.0.12"\n')
     # The missing key's place is its table's: the second [[nodes]], not the first.
     second = line_of(text, "[[nodes]]", 'name = "gpu-1"')
-    assert f"{tmp_path / 'site.toml'}:{second}: nodes.1.roles: Field required" in message
+    assert error_of(tmp_path, text) == \
+        f"{tmp_path / 'site.toml'}:{second}: nodes.1.roles: Field required"
 
 
 def test_a_value_of_the_wrong_type_is_refused_not_converted(tmp_path: Path) -> None:
@@ -108,3 +115,15 @@ def test_check_of_a_bad_file_is_one_line_and_status_1(
     assert err.startswith("swarm-gpu check: ")
     assert f"{path}:{line_of(text, 'domian')}: hub.domian: unknown key; did you mean domain?" \
         in err
+
+
+def test_the_install_guides_example_is_a_site_and_its_typo_line_is_what_check_says(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "install.md").read_text()
+    example = guide.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert main(["check", str(write_site(tmp_path, example))]) == 0
+    said = guide.split("```text\n", 1)[1].split("```", 1)[0].strip()
+    capsys.readouterr()
+    typo = write_site(tmp_path, example.replace("domain =", "domian =", 1))
+    assert main(["check", str(typo)]) == 1
+    assert capsys.readouterr().err.strip() == said.replace("site.toml", str(typo), 1)
