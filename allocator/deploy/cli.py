@@ -18,7 +18,7 @@ from pathlib import Path
 
 from allocator import __version__
 from allocator.deploy.site import SiteError, load_site, summary
-from allocator.deploy.steps import DeployError, deploy, status
+from allocator.deploy.steps import DeployError, admin_password_shown, deploy, status
 from allocator.deploy.swarm import Docker, SwarmError
 
 __all__ = ["main"]
@@ -66,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Shown this once: it is kept in the secrets folder, readable by its owner only.
         _print(f"first admin: {site.hub.first_admin}, password {done.admin_password} "
                f"(shown once; kept in {site.secrets / 'passwords' / 'hub-admin-password'})")
+        admin_password_shown(site, done.admin_password)
     return 0
 
 

@@ -43,9 +43,24 @@ from allocator.deploy.plan import (
 from allocator.deploy.site import Role, Site
 from allocator.deploy.swarm import Docker, SwarmError
 
-__all__ = ["FAILURES_TO_STOP", "SECRET_KEY_LABEL", "SECRET_STACK_LABEL", "DeployError",
-           "Deployed", "Files", "create_secrets", "deploy", "deploy_stack", "digests",
-           "make_files", "prune_secrets", "set_labels", "status", "wait_running"]
+__all__ = [
+    "FAILURES_TO_STOP",
+    "SECRET_KEY_LABEL",
+    "SECRET_STACK_LABEL",
+    "DeployError",
+    "Deployed",
+    "Files",
+    "admin_password_shown",
+    "create_secrets",
+    "deploy",
+    "deploy_stack",
+    "digests",
+    "make_files",
+    "prune_secrets",
+    "set_labels",
+    "status",
+    "wait_running",
+]
 
 SECRET_STACK_LABEL = "swarm-gpu.deploy.stack"
 """The label on every Swarm secret ``deploy`` makes: the stack it is for."""
@@ -57,6 +72,10 @@ FAILURES_TO_STOP = 2
 two in a row is a service that cannot start."""
 
 POLL_S = 1.0
+
+ADMIN_PASSWORD = "hub-admin-password"
+SHOWN = ".hub-admin-password-shown"
+"""In ``passwords/``: the SHA-256 of the first admin's password once it was shown."""
 
 SPEC_KEYS = ("Image", "Command", "Args", "Env", "Configs", "Secrets", "Mounts", "Labels")
 """What tells a task of a service's current spec from one of its last."""
@@ -73,7 +92,7 @@ class Files:
     """What :func:`make_files` made (empty: everything was there)."""
 
     made: tuple[str, ...]
-    admin_password: str | None  # the hub's first admin's password, when made this run
+    admin_password: str | None  # the hub's first admin's password, until it is shown
 
 
 @dataclass
@@ -113,10 +132,25 @@ def make_files(site: Site) -> Files:
         made.append("CA")
     made += [f"{name} certificate" for name, hosts in certificates(site).items()
              if pki.ensure_server(tls, name, hosts, ca).made]
-    admin = None
-    if "hub-admin-password" in made:
-        admin = (words / "hub-admin-password").read_text(encoding="utf-8").strip()
-    return Files(tuple(made), admin)
+    admin = (words / ADMIN_PASSWORD).read_text(encoding="utf-8").strip()
+    shown = words / SHOWN
+    try:
+        seen = shown.read_text(encoding="utf-8").strip() == _fingerprint(admin)
+    except FileNotFoundError:
+        seen = False
+    return Files(tuple(made), None if seen else admin)
+
+
+def _fingerprint(password: str) -> str:
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def admin_password_shown(site: Site, password: str) -> None:
+    """Remember that ``password`` was shown: :func:`make_files` gives it no more. Until
+    then it gives it at every run, so a first run that fails after making it does not lose
+    it: the next run that gets through shows it."""
+    pki.write_private(site.secrets / "passwords" / SHOWN, (_fingerprint(password) + "\n")
+                      .encode())
 
 
 def digests(site: Site, files: Mapping[str, Path]) -> dict[str, str]:
