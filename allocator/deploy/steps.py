@@ -1,6 +1,7 @@
 """The steps of ``swarm-gpu deploy``, each idempotent: run again with nothing changed, none
 changes anything, and :func:`deploy` says so.
 
+0. :func:`check_nodes`: every node of the site is in the Swarm, its managers managers;
 1. :func:`make_files`: passwords and tokens, the CA and the server certificates, made once in
    the secrets folder (:mod:`allocator.deploy.pki`);
 2. :func:`create_secrets`: each missing Swarm secret under its versioned name
@@ -41,7 +42,7 @@ from allocator.deploy.plan import (
     secret_files,
 )
 from allocator.deploy.site import Role, Site
-from allocator.deploy.swarm import Docker, SwarmError
+from allocator.deploy.swarm import Docker, SwarmError, SwarmNode
 
 __all__ = [
     "FAILURES_TO_STOP",
@@ -177,17 +178,24 @@ def create_secrets(docker: Docker, plan: Plan) -> list[str]:
     return made
 
 
-def set_labels(docker: Docker, site: Site, plan: Plan) -> list[str]:
-    """The plan's node labels set; a site node missing from the Swarm, or a manager of the
-    site that is not a Swarm manager, is an error (labels are set on no node then)."""
+def check_nodes(docker: Docker, site: Site) -> dict[str, SwarmNode]:
+    """The Swarm's nodes by host name, once every node of the site is one of them and each
+    manager of the site is a Swarm manager; else a :class:`DeployError` (checked before
+    anything is made on the Swarm)."""
     nodes = {node.hostname: node for node in docker.nodes()}
     for node in site.nodes:
         if node.name not in nodes:
-            raise DeployError(f"node labels: {node.name} is not in the swarm: join it "
+            raise DeployError(f"nodes: {node.name} is not in the swarm: join it "
                               f"(docker swarm join) or take it out of the site file")
         if Role.MANAGER in node.roles and nodes[node.name].role != "manager":
-            raise DeployError(f"node labels: {node.name} is a worker, the site says manager: "
+            raise DeployError(f"nodes: {node.name} is a worker, the site says manager: "
                               f"docker node promote {node.name}")
+    return nodes
+
+
+def set_labels(docker: Docker, site: Site, plan: Plan) -> list[str]:
+    """The plan's node labels set, on the nodes :func:`check_nodes` found."""
+    nodes = check_nodes(docker, site)
     done = []
     for change in label_changes(plan, {name: node.labels for name, node in nodes.items()}):
         docker.update_labels(nodes[change.node].id, change.add, change.remove)
@@ -291,6 +299,10 @@ def prune_secrets(docker: Docker, plan: Plan) -> list[str]:
 def deploy(site: Site, docker: Docker, say: Say) -> Deployed:
     """Every step, in order, each said as it ends; :class:`DeployError` names the step that
     failed."""
+    try:
+        check_nodes(docker, site)
+    except SwarmError as exc:
+        raise DeployError(f"nodes: {exc}") from None
     step = "certificates and passwords"
     try:
         files = make_files(site)

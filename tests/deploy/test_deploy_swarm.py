@@ -178,6 +178,27 @@ def test_deploy_makes_everything_and_a_second_run_changes_nothing(
     assert trial.secrets() == secrets
     assert trial.running_tasks("web") == tasks  # the same task: nothing restarted
 
+    assert main(["status", str(trial.path)]) == 0
+    out = capsys.readouterr().out
+    assert f"node {trial.node}: manager, ready; roles allocator, broker, gpu, hub\n" in out
+    assert f"service {trial.stack}_web: running\n" in out
+    assert "certificate hub.pem: expires " in out
+
+
+def test_a_node_not_in_the_swarm_is_one_line_and_nothing_is_made(
+        trial: TrialSite, capsys: pytest.CaptureFixture[str]) -> None:
+    text = trial.path.read_text()
+    trial.path.write_text(text + text[text.index("[[nodes]]"):].replace(
+        f'name = "{trial.node}"', 'name = "no-such-node"').replace(
+        '"manager", "hub", ', ""))
+    status, _, err = trial.deploy(capsys)
+    assert status == 1
+    assert err == ("swarm-gpu deploy: nodes: no-such-node is not in the swarm: join it "
+                   "(docker swarm join) or take it out of the site file\n")
+    assert not (trial.path.parent / "secrets").exists()
+    assert trial.secrets() == set()
+    assert trial.labels() == {}
+
 
 def test_a_changed_secret_file_is_a_new_secret_and_the_old_goes(
         trial: TrialSite, capsys: pytest.CaptureFixture[str]) -> None:
