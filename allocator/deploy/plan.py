@@ -10,7 +10,8 @@ files the steps made), :func:`make_plan` says:
 - the node labels, ``<label_prefix>.<role>=true`` for each role but ``manager`` (which is the
   node's Swarm role, not a label);
 - the environment of ``docker stack deploy``: images, the hub's name and ports, the users'
-  volume driver and options, the label prefix, and every secret's name.
+  volume driver and options, the label prefix, every secret's name, and the site's own
+  variables (``[stack] env``, for its override files).
 
 :func:`passwords` and :func:`certificates` say which passwords and certificates the steps make
 once in the secrets folder, and :func:`label_changes` what turns a node's labels into the
@@ -146,8 +147,13 @@ def make_plan(site: Site, digests: Mapping[str, str]) -> Plan:
         "SWARM_GPU_LABEL_PREFIX": prefix,
         **{secret.env: secret.name for secret in secrets},
     }
+    clash = sorted(set(site.stack.env) & set(env))
+    if clash:
+        raise ValueError(f"stack.env: deploy sets {', '.join(clash)} itself; take "
+                         f"{'it' if len(clash) == 1 else 'them'} out of the site file")
     return Plan(stack=stack, files=site.stack.files, secrets=secrets, labels=labels,
-                label_prefix=prefix, env=env, resolve_image=images.resolve)
+                label_prefix=prefix, env={**site.stack.env, **env},
+                resolve_image=images.resolve)
 
 
 def label_changes(plan: Plan, current: Mapping[str, Mapping[str, str]]) -> list[LabelChange]:

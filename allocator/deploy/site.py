@@ -167,6 +167,9 @@ class Stack(_Strict):
                               description="node labels are <label_prefix>.<role>")
     wait_s: Annotated[float, Field(gt=0)] = Field(
         default=600, description="how long deploy waits for every service to run")
+    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(
+        default_factory=dict, description="more variables for the stack files (an override "
+        "file's own); never one that deploy sets itself")
 
     @field_validator("name")
     @classmethod

@@ -308,7 +308,10 @@ def deploy(site: Site, docker: Docker, say: Say) -> Deployed:
         files = make_files(site)
     except (OSError, ValueError) as exc:
         raise DeployError(f"{step}: {exc}; check {site.secrets}") from None
-    plan = make_plan(site, digests(site, secret_files(site)))
+    try:
+        plan = make_plan(site, digests(site, secret_files(site)))
+    except ValueError as exc:
+        raise DeployError(f"plan: {exc}") from None
     result = Deployed(plan, admin_password=files.admin_password)
     result.changes[step] = [f"made {made}" for made in files.made]
     say(f"{step}: {', '.join(files.made) or 'unchanged'}")

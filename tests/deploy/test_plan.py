@@ -107,3 +107,14 @@ def test_a_site_certificate_replaces_the_hubs(tmp_path: Path) -> None:
 def test_every_secret_needs_its_digest(site: Site) -> None:
     with pytest.raises(ValueError, match="no digest for the secrets broker-key"):
         make_plan(site, {key: "00" * 32 for key in SWARM_SECRETS if key != "broker-key"})
+
+
+def test_the_sites_own_variables_pass_through_but_never_replace_deploys(tmp_path: Path) -> None:
+    text = SITE.replace('files = ["stack.yml"]',
+                        'files = ["stack.yml"]\nenv = { SWARM_GPU_MANAGER_ADDR = "127.0.0.21" }')
+    assert plan_of(load_site(write_site(tmp_path, text))).env["SWARM_GPU_MANAGER_ADDR"] \
+        == "127.0.0.21"
+    text = SITE.replace('files = ["stack.yml"]',
+                        'files = ["stack.yml"]\nenv = { SWARM_GPU_IMAGE = "mine:1" }')
+    with pytest.raises(ValueError, match=r"stack\.env: deploy sets SWARM_GPU_IMAGE itself"):
+        plan_of(load_site(write_site(tmp_path, text)))

@@ -85,6 +85,8 @@ def test_a_value_of_the_wrong_type_is_refused_not_converted(tmp_path: Path) -> N
      "an IP address"),
     (('roles = ["allocator", "gpu"]', 'roles = ["allocator", "gpus"]'), "nodes.1.roles.1: "),
     (('name = "lab"', 'name = "Lab Stack"'), "stack.name: Value error, not a stack name"),
+    (('files = ["stack.yml"]', 'files = ["stack.yml"]\nenv = { "NOT A NAME" = "x" }'),
+     'stack.env."NOT A NAME": String should match pattern'),
 ])
 def test_what_the_site_cannot_be(tmp_path: Path, change: tuple[str, str], said: str) -> None:
     assert said in error_of(tmp_path, SITE.replace(*change, 1))
