@@ -223,14 +223,27 @@ def key_lines(text: str) -> dict[tuple[str, ...], int]:
     """Line number (from 1) of each key and table header of a TOML text, by dotted path.
 
     Enough of TOML for an error message: keys and headers each on their own line, which is
-    how settings files are written; a key it cannot place is reported without a line."""
+    how settings files are written; a key it cannot place is reported without a line. The
+    tables of an array (``[[nodes]]``) are numbered from 0 as pydantic places an error
+    (``nodes.1.roles``)."""
     lines: dict[tuple[str, ...], int] = {}
     table: tuple[str, ...] = ()
+    arrays: dict[tuple[str, ...], int] = {}  # each array of tables' last index so far
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
-        header = re.fullmatch(r"\[\[?(.+?)\]\]?\s*(?:#.*)?", stripped)
+        header = re.fullmatch(r"\[(\[?)(.+?)\]\]?\s*(?:#.*)?", stripped)
         if header:
-            table = _key_parts(header.group(1)) or ()
+            named = _key_parts(header.group(2)) or ()
+            table = ()
+            for at, part in enumerate(named, start=1):
+                table += (part,)
+                if table in arrays and not (header.group(1) and at == len(named)):
+                    table += (str(arrays[table]),)  # inside the array's latest table
+            if header.group(1):
+                array = table
+                lines.setdefault(array, number)
+                arrays[array] = arrays.get(array, -1) + 1
+                table = (*array, str(arrays[array]))
             lines.setdefault(table, number)
             continue
         key, equals, _ = stripped.partition("=")
@@ -321,9 +334,15 @@ def _where(path: tuple[str | int, ...], lines: Mapping[tuple[str, ...], int]) ->
     return _dotted(path)
 
 
-def _unknown_key(where: str, key: str, known: list[str]) -> str:
+def _nearest(key: str, known: list[str]) -> str | None:
+    """The known key nearest to ``key``, if one is near enough to be what was meant."""
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    return f"{where}: unknown key{f'; did you mean {near[0]}?' if near else ''}"
+    return near[0] if near else None
+
+
+def _unknown_key(where: str, key: str, known: list[str]) -> str:
+    near = _nearest(key, known)
+    return f"{where}: unknown key{f'; did you mean {near}?' if near else ''}"
 
 
 def _wrong_value(where: str, err: Mapping[str, Any]) -> str:
@@ -345,12 +364,22 @@ def model_problems(model: type[BaseModel], exc: ValidationError,
     """Each error of ``exc`` (from validating a file's data as ``model``) as ``KEY: PROBLEM``,
     with ``LINE: `` before it where ``lines`` (:func:`key_lines`) knows the key's line; an
     unknown key with the nearest key its table may hold (``gpus.modle: unknown key; did you
-    mean model?``). ``only``: just the errors of these pydantic types."""
+    mean model?``). ``only``: just the errors of these pydantic types. A required key that is
+    missing where an unknown key is its misspelling is said once, by the unknown key."""
+    errors = [err for err in exc.errors(include_url=False)
+              if only is None or err["type"] in only]
+    meant = set()  # (table, key): the nearest key of an unknown one
+    for err in errors:
+        if err["type"] == "extra_forbidden":
+            loc = tuple(err["loc"])
+            near = _nearest(str(loc[-1]), keys_at(model, loc[:-1]))
+            if near is not None:
+                meant.add((loc[:-1], near))
     problems = []
-    for err in exc.errors(include_url=False):
-        if only is not None and err["type"] not in only:
-            continue
+    for err in errors:
         loc = tuple(err["loc"])
+        if err["type"] == "missing" and (loc[:-1], str(loc[-1])) in meant:
+            continue
         if err["type"] == "extra_forbidden":  # the key itself is unknown: its table's path
             path = (*_walk(model, loc[:-1])[0], loc[-1])
             where = _where(path, lines or {})

@@ -56,6 +56,7 @@ SHARED_ENGINE_FIXTURES = frozenset({"docker_engine", "busybox_image"})
 
 SHARED_ENGINE_MODULES = frozenset({
     "test_agent_metrics.py", "test_bookings_window_e2e.py", "test_compose.py",
+    "test_deploy_swarm.py",
     "test_demo_e2e.py", "test_fairshare_e2e.py",
     "test_fault_node_truth.py", "test_fault_node_truth_labels.py", "test_fault_nodes.py",
     "test_hub_e2e.py", "test_hub_volumes.py", "test_infra.py", "test_interconnect_e2e.py",

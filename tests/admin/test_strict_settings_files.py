@@ -23,11 +23,13 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from allocator.bookings.booking import Booking, read_booking
 from allocator.config import AllocatorSettings
 from allocator.config import load_settings as load_allocator_settings
+from allocator.deploy.site import Site
 from allocator.settings_files import SettingsFileError, settings_file_problems
 from nodeagent.config import AgentSettings
 from nodeagent.config import load_settings as load_agent_settings
@@ -239,7 +241,7 @@ def script_examples() -> list[tuple[str, str]]:
 
 
 def loads_as(text: str) -> list[str]:
-    """The kinds of file ``text`` is a correct example of: allocator, agent, booking."""
+    """The kinds of file ``text`` is a correct example of: allocator, agent, booking, site."""
     data = tomllib.loads(text)
     kinds = []
     for kind, cls in (("allocator", AllocatorSettings), ("agent", AgentSettings)):
@@ -251,6 +253,11 @@ def loads_as(text: str) -> list[str]:
     booking = json.loads(json.dumps({**data, "created_by": "docs"}, default=str))
     if isinstance(read_booking(booking), Booking):
         kinds.append("booking")
+    try:  # a site file as swarm-gpu reads it (allocator.deploy.site.load_site)
+        Site.model_validate_json(json.dumps(data, default=str), strict=True)
+        kinds.append("site")
+    except ValidationError:
+        pass
     return kinds
 
 

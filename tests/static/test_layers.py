@@ -34,6 +34,7 @@ FLOORS = (
     "engine",          # the state machine: fills the ledger's change set
     "service",         # the process: broker, engine, ledger, metrics wired
     "admin",           # the admins' commands: over everything else
+    "deploy",          # swarm-gpu: a site file to a running stack, over the Swarm's CLI
 )
 """The floors of ``allocator/``, lowest first: a module of one may import its own floor and
 the floors below, never one above. A floor is the first name under ``allocator``
