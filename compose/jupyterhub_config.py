@@ -14,6 +14,16 @@ same file serves a laptop demo and a cluster:
                            address of the hub's node under host networking)
     NOTEBOOK_PORT_BASE     host networking only: a user's server listens on this + user id
     SWARM_GPU_WAIT_S       how long a GPU request may wait in the queue (seconds)
+    SWARM_GPU_HUB_TLS_CERT_FILE, SWARM_GPU_HUB_TLS_KEY_FILE
+                           the hub's certificate and key (Docker secrets; or the secrets
+                           swarm-gpu-hub-tls-cert and swarm-gpu-hub-tls-key): the hub's port
+                           speaks HTTPS, cookies are Secure, and plain HTTP on
+                           SWARM_GPU_HUB_HTTP_REDIRECT_PORT (8080; 0 = off) is redirected to
+                           HTTPS on SWARM_GPU_HUB_HTTPS_PUBLIC_PORT (443). Without them the
+                           hub serves plain HTTP and says so loudly in its log
+    SWARM_GPU_USER_VOLUME  each user's volume, mounted at /home/jovyan/work
+                           (swarm-gpu-home-{username}; empty = none), with
+                           SWARM_GPU_USER_VOLUME_DRIVER and SWARM_GPU_USER_VOLUME_OPTIONS (JSON)
 
 Log in: accounts of JupyterHub's NativeAuthenticator (``hubplugin.login``). People sign up
 at /hub/signup; an account lets its person in only once an admin has authorized it at
@@ -44,7 +54,6 @@ c.JupyterHub.hub_connect_ip = os.environ.get("HUB_CONNECT_IP", "jupyterhub")
 c.JupyterHub.cleanup_servers = False  # a hub restart leaves notebooks (and their GPUs) alone
 
 
-
 def secret_file(name: str) -> str | None:
     """The path of the Docker secret ``name``, if mounted."""
     path = os.path.join(os.environ.get("SECRETS_DIR", "/run/secrets"), name)
@@ -58,6 +67,24 @@ def secret(name: str) -> str | None:
     with open(path) as file:
         return file.read().rstrip("\r\n") or None
 
+
+# ------------------------------------------------------------------------------- HTTPS
+# With a certificate and key (hubplugin/https.py) the hub's port speaks TLS 1.2 or 1.3, every
+# cookie is Secure, and plain HTTP on a second port gets a 301 to the same path over HTTPS
+# (hubplugin/https_redirect.py, on the hub's own event loop). Without them the hub serves
+# plain HTTP: fit for a laptop or behind a proxy that ends TLS, and the log says so loudly.
+from hubplugin.https import PLAIN_HTTP_WARNING, hub_settings, tls_from_env  # noqa: E402
+
+if (hub_tls := tls_from_env(os.environ, secret_file)) is not None:
+    for _name, _value in hub_settings(
+            hub_tls, c.JupyterHub.get("tornado_settings") or {}).items():
+        setattr(c.JupyterHub, _name, _value)
+    if hub_tls.redirect_port:
+        from hubplugin.https_redirect import serve_redirect
+
+        serve_redirect(hub_tls.redirect_port, hub_tls.https_port, c.JupyterHub.get("ip", ""))
+else:
+    logging.getLogger("JupyterHub").warning(PLAIN_HTTP_WARNING)
 
 # ------------------------------------------------------------------------------- log in
 # NativeAuthenticator's accounts (hubplugin/login.py): a signup waits until an admin
@@ -275,3 +302,18 @@ c.GPUSwarmSpawner.extra_container_spec = {
     "stop_grace_period": 10_000_000_000,  # nanoseconds
 }
 c.GPUSwarmSpawner.environment = {"JUPYTER_ENABLE_LAB": "1"}
+
+# ---------------------------------------------------------------------- users' files
+# Each user's Docker volume (hubplugin/volumes.py) at the notebook's work dir, in every server
+# of theirs: their files outlive a stop and a reclaim. Without a driver it is a local volume
+# of the node the server ran on; a server placed on another node starts with another (empty)
+# one. For files that follow the user to any node, give the site's driver, e.g. NFS:
+#   SWARM_GPU_USER_VOLUME_DRIVER=local
+#   SWARM_GPU_USER_VOLUME_OPTIONS='{"type": "nfs", "o": "addr=10.0.0.5,rw,nfsvers=4",
+#                                   "device": ":/export/home/{username}"}'
+from hubplugin.volumes import user_volume_from_env  # noqa: E402
+
+if (user_volume := user_volume_from_env(os.environ)) is not None:
+    c.GPUSwarmSpawner.user_volume = user_volume.template
+    c.GPUSwarmSpawner.user_volume_driver = user_volume.driver
+    c.GPUSwarmSpawner.user_volume_driver_options = user_volume.options

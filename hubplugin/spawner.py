@@ -7,7 +7,8 @@ what a user may pick and is allowed (:mod:`hubplugin.options`), the form
 (:mod:`hubplugin.form`), a profile's setting overrides (:mod:`hubplugin.overrides`), the
 allocate-and-wait conversation (:mod:`hubplugin.leasing`), the progress messages
 (:mod:`hubplugin.progress`), the service's env, placement and labels
-(:mod:`hubplugin.builders`) and the error pages (:mod:`hubplugin.errors`).
+(:mod:`hubplugin.builders`), the user's volume (:mod:`hubplugin.volumes`) and the error pages
+(:mod:`hubplugin.errors`).
 
 Life of one server (docs/design.md, flows 1 and 3):
 
@@ -89,6 +90,13 @@ from .options import (
 )
 from .overrides import OverrideError, SavedSettings, profile_settings, settings_swapped
 from .progress import SpawnProgress
+from .volumes import (
+    DEFAULT_TARGET,
+    UserVolume,
+    VolumeSettingError,
+    check_template,
+    user_volume_mount,
+)
 
 
 class GPUSwarmSpawner(SwarmSpawner):
@@ -329,6 +337,40 @@ class GPUSwarmSpawner(SwarmSpawner):
         help="""Queue priority of this user's requests (higher first), or ``f(spawner) -> int``.""",
     )
 
+    user_volume = Unicode(
+        "",
+        config=True,
+        help="""Each user's Docker volume, mounted at ``user_volume_target`` in every server
+        of theirs: a name template with ``{username}`` (dockerspawner's escaped name), e.g.
+        ``swarm-gpu-home-{username}``. Empty: no volume (the server's files go with its
+        container). Mounted as a volume, never as a bind (hubplugin/volumes.py).""",
+    )
+
+    user_volume_driver = Unicode(
+        "",
+        config=True,
+        help="""The users' volumes' driver, e.g. ``local`` with NFS options, or a volume
+        plugin's name, so that a user's files follow their server to any node. Empty: the
+        engine's default (a ``local`` volume on the server's node).""",
+    )
+
+    user_volume_driver_options = Dict(
+        key_trait=Unicode(),
+        value_trait=Unicode(),
+        config=True,
+        help="""The driver's options for a user's volume (Docker makes the volume with them at
+        its first mount); ``{username}`` in a value is the user's escaped name. Example
+        (NFS): ``{"type": "nfs", "o": "addr=10.0.0.5,rw,nfsvers=4",
+        "device": ":/export/home/{username}"}``.""",
+    )
+
+    user_volume_target = Unicode(
+        DEFAULT_TARGET,
+        config=True,
+        help="""Where the user's volume is mounted: the notebook's work dir (the Jupyter
+        Docker Stacks' ``/home/jovyan/work`` by default).""",
+    )
+
     @validate("default_gpu_mode")
     def _check_mode(self, proposal: Any) -> str:
         value: str = proposal["value"]  # a Unicode trait: already a str
@@ -344,6 +386,16 @@ class GPUSwarmSpawner(SwarmSpawner):
             raise TraitError(str(exc)) from None
         profiles: list[dict[str, Any]] = proposal["value"]  # a List(Dict()) trait
         return profiles
+
+    @validate("user_volume")
+    def _check_user_volume(self, proposal: Any) -> str:
+        value: str = proposal["value"]
+        if value:
+            try:
+                check_template(value)
+            except VolumeSettingError as exc:
+                raise TraitError(str(exc)) from None
+        return value
 
     @validate("wait_s")
     def _check_wait(self, proposal: Any) -> float:
@@ -679,6 +731,18 @@ class GPUSwarmSpawner(SwarmSpawner):
             raise
         finally:
             self._gpu_progress.end()
+
+    @property
+    def mounts(self) -> list[Any]:
+        """SwarmSpawner's mounts (from ``volumes``) and the user's volume, a mount of type
+        ``volume`` (SwarmSpawner would make it a bind, which the engine refuses)."""
+        mounts = list(super().mounts)
+        if self.user_volume:
+            mounts.append(user_volume_mount(UserVolume(
+                template=self.user_volume, driver=self.user_volume_driver,
+                options=dict(self.user_volume_driver_options),
+                target=self.user_volume_target), self.escaped_name))
+        return mounts
 
     def get_env(self) -> dict[str, str]:
         env: dict[str, str] = super().get_env()

@@ -58,8 +58,8 @@ SHARED_ENGINE_MODULES = frozenset({
     "test_agent_metrics.py", "test_bookings_window_e2e.py", "test_compose.py",
     "test_demo_e2e.py", "test_fairshare_e2e.py",
     "test_fault_node_truth.py", "test_fault_node_truth_labels.py", "test_fault_nodes.py",
-    "test_hub_e2e.py", "test_infra.py", "test_interconnect_e2e.py", "test_mig_hub.py",
-    "test_monitoring.py",
+    "test_hub_e2e.py", "test_hub_volumes.py", "test_infra.py", "test_interconnect_e2e.py",
+    "test_mig_hub.py", "test_monitoring.py",
     "test_nodeagent.py", "test_nodeagent_listing.py", "test_release_e2e.py",
     "test_spawner_task_wait.py", "test_stop_on_release.py",
     # These use the engines through scripts they run, not through the fixtures.

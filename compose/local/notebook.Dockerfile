@@ -6,5 +6,8 @@ FROM ${JUPYTERHUB_BASE}
 
 RUN useradd --create-home --uid 1000 --shell /bin/bash jovyan
 USER jovyan
+# The user's volume is mounted here (hubplugin/volumes.py): a folder of jovyan's in the image,
+# so Docker gives a new volume its owner and jovyan can write to it.
+RUN mkdir /home/jovyan/work
 WORKDIR /home/jovyan
 CMD ["jupyterhub-singleuser"]

@@ -222,6 +222,45 @@ def test_the_broker_answers_over_tls_only(cluster: Cluster) -> None:
                             ).startswith(b"HTTP/")
 
 
+REGISTRY = "127.0.0.20:5000"
+"""The trial cluster's registry (scripts/cluster), on the network every notebook shares."""
+MANIFESTS = "application/vnd.docker.distribution.manifest.v2+json"
+
+
+def registry_call(method: str, path: str, headers: dict[str, str] | None = None
+                  ) -> tuple[int, dict[str, str]]:
+    request = urllib.request.Request(f"http://{REGISTRY}{path}", method=method,
+                                     headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers)
+
+
+def test_the_trial_registry_serves_pulls_but_takes_no_push_or_delete(cluster: Cluster) -> None:
+    """What a notebook on the one-machine cluster's network could try against the registry
+    its nodes pull from: a pull works, an upload and a delete are refused, and so is a push
+    from an engine (only `scripts/cluster push` opens it for writing, while it pushes)."""
+    image = cluster.env["SWARM_GPU_IMAGE"]
+    name, tag = image.removeprefix(f"{REGISTRY}/").rsplit(":", 1)
+    status, headers = registry_call("GET", f"/v2/{name}/manifests/{tag}", {"Accept": MANIFESTS})
+    assert status == 200, status
+    digest = headers["Docker-Content-Digest"]
+    assert registry_call("POST", f"/v2/{name}/blobs/uploads/")[0] == 405
+    assert registry_call("DELETE", f"/v2/{name}/manifests/{digest}")[0] == 405
+    trojan = f"{REGISTRY}/{name}:trojan"
+    cluster.manager("tag", image, trojan)
+    push = cluster.manager("push", trojan, check=False, timeout=300)
+    assert push.returncode != 0, push.stdout
+    assert registry_call("GET", f"/v2/{name}/manifests/trojan", {"Accept": MANIFESTS})[0] == 404
+    # The script's own push goes through, and the registry is read-only again after it.
+    pushed = cluster.script("push", trojan)
+    assert pushed.returncode == 0, pushed.stderr
+    assert registry_call("GET", f"/v2/{name}/manifests/trojan", {"Accept": MANIFESTS})[0] == 200
+    assert registry_call("POST", f"/v2/{name}/blobs/uploads/")[0] == 405
+
+
 def test_every_gpu_node_is_up_in_gpu_ledger_status(cluster: Cluster) -> None:
     def both_up() -> dict[str, Any] | None:
         status = cluster.ledger_status()
@@ -484,7 +523,8 @@ def upgraded_image(cluster: Cluster, context: Path) -> tuple[str, str]:
         "\"$(python3 -c 'import allocator; print(allocator.__file__)')\"\n"
         "USER swarm-gpu\n")
     cluster.manager("build", "-q", "-t", tag, str(context), timeout=300)
-    cluster.manager("push", "-q", tag, timeout=300)
+    pushed = cluster.script("push", tag)  # the registry takes pushes from the script only
+    assert pushed.returncode == 0, pushed.stderr
     return tag, version
 
 

@@ -19,7 +19,7 @@ from tests.support.gpu_page import (
     USERS,
     Cluster,
 )
-from tests.support.hub_e2e import HubFactory, containers_gone
+from tests.support.hub_e2e import HubFactory, containers_gone, volumes_gone
 from tests.support.hub_harness import Hub
 
 
@@ -97,3 +97,4 @@ async def hub_factory(
                 with contextlib.suppress(aiodocker.DockerError):
                     await docker.services.delete(service["ID"])
         await containers_gone(docker, hub.prefix)
+        await volumes_gone(docker, hub.prefix)

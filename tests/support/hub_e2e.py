@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import aiodocker
+from aiodocker.containers import DockerContainer
+from aiodocker.volumes import DockerVolume
 
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.wire.protocol import ErrorCode, Lease, LeaseState
@@ -52,6 +54,37 @@ async def containers_gone(docker: aiodocker.Docker, prefix: str, within: float =
                     await container.delete(force=True)
             return
         await asyncio.sleep(0.3)
+
+
+async def volumes_gone(docker: aiodocker.Docker, prefix: str) -> None:
+    """Remove the hub's users' volumes (named after its prefix, hub_harness), once its
+    containers are gone: the engine is shared, and a volume is never removed by Swarm."""
+    listed = await docker.volumes.list()
+    for volume in listed.get("Volumes") or []:
+        if volume["Name"].startswith(prefix):
+            with contextlib.suppress(aiodocker.DockerError):
+                await DockerVolume(docker, volume["Name"]).delete()
+
+
+async def service_container(docker: aiodocker.Docker, service: str
+                            ) -> DockerContainer:
+    """The running container of a service's task (the one the hub just saw answer)."""
+    found = await docker.containers.list(filters={
+        "label": [f"com.docker.swarm.service.name={service}"], "status": ["running"]})
+    assert len(found) == 1, f"{service}: {len(found)} running containers"
+    return found[0]
+
+
+async def run_in(container: DockerContainer, *command: str
+                 ) -> tuple[int, str]:
+    """Run ``command`` in the container (``docker exec``); its exit code and output."""
+    execution = await container.exec(list(command))
+    output = b""
+    async with execution.start(detach=False) as stream:
+        while (message := await stream.read_out()) is not None:
+            output += message.data
+    inspected = await execution.inspect()
+    return int(inspected["ExitCode"]), output.decode(errors="replace")
 
 
 async def eventually(check: Callable[[], Awaitable[Any]], *, within: float = 30.0,

@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from tests.support.ports import free_port
+from tests.support.tls_certs import Issued
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = REPO_ROOT / "compose" / "jupyterhub_config.py"
@@ -34,9 +36,11 @@ CONFIG_TEMPLATE = """\
 import json
 from hubplugin.spawner import GPUSwarmSpawner
 
+SETTINGS = json.loads(__SETTINGS__)
+# before the example: it binds its plain-HTTP redirect (with a certificate) to the hub's address
+get_config().JupyterHub.ip = "127.0.0.1"
 load_subconfig(__EXAMPLE__)
 c = get_config()
-SETTINGS = json.loads(__SETTINGS__)
 
 
 class E2ESwarmSpawner(GPUSwarmSpawner):
@@ -85,6 +89,9 @@ c.GPUSwarmSpawner.network_name = "host"
 c.GPUSwarmSpawner.use_internal_ip = True
 c.GPUSwarmSpawner.host_ip = "127.0.0.1"
 c.GPUSwarmSpawner.prefix = SETTINGS["prefix"]
+# the example's users' volumes, named after this hub (the engine is shared): the hub factory
+# removes them with the hub
+c.GPUSwarmSpawner.user_volume = SETTINGS["prefix"] + "-home-{username}"
 c.GPUSwarmSpawner.allocator_url = SETTINGS["amqp_url"]
 c.GPUSwarmSpawner.hub_id = SETTINGS["hub_id"]
 c.GPUSwarmSpawner.allocator_timeout = SETTINGS["allocator_timeout"]
@@ -123,17 +130,25 @@ class Hub:
         cleanup_servers: bool = True,
         page: dict[str, str] | None = None,
         first_admin: bool = False,
+        tls: Issued | None = None,
+        tls_ca: Path | None = None,
     ) -> None:
         """``users``: each test user's groups, made through the REST API at each start.
         ``page``: run the example's GPU page service too, with these ``SWARM_GPU_PAGE_*``
         settings over the test defaults (its own port, history file in ``directory``).
         ``first_admin``: give the hub the secret ``swarm-gpu-hub-admin-password`` (in
         ``admin_password``), so the example makes the first admin's account from it (a bcrypt
-        hash: a fraction of a second at the first start, so only where a test asks)."""
+        hash: a fraction of a second at the first start, so only where a test asks).
+        ``tls``: the hub's certificate and key, given as the example reads them (its
+        variables), so the hub serves HTTPS, checked against ``tls_ca``, and redirects plain
+        HTTP from ``redirect_port``."""
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.redirect_port = free_port() if tls else 0
+        self.ssl: ssl.SSLContext | None = (
+            ssl.create_default_context(cafile=str(tls_ca)) if tls and tls_ca else None)
         self.admin_token = secrets.token_hex(16)
         self.prefix = f"sgtest-{secrets.token_hex(3)}"
         self.hub_id = hub_id
@@ -157,6 +172,13 @@ class Hub:
             (secrets_dir / "swarm-gpu-hub-admin-password").write_text(self.admin_password + "\n")
         self.env = {**os.environ, "DOCKER_HOST": docker_host, "PYTHONUNBUFFERED": "1",
                     "SECRETS_DIR": str(secrets_dir)}
+        if tls is not None:
+            self.env.update({
+                "SWARM_GPU_HUB_TLS_CERT_FILE": str(tls.cert),
+                "SWARM_GPU_HUB_TLS_KEY_FILE": str(tls.key),
+                "SWARM_GPU_HUB_HTTP_REDIRECT_PORT": str(self.redirect_port),
+                "SWARM_GPU_HUB_HTTPS_PUBLIC_PORT": str(self.port),
+            })
         self.page_url = f"{self.url}/services/gpu/"
         if page is not None:
             self.env.update({
@@ -174,6 +196,12 @@ class Hub:
         self.tokens: dict[str, str] = {}
         self.passwords: dict[str, str] = {"admin": self.admin_password} if first_admin else {}
         self._admin_jar: aiohttp.CookieJar | None = None
+
+    def client_session(self, **kwargs: Any) -> aiohttp.ClientSession:
+        """A client of this hub: over HTTPS, one that trusts only the test's CA."""
+        if self.ssl is not None:
+            kwargs["connector"] = aiohttp.TCPConnector(ssl=self.ssl)
+        return aiohttp.ClientSession(**kwargs)
 
     def service_name(self, user: str, server: str = "") -> str:
         return f"{self.prefix}-{user}" + (f"--{server}" if server else "")
@@ -198,7 +226,7 @@ class Hub:
         """Start the hub (again, after stop(): same ports, same database)."""
         self.proc = self._launch()
         timeout = within
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        self.session = self.client_session(timeout=aiohttp.ClientTimeout(total=30))
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -386,7 +414,7 @@ class Hub:
         by default ``path`` itself) with ``fields`` and the token, as a browser does (without
         the token if not ``xsrf``); the status (redirects not followed) and the page."""
         jar = jar if jar is not None else aiohttp.CookieJar(unsafe=True)
-        async with aiohttp.ClientSession(cookie_jar=jar) as session:
+        async with self.client_session(cookie_jar=jar) as session:
             async with session.get(f"{self.url}{path}") as response:
                 await response.text()
             token = next((c.value for c in jar if c.key == "_xsrf"), "")
