@@ -142,6 +142,7 @@ class Engine:
     def handle(self, message: AnyInbound, sender: Sender, now: float,
                changes: Changes) -> BaseModel | None:
         """Apply one message; return its reply (None for node messages)."""
+        self.decayed.seen(now)  # queue positions in replies are as of now
         if isinstance(message, Heartbeat | HeartbeatDelta | ContainerEvent):
             if not sender.via_nodes_exchange:
                 self.counters.add(Count.NODE_MESSAGE_WRONG_EXCHANGE)

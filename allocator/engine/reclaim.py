@@ -196,8 +196,7 @@ class Reclaimer:
         covered = self.windows.booking_of
         holding = self.book.holding()
         # The owners' recent use orders busy victims (heaviest first); empty when it is off.
-        charged = [r for r in holding if r.charged] if self.book.usage.on else []
-        recent = self.book.usage.standings(charged, charged, now)
+        recent = self.book.usage.standings(holding, self.book.charged_holding, now)
         candidates = []
         for record in holding:
             if record.state is LeaseState.RELEASING or record.reclaim_stopped_at is not None \

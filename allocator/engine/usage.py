@@ -18,6 +18,9 @@ from allocator.placement import decayed_usage
 from allocator.placement.cluster import Cluster
 from allocator.placement.decayed_usage import Charge, Usages
 
+TABLE_REFRESH_S = 30.0
+"""How long the orders use one table of usages (:meth:`UsageBook.table`)."""
+
 Standing = tuple[float, float]
 """A user's usage, then the heaviest usage among the groups it asks in (groups only break a
 tie between users)."""
@@ -35,12 +38,21 @@ class UsageBook:
         self.cluster = cluster
         self.placer = placer
         self.usages = Usages(self.half_life_h)
+        self.charges: dict[str, Charge] = {}
+        """Lease id -> its charge, for the leases held: made once (its weight is the
+        cluster's when it is first counted), dropped when it ends."""
+        self._table: tuple[float, dict[str, float], dict[str, float]] | None = None
+        """(when, user -> usage, group -> usage): see :meth:`table`."""
         self.seen_at = 0.0
         """The latest ``now`` it was given: the time of the orders asked without one (a
         reply's queue position)."""
         self._weights: tuple[object, dict[str, float]] | None = None
         """(the model catalog they were counted for, the weights): counted again when the
         inventory changes (the placer's catalog is then another object)."""
+
+    def seen(self, now: float) -> None:
+        """The engine's time moved on: orders asked without a time are as of ``now``."""
+        self.seen_at = max(self.seen_at, now)
 
     @property
     def on(self) -> bool:
@@ -55,7 +67,9 @@ class UsageBook:
         """Rebuild from the ledger's leases that ended since :meth:`history_since` (those of
         ``active``, ids of leases the ledger holds as not final, are not counted twice)."""
         self.usages = Usages(self.half_life_h)
-        self.seen_at = max(self.seen_at, now)
+        self.charges = {}
+        self._table = None
+        self.seen(now)
         if not self.on:
             return
         skip = set(active)
@@ -67,17 +81,24 @@ class UsageBook:
 
     def lease_ended(self, record: LeaseRecord, now: float) -> None:
         """Fold in a lease that held GPUs and ends at ``now``."""
-        self.seen_at = max(self.seen_at, now)
+        self.seen(now)
         charge = self.charge(record) if self.on else None
+        self.charges.pop(record.lease_id, None)
         if charge is not None:
             self.usages.fold(charge, now)
 
     def charge(self, record: LeaseRecord) -> Charge | None:
         """The lease as usage counts it; None for one charged to nobody or never granted."""
+        known = self.charges.get(record.lease_id)
+        if known is not None and known.start == record.granted_at:
+            return known
         if not record.charged or record.granted_at is None:
             return None
-        return Charge(record.user, record.groups, float(record.units), self.weight(record),
-                      record.granted_at)
+        charge = Charge(record.user, record.groups, float(record.units), self.weight(record),
+                        record.granted_at)
+        if record.state.holds_gpus:
+            self.charges[record.lease_id] = charge
+        return charge
 
     def weight(self, record: LeaseRecord) -> float:
         """The lease's weight: its model's; for a lease that mixes models, the mean of its
@@ -97,8 +118,8 @@ class UsageBook:
               ) -> tuple[dict[str, float], dict[str, float]]:
         """(user -> usage, group -> usage) at ``now``, with the ``holding`` leases counted up
         to ``now`` (:meth:`Usages.at`)."""
-        self.seen_at = max(self.seen_at, now)
-        charges = [c for c in map(self.charge, holding) if c is not None]
+        self.seen(now)
+        charges = (c for c in map(self.charge, holding) if c is not None)
         return self.usages.at(now, charges, users=users, groups=groups)
 
     def order(self, ids: Sequence[str], leases: Mapping[str, LeaseRecord],
@@ -110,22 +131,33 @@ class UsageBook:
         if not self.on or len(ids) < 2:
             return list(ids)
         waiting = [leases[lease_id] for lease_id in ids]
-        standing = self.standings(waiting, holding(), self.seen_at if now is None else now)
+        standing = self.standings(waiting, holding, self.seen_at if now is None else now)
 
         def key(record: LeaseRecord) -> tuple[int, Standing]:
             return -record.priority, standing[record.lease_id]
 
         return [r.lease_id for r in sorted(waiting, key=key)]
 
-    def standings(self, records: Sequence[LeaseRecord], holding: Iterable[LeaseRecord],
-                  now: float) -> dict[str, Standing]:
-        """Lease id -> its owner's :data:`Standing` at ``now``, for ``records`` (empty when
-        off)."""
+    def standings(self, records: Sequence[LeaseRecord],
+                  holding: Callable[[], Iterable[LeaseRecord]], now: float
+                  ) -> dict[str, Standing]:
+        """Lease id -> its owner's :data:`Standing` as of ``now`` (from :meth:`table`), for
+        ``records`` (empty when off)."""
         if not self.on or not records:
             return {}
-        by_user, by_group = self.usage(
-            holding, now, users={r.user for r in records},
-            groups={g for r in records for g in r.groups})
+        by_user, by_group = self.table(holding, now)
         return {r.lease_id: (by_user.get(r.user, 0.0),
                              max((by_group.get(g, 0.0) for g in r.groups), default=0.0))
                 for r in records}
+
+    def table(self, holding: Callable[[], Iterable[LeaseRecord]], now: float
+              ) -> tuple[dict[str, float], dict[str, float]]:
+        """Every user's and group's usage, computed at most every :data:`TABLE_REFRESH_S`:
+        the orders ask for it on each tick and each pass over the queue, and computing it
+        walks every lease held (tens of milliseconds for thousands). Between two, a lease
+        that ended is folded in with the value it was counted at, and one granted since
+        counts nothing yet (a few seconds of use at most)."""
+        cached = self._table
+        if cached is None or not cached[0] <= now < cached[0] + TABLE_REFRESH_S:
+            cached = self._table = (now, *self.usage(holding(), now))
+        return cached[1], cached[2]

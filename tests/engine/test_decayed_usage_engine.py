@@ -61,6 +61,8 @@ class Site:
         self.changes = Changes()
         self.running: dict[str, ContainerInfo] = {}
         self.pct: dict[str, float] = {}
+        self.positions: dict[str, int | None] = {}
+        """User -> the queue position its last queued request's reply gave."""
         self.beat()
 
     def close(self) -> None:
@@ -113,6 +115,7 @@ class Site:
     def wait(self, user: str) -> str:
         reply = self.send(AllocateRequest(request_key=f"hub/{user}/", user=user, wait_s=HOUR))
         assert isinstance(reply, LeaseReply) and reply.lease.state is LeaseState.QUEUED, reply
+        self.positions[user] = reply.lease.queue_position
         return reply.lease.lease_id
 
     def end(self, lease_id: str) -> None:
@@ -176,6 +179,7 @@ def test_of_two_waiters_of_equal_priority_the_one_with_less_recent_use_is_grante
     bob = site.wait("bob")  # ...bob a second later, with the same priority
     later = "alice" if first == "bob" else "bob"
     assert site.queue() == [first, later]
+    assert site.positions == {"alice": 1, "bob": 1 if first == "bob" else 2}
     site.end(carol)
     granted = {bob: "bob", alice: "alice"}
     held = [name for lease_id, name in granted.items()
