@@ -253,5 +253,11 @@ def test_gpu_ledger_fairshare_shows_the_usage_the_engine_orders_by(
         24 / math.log(2) * (2 ** (-2 / 24) - 2 ** (-8 / 24)), rel=1e-6)
     assert site.engine.leases[bob].state is LeaseState.BOUND
     assert ledger_cli.main(["fairshare", "--ledger", str(site.settings.ledger_path),
+                            "--half-life", "24", "--at", str(site.now)]) == 0
+    table = capsys.readouterr().out
+    assert "Decayed usage by user" in table and "Decayed usage by group" in table
+    assert table.index("bob") < table.index("alice")  # least first
+    assert f"{by_user['alice']:.2f}" in table
+    assert ledger_cli.main(["fairshare", "--ledger", str(site.settings.ledger_path),
                             "--half-life", "0"]) == 2
     assert "no half-life" in capsys.readouterr().err
