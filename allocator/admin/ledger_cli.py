@@ -165,7 +165,6 @@ def _parser() -> argparse.ArgumentParser:
     ledger_option(share)
     share.add_argument(
         "--half-life", type=float, metavar="H",
-        default=float(os.environ.get("SWARM_GPU_USAGE_HALF_LIFE_H") or 0),
         help="half-life in hours (default: $SWARM_GPU_USAGE_HALF_LIFE_H, the allocator's "
              "usage_half_life_h)")
     share.add_argument("--at", type=_time_arg, metavar="T", help="as of (default now)")
@@ -535,12 +534,19 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 def cmd_fairshare(args: argparse.Namespace) -> int:
     """Each user's and group's decayed usage, least first, as tables or JSON."""
-    if not args.half_life or args.half_life <= 0:
-        _fail("no half-life: give --half-life H (hours) or set SWARM_GPU_USAGE_HALF_LIFE_H "
-              "(the allocator's usage_half_life_h)")
+    half_life = args.half_life
+    if half_life is None:
+        text = os.environ.get("SWARM_GPU_USAGE_HALF_LIFE_H") or "0"
+        try:
+            half_life = float(text)
+        except ValueError:
+            _fail(f"SWARM_GPU_USAGE_HALF_LIFE_H = {text!r} is not a number of hours")
+    if not half_life > 0:
+        _fail("no half-life: give --half-life H (hours, above 0) or set "
+              "SWARM_GPU_USAGE_HALF_LIFE_H (the allocator's usage_half_life_h)")
     now = args.at if args.at is not None else time.time()
     with _open_ledger(args) as conn:
-        report = fairshare(conn, args.half_life, now)
+        report = fairshare(conn, half_life, now)
     if args.json:
         json.dump({"half_life_h": report.half_life_h, "at": report.at,
                    "users": [{"user": r.name, "usage_gpu_hours": round(r.usage, 6),

@@ -231,7 +231,8 @@ def test_reclaim_takes_the_heaviest_recent_users_busy_borrowed_lease_first(
 
 
 def test_gpu_ledger_fairshare_shows_the_usage_the_engine_orders_by(
-        site_factory: Any, capsys: pytest.CaptureFixture[str]) -> None:
+        site_factory: Any, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     site = site_factory(2, usage_half_life_h=24.0)
     morning = site.hold("alice")
     site.pass_time(6 * HOUR, step=600)
@@ -261,3 +262,11 @@ def test_gpu_ledger_fairshare_shows_the_usage_the_engine_orders_by(
     assert ledger_cli.main(["fairshare", "--ledger", str(site.settings.ledger_path),
                             "--half-life", "0"]) == 2
     assert "no half-life" in capsys.readouterr().err
+    # The allocator's setting from the environment, as the stack's containers have it.
+    monkeypatch.setenv("SWARM_GPU_USAGE_HALF_LIFE_H", "24")
+    assert ledger_cli.main(["fairshare", "--ledger", str(site.settings.ledger_path),
+                            "--at", str(site.now), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == shown
+    monkeypatch.setenv("SWARM_GPU_USAGE_HALF_LIFE_H", "a week")
+    assert ledger_cli.main(["fairshare", "--ledger", str(site.settings.ledger_path)]) == 2
+    assert "'a week' is not a number of hours" in capsys.readouterr().err
