@@ -408,6 +408,12 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         description="When set, a lease idle longer than this (guaranteed or not) is released, "
         "after a warning of reclaim_grace_s, while a request that its GPUs would let fit waits. "
         "None: off.")
+    usage_half_life_h: float = Field(
+        default=0.0, ge=0, le=24 * 365,
+        description="Half-life, in hours, of the decayed usage that fair share remembers (as "
+        "Slurm's PriorityDecayHalfLife): GPU-hours held, weighted by the model's scarcity. "
+        "Waiters of equal priority are served least recent use first; among borrowed leases "
+        "that are not idle, the heaviest recent user's is reclaimed first. 0: off.")
     usage_history_s: float = Field(
         default=3 * 3600.0, ge=0, le=7 * 24 * 3600,
         description="Per-minute GPU use kept in memory per lease for the leases reply.")

@@ -6,6 +6,7 @@
                         [--since T] [--until T] [--user U] [--model M] [--host H]
                         [--by user|group|host] [--output FILE]
     gpu-ledger usage    [--ledger FILE] [--since T] [--until T] [--by user|group|host] [--json]
+    gpu-ledger fairshare [--ledger FILE] [--half-life H] [--at T] [--json]
     gpu-ledger drain    HOST [--gpu UUID] [--reason TEXT]          (over RPC, admins)
     gpu-ledger undrain  HOST [--gpu UUID]
     gpu-ledger release  LEASE_ID [--force --reason TEXT]
@@ -51,6 +52,7 @@ from rich.table import Table
 
 from allocator import __version__
 from allocator.admin import booking_cli, exports, reports
+from allocator.admin.fairshare_report import fairshare
 from allocator.amqp import broker
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.ledger import backup
@@ -155,6 +157,18 @@ def _parser() -> argparse.ArgumentParser:
     filter_options(usage)
     usage.add_argument("--by", choices=("user", "group", "host"), default="user")
     usage.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    share = commands.add_parser(
+        "fairshare", help="each user's and group's decayed usage (as Slurm's sshare)",
+        description="The decayed usage fair share orders by (usage_half_life_h), from the "
+                    "ledger file: least recent use first.")
+    ledger_option(share)
+    share.add_argument(
+        "--half-life", type=float, metavar="H",
+        help="half-life in hours (default: $SWARM_GPU_USAGE_HALF_LIFE_H, the allocator's "
+             "usage_half_life_h)")
+    share.add_argument("--at", type=_time_arg, metavar="T", help="as of (default now)")
+    share.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     for name, what in (("drain", "stop placing on a host (or one GPU)"),
                        ("undrain", "place on a drained host (or GPU) again")):
@@ -518,6 +532,44 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_fairshare(args: argparse.Namespace) -> int:
+    """Each user's and group's decayed usage, least first, as tables or JSON."""
+    half_life = args.half_life
+    if half_life is None:
+        text = os.environ.get("SWARM_GPU_USAGE_HALF_LIFE_H") or "0"
+        try:
+            half_life = float(text)
+        except ValueError:
+            _fail(f"SWARM_GPU_USAGE_HALF_LIFE_H = {text!r} is not a number of hours")
+    if not half_life > 0:
+        _fail("no half-life: give --half-life H (hours, above 0) or set "
+              "SWARM_GPU_USAGE_HALF_LIFE_H (the allocator's usage_half_life_h)")
+    now = args.at if args.at is not None else time.time()
+    with _open_ledger(args) as conn:
+        report = fairshare(conn, half_life, now)
+    if args.json:
+        json.dump({"half_life_h": report.half_life_h, "at": report.at,
+                   "users": [{"user": r.name, "usage_gpu_hours": round(r.usage, 6),
+                              "held_gpus": r.held} for r in report.users],
+                   "groups": [{"group": r.name, "usage_gpu_hours": round(r.usage, 6),
+                               "held_gpus": r.held} for r in report.groups]},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    console = _console()
+    for what, rows in (("user", report.users), ("group", report.groups)):
+        table = Table(title=f"Decayed usage by {what} at {reports.iso(now)} (half-life "
+                            f"{report.half_life_h:g} h; least first, served first among "
+                            "equal priority)", title_justify="left")
+        table.add_column(what)
+        table.add_column("weighted GPU-hours", justify="right")
+        table.add_column("GPUs held now", justify="right")
+        for row in rows:
+            table.add_row(escape(row.name), f"{row.usage:.2f}", f"{row.held:g}")
+        console.print(table)
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- admin actions
 
 
@@ -722,7 +774,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "status": cmd_status, "export": cmd_export, "usage": cmd_usage, "drain": cmd_drain,
+    "status": cmd_status, "export": cmd_export, "usage": cmd_usage,
+    "fairshare": cmd_fairshare, "drain": cmd_drain,
     "undrain": cmd_drain, "release": cmd_release, "check": cmd_check, "backup": cmd_backup,
     "restore": cmd_restore, "booking": cmd_booking,
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel
 
@@ -29,6 +29,7 @@ from allocator.engine.processes import ProcessWatch
 from allocator.engine.reclaim import Reclaimer
 from allocator.engine.requests import LeaseRequests
 from allocator.engine.state import Sender, count_anomaly, log
+from allocator.engine.usage import UsageBook
 from allocator.engine.views import Views
 from allocator.ledger.lease import LeaseRecord
 from allocator.ledger.store import Changes, LoadedState
@@ -91,8 +92,10 @@ class Engine:
         self.placer = Placer(settings, cluster, index, self.nodes, self.start_fence,
                              self.windows)
         self.processes = ProcessWatch(settings, counters, cluster, index, self.nodes)
+        self.decayed = UsageBook(settings, cluster, self.placer)
         self.book = LeaseBook(settings, counters, cluster, index, self.idle, self.outbox,
-                              self.placer, self.processes, self.windows, new_lease_id)
+                              self.placer, self.processes, self.windows, self.decayed,
+                              new_lease_id)
         self.requests = LeaseRequests(settings, counters, self.book, self.placer, self.start_fence,
                                       self.outbox)
         self.truth = NodeTruth(settings, counters, cluster, index, self.book)
@@ -102,14 +105,17 @@ class Engine:
                                  self.start_fence, self.windows, self.processes)
         self.views = Views(settings, cluster, self.book, self.idle, self.nodes, self.processes)
 
-    def load(self, state: LoadedState, now: float, *, fenced: bool = False) -> None:
+    def load(self, state: LoadedState, now: float, *, fenced: bool = False,
+             usage_history: Iterable[LeaseRecord] = ()) -> None:
         """Rebuild memory from the ledger (at start, after a failed commit, on takeover).
 
         ``fenced``: the ledger may be behind the nodes (a process start: the file may be
         deleted, restored or another node's): the start fence (:mod:`allocator.engine.fence`)
         holds every node the ledger knows. A reload of a ledger this process or the active one
         kept current needs none. What is memory only is kept: counters, lease use and budgets,
-        when containers were seen running, telemetry times, clock skew.
+        when containers were seen running, telemetry times, clock skew. ``usage_history``:
+        the ledger's leases that ended since :meth:`usage_history_since` (decayed usage is
+        rebuilt from them).
         """
         cluster = self.cluster
         refill_cluster(cluster, state, self.settings)
@@ -121,15 +127,22 @@ class Engine:
         self.gpus.load(now)
         self.index.rebuild(cluster)
         self.placer.inventory_changed()
+        self.decayed.load(usage_history, (r.lease_id for r in state.leases), now)
         self.bookings.load(state)
         self.short_watch.load(state.booking_alerts)
         self.outbox.load()
+
+    def usage_history_since(self, now: float) -> float | None:
+        """From when :meth:`load` needs the ended leases for decayed usage
+        (:func:`allocator.ledger.usage_history.ended_since`); None: it needs none."""
+        return self.decayed.history_since(now)
 
     # ------------------------------------------------------------------ messages
 
     def handle(self, message: AnyInbound, sender: Sender, now: float,
                changes: Changes) -> BaseModel | None:
         """Apply one message; return its reply (None for node messages)."""
+        self.decayed.seen(now)  # queue positions in replies are as of now
         if isinstance(message, Heartbeat | HeartbeatDelta | ContainerEvent):
             if not sender.via_nodes_exchange:
                 self.counters.add(Count.NODE_MESSAGE_WRONG_EXCHANGE)

@@ -24,6 +24,7 @@ from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.processes import ProcessWatch
 from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES, Sender
+from allocator.engine.usage import UsageBook
 from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
 from allocator.ledger.store import Changes, LoadedState
 from allocator.metrics.counters import Count, Counters, Family
@@ -78,8 +79,9 @@ class LeaseBook:
     def __init__(self, settings: AllocatorSettings, counters: Counters, cluster: Cluster,
                  index: PlacementIndex, idle: IdleWatch, outbox: CommandOutbox,
                  placer: Placer, processes: ProcessWatch, windows: BookingWindows,
-                 new_lease_id: Callable[[], str]) -> None:
+                 usage: UsageBook, new_lease_id: Callable[[], str]) -> None:
         self.settings = settings
+        self.usage = usage
         self.windows = windows
         self.counters = counters
         self.cluster = cluster
@@ -162,10 +164,12 @@ class LeaseBook:
         self.queue = [entry for entry in self.queue if entry[1] != lease_id]
         self.demands.pop(lease_id, None)
 
-    def serving_order(self) -> list[str]:
-        """The queued leases in the order they are served: the queue's, with the requests
-        of members of a booking in effect (with room for them) ahead of the others."""
-        ids = [lease_id for _, lease_id in self.queue]
+    def serving_order(self, now: float | None = None) -> list[str]:
+        """The queued leases in the order they are served: the queue's, waiters of equal
+        priority least recent use first (:meth:`UsageBook.order`, as of ``now``), with the
+        requests of members of a booking in effect (with room for them) ahead of the others."""
+        ids = self.usage.order([lease_id for _, lease_id in self.queue], self.leases,
+                               self.charged_holding, now)
         if not self.windows.rooms:
             return ids
         ahead: list[str] = []
@@ -303,6 +307,7 @@ class LeaseBook:
             # Its GPUs drain (before the index sees them free): placed again once a report
             # shows its container's processes gone from them.
             self.processes.lease_ended(record, now)
+            self.usage.lease_ended(record, now)
             self.cluster.drop_claims(record.lease_id, list(record.gpu_uuids))
             if record.host is not None:
                 self.index.refresh(self.cluster, record.host)

@@ -92,7 +92,7 @@ class Reclaimer:
                    if r.state is LeaseState.RELEASING or r.reclaim_stopped_at is not None}
         view = self.placer.view(now)
         plan = fairshare.plan_reclaims(
-            self._waiters() if book.queue else [], candidates,
+            self._waiters(now) if book.queue else [], candidates,
             view, self.settings, now=now,
             down_after_s=self.settings.node_down_after_s,
             idle_window_s=self.settings.idle_window_s, leaving=leaving,
@@ -178,11 +178,11 @@ class Reclaimer:
                 record.borrowed = now_borrowed
                 changes.lease(record)
 
-    def _waiters(self) -> list[fairshare.Waiter]:
+    def _waiters(self, now: float) -> list[fairshare.Waiter]:
         """The queued requests in the order they are served (members of a booking in
         effect first), each with the booking it may be placed in."""
         waiters = []
-        for lease_id in self.book.serving_order():
+        for lease_id in self.book.serving_order(now):
             demand = self.book.queued_demand(self.book.leases[lease_id])
             if isinstance(demand, policy.Demand):
                 share = self.windows.booked_share(demand.user, demand.groups, demand.models,
@@ -194,8 +194,11 @@ class Reclaimer:
     def _candidates(self, now: float, shares: Shares) -> list[fairshare.Candidate]:
         release_after = self.settings.idle_release_after_s
         covered = self.windows.booking_of
+        holding = self.book.holding()
+        # The owners' recent use orders busy victims (heaviest first); empty when it is off.
+        recent = self.book.usage.standings(holding, self.book.charged_holding, now)
         candidates = []
-        for record in self.book.holding():
+        for record in holding:
             if record.state is LeaseState.RELEASING or record.reclaim_stopped_at is not None \
                     or record.lease_id in covered:
                 continue
@@ -210,7 +213,8 @@ class Reclaimer:
                     lease_id=record.lease_id, gpu_uuids=record.gpu_uuids,
                     granted_at=record.granted_at or 0.0, idle_s=idle_s,
                     warned=record.reclaim_at is not None, borrowed=record.borrowed,
-                    idle_releasable=releasable, displaceable_by=displaceable))
+                    idle_releasable=releasable, displaceable_by=displaceable,
+                    recent_use=recent.get(record.lease_id, (0.0, 0.0))))
         return candidates
 
     def _warn(self, record: LeaseRecord, reclaim: fairshare.Reclaim, now: float,

@@ -214,7 +214,7 @@ class LeaseRequests:
         # Nodes do not change during the pass, only claims (which the view shares): one view
         # for the whole pass, built if a request needs it.
         view = functools.cache(lambda: self.placer.view(now))
-        for lease_id in book.serving_order():
+        for lease_id in book.serving_order(now):
             record = book.leases[lease_id]
             demand = book.queued_demand(record)
             if demand is None:  # never wedge the queue

@@ -15,10 +15,11 @@ Rules, as in ``docs/design.md`` (fair share):
   for one waiter is never counted twice.
 * **Reclaim.** A waiter that does not fit, and whose grant would be within its owner's
   guarantees, may have borrowed leases reclaimed for it: leases already warned first (so a
-  warning once given is the one carried out), then idle ones (longest idle first), then the
-  most recently granted. Victims are taken in that order until the waiter fits, then every
-  victim it fits without is given back (latest first). A lease within its owner's guarantee
-  is never a reclaim victim.
+  warning once given is the one carried out), then idle ones (longest idle first), then, when
+  ``usage_half_life_h`` is set, the heaviest recent user's
+  (:mod:`~allocator.placement.decayed_usage`), then the most recently granted. Victims are
+  taken in that order until the waiter fits, then every victim it fits without is given back
+  (latest first). A lease within its owner's guarantee is never a reclaim victim.
 * **Idle release** (when ``idle_release_after_s`` is set): any waiter that still does not fit
   may have leases idle longer than that released, in the same order.
 * **Bookings** (:mod:`allocator.bookings.in_effect`). A lease a booking in effect covers is
@@ -99,6 +100,9 @@ class Candidate:
     displaceable_by: frozenset[str] = frozenset()
     """The bookings in effect whose members may reclaim it: a non-member's lease on their
     GPUs that no booking covers."""
+    recent_use: tuple[float, float] = (0.0, 0.0)
+    """Its owner's decayed usage, then its heaviest group's
+    (:mod:`allocator.placement.decayed_usage`); zeros when that is off."""
 
 
 @dataclass(frozen=True)
@@ -123,11 +127,14 @@ class Reclaim:
 
 
 def victim_order(candidates: Sequence[Candidate], idle_window_s: float) -> list[Candidate]:
-    """Warned first, then idle (for the window) longest idle first, then newest grant first."""
+    """Warned first, then idle (for the window) longest idle first, then the heaviest recent
+    user's (``recent_use``), then newest grant first."""
     return sorted(candidates, key=lambda c: (
         not c.warned,
         c.idle_s < idle_window_s,
         -c.idle_s if c.idle_s >= idle_window_s else 0.0,
+        -c.recent_use[0],
+        -c.recent_use[1],
         -c.granted_at,
         c.lease_id,
     ))

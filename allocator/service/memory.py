@@ -13,7 +13,9 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
 
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.lease import LeaseRecord
+from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.ledger.usage_history import ended_since
 
 
 class Memory:
@@ -46,10 +48,16 @@ class Memory:
         wrote, and a takeover finds what the active one wrote.
         """
         ledger = self._ledger
+        since = self._engine.usage_history_since(self._clock())
+
+        def read() -> tuple[LoadedState, list[LeaseRecord]]:
+            # One trip: the ended leases of the same ledger state as the rest.
+            return ledger.load(), [] if since is None else ended_since(ledger.db.conn, since)
+
         with self._rebuilding():
-            state = await ledger.run(ledger.load)
-            self._engine.load(state, self._clock(), fenced=fenced)
-            del state  # the rows the engine was built from: garbage once it holds them
+            state, history = await ledger.run(read)
+            self._engine.load(state, self._clock(), fenced=fenced, usage_history=history)
+            del state, history  # the rows the engine was built from: garbage once it holds them
         self._data_version = await ledger.run(ledger.data_version)
         # Another allocator may have decided queued requests whose clients wait here (a
         # takeover): what the ledger says now is committed, so it may be pushed.

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -24,6 +25,7 @@ from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
 from allocator.ledger.invariants import check_ledger
 from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.usage_history import ended_since
 from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
@@ -55,7 +57,7 @@ class LedgerMachine(RuleBasedStateMachine):
             ledger_path=self.folder / "ledger.sqlite", allow_any_node_user=True,
             admin_users=["admin"], share_slots={SMALL: 3}, bind_timeout_s=30,
             container_gone_grace_s=1, node_down_after_s=20, stop_grace_s=40,
-            user_quota={"quota-user": 1},
+            user_quota={"quota-user": 1}, usage_half_life_h=1.0,
         )
         self.now = 1_000_000.0
         self.ledger = Ledger(self.settings.ledger_path)
@@ -264,7 +266,10 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def disk_holds_what_memory_holds(self) -> None:
         rebuilt = Engine(self.settings, started_at=self.now)
-        rebuilt.load(self.ledger.call(self.ledger.load), self.now)
+        since = rebuilt.usage_history_since(self.now)
+        assert since is not None
+        rebuilt.load(self.ledger.call(self.ledger.load), self.now, usage_history=self.ledger.call(
+            lambda: ended_since(self.ledger.db.conn, since)))
         assert sorted(rebuilt.leases) == sorted(self.engine.leases)
         for lease_id, record in self.engine.leases.items():
             again = rebuilt.leases[lease_id]
@@ -272,6 +277,13 @@ class LedgerMachine(RuleBasedStateMachine):
                 record.state, record.gpu_uuids, record.host)
         assert {u: sorted(c.lease_id for c in cs) for u, cs in rebuilt.cluster.claims.items()} \
             == {u: sorted(c.lease_id for c in cs) for u, cs in self.engine.cluster.claims.items()}
+        # Decayed usage rebuilt from the ledger's ended leases is what memory folded.
+        usage = self.engine.decayed.usage(self.engine.book.charged_holding(), self.now)
+        again_usage = rebuilt.decayed.usage(rebuilt.book.charged_holding(), self.now)
+        for side, again_side in zip(usage, again_usage, strict=True):
+            for name in side.keys() | again_side.keys():
+                assert again_side.get(name, 0.0) == pytest.approx(
+                    side.get(name, 0.0), rel=1e-9, abs=1e-12), name
 
 
 LedgerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30,
