@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from allocator.ledger.store import COLUMNS, JSON_COLUMNS
-from allocator.placement.policy import queue_order_key
+from allocator.placement.queue_order import queue_order_key
 from allocator.wire.protocol import InventoryReply, Lease, LeaseState
 
 HOLDING_STATES = tuple(s.value for s in LeaseState if s.holds_gpus)

@@ -14,9 +14,12 @@ from allocator.config import AllocatorSettings
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.fence import StartFence
 from allocator.engine.nodes import NodeReports
-from allocator.placement import fairshare, policy
+from allocator.placement import fairshare
 from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.demand import Demand, Placement, Refusal
 from allocator.placement.index import PlacementIndex
+from allocator.placement.no_capacity import nothing_fits_now
+from allocator.placement.policy import place
 
 
 class Placer:
@@ -56,8 +59,8 @@ class Placer:
                                    gpus={g.uuid: g for g in representatives.values()})
         return self.catalog
 
-    def place(self, demand: policy.Demand, now: float, *, explain: bool = True,
-              view: Callable[[], Cluster] | None = None) -> policy.Placement | policy.Refusal:
+    def place(self, demand: Demand, now: float, *, explain: bool = True,
+              view: Callable[[], Cluster] | None = None) -> Placement | Refusal:
         """Best-fit placement (narrowed by the index when it can be), then the quota.
 
         Without ``explain`` (serving the queue) a demand that fits nowhere gets a bare
@@ -69,23 +72,23 @@ class Placer:
         """
         down_after = self.settings.node_down_after_s
         down, fenced = self.nodes.down, self.start_fence.hosts
-        placement: policy.Placement | policy.Refusal | None = None
+        placement: Placement | Refusal | None = None
         narrowed = self.index.narrow(
             demand, self.cluster,
             lambda node: node.host not in down and node.host not in fenced
             and not node.drained and node.is_up(now, down_after))
         if narrowed is not None and narrowed.nodes:
-            placement = policy.place(demand, narrowed, now, down_after, explain=explain)
-        if not isinstance(placement, policy.Placement):
+            placement = place(demand, narrowed, now, down_after, explain=explain)
+        if not isinstance(placement, Placement):
             if not explain and narrowed is not None:
-                return policy.nothing_fits_now()
+                return nothing_fits_now()
             # Nothing among the candidates (or no narrowing possible): the exact answer, with
             # the refusal's full explanation, from the whole cluster.
             whole = view() if view is not None else self.view(now)
-            placement = policy.place(demand, whole, now, down_after, explain=explain)
+            placement = place(demand, whole, now, down_after, explain=explain)
         # Quotas need a placement's units; a slice's units depend on the GPU it lands on, so
         # place first and check the quota of the actual placement.
-        if isinstance(placement, policy.Refusal):
+        if isinstance(placement, Refusal):
             return placement
         windows = self.windows
         share = windows.booked_share(demand.user, demand.groups, demand.models,
