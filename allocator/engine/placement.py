@@ -20,6 +20,7 @@ from allocator.placement.demand import Demand, Placement, Refusal
 from allocator.placement.index import PlacementIndex
 from allocator.placement.no_capacity import nothing_fits_now
 from allocator.placement.policy import place
+from allocator.placement.quota import place_within_quota
 
 
 class Placer:
@@ -61,7 +62,8 @@ class Placer:
 
     def place(self, demand: Demand, now: float, *, explain: bool = True,
               view: Callable[[], Cluster] | None = None) -> Placement | Refusal:
-        """Best-fit placement (narrowed by the index when it can be), then the quota.
+        """Best-fit placement (narrowed by the index when it can be) within the quota
+        (:func:`~allocator.placement.quota.place_within_quota`).
 
         Without ``explain`` (serving the queue) a demand that fits nowhere gets a bare
         refusal: the index's answer where it narrows (exact, as its own placements are), and
@@ -70,6 +72,24 @@ class Placer:
         (built once for many calls, and only when one needs it: the index skips down and
         fenced nodes itself).
         """
+        windows = self.windows
+
+        def refuse(placement: Placement) -> Refusal | None:
+            # Quotas need a placement's units; a slice's units depend on the GPU it lands
+            # on, so place first and check the quota of the actual placement.
+            share = windows.booked_share(demand.user, demand.groups, demand.models,
+                                         demand.host) if windows.rooms else None
+            return fairshare.quota_refusal(placement, demand, self.cluster, self.settings,
+                                           None if share is None else share.guarantee,
+                                           windows.rooms)
+
+        return place_within_quota(
+            demand, lambda wanted, retry: self._best_fit(wanted, now, explain and not retry,
+                                                         view), refuse)
+
+    def _best_fit(self, demand: Demand, now: float, explain: bool,
+                  view: Callable[[], Cluster] | None) -> Placement | Refusal:
+        """Where the demand fits now, without the quota (see :meth:`place`)."""
         down_after = self.settings.node_down_after_s
         down, fenced = self.nodes.down, self.start_fence.hosts
         placement: Placement | Refusal | None = None
@@ -86,17 +106,7 @@ class Placer:
             # the refusal's full explanation, from the whole cluster.
             whole = view() if view is not None else self.view(now)
             placement = place(demand, whole, now, down_after, explain=explain)
-        # Quotas need a placement's units; a slice's units depend on the GPU it lands on, so
-        # place first and check the quota of the actual placement.
-        if isinstance(placement, Refusal):
-            return placement
-        windows = self.windows
-        share = windows.booked_share(demand.user, demand.groups, demand.models,
-                                     demand.host) if windows.rooms else None
-        refusal = fairshare.quota_refusal(placement, demand, self.cluster, self.settings,
-                                          None if share is None else share.guarantee,
-                                          windows.rooms)
-        return refusal if refusal is not None else placement
+        return placement
 
     def view(self, now: float) -> Cluster:
         """The cluster as placement sees it: nodes not yet heard from since a restart are down,

@@ -38,6 +38,9 @@ class Demand:
     topology: TopologyDemand | None = None
     """Every pair of the GPUs joined at this level or better
     (:mod:`allocator.placement.gpu_sets`)."""
+    refused_models: frozenset[str] = frozenset()
+    """Models a per-model quota refuses this demand: never placed on
+    (:func:`allocator.placement.quota.place_within_quota` sets them)."""
 
     @property
     def demands_links(self) -> bool:

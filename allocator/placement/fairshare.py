@@ -45,6 +45,7 @@ from allocator.placement.policy import place
 from allocator.placement.quota import (
     QuotaScope,
     check_quota,
+    place_within_quota,
     quota_scopes,
     quota_standings,
     would_borrow,
@@ -184,13 +185,12 @@ def quota_refusal(placement: Placement, demand: Demand, cluster: Cluster,
 
 def _fits(waiter: Waiter, cluster: Cluster, settings: PolicySettings, now: float,
           down_after_s: float, rooms: Mapping[str, Fraction]) -> Placement | None:
-    placement = place(waiter.demand, cluster, now, down_after_s)
-    if not isinstance(placement, Placement):
-        return None
-    if quota_refusal(placement, waiter.demand, cluster, settings, waiter.booked,
-                     rooms) is not None:
-        return None
-    return placement
+    placement = place_within_quota(
+        waiter.demand,
+        lambda demand, retry: place(demand, cluster, now, down_after_s, explain=False),
+        lambda found: quota_refusal(found, waiter.demand, cluster, settings, waiter.booked,
+                                    rooms))
+    return placement if isinstance(placement, Placement) else None
 
 
 def _within_guarantee(waiter: Waiter, placement: Placement, cluster: Cluster,

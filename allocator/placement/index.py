@@ -163,6 +163,8 @@ class PlacementIndex:
                 return None
             if demand.min_memory_mib is not None and sizes and max(sizes) < demand.min_memory_mib:
                 continue  # the policy's memory filter drops this model entirely
+            if model in demand.refused_models:
+                continue  # and so does a quota that refused it
             kept.append(model)
         found: list[str] = []
         if demand.models is None and depth > self.depth:

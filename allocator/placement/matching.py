@@ -33,8 +33,10 @@ def capable(demand: Demand, gpu: GPU) -> bool:
 
 
 def suits(demand: Demand, gpu: GPU) -> bool:
-    """Memory, compute capability and architecture: everything but the model."""
-    return big_enough(demand, gpu) and capable(demand, gpu)
+    """Memory, compute capability and architecture, and not of a model the quota refused
+    (``Demand.refused_models``): everything but the model asked for."""
+    return (big_enough(demand, gpu) and capable(demand, gpu)
+            and gpu.model not in demand.refused_models)
 
 
 def capability_text(demand: Demand) -> str:

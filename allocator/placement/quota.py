@@ -4,13 +4,13 @@ what each holds now, and whether a grant would pass one."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from allocator.config import PolicySettings
 from allocator.placement.cluster import Claim, Cluster
-from allocator.placement.demand import Refusal
+from allocator.placement.demand import Demand, Placement, Refusal
 from allocator.wire.model_names import ModelNames
 from allocator.wire.protocol import ErrorCode
 
@@ -207,3 +207,29 @@ def check_quota(
     return None
 
 
+def place_within_quota(demand: Demand, place: Callable[[Demand, bool], Placement | Refusal],
+                       refuse: Callable[[Placement], Refusal | None]) -> Placement | Refusal:
+    """Where ``demand`` fits and its quota allows it: the one rule of placement and quota.
+
+    ``place(demand, retry)`` is best fit (``retry``: a placement tried again without a model,
+    whose refusal nobody reads); ``refuse(placement)`` the quota's refusal of a placement, or
+    None. Best fit picks a host and model without the quota, so when a per-model quota
+    (``details["model"]``) refuses the placement found, that model is left out and the demand
+    placed again, as long as it accepts another model: an any-model request is never refused
+    while a model its user may take is free. Else the first quota refusal stands.
+    """
+    found = place(demand, False)
+    first: Refusal | None = None
+    while isinstance(found, Placement):
+        refusal = refuse(found)
+        if refusal is None:
+            return found
+        first = first or refusal
+        model = refusal.details.get("model")
+        refused = demand.refused_models | {model} if isinstance(model, str) else None
+        if refused is None or refused == demand.refused_models or (
+                demand.models is not None and refused.issuperset(demand.models)):
+            return first
+        demand = replace(demand, refused_models=refused)
+        found = place(demand, True)
+    return first if first is not None else found
