@@ -55,8 +55,9 @@ from allocator.amqp import broker
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.ledger import backup
 from allocator.ledger.invariants import NodeReport, Violation, check_ledger
+from allocator.ledger.log_position import LogPosition
 from allocator.ledger.readonly import ledger_error, open_readonly
-from allocator.ledger.store import LedgerError, LogPosition
+from allocator.ledger.store import LedgerError
 from allocator.logs import (
     add_verbose_flag,
     configure_logging,

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from fractions import Fraction
 from typing import Any, Literal
 
-from allocator.ledger.store import COLUMNS, JSON_COLUMNS
+from allocator.ledger.schema import COLUMNS, JSON_COLUMNS
 from allocator.placement.queue_order import queue_order_key
 from allocator.wire.protocol import InventoryReply, Lease, LeaseState
 
@@ -162,7 +162,7 @@ GPU_COLUMNS: tuple[Column, ...] = tuple(
            or ("json" if name in JSON_COLUMNS["gpus"]
                else "number" if kind in (int, float) else "text"))
     for name, kind in COLUMNS["gpus"].items())
-"""The GPU export: every column of the ``gpus`` table (:data:`allocator.ledger.store.COLUMNS`), in
+"""The GPU export: every column of the ``gpus`` table (:data:`allocator.ledger.schema.COLUMNS`), in
 the schema's order, so a new column is exported without being listed twice."""
 
 

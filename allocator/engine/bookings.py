@@ -36,7 +36,8 @@ from allocator.bookings.windows import occurrences
 from allocator.config import AllocatorSettings
 from allocator.engine.nodes import NodeReports
 from allocator.engine.state import Sender, log
-from allocator.ledger.store import BookingRow, Changes, LoadedState
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import BookingRow, LoadedState
 from allocator.placement.cluster import Cluster
 from allocator.placement.demand import model_names
 from allocator.wire.model_names import ModelNames

@@ -30,8 +30,9 @@ from allocator.engine.reclaim import Reclaimer
 from allocator.engine.requests import LeaseRequests
 from allocator.engine.state import Sender, count_anomaly, log
 from allocator.engine.views import Views
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes, LoadedState
+from allocator.ledger.loaded import LoadedState
 from allocator.metrics.counters import Count, Counters
 from allocator.metrics.figures import EngineFigures
 from allocator.placement.cluster import Cluster, Node

@@ -19,7 +19,7 @@ import time
 from allocator.config import AllocatorSettings
 from allocator.engine.nodes import NodeReports
 from allocator.engine.state import count_anomaly, log
-from allocator.ledger.store import Changes
+from allocator.ledger.changes import Changes
 from allocator.metrics.counters import Count, Counters
 from allocator.placement.cluster import GPU, Cluster, Node
 from allocator.placement.declared import beyond_declared

@@ -24,8 +24,9 @@ from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.processes import ProcessWatch
 from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES, Sender
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
-from allocator.ledger.store import Changes, LoadedState
+from allocator.ledger.loaded import LoadedState
 from allocator.metrics.counters import Count, Counters, Family
 from allocator.placement import gpu_sets
 from allocator.placement.claims import apply_placement, claim_gpus

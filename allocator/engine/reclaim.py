@@ -25,8 +25,8 @@ from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.placement import Placer
 from allocator.engine.processes import ProcessWatch
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes
 from allocator.metrics.counters import Counters, Family
 from allocator.placement import fairshare
 from allocator.placement.cluster import Cluster

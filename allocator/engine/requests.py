@@ -23,8 +23,8 @@ from allocator.engine.leases import LeaseBook, may_act_on
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.state import Sender, count_anomaly, log
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
-from allocator.ledger.store import Changes
 from allocator.logs import lease_context
 from allocator.metrics.counters import Count, Counters, Family
 from allocator.placement.demand import Placement, Refusal, make_demand

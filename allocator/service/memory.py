@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
 
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 
 
 class Memory:

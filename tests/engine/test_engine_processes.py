@@ -21,7 +21,9 @@ from allocator.admin import reports
 from allocator.admin.ledger_cli import render_status
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import LoadedState
+from allocator.ledger.store import Ledger
 from allocator.metrics import exporter as metrics
 from allocator.wire.protocol import (
     GPU_PROCESSES,

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from allocator.config import AllocatorSettings, guarantee_problem
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
