@@ -97,7 +97,8 @@ from common import (
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,

@@ -66,7 +66,8 @@ from cluster import SHARE_SLOTS, SHARED_MODEL, build_ledger, gpu_infos, host_nam
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.metrics.exporter import read_scrape
 from allocator.service import heap
 from allocator.wire.protocol import (

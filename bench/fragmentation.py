@@ -5,13 +5,13 @@ A fleet of simulated hosts (``allocator.wire.interconnect``'s builders: 8-GPU HG
 two-socket PCIe servers, 4-GPU workstations with two NVLink pairs) takes a random stream of
 1-, 2- and 4-GPU requests (any model) and releases of running leases. Every policy is
 :func:`allocator.placement.policy.place` on a :class:`~allocator.placement.cluster.Cluster`, its
-grants recorded with :func:`allocator.placement.policy.apply_placement` and its releases dropping
+grants recorded with :func:`allocator.placement.claims.apply_placement` and its releases dropping
 the lease's claims; a request that does not fit is counted as refused (not queued). The policies:
 
 - ``release_before``: no node carries ``interconnect`` (what every host looks like to 0.2.0,
   whose rule this code path keeps: best fit, the lowest GPU indices);
 - ``links_host_by_best_fit``: links on every node, but
-  :data:`allocator.placement.policy.TOPOLOGY_LOOKAHEAD` set to 1, so the host is best fit's and only
+  :data:`allocator.placement.links.TOPOLOGY_LOOKAHEAD` set to 1, so the host is best fit's and only
   the GPUs within it are chosen by links (this bench's figures before the host choice was built);
 - ``links``: links on every node and the policy as released: one GPU by what its taking
   leaves whole, several GPUs on the best-joined of the first ``TOPOLOGY_LOOKAHEAD`` fitting
@@ -47,9 +47,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from allocator.placement import policy
+from allocator.placement import links as link_placement
+from allocator.placement.claims import apply_placement
 from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.demand import Demand, Placement
 from allocator.placement.gpu_sets import GpuSet, choose_gpus, set_cost
+from allocator.placement.policy import place
 from allocator.wire.interconnect import (
     HostInterconnect,
     LinkLevel,
@@ -110,21 +113,21 @@ def build_cluster(hosts: dict[str, tuple[HostKind, HostInterconnect]], *,
     return cluster
 
 
-def demand_of(count: int) -> policy.Demand:
+def demand_of(count: int) -> Demand:
     """An exclusive request for ``count`` GPUs of any model, on any host."""
-    return policy.Demand(user="bench", groups=(), models=None, min_memory_mib=None,
-                         count=count, host=None, shared=False, share_memory_mib=None)
+    return Demand(user="bench", groups=(), models=None, min_memory_mib=None,
+                  count=count, host=None, shared=False, share_memory_mib=None)
 
 
 @contextmanager
 def lookahead(hosts: int) -> Iterator[None]:
     """The policy's host lookahead set to ``hosts`` for the duration (1: best fit's host)."""
-    before = policy.TOPOLOGY_LOOKAHEAD
-    policy.TOPOLOGY_LOOKAHEAD = hosts
+    before = link_placement.TOPOLOGY_LOOKAHEAD
+    link_placement.TOPOLOGY_LOOKAHEAD = hosts
     try:
         yield
     finally:
-        policy.TOPOLOGY_LOOKAHEAD = before
+        link_placement.TOPOLOGY_LOOKAHEAD = before
 
 
 def best_level(host: HostInterconnect, free: Sequence[str], count: int) -> int | None:
@@ -189,10 +192,10 @@ def simulate(draws: list[tuple[float, int, float]], fleet_sizes: tuple[int, int,
     links = {host: interconnect for host, (_, interconnect) in hosts.items()}
     empty_best = {host: {n: best_level(h, h.uuids, n) for n in (2, 4)}
                   for host, h in links.items()}
-    leases: list[tuple[str, policy.Placement]] = []
+    leases: list[tuple[str, Placement]] = []
     demands = {count: demand_of(count) for count in SIZES}
     tally = Tally()
-    with lookahead(1 if name == "links_host_by_best_fit" else policy.TOPOLOGY_LOOKAHEAD):
+    with lookahead(1 if name == "links_host_by_best_fit" else link_placement.TOPOLOGY_LOOKAHEAD):
         for number, (kind, count, pick) in enumerate(draws):
             if leases and kind < RELEASE_SHARE:
                 lease_id, placement = leases.pop(int(pick * len(leases)))
@@ -200,10 +203,10 @@ def simulate(draws: list[tuple[float, int, float]], fleet_sizes: tuple[int, int,
             else:
                 demand = demands[count]
                 began = time.thread_time()
-                found = policy.place(demand, cluster, 0.0, DOWN_AFTER_S, explain=False)
-                if isinstance(found, policy.Placement):
+                found = place(demand, cluster, 0.0, DOWN_AFTER_S, explain=False)
+                if isinstance(found, Placement):
                     lease_id = f"lease-{number}"
-                    policy.apply_placement(cluster, found, lease_id, demand)
+                    apply_placement(cluster, found, lease_id, demand)
                     tally.grant_cpu_s += time.thread_time() - began
                     leases.append((lease_id, found))
                     tally.all_grants += 1
@@ -260,7 +263,7 @@ def main() -> None:
         "fleet": {"hgx_8_gpu": args.hgx, "pcie_2_socket_8_gpu": args.pcie,
                   "nvlink_pairs_4_gpu": args.pairs},
         "gpus": 8 * (args.hgx + args.pcie) + 4 * args.pairs,
-        "topology_lookahead": policy.TOPOLOGY_LOOKAHEAD,
+        "topology_lookahead": link_placement.TOPOLOGY_LOOKAHEAD,
         "request_sizes": dict(zip(map(str, SIZES), SIZE_WEIGHTS, strict=True)),
         "release_share": RELEASE_SHARE,
         "events_per_seed": args.events,

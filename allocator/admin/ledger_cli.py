@@ -53,12 +53,14 @@ from rich.table import Table
 from allocator import __version__
 from allocator.admin import booking_cli, exports, reports
 from allocator.admin.fairshare_report import fairshare
+from allocator.admin.status import ClusterStatus, SlotHolder, ledger_status, live_status
 from allocator.amqp import broker
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.ledger import backup
 from allocator.ledger.invariants import NodeReport, Violation, check_ledger
+from allocator.ledger.log_position import LogPosition
 from allocator.ledger.readonly import ledger_error, open_readonly
-from allocator.ledger.store import LedgerError, LogPosition
+from allocator.ledger.store import LedgerError
 from allocator.logs import (
     add_verbose_flag,
     configure_logging,
@@ -298,7 +300,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         status = _run_async(lambda: _live_status(url, args.timeout))
     else:
         with _open_ledger(args) as conn:
-            status = reports.ledger_status(conn, now=time.time(), down_after_s=args.down_after)
+            status = ledger_status(conn, now=time.time(), down_after_s=args.down_after)
     if args.json:
         json.dump(status.to_json(), sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
@@ -329,12 +331,12 @@ def _with_tls(url: str, args: argparse.Namespace) -> str:
         raise CommandError(str(exc)) from None
 
 
-async def _live_status(url: str, call_timeout_s: float) -> reports.ClusterStatus:
+async def _live_status(url: str, call_timeout_s: float) -> ClusterStatus:
     async with AllocatorClient(url, timeout_s=call_timeout_s,
                                connect_timeout_s=call_timeout_s) as client:
         inventory = await client.inventory(include_leases=True)
         queue = await client.queue()
-    return reports.live_status(inventory, queue)
+    return live_status(inventory, queue)
 
 
 def _print_topology(args: argparse.Namespace) -> int:
@@ -369,7 +371,7 @@ async def _live_topology(url: str, call_timeout_s: float, host: str) -> HostInte
     return node.interconnect
 
 
-def render_status(status: reports.ClusterStatus, console: Console) -> None:
+def render_status(status: ClusterStatus, console: Console) -> None:
     """The status as three rich tables."""
     now = status.at
     source = "ledger file" if status.source == "ledger" else "live allocator"
@@ -416,7 +418,7 @@ def render_status(status: reports.ClusterStatus, console: Console) -> None:
     console.print(queue)
 
 
-def _holder(holder: reports.SlotHolder, now: float) -> str:
+def _holder(holder: SlotHolder, now: float) -> str:
     """One holder of a GPU: who, its state, its lease, and what its processes do wrong."""
     text = f"{holder.user} [{holder.state}] {holder.lease_id[:8]}"
     if holder.shared:
@@ -428,7 +430,7 @@ def _holder(holder: reports.SlotHolder, now: float) -> str:
     return text
 
 
-def _render_processes(status: reports.ClusterStatus, console: Console) -> None:
+def _render_processes(status: ClusterStatus, console: Console) -> None:
     """The processes that keep GPUs out of placement (draining, stuck, outside use): who to
     look for on which host. From the live allocator only: the ledger does not keep them."""
     kept_out = [gpu for gpu in status.gpus if gpu.process_state is not None]

@@ -1,6 +1,6 @@
 """The allocator's state machine: applies one inbound message at a time to memory.
 
-No I/O and no clock: each call gets ``now`` and a :class:`~allocator.ledger.store.Changes` to
+No I/O and no clock: each call gets ``now`` and a :class:`~allocator.ledger.changes.Changes` to
 fill, and returns the reply (or ``None`` for fire-and-forget node messages). The service
 commits the changes, then sends the replies. If a commit fails, the service rebuilds the
 engine's memory from the ledger (:meth:`Engine.load`), so memory never runs ahead of the disk.

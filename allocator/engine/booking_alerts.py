@@ -30,7 +30,8 @@ from allocator.bookings.windows import occurrences
 from allocator.engine.bookings import BookingBook
 from allocator.engine.fence import StartFence
 from allocator.engine.nodes import NodeReports
-from allocator.ledger.store import BOOKING_ALERT_KINDS, Changes
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import BOOKING_ALERT_KINDS
 
 SHORT_HORIZON_S: Final = 7 * 24 * 3600
 """How far ahead a booking's occurrences are looked at for being short: a weekly booking's

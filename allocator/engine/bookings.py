@@ -36,9 +36,10 @@ from allocator.bookings.windows import occurrences
 from allocator.config import AllocatorSettings
 from allocator.engine.nodes import NodeReports
 from allocator.engine.state import Sender, log
-from allocator.ledger.store import BookingRow, Changes, LoadedState
-from allocator.placement import policy
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import BookingRow, LoadedState
 from allocator.placement.cluster import Cluster
+from allocator.placement.demand import model_names
 from allocator.wire.model_names import ModelNames
 from allocator.wire.protocol import (
     BookingOccurrence,
@@ -155,7 +156,7 @@ class BookingBook:
         return Capacity.of_gpus(counted)
 
     def _names(self) -> ModelNames:
-        return policy.model_names(self.cluster, self.settings.aliases)
+        return model_names(self.cluster, self.settings.aliases)
 
     # ------------------------------------------------------------------ requests
 

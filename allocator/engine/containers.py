@@ -17,8 +17,8 @@ from allocator.engine.node_truth import NodeTruth
 from allocator.engine.nodes import NodeReports
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.requests import LeaseRequests
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes
 from allocator.metrics.counters import Count, Counters, Family
 from allocator.placement.adoption import Conflict, LabelHolder
 from allocator.wire.protocol import (

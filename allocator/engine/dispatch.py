@@ -31,12 +31,13 @@ from allocator.engine.requests import LeaseRequests
 from allocator.engine.state import Sender, count_anomaly, log
 from allocator.engine.usage import UsageBook
 from allocator.engine.views import Views
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes, LoadedState
+from allocator.ledger.loaded import LoadedState
 from allocator.metrics.counters import Count, Counters
 from allocator.metrics.figures import EngineFigures
-from allocator.placement import policy
 from allocator.placement.cluster import Cluster, Node
+from allocator.placement.demand import share_slots_for
 from allocator.placement.index import PlacementIndex
 from allocator.wire.heartbeat_delta import apply_delta
 from allocator.wire.protocol import (
@@ -478,7 +479,7 @@ def refill_cluster(cluster: Cluster, state: LoadedState, settings: AllocatorSett
             agent_id=node.agent_id, gpu_uuids=[],
         )
     for gpu in state.gpus:
-        gpu.share_slots = policy.share_slots_for(gpu.model, settings)
+        gpu.share_slots = share_slots_for(gpu.model, settings)
         cluster.gpus[gpu.uuid] = gpu
         owner = cluster.nodes.get(gpu.host)
         if owner is not None:

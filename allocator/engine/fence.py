@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from allocator.ledger.store import Changes
+from allocator.ledger.changes import Changes
 
 
 class StartFence:

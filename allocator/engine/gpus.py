@@ -19,11 +19,11 @@ import time
 from allocator.config import AllocatorSettings
 from allocator.engine.nodes import NodeReports
 from allocator.engine.state import count_anomaly, log
-from allocator.ledger.store import Changes
+from allocator.ledger.changes import Changes
 from allocator.metrics.counters import Count, Counters
-from allocator.placement import policy
 from allocator.placement.cluster import GPU, Cluster, Node
 from allocator.placement.declared import beyond_declared
+from allocator.placement.demand import share_slots_for
 from allocator.placement.index import PlacementIndex
 from allocator.wire.protocol import GPUInfo, Heartbeat
 
@@ -178,7 +178,7 @@ class GpuInventory:
             return None
         gpu = GPU(uuid=info.uuid, host=node.host, index=info.index, model=info.model,
                   memory_total_mib=info.memory_total_mib,
-                  share_slots=policy.share_slots_for(info.model, self.settings))
+                  share_slots=share_slots_for(info.model, self.settings))
         self.cluster.gpus[info.uuid] = gpu
         changes.gpu(gpu, now, first_seen=now)
         return gpu
@@ -287,7 +287,7 @@ class GpuInventory:
         identity = (info.index, info.model, info.memory_total_mib)
         if (gpu.index, gpu.model, gpu.memory_total_mib) != identity or not gpu.present:
             gpu.index, gpu.model, gpu.memory_total_mib = identity
-            gpu.share_slots = policy.share_slots_for(info.model, self.settings)
+            gpu.share_slots = share_slots_for(info.model, self.settings)
             gpu.present = True
             changed = True
         # MIG mode and capability decide what is placeable: a change re-indexes the node.

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from allocator.config import AllocatorSettings
 from allocator.engine.lease_use import UseBook, is_idle, sample_of
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes
 from allocator.metrics.counters import Count, Counters
 from allocator.wire.protocol import ContainerInfo, LeaseState, UsageSample
 

@@ -25,12 +25,18 @@ from allocator.engine.placement import Placer
 from allocator.engine.processes import ProcessWatch
 from allocator.engine.state import RECENT_FINAL_LEASES, TIMED_STATES, Sender
 from allocator.engine.usage import UsageBook
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
-from allocator.ledger.store import Changes, LoadedState
+from allocator.ledger.loaded import LoadedState
 from allocator.metrics.counters import Count, Counters, Family
-from allocator.placement import gpu_sets, policy
+from allocator.placement import gpu_sets
+from allocator.placement.claims import apply_placement, claim_gpus
 from allocator.placement.cluster import Cluster
+from allocator.placement.container_env import lease_env
+from allocator.placement.demand import Demand, Placement, Refusal, make_demand, placement_model
 from allocator.placement.index import PlacementIndex
+from allocator.placement.queue_order import queue_order_key
+from allocator.placement.quota import quota_standings, would_borrow
 from allocator.wire.protocol import (
     AllocateRequest,
     Lease,
@@ -105,7 +111,7 @@ class LeaseBook:
         """What a tick looks at instead of every lease: most leases are bound and have no
         timer, and a tick runs twice a second."""
         self.queue: list[tuple[tuple[Any, ...], str]] = []
-        self.demands: dict[str, tuple[Cluster, policy.Demand | policy.Refusal]] = {}
+        self.demands: dict[str, tuple[Cluster, Demand | Refusal]] = {}
         """Queued lease -> (the model catalog it was resolved on, its demand): see
         :meth:`queued_demand`."""
         self.node_clock_bound: dict[str, float] = {}
@@ -136,8 +142,8 @@ class LeaseBook:
         if record.state.active:
             self.by_key[self.key_of(record)] = record.lease_id
         if record.state is LeaseState.QUEUED:
-            key = policy.queue_order_key(record.priority, record.enqueued_at or record.created_at,
-                                         record.lease_id)
+            key = queue_order_key(record.priority, record.enqueued_at or record.created_at,
+                                  record.lease_id)
             bisect.insort(self.queue, (key, record.lease_id))
 
     def time(self, record: LeaseRecord) -> None:
@@ -155,10 +161,10 @@ class LeaseBook:
         """Claim the lease's GPUs in the cluster, counted against its user and groups if it
         is :attr:`~LeaseRecord.charged`."""
         charged = record.charged
-        policy.claim_gpus(self.cluster, record.lease_id, record.user if charged else None,
-                          record.groups if charged else (), record.gpu_uuids,
-                          shared=record.shared, memory_mib=record.memory_mib,
-                          units=record.units)
+        claim_gpus(self.cluster, record.lease_id, record.user if charged else None,
+                   record.groups if charged else (), record.gpu_uuids,
+                   shared=record.shared, memory_mib=record.memory_mib,
+                   units=record.units)
 
     def dequeue(self, lease_id: str) -> None:
         self.queue = [entry for entry in self.queue if entry[1] != lease_id]
@@ -176,7 +182,7 @@ class LeaseBook:
         behind: list[str] = []
         for lease_id in ids:
             demand = self.queued_demand(self.leases[lease_id])
-            member = isinstance(demand, policy.Demand) and self.windows.booked_share(
+            member = isinstance(demand, Demand) and self.windows.booked_share(
                 demand.user, demand.groups, demand.models, demand.host) is not None
             (ahead if member else behind).append(lease_id)
         return ahead + behind
@@ -190,7 +196,7 @@ class LeaseBook:
         and bookings (:attr:`~LeaseRecord.charged`)."""
         return [r for r in self.leases.values() if r.state.holds_gpus and r.charged]
 
-    def queued_demand(self, record: LeaseRecord) -> policy.Demand | policy.Refusal | None:
+    def queued_demand(self, record: LeaseRecord) -> Demand | Refusal | None:
         """What a queued request asks, resolved against the current models; None when its
         stored request no longer validates (cannot happen for one that was accepted).
 
@@ -206,7 +212,7 @@ class LeaseBook:
             request = AllocateRequest.model_validate(record.request)
         except ValidationError:
             return None
-        demand = policy.make_demand(request, catalog, self.settings)
+        demand = make_demand(request, catalog, self.settings)
         self.demands[record.lease_id] = (catalog, demand)
         return demand
 
@@ -222,7 +228,7 @@ class LeaseBook:
             priority=request.priority, owner=sender.user_id,
         )
 
-    def grant(self, record: LeaseRecord, placement: policy.Placement, demand: policy.Demand,
+    def grant(self, record: LeaseRecord, placement: Placement, demand: Demand,
               now: float, changes: Changes, old: LeaseState | None) -> None:
         """Give the lease its placement: claim the GPUs, start the bind deadline."""
         record.state = LeaseState.GRANTED
@@ -230,11 +236,11 @@ class LeaseBook:
         record.host = placement.host
         self.by_host.setdefault(record.host, {})[record.lease_id] = record
         record.gpu_uuids = tuple(placement.gpu_uuids)
-        record.model = policy.placement_model(placement, self.cluster)
+        record.model = placement_model(placement, self.cluster)
         record.shared = placement.shared
         record.memory_mib = placement.memory_mib
         record.units = placement.units
-        record.env = policy.lease_env(placement, self.cluster, record.lease_id)
+        record.env = lease_env(placement, self.cluster, record.lease_id)
         record.granted_at = now
         record.bind_deadline = now + self.settings.bind_timeout_s
         share = self.windows.booked_share(record.user, record.groups, demand.models,
@@ -245,10 +251,10 @@ class LeaseBook:
             self.windows.booking_of[record.lease_id] = share.name
             record.borrowed = False
         else:
-            record.borrowed = policy.would_borrow(placement.units, policy.quota_standings(
+            record.borrowed = would_borrow(placement.units, quota_standings(
                 record.user, record.groups, self.cluster, self.settings, limited_only=True,
                 model=record.model))
-        policy.apply_placement(self.cluster, placement, record.lease_id, demand)
+        apply_placement(self.cluster, placement, record.lease_id, demand)
         self.index.refresh(self.cluster, placement.host)
         self.by_key[self.key_of(record)] = record.lease_id
         changes.transition(record, old, now, "granted", by=record.user)

@@ -17,8 +17,8 @@ from __future__ import annotations
 from allocator.config import AllocatorSettings
 from allocator.engine.leases import LeaseBook
 from allocator.engine.nodes import EventBudget
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
-from allocator.ledger.store import Changes
 from allocator.metrics.counters import Count, Counters
 from allocator.placement import adoption
 from allocator.placement.cluster import Cluster

@@ -14,7 +14,8 @@ from pydantic import BaseModel
 
 from allocator.config import AllocatorSettings
 from allocator.engine.state import CLOCK_SKEW_WARN_S, Sender, count_anomaly, log
-from allocator.ledger.store import Changes, LoadedState
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import LoadedState
 from allocator.metrics.counters import Count, Counters, Family
 from allocator.placement.cluster import Cluster, Node
 from allocator.placement.index import PlacementIndex

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 from allocator.config import AllocatorSettings
 from allocator.engine.state import RECENT_FINAL_LEASES
-from allocator.ledger.store import Changes
+from allocator.ledger.changes import Changes
 from allocator.metrics.counters import Counters, Family
 from allocator.wire.protocol import (
     GPU_PROCESSES,

@@ -14,9 +14,13 @@ from allocator.config import AllocatorSettings
 from allocator.engine.booking_windows import BookingWindows
 from allocator.engine.fence import StartFence
 from allocator.engine.nodes import NodeReports
-from allocator.placement import fairshare, policy
+from allocator.placement import fairshare
 from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.demand import Demand, Placement, Refusal
 from allocator.placement.index import PlacementIndex
+from allocator.placement.no_capacity import nothing_fits_now
+from allocator.placement.policy import place
+from allocator.placement.quota import place_within_quota
 
 
 class Placer:
@@ -56,9 +60,10 @@ class Placer:
                                    gpus={g.uuid: g for g in representatives.values()})
         return self.catalog
 
-    def place(self, demand: policy.Demand, now: float, *, explain: bool = True,
-              view: Callable[[], Cluster] | None = None) -> policy.Placement | policy.Refusal:
-        """Best-fit placement (narrowed by the index when it can be), then the quota.
+    def place(self, demand: Demand, now: float, *, explain: bool = True,
+              view: Callable[[], Cluster] | None = None) -> Placement | Refusal:
+        """Best-fit placement (narrowed by the index when it can be) within the quota
+        (:func:`~allocator.placement.quota.place_within_quota`).
 
         Without ``explain`` (serving the queue) a demand that fits nowhere gets a bare
         refusal: the index's answer where it narrows (exact, as its own placements are), and
@@ -67,33 +72,41 @@ class Placer:
         (built once for many calls, and only when one needs it: the index skips down and
         fenced nodes itself).
         """
+        windows = self.windows
+
+        def refuse(placement: Placement) -> Refusal | None:
+            # Quotas need a placement's units; a slice's units depend on the GPU it lands
+            # on, so place first and check the quota of the actual placement.
+            share = windows.booked_share(demand.user, demand.groups, demand.models,
+                                         demand.host) if windows.rooms else None
+            return fairshare.quota_refusal(placement, demand, self.cluster, self.settings,
+                                           None if share is None else share.guarantee,
+                                           windows.rooms)
+
+        return place_within_quota(
+            demand, lambda wanted, retry: self._best_fit(wanted, now, explain and not retry,
+                                                         view), refuse)
+
+    def _best_fit(self, demand: Demand, now: float, explain: bool,
+                  view: Callable[[], Cluster] | None) -> Placement | Refusal:
+        """Where the demand fits now, without the quota (see :meth:`place`)."""
         down_after = self.settings.node_down_after_s
         down, fenced = self.nodes.down, self.start_fence.hosts
-        placement: policy.Placement | policy.Refusal | None = None
+        placement: Placement | Refusal | None = None
         narrowed = self.index.narrow(
             demand, self.cluster,
             lambda node: node.host not in down and node.host not in fenced
             and not node.drained and node.is_up(now, down_after))
         if narrowed is not None and narrowed.nodes:
-            placement = policy.place(demand, narrowed, now, down_after, explain=explain)
-        if not isinstance(placement, policy.Placement):
+            placement = place(demand, narrowed, now, down_after, explain=explain)
+        if not isinstance(placement, Placement):
             if not explain and narrowed is not None:
-                return policy.nothing_fits_now()
+                return nothing_fits_now()
             # Nothing among the candidates (or no narrowing possible): the exact answer, with
             # the refusal's full explanation, from the whole cluster.
             whole = view() if view is not None else self.view(now)
-            placement = policy.place(demand, whole, now, down_after, explain=explain)
-        # Quotas need a placement's units; a slice's units depend on the GPU it lands on, so
-        # place first and check the quota of the actual placement.
-        if isinstance(placement, policy.Refusal):
-            return placement
-        windows = self.windows
-        share = windows.booked_share(demand.user, demand.groups, demand.models,
-                                     demand.host) if windows.rooms else None
-        refusal = fairshare.quota_refusal(placement, demand, self.cluster, self.settings,
-                                          None if share is None else share.guarantee,
-                                          windows.rooms)
-        return refusal if refusal is not None else placement
+            placement = place(demand, whole, now, down_after, explain=explain)
+        return placement
 
     def view(self, now: float) -> Cluster:
         """The cluster as placement sees it: nodes not yet heard from since a restart are down,

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from allocator.config import AllocatorSettings
 from allocator.engine.nodes import NodeReports
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes
 from allocator.metrics.counters import Count, Counters
 from allocator.placement.cluster import GPU, Cluster
 from allocator.placement.index import PlacementIndex

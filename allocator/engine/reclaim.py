@@ -25,11 +25,12 @@ from allocator.engine.idle import IdleWatch
 from allocator.engine.leases import LeaseBook
 from allocator.engine.placement import Placer
 from allocator.engine.processes import ProcessWatch
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes
 from allocator.metrics.counters import Counters, Family
-from allocator.placement import fairshare, policy
+from allocator.placement import fairshare
 from allocator.placement.cluster import Cluster
+from allocator.placement.demand import Demand
 from allocator.wire.protocol import (
     Health,
     LeaseState,
@@ -184,7 +185,7 @@ class Reclaimer:
         waiters = []
         for lease_id in self.book.serving_order(now):
             demand = self.book.queued_demand(self.book.leases[lease_id])
-            if isinstance(demand, policy.Demand):
+            if isinstance(demand, Demand):
                 share = self.windows.booked_share(demand.user, demand.groups, demand.models,
                                                   demand.host)
                 waiters.append(fairshare.Waiter(lease_id, demand, None if share is None else

@@ -23,11 +23,11 @@ from allocator.engine.leases import LeaseBook, may_act_on
 from allocator.engine.outbox import CommandOutbox
 from allocator.engine.placement import Placer
 from allocator.engine.state import Sender, count_anomaly, log
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import ADOPTED_OWNER, LeaseRecord
-from allocator.ledger.store import Changes
 from allocator.logs import lease_context
 from allocator.metrics.counters import Count, Counters, Family
-from allocator.placement import policy
+from allocator.placement.demand import Placement, Refusal, make_demand
 from allocator.wire.protocol import (
     AllocateRequest,
     ErrorCode,
@@ -68,15 +68,15 @@ class LeaseRequests:
         existing = self.book.active_for(request.request_key, sender.user_id)
         if existing is not None:
             return self._retry(request, sender, existing)
-        demand = policy.make_demand(request, self.placer.model_catalog(), self.settings)
-        if isinstance(demand, policy.Refusal):
+        demand = make_demand(request, self.placer.model_catalog(), self.settings)
+        if isinstance(demand, Refusal):
             if self.start_fence.holds(now) and demand.code in START_FENCE_WAITS_FOR:
                 return self._wait_behind_start_fence(self.book.new_record(request, sender, now),
                                                      request, now, changes)
             return self._refuse(demand)
         placement = self.placer.place(demand, now)
         record = self.book.new_record(request, sender, now)
-        if isinstance(placement, policy.Placement):
+        if isinstance(placement, Placement):
             self.book.grant(record, placement, demand, now, changes, old=None)
             self.book.track(record)
             return self.book.reply(record)
@@ -169,7 +169,7 @@ class LeaseRequests:
         return self.book.find(lease_id, request_key, sender.user_id,
                               every_owner=sender.user_id in self.settings.admin_users)
 
-    def _refuse(self, refusal: policy.Refusal) -> ErrorReply:
+    def _refuse(self, refusal: Refusal) -> ErrorReply:
         self.counters.add_to(Family.REFUSED, refusal.code.value)
         return error_reply(refusal.code, refusal.message, **refusal.details)
 
@@ -221,10 +221,10 @@ class LeaseRequests:
                 book.end(record, LeaseState.EXPIRED, ReleaseReason.CANCELLED, now, changes,
                          by="allocator", note="stored request no longer valid")
                 continue
-            if isinstance(demand, policy.Refusal):
+            if isinstance(demand, Refusal):
                 continue
             placement = self.placer.place(demand, now, explain=False, view=view)
-            if isinstance(placement, policy.Placement):
+            if isinstance(placement, Placement):
                 book.dequeue(lease_id)
                 book.grant(record, placement, demand, now, changes, old=LeaseState.QUEUED)
 

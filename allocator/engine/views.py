@@ -21,8 +21,9 @@ from allocator.engine.nodes import NodeReports
 from allocator.engine.processes import ProcessWatch
 from allocator.ledger.lease import LeaseRecord
 from allocator.metrics.figures import SHARES, EngineFigures
-from allocator.placement import policy
 from allocator.placement.cluster import GPU, Cluster
+from allocator.placement.model_summary import summarize_models
+from allocator.placement.quota import quota_standings, would_borrow
 from allocator.wire.protocol import (
     BookingsView,
     GPUView,
@@ -86,9 +87,9 @@ class Views:
             uuid: [claim for claim in claims
                    if claim.lease_id in leases and visible(leases[claim.lease_id])]
             for uuid, claims in self.cluster.claims.items()})
-        standings = policy.quota_standings(request.user, request.groups, seen,
-                                           self.settings, model=model,
-                                           every_model=model is None)
+        standings = quota_standings(request.user, request.groups, seen,
+                                    self.settings, model=model,
+                                    every_model=model is None)
         for standing in standings:
             limit = None if standing.limit is None else float(standing.limit)
             views.append(QuotaView(
@@ -97,12 +98,12 @@ class Views:
                 free=None if limit is None else max(limit - float(standing.held), 0.0),
                 guaranteed=None if standing.guarantee is None else float(standing.guarantee),
                 borrow_limit=limit, model=standing.model))
-        would_borrow = None
+        borrowing = None
         if request.count is not None:
             units = Fraction(request.count).limit_denominator(1_000_000)
-            would_borrow = policy.would_borrow(
+            borrowing = would_borrow(
                 units, [s for s in standings if s.model in (None, model)])
-        return QuotaReply(user=request.user, quotas=views, would_borrow=would_borrow)
+        return QuotaReply(user=request.user, quotas=views, would_borrow=borrowing)
 
     def queue(self, visible: Visible = everything) -> QueueReply:
         """The queued leases in the order they are served (those ``visible``; positions count
@@ -172,7 +173,7 @@ class Views:
             for g in sorted(self.cluster.gpus.values(), key=lambda g: (g.host, g.order))
             if shown(g)
         ]
-        models = policy.summarize_models(self.cluster, self.settings, now, down_after)
+        models = summarize_models(self.cluster, self.settings, now, down_after)
         leases = None
         if include_leases:
             leases = [self.book.view(r) for r in self.book.leases.values() if visible(r)]

@@ -33,14 +33,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from allocator.ledger.log_position import LogPosition
 from allocator.ledger.readonly import ledger_error, open_readonly
-from allocator.ledger.store import (
-    LedgerCorrupt,
-    LedgerError,
-    LedgerInUse,
-    LedgerLock,
-    LogPosition,
-)
+from allocator.ledger.store import LedgerCorrupt, LedgerError, LedgerInUse, LedgerLock
 from allocator.wire.protocol import LeaseState
 
 BACKUP_EVENT = "ledger_backup"

@@ -23,8 +23,8 @@ from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from allocator.ledger.change_set import ChangeSet
 from allocator.ledger.log_snapshot import PartHeader, Seen, describe
-from allocator.ledger.store import ChangeSet
 
 ENTRY_VERSION: Final = 1
 """Version of the entry format; an entry of another version stops the replica."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from allocator.ledger.changes import Changes
 from allocator.ledger.log_entries import Batch, Entry
-from allocator.ledger.store import Changes, LogPosition
+from allocator.ledger.log_position import LogPosition
 
 ENTRY_OVERHEAD_BYTES = 300
 """What the stream stores per entry besides its body (AMQP properties, annotations, a share

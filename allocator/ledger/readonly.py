@@ -11,7 +11,8 @@ import sqlite3
 import urllib.parse
 from pathlib import Path
 
-from allocator.ledger.store import SCHEMA_VERSION, LedgerError
+from allocator.ledger.schema import SCHEMA_VERSION
+from allocator.ledger.store import LedgerError
 
 
 def open_readonly(path: str | Path, *, busy_timeout_s: float = 5.0) -> sqlite3.Connection:

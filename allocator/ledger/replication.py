@@ -28,11 +28,12 @@ for the new active one) and stops writing.
 
 Identity. The log's first entry is a claim carrying a new ``log_id``; every entry carries it.
 A ledger records the log id and the position (offset, entry id) of the last entry it
-applied, in the same transaction as the entry (:class:`~allocator.ledger.store.LogPosition`). At
-start it reads the log from that entry on, checking it is the one it applied: a ledger of
-another log, or one with data but never part of a log while the log has entries, is refused
-(:class:`LogMismatch`): it is not the active one's history, and the allocator does not serve
-from it. An empty ledger replays the log from its start while the stream keeps it.
+applied, in the same transaction as the entry
+(:class:`~allocator.ledger.log_position.LogPosition`). At start it reads the log from that
+entry on, checking it is the one it applied: a ledger of another log, or one with data but
+never part of a log while the log has entries, is refused (:class:`LogMismatch`): it is not
+the active one's history, and the allocator does not serve from it. An empty ledger replays
+the log from its start while the stream keeps it.
 
 A full or read-only disk is an error of this replica's store, not of the log: the entry is
 in the log and every other replica applies it. The replica stops serving (its batch in flight
@@ -70,6 +71,8 @@ import aio_pika.abc
 from aiormq.exceptions import ChannelInvalidStateError
 
 from allocator.amqp.declare import OnRefusal, Refusal, Tolerate, declare_queue
+from allocator.ledger.change_set import ChangeSet
+from allocator.ledger.changes import Changes
 from allocator.ledger.log_catch_up import ScanFromOldest, SnapshotSearch
 from allocator.ledger.log_entries import (
     Batch,
@@ -78,6 +81,7 @@ from allocator.ledger.log_entries import (
     SnapshotPart,
     decode_entry,
 )
+from allocator.ledger.log_position import LogPosition
 from allocator.ledger.log_probes import (
     newest_snapshot_start,
     offset_of,
@@ -105,14 +109,7 @@ from allocator.ledger.log_snapshot import (
     encode_parts,
 )
 from allocator.ledger.log_store import ReplicaStore
-from allocator.ledger.store import (
-    Changes,
-    ChangeSet,
-    Ledger,
-    LedgerError,
-    LedgerUnwritable,
-    LogPosition,
-)
+from allocator.ledger.store import Ledger, LedgerError, LedgerUnwritable
 from allocator.wire.topology import RABBITMQ_SEGMENT_BYTES, SNAPSHOT_BYTES, QueueSpec
 from allocator.wire.topology import (
     stream_arguments as stream_arguments,  # re-exported: tests use it

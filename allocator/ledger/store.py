@@ -24,40 +24,36 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, TypeVar
+from typing import Any, Literal, TypeVar
 
 import sqlite_utils
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    JsonValue,
-    SerializerFunctionWrapHandler,
-    ValidationError,
-    ValidationInfo,
-    create_model,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
 
+from allocator.ledger.change_set import INSERTED, BrokenChanges
+from allocator.ledger.changes import LEASE_OWNERS, OWNER_COLUMN, Changes
 from allocator.ledger.lease import LeaseRecord, row_reader
-from allocator.ledger.log_snapshot import STATE_TABLES, TRAIL_TABLES, Table, Tables, describe
+from allocator.ledger.loaded import BOOKING_ALERT_KINDS, BookingRow, LoadedState
+from allocator.ledger.log_position import LogPosition
+from allocator.ledger.log_snapshot import STATE_TABLES, TRAIL_TABLES, Table, Tables
+from allocator.ledger.schema import (
+    BOOKINGS_V7,
+    COLUMNS,
+    EVENTS_V1,
+    GPUS_V1,
+    GPUS_V2,
+    HISTORY_V1,
+    LEASES_V1,
+    LEASES_V4,
+    LEASES_V6,
+    LOG_POSITION_V3,
+    LOG_POSITION_V5,
+    NODES_V1,
+    SCHEMA_VERSION,
+)
 from allocator.placement.cluster import GPU, Node
 from allocator.wire.protocol import Health, LeaseState
 
 T = TypeVar("T")
-
-SCHEMA_VERSION = 7
-"""The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
-
-LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
-
-BOOKING_ALERT_KINDS = ("booking_short", "booking_whole")
-"""The events that tell the admin a booking became short of GPUs, or whole again
-(:mod:`allocator.engine.booking_alerts`); the newest of each booking is loaded at start."""
 
 
 class LedgerError(Exception):
@@ -226,77 +222,6 @@ class LedgerLock:
             self._fd = None
 
 
-# The columns each migration creates, written once: the migrations create them and
-# :data:`COLUMNS` (the current schema) is their union. A released migration's columns never
-# change; a new column is a new migration with a constant of its own.
-_NODES_V1: dict[str, type] = {
-    "host": str, "agent_id": str, "agent_user": str, "first_seen": float,
-    "last_heartbeat": float, "drained": int, "drain_reason": str, "drained_by": str,
-    "drained_at": float,
-}
-_GPUS_V1: dict[str, type] = {
-    "uuid": str, "host": str, "idx": int, "model": str, "memory_total_mib": int,
-    "memory_used_mib": int, "utilization_pct": float, "temperature_c": float,
-    "power_w": float, "health": str, "health_reasons": str, "drained": int,
-    "present": int, "share_slots": int, "first_seen": float, "updated_at": float,
-}
-_GPUS_V2: dict[str, type] = {
-    "compute_capability": str, "architecture": str, "mig_enabled": int, "mig_parent_uuid": str,
-    "mig_profile": str, "mig_index": int,
-}
-_LEASES_V1: dict[str, type] = {
-    "lease_id": str, "request_key": str, "user": str, "groups": str, "state": str,
-    "created_at": float, "request": str, "priority": int, "host": str,
-    "gpu_uuids": str, "model": str, "shared": int, "memory_mib": int, "units": float,
-    "units_num": int, "units_den": int, "env": str, "enqueued_at": float,
-    "wait_until": float, "granted_at": float, "bind_deadline": float, "bound_at": float,
-    "container_id": str, "releasing_at": float, "released_at": float,
-    "release_reason": str, "released_by": str, "release_note": str,
-}
-_LEASES_V4: dict[str, type] = {
-    "borrowed": int, "reclaim_at": float, "reclaim_reason": str, "reclaim_for": str,
-    "reclaim_stopped_at": float, "idle_since": float, "idle_gpu_s": float,
-}
-_LEASES_V6: dict[str, type] = {"owner": str}
-_HISTORY_V1: dict[str, type] = {
-    "id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str, "reason": str,
-    "by": str,
-}
-_EVENTS_V1: dict[str, type] = {
-    "id": int, "at": float, "kind": str, "host": str, "lease_id": str, "user": str,
-    "gpu_uuid": str, "detail": str,
-}
-_LOG_POSITION_V3: dict[str, type] = {
-    "id": int, "log_id": str, "log_offset": int, "entry_id": str, "epoch": int, "writer": str,
-}
-_LOG_POSITION_V5: dict[str, type] = {"snapshot_from": int, "bytes_since_snapshot": int}
-_BOOKINGS_V7: dict[str, type] = {
-    "name": str, "booking": str, "created_at": float, "created_by": str, "removed_at": float,
-    "removed_by": str,
-}
-
-COLUMNS: dict[str, dict[str, type]] = {
-    "nodes": _NODES_V1,
-    "gpus": {**_GPUS_V1, **_GPUS_V2},
-    "leases": {**_LEASES_V1, **_LEASES_V4, **_LEASES_V6},
-    "lease_history": _HISTORY_V1,
-    "events": _EVENTS_V1,
-    "log_position": {**_LOG_POSITION_V3, **_LOG_POSITION_V5},
-    "bookings": _BOOKINGS_V7,
-}
-"""Every table of the schema this code writes (:data:`SCHEMA_VERSION`), with its columns and
-their types in order of creation. No other table or column name ever reaches SQL: a change
-set naming another is refused (:class:`ChangeSet`)."""
-
-PRIMARY_KEYS = {"nodes": "host", "gpus": "uuid", "leases": "lease_id", "lease_history": "id",
-                "events": "id", "log_position": "id", "bookings": "name"}
-
-JSON_COLUMNS: dict[str, tuple[str, ...]] = {"leases": LEASE_JSON_COLUMNS,
-                                            "gpus": ("health_reasons",),
-                                            "bookings": ("booking",)}
-"""Text columns holding JSON: a change set carries their values as lists and objects."""
-
-
 _SQL_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL"}
 """SQLite's column type for each Python type (sqlite-utils' mapping, which wrote the ledgers
 of earlier releases; 3.x wrote FLOAT for float, the same REAL affinity)."""
@@ -357,15 +282,15 @@ def _add_columns(db: sqlite_utils.Database, table: str, columns: dict[str, type]
 
 def _migrate_v1(db: sqlite_utils.Database) -> None:
     """The first schema: nodes, GPUs, leases with history, and the event log."""
-    _create_table(db, "nodes", _NODES_V1, "host")
-    _create_table(db, "gpus", _GPUS_V1, "uuid")
+    _create_table(db, "nodes", NODES_V1, "host")
+    _create_table(db, "gpus", GPUS_V1, "uuid")
     _create_index(db, "gpus", "host")
-    _create_table(db, "leases", _LEASES_V1, "lease_id")
+    _create_table(db, "leases", LEASES_V1, "lease_id")
     for column in ("state", "request_key", "user", "created_at"):
         _create_index(db, "leases", column)
-    _create_table(db, "lease_history", _HISTORY_V1, "id")
+    _create_table(db, "lease_history", HISTORY_V1, "id")
     _create_index(db, "lease_history", "lease_id")
-    _create_table(db, "events", _EVENTS_V1, "id")
+    _create_table(db, "events", EVENTS_V1, "id")
     _create_index(db, "events", "at")
     _create_index(db, "events", "kind")
 
@@ -373,38 +298,38 @@ def _migrate_v1(db: sqlite_utils.Database) -> None:
 def _migrate_v2(db: sqlite_utils.Database) -> None:
     """MIG and compute capability per GPU, so a restarted allocator knows before the first
     heartbeat that a GPU in MIG mode is no unit of its own."""
-    _add_columns(db, "gpus", _GPUS_V2)
+    _add_columns(db, "gpus", GPUS_V2)
 
 
 def _migrate_v3(db: sqlite_utils.Database) -> None:
     """Where this ledger stands in the replicated log (see :mod:`allocator.ledger.replication`)."""
-    _create_table(db, "log_position", _LOG_POSITION_V3, "id")
+    _create_table(db, "log_position", LOG_POSITION_V3, "id")
 
 
 def _migrate_v4(db: sqlite_utils.Database) -> None:
     """Fair share: borrowed leases, reclaim warnings (their deadlines survive a restart) and
     idle accounting."""
-    _add_columns(db, "leases", _LEASES_V4)
+    _add_columns(db, "leases", LEASES_V4)
 
 
 def _migrate_v5(db: sqlite_utils.Database) -> None:
     """Where the newest snapshot of the replicated log is, and how much the log has grown
     since (NULL: not known, as in a ledger that followed the log before snapshots)."""
-    _add_columns(db, "log_position", _LOG_POSITION_V5)
+    _add_columns(db, "log_position", LOG_POSITION_V5)
 
 
 def _migrate_v6(db: sqlite_utils.Database) -> None:
     """Each lease's owner: the broker user whose request made it (NULL for every lease
     made before: owner unknown, releasable by any broker user as before, so that an
     upgrade strands no lease)."""
-    _add_columns(db, "leases", _LEASES_V6)
+    _add_columns(db, "leases", LEASES_V6)
 
 
 def _migrate_v7(db: sqlite_utils.Database) -> None:
     """Bookings (:mod:`allocator.bookings`): one row per booking name, the booking as the
     JSON it was admitted as, who made it and when; a removed booking keeps its row with
     ``removed_at`` and ``removed_by`` set (its history is in the events)."""
-    _create_table(db, "bookings", _BOOKINGS_V7, "name")
+    _create_table(db, "bookings", BOOKINGS_V7, "name")
 
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
@@ -414,299 +339,6 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migra
 """``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
 
 
-@dataclass(frozen=True)
-class LogPosition:
-    """The last entry of the replicated log this ledger applied (see
-    :mod:`allocator.ledger.replication`), and the writer the log obeyed after it."""
-
-    log_id: str
-    """Which log: set by the log's first entry; a ledger never applies another log."""
-    offset: int
-    """The stream offset of the last entry applied (or skipped as fenced)."""
-    entry_id: str
-    """That entry's own id, to recognise it when the log is read again."""
-    epoch: int
-    """The epoch of the newest accepted claim: only its writer's batches are applied."""
-    writer: str
-    """The allocator that made that claim."""
-    snapshot_from: int | None = None
-    """The offset of the as-of entry of the newest whole snapshot in the log, where a replica
-    that has to load it starts reading; None while the log has none."""
-    bytes_since_snapshot: int | None = None
-    """Bytes of the entries after that snapshot (after the log's start while it has none):
-    the writer takes the next one when they reach ``ledger_log_snapshot_bytes``; None: not
-    known (a ledger that followed the log before snapshots), and one is due."""
-
-
-@dataclass
-class Changes:
-    """Writes of one batch, committed together. Later writes of one row replace earlier ones."""
-
-    leases: dict[str, dict[str, Any]] = field(default_factory=dict)
-    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    gpus: dict[str, dict[str, Any]] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    bookings: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def lease(self, record: LeaseRecord) -> None:
-        """Write the lease's current row."""
-        self.leases[record.lease_id] = record.to_row()
-
-    def transition(
-        self, record: LeaseRecord, old: LeaseState | None, at: float, reason: str, by: str = ""
-    ) -> None:
-        """Write the lease and one line of its state history."""
-        self.lease(record)
-        self.history.append(
-            {"lease_id": record.lease_id, "at": at, "from_state": old.value if old else None,
-             "to_state": record.state.value, "reason": reason, "by": by}
-        )
-
-    def node(self, node: Node, *, agent_user: str | None = None, first_seen: float | None = None,
-             drain_reason: str | None = None, drained_by: str | None = None,
-             drained_at: float | None = None) -> None:
-        """Write a node's row."""
-        row = self.nodes.setdefault(node.host, {"host": node.host})
-        row.update(agent_id=node.agent_id, last_heartbeat=node.last_heartbeat,
-                   drained=int(node.drained))
-        for key, value in (("agent_user", agent_user), ("first_seen", first_seen),
-                           ("drain_reason", drain_reason), ("drained_by", drained_by),
-                           ("drained_at", drained_at)):
-            if value is not None:
-                row[key] = value
-
-    def gpu(self, gpu: GPU, at: float, *, first_seen: float | None = None) -> None:
-        """Write a GPU's row (identity, state and its latest telemetry)."""
-        row = {
-            "uuid": gpu.uuid, "host": gpu.host, "idx": gpu.index, "model": gpu.model,
-            "memory_total_mib": gpu.memory_total_mib, "memory_used_mib": gpu.memory_used_mib,
-            "utilization_pct": gpu.utilization_pct, "temperature_c": gpu.temperature_c,
-            "power_w": gpu.power_w, "health": gpu.health.value,
-            "health_reasons": list(gpu.health_reasons), "drained": int(gpu.drained),
-            "present": int(gpu.present), "share_slots": gpu.share_slots, "updated_at": at,
-            "compute_capability": gpu.compute_capability, "architecture": gpu.architecture,
-            "mig_enabled": int(gpu.mig_enabled), "mig_parent_uuid": gpu.mig_parent_uuid,
-            "mig_profile": gpu.mig_profile, "mig_index": gpu.mig_index,
-        }
-        if first_seen is not None:
-            row["first_seen"] = first_seen
-        self.gpus.setdefault(gpu.uuid, {}).update(row)
-
-    def event(self, at: float, kind: str, **detail: Any) -> None:
-        """Append to the event log. ``host``, ``lease_id``, ``user``, ``gpu_uuid`` get columns."""
-        row = {"at": at, "kind": kind}
-        for column in ("host", "lease_id", "user", "gpu_uuid"):
-            row[column] = detail.pop(column, None)
-        row["detail"] = json.dumps(detail, default=str) if detail else None
-        self.events.append(row)
-
-    def booking(self, row: BookingRow) -> None:
-        """Write a booking's row (added, or marked removed)."""
-        self.bookings[row.name] = {
-            "name": row.name, "booking": row.booking, "created_at": row.created_at,
-            "created_by": row.created_by, "removed_at": row.removed_at,
-            "removed_by": row.removed_by}
-
-    def __bool__(self) -> bool:
-        return bool(self.leases or self.nodes or self.gpus or self.history or self.events
-                    or self.bookings)
-
-    def to_json(self) -> dict[str, Any]:
-        """The batch as plain JSON (rows are JSON-able already), for the replicated log: a
-        lease's owner beside its row (:data:`LEASE_OWNERS`), never in it."""
-        leases, owners = [], {}
-        for row in self.leases.values():
-            if OWNER_COLUMN in row:
-                row = dict(row)
-                owner = row.pop(OWNER_COLUMN)
-                if owner is not None:  # an owner is set once, at the lease's making
-                    owners[row["lease_id"]] = owner
-            leases.append(row)
-        data: dict[str, Any] = {"leases": leases, "nodes": list(self.nodes.values()),
-                                "gpus": list(self.gpus.values()), "history": self.history,
-                                "events": self.events}
-        if owners:
-            data[LEASE_OWNERS] = owners
-        if self.bookings:  # a batch without bookings is written as before (0.2.0 reads it)
-            data["bookings"] = list(self.bookings.values())
-        return data
-
-    @classmethod
-    def from_json(cls, data: object) -> Changes:
-        """The batch :meth:`to_json` made, checked against the schema (:class:`ChangeSet`);
-        :class:`BrokenChanges` if it is not one this ledger can write."""
-        return ChangeSet.parse(data).to_changes()
-
-
-OWNER_COLUMN = "owner"
-"""The lease column that travels beside the lease rows in the replicated log."""
-
-LEASE_OWNERS = "lease_owners"
-"""Where a lease's owner travels in the replicated log: beside the lease rows, not in them
-(a change set's ``lease_owners``, lease id -> owner; a snapshot's table of that name,
-columns ``lease_id`` and ``owner``). Release 0.1.0 writes every key of a lease row as a
-column, and a column its schema lacks stops it; it reads only the lists of a change set and
-the tables of a snapshot it knows. So a 0.1.0 replica follows a log this release writes,
-with no owner in its ledger (owner unknown: any hub may release, as in 0.1.0)."""
-
-
-class BrokenChanges(ValueError):
-    """A change set this ledger cannot write: a table or column its schema does not have, a
-    row without its key, or a value of the wrong type. Found before any SQL is run."""
-
-
-def _row_model(table: str, *, skip: tuple[str, ...] = ()) -> type[BaseModel]:
-    """A strict model of one row of ``table`` in a change set, made from :data:`COLUMNS`:
-    every column optional (a row may update some columns only) but its key, no other name."""
-    fields: dict[str, Any] = {}
-    for column, kind in COLUMNS[table].items():
-        if column in skip:
-            continue
-        value: Any
-        if column in JSON_COLUMNS.get(table, ()):
-            value = list[JsonValue] | dict[str, JsonValue]
-        elif kind is int:
-            value = bool | int  # booleans are stored as 0 and 1
-        else:
-            value = kind  # strict: a float column takes an int too, a text column a string
-        if column == PRIMARY_KEYS[table]:
-            fields[column] = (value, Field(min_length=1))
-        else:
-            fields[column] = (value | None, None)
-    return create_model(f"{table}_row", __config__=ConfigDict(strict=True, extra="forbid",
-                                                               frozen=True), **fields)
-
-
-_CHANGE_TABLES = {"leases": "leases", "nodes": "nodes", "gpus": "gpus",
-                  "history": "lease_history", "events": "events", "bookings": "bookings"}
-"""The lists of a change set and the tables they write."""
-
-_INSERTED = ("lease_history", "events")
-"""Tables a change set appends to: their rows get every column (row ids are each ledger's
-own, never written)."""
-
-_ROW_MODELS = {table: _row_model(table, skip=("id",) if table in _INSERTED
-                                  else (OWNER_COLUMN,) if table == "leases" else ())
-               for table in _CHANGE_TABLES.values()}
-
-
-class ChangeSet(BaseModel):
-    """A batch's writes as the replicated log carries them (:meth:`Changes.to_json`).
-
-    Row keys become SQL column names, so every row is checked against :data:`COLUMNS`
-    first: an unknown column is a broken entry, never SQL (a newer release's column too: a
-    replica that dropped it would hold another state than the writer). Fields of the change
-    set itself that this release does not know are ignored.
-    """
-
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
-    leases: list[dict[str, Any]] = []
-    nodes: list[dict[str, Any]] = []
-    gpus: list[dict[str, Any]] = []
-    history: list[dict[str, Any]] = []
-    events: list[dict[str, Any]] = []
-    bookings: list[dict[str, Any]] = []
-    """Booking rows (0.3.0); a release before it ignores them and keeps no bookings."""
-    lease_owners: dict[Annotated[str, Field(min_length=1)],
-                       Annotated[str, Field(min_length=1)]] = {}
-    """Lease id -> its owner, for lease rows of this set (:data:`LEASE_OWNERS`); written
-    only when there is one."""
-
-    @field_validator("leases", "nodes", "gpus", "history", "events", "bookings")
-    @classmethod
-    def _rows_of_the_schema(cls, rows: list[dict[str, Any]],
-                            info: ValidationInfo) -> list[dict[str, Any]]:
-        table = _CHANGE_TABLES[str(info.field_name)]
-        model = _ROW_MODELS[table]
-        checked = []
-        for number, row in enumerate(rows):
-            try:
-                valid = model.model_validate(row)
-            except ValidationError as exc:
-                raise ValueError(f"row {number} of {table}: {describe(exc)}") from None
-            # An update writes the columns given; an appended row gets every column, so that
-            # each of the INSERT's named parameters is bound.
-            checked.append(valid.model_dump(exclude_unset=table not in _INSERTED))
-        return checked
-
-    @model_validator(mode="after")
-    def _owners_of_leases_written(self) -> Self:
-        written = {row["lease_id"] for row in self.leases}
-        stray = sorted(set(self.lease_owners) - written)
-        if stray:  # an owner alone would make a lease row of nothing but its owner
-            raise ValueError(f"lease_owners names leases the change set does not write: "
-                             f"{', '.join(stray[:5])}")
-        return self
-
-    @model_serializer(mode="wrap")
-    def _owners_only_when_any(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = write(self)
-        if not self.lease_owners:
-            data.pop(LEASE_OWNERS, None)  # a batch without owners is written as before
-        if not self.bookings:
-            data.pop("bookings", None)
-        return data
-
-    @classmethod
-    def parse(cls, data: object) -> ChangeSet:
-        """The change set in ``data`` (plain JSON); :class:`BrokenChanges` if it is none."""
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise BrokenChanges(f"a broken change set: {describe(exc)}") from None
-
-    @classmethod
-    def of(cls, changes: Changes) -> ChangeSet:
-        """``changes`` checked as every replica will check them."""
-        return cls.parse(changes.to_json())
-
-    def to_changes(self) -> Changes:
-        """The batch to commit."""
-        owners = self.lease_owners
-        return Changes(leases={row["lease_id"]: ({**row, OWNER_COLUMN: owners[row["lease_id"]]}
-                                                 if row["lease_id"] in owners else row)
-                               for row in self.leases},
-                       nodes={row["host"]: row for row in self.nodes},
-                       gpus={row["uuid"]: row for row in self.gpus},
-                       history=list(self.history), events=list(self.events),
-                       bookings={row["name"]: row for row in self.bookings})
-
-
-@dataclass
-class LoadedState:
-    """What the allocator reads at start: every node and GPU, and the leases not yet final."""
-
-    nodes: list[Node]
-    gpus: list[GPU]
-    leases: list[LeaseRecord]
-    agent_users: dict[str, str]
-    finished: list[LeaseRecord] = field(default_factory=list)
-    """The newest final leases (oldest first), so that a container of a lease finished before
-    a restart is still known as a zombie, not adopted as a lease the ledger forgot."""
-    bookings: list[BookingRow] = field(default_factory=list)
-    """The bookings not removed, in the order they were admitted."""
-    booking_alerts: dict[str, str] = field(default_factory=dict)
-    """Booking name -> the kind of the newest of its events among
-    :data:`BOOKING_ALERT_KINDS` (bookings not removed that have one): what the admin was
-    last told of it, so that a restart does not tell it again."""
-
-
-@dataclass(frozen=True)
-class BookingRow:
-    """A booking as the ledger keeps it: its JSON as admitted (read back by
-    :func:`allocator.bookings.booking.read_booking`, outside the ledger), who made it, when,
-    and, once removed, who removed it and when."""
-
-    name: str
-    booking: dict[str, Any]
-    created_at: float
-    created_by: str
-    removed_at: float | None = None
-    removed_by: str | None = None
-
-
 def _insert_sql(table: str) -> str:
     columns = [column for column in COLUMNS[table] if column != "id"]
     names = ", ".join(f'"{column}"' for column in columns)
@@ -714,7 +346,7 @@ def _insert_sql(table: str) -> str:
     return f'INSERT INTO "{table}" ({names}) VALUES ({marks})'
 
 
-_INSERT_SQL = {table: _insert_sql(table) for table in _INSERTED}
+_INSERT_SQL = {table: _insert_sql(table) for table in INSERTED}
 """Appending a row of the lease history or the events: every column but the row id."""
 
 

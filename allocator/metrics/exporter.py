@@ -99,7 +99,7 @@ class Replica(Observed, Protocol):
 
 class PositionObserved(Protocol):
     """What the metrics read of the log's position:
-    :class:`allocator.ledger.store.LogPosition`."""
+    :class:`allocator.ledger.log_position.LogPosition`."""
 
     @property
     def epoch(self) -> int: ...

@@ -39,8 +39,18 @@ from fractions import Fraction
 from allocator.bookings.guarantees import Guarantee
 from allocator.bookings.in_effect import in_room
 from allocator.config import PolicySettings
-from allocator.placement import policy
+from allocator.placement.claims import apply_placement
 from allocator.placement.cluster import Claim, Cluster
+from allocator.placement.demand import Demand, Placement, Refusal, placement_model
+from allocator.placement.policy import place
+from allocator.placement.quota import (
+    QuotaScope,
+    check_quota,
+    place_within_quota,
+    quota_scopes,
+    quota_standings,
+    would_borrow,
+)
 from allocator.wire.protocol import ProcessState, ReclaimReason
 
 
@@ -64,12 +74,12 @@ def borrowed_leases(holdings: Sequence[Holding], settings: PolicySettings,
                     covered: Collection[str] = frozenset()) -> set[str]:
     """The leases held beyond a guarantee of their owner (see the module's rules);
     ``covered``: the leases a booking in effect covers (never borrowed, not counted)."""
-    in_scope: dict[policy.QuotaScope, list[Holding]] = {}
+    in_scope: dict[QuotaScope, list[Holding]] = {}
     for holding in holdings:
         if holding.lease_id in covered:
             continue
-        for scope in policy.quota_scopes(holding.user, holding.groups, settings,
-                                         model=holding.model):
+        for scope in quota_scopes(holding.user, holding.groups, settings,
+                                  model=holding.model):
             if scope.guarantee is not None:
                 in_scope.setdefault(scope, []).append(holding)
     borrowed: set[str] = set()
@@ -110,7 +120,7 @@ class Waiter:
     """A queued request, in queue order."""
 
     lease_id: str
-    demand: policy.Demand
+    demand: Demand
     booked: Guarantee | None = None
     """The booking in effect the waiter is a member of, with room for it."""
 
@@ -155,25 +165,25 @@ def _copy(cluster: Cluster, draining: Collection[str]) -> Cluster:
                    claims={uuid: list(claims) for uuid, claims in cluster.claims.items()})
 
 
-def in_booking(booked: Guarantee | None, placement: policy.Placement, cluster: Cluster,
+def in_booking(booked: Guarantee | None, placement: Placement, cluster: Cluster,
                rooms: Mapping[str, Fraction]) -> bool:
     """Whether a placement of a member falls in its booking's room (``rooms``: booking ->
     its room left)."""
     return booked is not None and in_room(
-        booked, rooms.get(booked.booking, Fraction(0)), policy.placement_model(placement, cluster),
+        booked, rooms.get(booked.booking, Fraction(0)), placement_model(placement, cluster),
         placement.host, placement.units)
 
 
-def quota_refusal(placement: policy.Placement, demand: policy.Demand, cluster: Cluster,
+def quota_refusal(placement: Placement, demand: Demand, cluster: Cluster,
                   settings: PolicySettings, booked: Guarantee | None,
-                  rooms: Mapping[str, Fraction]) -> policy.Refusal | None:
+                  rooms: Mapping[str, Fraction]) -> Refusal | None:
     """Why the quota refuses ``placement`` of ``demand``, or None when it may be granted: it
     is within the quota, or it falls in the room of the member's booking in effect
     (``booked``) and that booking lifts the quota (``quota_applies`` false). The one rule,
     for placement (:meth:`allocator.engine.placement.Placer.place`) and for the plan of who
     fits (:func:`plan_reclaims`)."""
-    refusal = policy.check_quota(placement.units, demand.user, demand.groups, cluster,
-                                 settings, policy.placement_model(placement, cluster))
+    refusal = check_quota(placement.units, demand.user, demand.groups, cluster,
+                          settings, placement_model(placement, cluster))
     if (refusal is not None and booked is not None and not booked.quota_applies
             and in_booking(booked, placement, cluster, rooms)):
         return None
@@ -181,22 +191,21 @@ def quota_refusal(placement: policy.Placement, demand: policy.Demand, cluster: C
 
 
 def _fits(waiter: Waiter, cluster: Cluster, settings: PolicySettings, now: float,
-          down_after_s: float, rooms: Mapping[str, Fraction]) -> policy.Placement | None:
-    placement = policy.place(waiter.demand, cluster, now, down_after_s)
-    if not isinstance(placement, policy.Placement):
-        return None
-    if quota_refusal(placement, waiter.demand, cluster, settings, waiter.booked,
-                     rooms) is not None:
-        return None
-    return placement
+          down_after_s: float, rooms: Mapping[str, Fraction]) -> Placement | None:
+    placement = place_within_quota(
+        waiter.demand,
+        lambda demand, retry: place(demand, cluster, now, down_after_s, explain=False),
+        lambda found: quota_refusal(found, waiter.demand, cluster, settings, waiter.booked,
+                                    rooms))
+    return placement if isinstance(placement, Placement) else None
 
 
-def _within_guarantee(waiter: Waiter, placement: policy.Placement, cluster: Cluster,
+def _within_guarantee(waiter: Waiter, placement: Placement, cluster: Cluster,
                       settings: PolicySettings) -> bool:
-    standings = policy.quota_standings(waiter.demand.user, waiter.demand.groups, cluster,
-                                       settings, limited_only=True,
-                                       model=policy.placement_model(placement, cluster))
-    return not policy.would_borrow(placement.units, standings)
+    standings = quota_standings(waiter.demand.user, waiter.demand.groups, cluster,
+                                settings, limited_only=True,
+                                model=placement_model(placement, cluster))
+    return not would_borrow(placement.units, standings)
 
 
 def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cluster: Cluster,
@@ -235,13 +244,13 @@ def plan_reclaims(waiters: Sequence[Waiter], candidates: Sequence[Candidate], cl
         if placement is not None:
             if waiter.booked is not None and in_booking(waiter.booked, placement, view, room):
                 room[waiter.booked.booking] -= placement.units
-            policy.apply_placement(view, placement, waiter.lease_id, waiter.demand)
+            apply_placement(view, placement, waiter.lease_id, waiter.demand)
     return plan
 
 
 def _make_room(waiter: Waiter, ordered: Sequence[Candidate], view: Cluster,
                plan: dict[str, Reclaim], settings: PolicySettings, now: float,
-               down_after_s: float, rooms: Mapping[str, Fraction]) -> policy.Placement | None:
+               down_after_s: float, rooms: Mapping[str, Fraction]) -> Placement | None:
     """Choose victims for one waiter that does not fit (recorded in ``plan``, taken out of
     ``view``) and return its placement; None, with ``view`` unchanged, when none lets it fit.
 
@@ -259,7 +268,7 @@ def _make_room(waiter: Waiter, ordered: Sequence[Candidate], view: Cluster,
     def idle_only(candidate: Candidate) -> ReclaimReason | None:
         return ReclaimReason.IDLE if candidate.idle_releasable else None
 
-    def within(placement: policy.Placement) -> bool:
+    def within(placement: Placement) -> bool:
         return (in_booking(waiter.booked, placement, view, rooms)
                 or _within_guarantee(waiter, placement, view, settings))
 
@@ -280,19 +289,19 @@ def _make_room(waiter: Waiter, ordered: Sequence[Candidate], view: Cluster,
 def _take_until_fits(
     waiter: Waiter, pool: Sequence[tuple[Candidate, ReclaimReason]], view: Cluster,
     settings: PolicySettings, now: float, down_after_s: float,
-    accept: Callable[[policy.Placement], bool] | None, rooms: Mapping[str, Fraction],
-) -> tuple[policy.Placement, list[tuple[Candidate, ReclaimReason]]] | None:
+    accept: Callable[[Placement], bool] | None, rooms: Mapping[str, Fraction],
+) -> tuple[Placement, list[tuple[Candidate, ReclaimReason]]] | None:
     """Take candidates out of ``view`` in pool order until the waiter fits (and ``accept``
     says yes), then give back those it fits without, the least preferred first. None, with
     ``view`` as it was, when the whole pool is not enough."""
-    def fits() -> policy.Placement | None:
+    def fits() -> Placement | None:
         placement = _fits(waiter, view, settings, now, down_after_s, rooms)
         if placement is None or (accept is not None and not accept(placement)):
             return None
         return placement
 
     picked: list[tuple[Candidate, ReclaimReason, dict[str, list[Claim]]]] = []
-    placement: policy.Placement | None = None
+    placement: Placement | None = None
     for candidate, reason in pool:
         picked.append((candidate, reason, _take(view, candidate)))
         placement = fits()

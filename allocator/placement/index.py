@@ -23,7 +23,7 @@ not keep it, which this index does not know), :meth:`narrow` returns None and th
 runs.
 
 A request for several GPUs is placed by links among the first
-:data:`~allocator.placement.policy.TOPOLOGY_LOOKAHEAD` fitting hosts in best-fit order
+:data:`~allocator.placement.links.TOPOLOGY_LOOKAHEAD` fitting hosts in best-fit order
 (:mod:`allocator.placement.policy`): for it the view holds that many hosts per model, so it holds
 the policy's candidates (the first *k* candidates of the whole cluster, over every model, are
 each among the first *k* hosts of their own model), unless none of them reported links: then
@@ -44,7 +44,8 @@ import heapq
 from collections.abc import Callable, Iterator
 
 from allocator.placement.cluster import Cluster, Node
-from allocator.placement.policy import TOPOLOGY_LOOKAHEAD, Demand
+from allocator.placement.demand import Demand
+from allocator.placement.links import TOPOLOGY_LOOKAHEAD
 
 DEFAULT_DEPTH = 1
 """Hosts per model in a narrowed view. One is enough: :meth:`PlacementIndex.narrow` skips
@@ -162,6 +163,8 @@ class PlacementIndex:
                 return None
             if demand.min_memory_mib is not None and sizes and max(sizes) < demand.min_memory_mib:
                 continue  # the policy's memory filter drops this model entirely
+            if model in demand.refused_models:
+                continue  # and so does a quota that refused it
             kept.append(model)
         found: list[str] = []
         if demand.models is None and depth > self.depth:

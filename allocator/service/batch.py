@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import aio_pika.abc
 
 from allocator.config import AllocatorSettings
+from allocator.ledger.changes import Changes
 from allocator.ledger.replication import (
     LogFenced,
     LogMismatch,
@@ -40,7 +41,7 @@ from allocator.ledger.replication import (
     LogUnavailable,
     ReplicatedLog,
 )
-from allocator.ledger.store import Changes, LedgerChanged, LedgerError
+from allocator.ledger.store import LedgerChanged, LedgerError
 from allocator.logs import lease_context
 from allocator.metrics.counters import Count, ServiceStats
 from allocator.metrics.exporter import AllocatorMetrics

@@ -20,7 +20,7 @@ import aio_pika.abc
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger.store import Changes
+from allocator.ledger.changes import Changes
 from allocator.metrics.counters import Count, Family, ServiceStats
 from allocator.service.answers import Pending
 from allocator.service.decided import DecidedRequests, RequestId

@@ -13,8 +13,10 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
 
 from allocator.engine import Engine
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.ledger.loaded import LoadedState
+from allocator.ledger.store import Ledger
 from allocator.ledger.usage_history import ended_since
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from allocator.admin.exports import FORMULA_STARTS, csv_cell, write_csv
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import LeaseState
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,9 @@ from pydantic import ValidationError
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import LoadedState
+from allocator.ledger.store import Ledger
 from allocator.wire.interconnect import (
     MAX_CPULIST,
     HostGpu,

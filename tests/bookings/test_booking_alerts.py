@@ -15,7 +15,7 @@ import pytest
 
 from allocator.engine import Engine
 from allocator.engine.booking_alerts import RECHECK_S
-from allocator.ledger.store import Changes
+from allocator.ledger.changes import Changes
 from allocator.metrics import exporter as metrics
 from allocator.wire.protocol import BookingReply, DrainRequest, ErrorReply
 from tests.support.booking_engine import NOW, Cluster, lab

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import (
     AllocateRequest,
     DrainRequest,

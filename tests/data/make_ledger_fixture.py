@@ -39,7 +39,11 @@ except ImportError:  # a release before 0.3.0: one flat package
     )
 
     import allocator.ledger as ledger_module  # type: ignore[no-redef]
-Changes, Ledger = ledger_module.Changes, ledger_module.Ledger
+Ledger = ledger_module.Ledger
+try:  # the batch's writes in a module of their own
+    from allocator.ledger.changes import Changes
+except ImportError:  # before: in the store's module (or the flat package's)
+    Changes = ledger_module.Changes  # type: ignore[attr-defined,misc]
 
 T0 = 1_750_000_000.0
 GTX1070 = "NVIDIA GeForce GTX 1070"

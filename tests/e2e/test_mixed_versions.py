@@ -61,7 +61,7 @@ import pytest
 
 from allocator.amqp.client import AllocatorClient
 from allocator.ledger.readonly import open_readonly
-from allocator.ledger.store import SCHEMA_VERSION
+from allocator.ledger.schema import SCHEMA_VERSION
 from allocator.wire.protocol import AllocateRequest, Lease, LeaseState, ReleaseReason
 from nodeagent.simulated import make_gpu, write_inventory
 from tests.support import services

@@ -15,8 +15,8 @@ import aio_pika
 import pytest
 from rich.console import Console
 
-from allocator.admin import reports
 from allocator.admin.ledger_cli import render_status
+from allocator.admin.status import live_status
 from allocator.amqp.client import AllocatorClient
 from allocator.metrics import exporter as allocator_metrics
 from allocator.service import AllocatorService
@@ -105,7 +105,7 @@ async def test_the_hello_reaches_the_agent_and_outside_use_is_shown(
                 (4242, "stray", "lab/miner:1")]
             # gpu-ledger status, as it prints the live allocator's answer.
             out = io.StringIO()
-            render_status(reports.live_status(await hub.inventory(include_leases=True),
+            render_status(live_status(await hub.inventory(include_leases=True),
                                               await hub.queue()),
                           Console(file=out, width=200, soft_wrap=False))
             assert "pid 4242 in container stray (lab/miner:1)" in out.getvalue()

@@ -21,7 +21,8 @@ import pytest
 from allocator.admin import ledger_cli
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.service.memory import Memory
 from allocator.wire.protocol import (
     AllocateRequest,

@@ -12,7 +12,8 @@ import pytest
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.metrics.counters import Count
 from allocator.placement.cluster import GPU
 from allocator.placement.declared import beyond_declared

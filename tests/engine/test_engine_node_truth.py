@@ -11,8 +11,10 @@ from pathlib import Path
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
+from allocator.ledger.changes import Changes
 from allocator.ledger.invariants import NodeReport, check_ledger
-from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.ledger.loaded import LoadedState
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,

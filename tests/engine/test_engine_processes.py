@@ -17,11 +17,13 @@ import pytest
 from pydantic import ValidationError
 from rich.console import Console
 
-from allocator.admin import reports
 from allocator.admin.ledger_cli import render_status
+from allocator.admin.status import live_status
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger.store import Changes, Ledger, LoadedState
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import LoadedState
+from allocator.ledger.store import Ledger
 from allocator.metrics import exporter as metrics
 from allocator.wire.protocol import (
     GPU_PROCESSES,
@@ -128,7 +130,7 @@ def gpu_view(engine: Engine, index: int, now: float) -> GPUView:
 def status_text(engine: Engine, now: float) -> str:
     """``gpu-ledger status`` as it prints the live allocator's answer."""
     out = io.StringIO()
-    render_status(reports.live_status(engine.inventory(now, include_leases=True), []),
+    render_status(live_status(engine.inventory(now, include_leases=True), []),
                   Console(file=out, width=200, soft_wrap=False))
     return out.getvalue()
 

@@ -23,8 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
+from allocator.ledger.changes import Changes
 from allocator.ledger.invariants import check_ledger
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.store import Ledger
 from allocator.ledger.usage_history import ended_since
 from allocator.wire.protocol import (
     AllocateRequest,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, LoadedState
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import LoadedState
 from allocator.wire.protocol import AllocateRequest, GPUInfo, Heartbeat, LeaseReply, LeaseState
 from tests.support.common import HUB, NODE
 

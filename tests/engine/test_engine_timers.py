@@ -9,7 +9,8 @@ from pathlib import Path
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,

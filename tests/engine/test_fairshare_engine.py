@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from allocator.config import AllocatorSettings, guarantee_problem
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,
@@ -577,6 +578,35 @@ def test_per_model_guarantees_borrow_and_reclaim_within_their_model(tmp_path: Pa
     assert engine.leases[first.lease.lease_id].state is LeaseState.GRANTED
     bobs = engine.find(None, "b1")
     assert bobs is not None and bobs.state is LeaseState.GRANTED
+
+
+def test_an_any_model_request_goes_to_a_model_its_per_model_quota_allows(tmp_path: Path):
+    """Best fit would put alice's any-model request on the last free A100 (the model with the
+    fewest free GPUs), which her A100 quota refuses; the 1070s are free and hers to take."""
+    settings = AllocatorSettings(
+        ledger_path=tmp_path / "ledger.sqlite", allow_any_node_user=True, start_fence_s=0,
+        aliases={"big": "NVIDIA A100-SXM4-40GB"}, user_model_quota={"alice": {"big": 1}})
+    engine = Engine(settings, started_at=0.0)
+    changes = Changes()
+    gpus = [GPUInfo(uuid=f"GPU-{i}", index=i, model=model, memory_total_mib=8192)
+            for i, model in enumerate(("NVIDIA A100-SXM4-40GB",) * 2 + (MODEL,) * 2)]
+    engine.handle(Heartbeat(host=HOST, agent_id="a", seq=1, sent_at=10.0, interval_s=2,
+                            gpus=gpus, source="simulated"), NODE, 10.0, changes)
+    held = engine.handle(AllocateRequest(request_key="a1", user="alice", model="big"), HUB,
+                         11.0, changes)
+    assert isinstance(held, LeaseReply) and held.lease.model == "NVIDIA A100-SXM4-40GB"
+    anyone = engine.handle(AllocateRequest(request_key="a2", user="alice"), HUB, 11.0, changes)
+    assert isinstance(anyone, LeaseReply), anyone
+    assert anyone.lease.model == MODEL
+    # Only A100s asked for: refused by the same quota, as before.
+    refused = engine.handle(AllocateRequest(request_key="a3", user="alice", model="big"), HUB,
+                            11.0, changes)
+    assert isinstance(refused, ErrorReply) and refused.error.code == "quota_exceeded"
+    # Nothing she may take is free: the A100 quota's refusal, not "no capacity".
+    engine.handle(AllocateRequest(request_key="a4", user="alice"), HUB, 11.0, changes)
+    last = engine.handle(AllocateRequest(request_key="a5", user="alice"), HUB, 11.0, changes)
+    assert isinstance(last, ErrorReply) and last.error.code == "quota_exceeded"
+    assert "of NVIDIA A100" in last.error.message
 
 
 @pytest.mark.parametrize(("settings", "fragment"), [

@@ -31,7 +31,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
 from allocator.engine.lease_use import UseBook
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.metrics.counters import Counters
 from allocator.placement.index import PlacementIndex
 from allocator.wire.heartbeat_delta import EXACT, apply_delta, delta_between

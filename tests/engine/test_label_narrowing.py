@@ -10,8 +10,8 @@ from pathlib import Path
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import ADOPTED_OWNER
-from allocator.ledger.store import Changes
 from allocator.wire.protocol import (
     AllocateRequest,
     ContainerAction,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import AllocateRequest, ErrorReply, LeaseReply
 from tests.support.common import A100_40GB as A100
 from tests.support.common import HUB, NODE
@@ -67,7 +68,8 @@ def test_a_ledger_of_schema_1_is_migrated_and_keeps_its_gpus(tmp_path: Path) -> 
 
     import sqlite_utils
 
-    from allocator.ledger.store import MIGRATIONS, SCHEMA_VERSION
+    from allocator.ledger.schema import SCHEMA_VERSION
+    from allocator.ledger.store import MIGRATIONS
 
     path = tmp_path / "old.sqlite"
     db = sqlite_utils.Database(sqlite3.connect(str(path)))

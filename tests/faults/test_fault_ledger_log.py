@@ -33,7 +33,8 @@ from typing import Any
 import pytest
 
 from allocator.amqp.client import AllocatorClient, AllocatorError, AllocatorTimeout
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import AllocateRequest, ErrorCode, Lease, LeaseState
 from tests.support.common import RTX3090, beat_until, gpus, wait_until
 from tests.support.faults import (

@@ -10,9 +10,9 @@ import pytest
 from traitlets.config import Config
 from traitlets.config.loader import PyFileConfigLoader
 
-from allocator.placement import policy
 from allocator.placement.cluster import GPU, Cluster
-from allocator.placement.policy import Placement
+from allocator.placement.container_env import lease_env
+from allocator.placement.demand import Placement
 from allocator.wire.lease_container import grant_from_labels
 from allocator.wire.protocol import ContainerGrant, LeaseState
 from hubplugin.builders import (
@@ -59,7 +59,7 @@ def test_a_granted_slice_carries_the_allocators_budget_and_hints() -> None:
                                    memory_total_mib=8192)
     placement = Placement("gpu-a", ("GPU-aaaa",), True, 2048, Fraction(1, 4))
     env = gpu_env(lease(shared=True, memory_mib=2048,
-                        env=policy.lease_env(placement, cluster, "L-42")))
+                        env=lease_env(placement, cluster, "L-42")))
     assert env["SWARM_GPU_SHARED"] == "1"
     assert env["SWARM_GPU_MEMORY_LIMIT_MIB"] == "2048"
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from allocator.config import PolicySettings
 from allocator.placement.cluster import GPU, Cluster, Node
-from allocator.placement.policy import Placement, Refusal, make_demand, place, summarize_models
+from allocator.placement.demand import Placement, Refusal, make_demand
+from allocator.placement.model_summary import summarize_models
+from allocator.placement.policy import place
 from allocator.wire.capacity import GPUGroup, fits_count, gpu_groups, largest_group, most_per_host
 from allocator.wire.protocol import (
     MAX_COUNT,

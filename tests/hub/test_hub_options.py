@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from allocator.placement.cluster import GPU, Cluster
-from allocator.placement.policy import resolve_models
+from allocator.placement.demand import resolve_models
 from allocator.wire.protocol import AllocateRequest
 from hubplugin.options import (
     GPUMode,

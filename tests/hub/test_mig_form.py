@@ -8,7 +8,7 @@ from pathlib import Path
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes
+from allocator.ledger.changes import Changes
 from allocator.wire.protocol import AllocateRequest, LeaseReply
 from hubplugin.form import render_form
 from hubplugin.options import GPUPermissions

@@ -11,7 +11,9 @@ from typing import Any
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger, LogPosition
+from allocator.ledger.changes import Changes
+from allocator.ledger.log_position import LogPosition
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import BookingReply, BookingRequest
 from tests.support.booking_engine import ADMIN, NOW, Cluster, lab
 from tests.support.common import GTX1070, gpus, wait_until

@@ -28,17 +28,13 @@ import pytest
 from allocator.amqp.client import AllocatorClient, AllocatorError
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
+from allocator.ledger.change_set import BrokenChanges, ChangeSet
+from allocator.ledger.changes import LEASE_OWNERS, Changes
 from allocator.ledger.lease import ADOPTED_OWNER
 from allocator.ledger.log_entries import Batch, decode_entry
+from allocator.ledger.log_position import LogPosition
 from allocator.ledger.log_snapshot import decode_parts, encode_parts
-from allocator.ledger.store import (
-    LEASE_OWNERS,
-    BrokenChanges,
-    Changes,
-    ChangeSet,
-    Ledger,
-    LogPosition,
-)
+from allocator.ledger.store import Ledger
 from allocator.service import AllocatorService
 from allocator.wire.protocol import (
     AllocateRequest,

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord, row_reader
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import LeaseState, ReclaimReason, ReleaseReason
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=12)

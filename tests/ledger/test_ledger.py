@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from allocator.ledger.store import Changes, Ledger, LedgerError
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger, LedgerError
 from allocator.placement.cluster import Node
 
 

@@ -31,11 +31,13 @@ import pytest
 
 from allocator.ledger import backup
 from allocator.ledger.backup import BACKUP_EVENT, RESTORE_EVENT
+from allocator.ledger.changes import Changes
 from allocator.ledger.invariants import check_ledger
 from allocator.ledger.lease import LeaseRecord
 from allocator.ledger.log_entries import Claim
 from allocator.ledger.replication import LogMismatch
-from allocator.ledger.store import SCHEMA_VERSION, Changes, Ledger, LedgerInUse, LedgerLock
+from allocator.ledger.schema import SCHEMA_VERSION
+from allocator.ledger.store import Ledger, LedgerInUse, LedgerLock
 from allocator.placement.cluster import Node
 from allocator.wire.protocol import LeaseState
 from tests.support.ledger_log import lease_ids, replica

@@ -11,9 +11,10 @@ from pathlib import Path
 import aio_pika
 import pytest
 
+from allocator.ledger.change_set import ChangeSet
 from allocator.ledger.log_entries import Batch
 from allocator.ledger.replication import LogFenced, LogMismatch, LogUnavailable
-from allocator.ledger.store import ChangeSet, Ledger
+from allocator.ledger.store import Ledger
 from tests.support.common import wait_until
 from tests.support.ledger_log import STREAM, batch, lease_ids, replica
 

@@ -18,10 +18,13 @@ from typing import Any
 
 import aio_pika
 
+from allocator.ledger.change_set import ChangeSet
+from allocator.ledger.changes import Changes
 from allocator.ledger.log_entries import Batch, SnapshotPart
+from allocator.ledger.log_position import LogPosition
 from allocator.ledger.log_snapshot import AsOf, PartHeader, encode_parts
 from allocator.ledger.replication import ReplicatedLog
-from allocator.ledger.store import Changes, ChangeSet, Ledger, LogPosition
+from allocator.ledger.store import Ledger
 from allocator.metrics import exporter as metrics
 from tests.support.common import wait_until
 from tests.support.faults import Proxy, first_kept_offset

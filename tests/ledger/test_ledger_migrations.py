@@ -22,17 +22,12 @@ import pytest
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
+from allocator.ledger.changes import Changes
 from allocator.ledger.invariants import check_ledger
-from allocator.ledger.store import (
-    MIGRATIONS,
-    SCHEMA_VERSION,
-    BookingRow,
-    Changes,
-    Ledger,
-    LedgerCorrupt,
-    LedgerError,
-    LogPosition,
-)
+from allocator.ledger.loaded import BookingRow
+from allocator.ledger.log_position import LogPosition
+from allocator.ledger.schema import SCHEMA_VERSION
+from allocator.ledger.store import MIGRATIONS, Ledger, LedgerCorrupt, LedgerError
 from allocator.wire.protocol import (
     ErrorCode,
     ErrorReply,

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from allocator.ledger.change_set import BrokenChanges, ChangeSet
+from allocator.ledger.changes import Changes
 from allocator.ledger.log_entries import (
     Batch,
     BrokenEntry,
@@ -21,14 +23,8 @@ from allocator.ledger.log_entries import (
     decode_entry,
 )
 from allocator.ledger.log_snapshot import AsOf, PartHeader, Table, encode_parts
-from allocator.ledger.store import (
-    COLUMNS,
-    BrokenChanges,
-    Changes,
-    ChangeSet,
-    Ledger,
-    LedgerError,
-)
+from allocator.ledger.schema import COLUMNS
+from allocator.ledger.store import Ledger, LedgerError
 
 LEASE = {"lease_id": "l1", "request_key": "k/l1/", "user": "u", "state": "queued",
          "created_at": 1.5, "groups": ["g"], "request": {"count": 1}, "gpu_uuids": [],

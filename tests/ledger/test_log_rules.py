@@ -8,8 +8,11 @@ import uuid
 from hypothesis import given
 from hypothesis import strategies as st
 
+from allocator.ledger.change_set import ChangeSet
+from allocator.ledger.changes import Changes
 from allocator.ledger.log_catch_up import ScanFromOldest, SnapshotSearch
 from allocator.ledger.log_entries import Batch, Claim, Entry
+from allocator.ledger.log_position import LogPosition
 from allocator.ledger.log_rules import (
     ENTRY_OVERHEAD_BYTES,
     Applied,
@@ -23,7 +26,6 @@ from allocator.ledger.log_rules import (
     snapshot_outgrows_retention,
     stream_is_not_the_log,
 )
-from allocator.ledger.store import Changes, ChangeSet, LogPosition
 from allocator.placement.cluster import Node
 
 LOG = "log-1"

@@ -367,7 +367,7 @@ def test_the_gpu_gauge_counts_what_the_inventory_shows_by_state() -> None:
     out, and every GPU the inventory shows is counted once."""
     from allocator.config import AllocatorSettings
     from allocator.engine import Engine
-    from allocator.ledger.store import Changes
+    from allocator.ledger.changes import Changes
     from tests.support.common import NODE, heartbeat
     from tests.support.scraped import EngineOnly
 

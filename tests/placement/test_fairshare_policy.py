@@ -10,8 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocator.config import PolicySettings
-from allocator.placement import fairshare, policy
+from allocator.placement import fairshare
+from allocator.placement.claims import claim_gpus
 from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.demand import Demand, Placement, placement_model
+from allocator.placement.policy import place
+from allocator.placement.quota import check_quota, quota_scopes, quota_standings, would_borrow
 from allocator.wire.protocol import Health, ReclaimReason
 
 USERS = ("ann", "ben", "cat", "dan")
@@ -61,10 +65,10 @@ def scenarios(draw: st.DrawFn) -> tuple[Cluster, PolicySettings, list[fairshare.
         holdings.append(fairshare.Holding(lease_id, user, groups, Fraction(1),
                                           float(draw(st.integers(0, 50))),
                                           model=cluster.gpus[uuid].model))
-        policy.claim_gpus(cluster, lease_id, user, groups, [uuid], shared=False,
-                          memory_mib=None, units=Fraction(1))
+        claim_gpus(cluster, lease_id, user, groups, [uuid], shared=False,
+                   memory_mib=None, units=Fraction(1))
         idle[lease_id] = float(draw(st.sampled_from([0, 100, 5000])))
-    waiters = [fairshare.Waiter(f"w{n}", policy.Demand(
+    waiters = [fairshare.Waiter(f"w{n}", Demand(
         user=draw(st.sampled_from(USERS)),
         groups=tuple(draw(st.lists(st.sampled_from(GROUPS), max_size=2, unique=True))),
         models=None, min_memory_mib=None, count=draw(st.integers(1, 2)), host=None,
@@ -106,8 +110,8 @@ def test_nothing_within_a_guarantee_is_ever_reclaimed(scenario) -> None:
     for holding in holdings:
         if holding.lease_id in borrowed:
             continue
-        for quota in policy.quota_scopes(holding.user, holding.groups, config,
-                                         model=holding.model):
+        for quota in quota_scopes(holding.user, holding.groups, config,
+                                  model=holding.model):
             if quota.guarantee is None:
                 continue
             same = [h for h in holdings
@@ -131,14 +135,14 @@ def fits_within_guarantee(waiter: fairshare.Waiter, cluster: Cluster, config: Po
     view = Cluster(nodes=cluster.nodes, gpus=cluster.gpus,
                    claims={u: [c for c in cs if c.lease_id not in without]
                            for u, cs in cluster.claims.items()})
-    placement = policy.place(waiter.demand, view, NOW, 60.0)
-    if not isinstance(placement, policy.Placement):
+    placement = place(waiter.demand, view, NOW, 60.0)
+    if not isinstance(placement, Placement):
         return False
     user, groups = waiter.demand.user, waiter.demand.groups
-    model = policy.placement_model(placement, view)
-    if policy.check_quota(placement.units, user, groups, view, config, model) is not None:
+    model = placement_model(placement, view)
+    if check_quota(placement.units, user, groups, view, config, model) is not None:
         return False
-    return not policy.would_borrow(placement.units, policy.quota_standings(
+    return not would_borrow(placement.units, quota_standings(
         user, groups, view, config, limited_only=True, model=model))
 
 

@@ -13,17 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allocator.config import PolicySettings
+from allocator.placement.claims import apply_placement
 from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.container_env import lease_env
+from allocator.placement.demand import Placement, Refusal, make_demand
 from allocator.placement.index import PlacementIndex
-from allocator.placement.policy import (
-    Placement,
-    Refusal,
-    apply_placement,
-    lease_env,
-    make_demand,
-    place,
-    summarize_models,
-)
+from allocator.placement.model_summary import summarize_models
+from allocator.placement.policy import place
 from allocator.wire.protocol import AllocateRequest, ErrorCode, Health
 from tests.support.common import A100_40GB as A100
 from tests.support.common import GTX1070 as GTX

@@ -7,9 +7,12 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.placement import policy
+from allocator.placement.claims import apply_placement
 from allocator.placement.cluster import GPU, Cluster, Node
+from allocator.placement.demand import Demand, Placement
 from allocator.placement.index import PlacementIndex
+from allocator.placement.no_capacity import nothing_fits_now
+from allocator.placement.policy import place
 from allocator.wire.protocol import Health
 
 NOW = 1000.0
@@ -38,7 +41,7 @@ def clusters(draw: st.DrawFn) -> Cluster:
 
 
 demands = st.builds(
-    policy.Demand,
+    Demand,
     user=st.just("u"), groups=st.just(()),
     models=st.one_of(st.none(), st.lists(st.sampled_from(sorted(MODELS)), min_size=1,
                                          max_size=3, unique=True).map(tuple)),
@@ -52,25 +55,25 @@ def usable(node: Node) -> bool:
     return node.is_up(NOW, DOWN_AFTER) and not node.drained
 
 
-def narrowed_place(index: PlacementIndex, demand: policy.Demand, cluster: Cluster):
+def narrowed_place(index: PlacementIndex, demand: Demand, cluster: Cluster):
     """What the engine does: the narrowed view first, the whole cluster when it finds nothing."""
     view = index.narrow(demand, cluster, usable)
     if view is not None and view.nodes:
-        found = policy.place(demand, view, NOW, DOWN_AFTER)
-        if isinstance(found, policy.Placement):
+        found = place(demand, view, NOW, DOWN_AFTER)
+        if isinstance(found, Placement):
             return found
-    return policy.place(demand, cluster, NOW, DOWN_AFTER)
+    return place(demand, cluster, NOW, DOWN_AFTER)
 
 
-def quick_place(index: PlacementIndex, demand: policy.Demand, cluster: Cluster):
+def quick_place(index: PlacementIndex, demand: Demand, cluster: Cluster):
     """What the engine does when it serves the queue: the narrowed view's answer stands, a
     "no" included (None: the index could not narrow)."""
     view = index.narrow(demand, cluster, usable)
     if view is None:
         return None
     if not view.nodes:
-        return policy.nothing_fits_now()
-    return policy.place(demand, view, NOW, DOWN_AFTER, explain=False)
+        return nothing_fits_now()
+    return place(demand, view, NOW, DOWN_AFTER, explain=False)
 
 
 @settings(max_examples=300, deadline=None)
@@ -78,19 +81,19 @@ def quick_place(index: PlacementIndex, demand: policy.Demand, cluster: Cluster):
 def test_narrowed_placement_equals_full_placement(cluster, steps, depth):
     index = PlacementIndex(depth=depth)
     index.rebuild(cluster)
-    held: list[tuple[str, policy.Placement]] = []
+    held: list[tuple[str, Placement]] = []
     for n, (demand, release_one) in enumerate(steps):
         if demand.shared:
-            demand = policy.Demand(**{**demand.__dict__, "count": 1})
-        expected = policy.place(demand, cluster, NOW, DOWN_AFTER)
+            demand = Demand(**{**demand.__dict__, "count": 1})
+        expected = place(demand, cluster, NOW, DOWN_AFTER)
         got = narrowed_place(index, demand, cluster)
         assert got == expected
         quick = quick_place(index, demand, cluster)
         if quick is not None:  # where it narrows, its "no" is the policy's too
-            assert quick == expected if isinstance(expected, policy.Placement) \
-                else not isinstance(quick, policy.Placement)
-        if isinstance(got, policy.Placement):
-            policy.apply_placement(cluster, got, f"l{n}", demand)
+            assert quick == expected if isinstance(expected, Placement) \
+                else not isinstance(quick, Placement)
+        if isinstance(got, Placement):
+            apply_placement(cluster, got, f"l{n}", demand)
             index.refresh(cluster, got.host)
             held.append((f"l{n}", got))
         if release_one and held:
@@ -105,11 +108,11 @@ def test_narrowing_declines_when_a_model_has_several_sizes():
     cluster.gpus["b"] = GPU(uuid="b", host="h", index=1, model="X", memory_total_mib=20)
     index = PlacementIndex()
     index.rebuild(cluster)
-    demand = policy.Demand(user="u", groups=(), models=("X",), min_memory_mib=15, count=1,
-                           host=None, shared=False, share_memory_mib=None)
+    demand = Demand(user="u", groups=(), models=("X",), min_memory_mib=15, count=1,
+                    host=None, shared=False, share_memory_mib=None)
     assert index.narrow(demand, cluster, usable) is None
     placement = narrowed_place(index, demand, cluster)
-    assert isinstance(placement, policy.Placement) and placement.gpu_uuids == ("b",)
+    assert isinstance(placement, Placement) and placement.gpu_uuids == ("b",)
     assert placement.units == Fraction(1)
 
 
@@ -124,7 +127,7 @@ def test_narrowed_view_holds_only_the_best_fit_hosts():
             cluster.nodes[host].gpu_uuids.append(gpu.uuid)
     index = PlacementIndex(depth=2)
     index.rebuild(cluster)
-    demand = policy.Demand(user="u", groups=(), models=None, min_memory_mib=None, count=2,
-                           host=None, shared=False, share_memory_mib=None)
+    demand = Demand(user="u", groups=(), models=None, min_memory_mib=None, count=2,
+                    host=None, shared=False, share_memory_mib=None)
     view = index.narrow(demand, cluster, usable)
     assert view is not None and sorted(view.nodes) == ["h1", "h3"]

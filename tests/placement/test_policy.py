@@ -15,23 +15,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allocator.config import PolicySettings
+from allocator.placement.claims import apply_placement
 from allocator.placement.cluster import GPU, Claim, Cluster, Node
-from allocator.placement.policy import (
+from allocator.placement.container_env import lease_env
+from allocator.placement.demand import (
     Demand,
     Placement,
     Refusal,
-    apply_placement,
     canonical_models,
-    check_quota,
-    feasible,
-    lease_env,
     make_demand,
-    place,
-    queue_order_key,
     resolve_models,
     share_slots_for,
-    summarize_models,
 )
+from allocator.placement.feasibility import feasible
+from allocator.placement.model_summary import summarize_models
+from allocator.placement.policy import place
+from allocator.placement.queue_order import queue_order_key
+from allocator.placement.quota import check_quota
 from allocator.wire.protocol import AllocateRequest, ErrorCode, Health, ShareRequest
 
 NOW = 10_000.0

@@ -13,7 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocator.placement import policy
+from allocator.placement.claims import apply_placement
 from allocator.placement.cluster import GPU, Claim, Cluster, Node
+from allocator.placement.container_env import lease_env
+from allocator.placement.demand import Demand, Placement, Refusal
 from allocator.placement.gpu_sets import DEMANDED_LEVEL, set_cost, visible_order, worst_link
 from allocator.placement.index import PlacementIndex
 from allocator.wire.interconnect import LinkLevel
@@ -47,13 +50,13 @@ def add_host(cluster: Cluster, host: str, gpus: int, model: str = "A",
 
 
 def demand(count: int | None, topology: str | None = None, *, models: tuple[str, ...] | None
-           = None) -> policy.Demand:
-    return policy.Demand(user="u", groups=(), models=models, min_memory_mib=None, count=count,
-                         host=None, shared=False, share_memory_mib=None,
-                         topology=topology)  # type: ignore[arg-type]
+           = None) -> Demand:
+    return Demand(user="u", groups=(), models=models, min_memory_mib=None, count=count,
+                  host=None, shared=False, share_memory_mib=None,
+                  topology=topology)  # type: ignore[arg-type]
 
 
-def place(cluster: Cluster, wanted: policy.Demand) -> policy.Placement | policy.Refusal:
+def place(cluster: Cluster, wanted: Demand) -> Placement | Refusal:
     return policy.place(wanted, cluster, NOW, DOWN_AFTER)
 
 
@@ -64,7 +67,7 @@ def test_two_gpus_of_a_two_socket_host_share_a_pcie_switch():
     cluster = Cluster()
     add_host(cluster, "p", 8, preset="pcie-two-socket", taken=[0, 2])
     got = place(cluster, demand(2))
-    assert isinstance(got, policy.Placement)
+    assert isinstance(got, Placement)
     assert set(got.gpu_uuids) == {"p-4", "p-5"}  # 1 and 3 are on one socket, not one switch
     assert got.numa_nodes == (1,)
 
@@ -73,14 +76,14 @@ def test_one_gpu_leaves_the_last_nvlink_pair_whole():
     cluster = Cluster()
     add_host(cluster, "w", 4, preset="nvlink-pairs", taken=[0])
     got = place(cluster, demand(1))
-    assert isinstance(got, policy.Placement) and got.gpu_uuids == ("w-1",)
+    assert isinstance(got, Placement) and got.gpu_uuids == ("w-1",)
 
 
 def test_the_same_host_by_index_without_links():
     cluster = Cluster()
     add_host(cluster, "w", 4, taken=[0])
     got = place(cluster, demand(1))
-    assert isinstance(got, policy.Placement) and got.gpu_uuids == ("w-1",)
+    assert isinstance(got, Placement) and got.gpu_uuids == ("w-1",)
     assert place(cluster, demand(2)).gpu_uuids == ("w-1", "w-2")  # type: ignore[union-attr]
 
 
@@ -91,10 +94,10 @@ def test_several_gpus_go_to_the_better_connected_host_of_the_first_candidates():
     add_host(cluster, "a", 8, preset="pcie-two-socket", taken=[0, 2, 5, 7, 1])  # 3, 4, 6 free
     add_host(cluster, "b", 8, preset="pcie-two-socket", taken=[0, 1, 2, 3])
     got = place(cluster, demand(2))
-    assert isinstance(got, policy.Placement) and got.host == "b"
+    assert isinstance(got, Placement) and got.host == "b"
     assert worst_link(cluster.nodes["b"].interconnect, got.gpu_uuids) is LinkLevel.SINGLE  # type: ignore[arg-type]
     one = place(cluster, demand(1))
-    assert isinstance(one, policy.Placement) and one.host == "a"  # one GPU: best fit only
+    assert isinstance(one, Placement) and one.host == "a"  # one GPU: best fit only
 
 
 def test_a_demanded_level_skips_hosts_that_cannot_keep_it():
@@ -103,27 +106,27 @@ def test_a_demanded_level_skips_hosts_that_cannot_keep_it():
     add_host(cluster, "p", 8, preset="pcie-two-socket", taken=[1, 3, 5, 7])
     add_host(cluster, "h", 8, preset="hgx", taken=[0, 1, 2, 3, 4, 5])
     got = place(cluster, demand(2, "nvlink"))
-    assert isinstance(got, policy.Placement) and got.host == "h"
+    assert isinstance(got, Placement) and got.host == "h"
     switch = place(cluster, demand(2, "pcie-switch"))
-    assert isinstance(switch, policy.Placement) and switch.host == "h"  # NVLink is better
+    assert isinstance(switch, Placement) and switch.host == "h"  # NVLink is better
     cluster.add_claim("h-6", Claim("z", "x", (), True, 81920, Fraction(1)))
     refused = place(cluster, demand(2, "nvlink"))
-    assert isinstance(refused, policy.Refusal) and refused.code is ErrorCode.NO_CAPACITY
+    assert isinstance(refused, Refusal) and refused.code is ErrorCode.NO_CAPACITY
     assert "NVLink" in refused.message and refused.details["topology"] == "nvlink"
     # one GPU keeps any level
-    assert isinstance(place(cluster, demand(1, "nvlink")), policy.Placement)
+    assert isinstance(place(cluster, demand(1, "nvlink")), Placement)
 
 
 def test_a_level_no_host_could_ever_keep_is_unsatisfiable():
     cluster = Cluster()
     add_host(cluster, "p", 8, preset="pcie-two-socket")
     refused = place(cluster, demand(2, "nvlink"))
-    assert isinstance(refused, policy.Refusal) and refused.code is ErrorCode.UNSATISFIABLE
+    assert isinstance(refused, Refusal) and refused.code is ErrorCode.UNSATISFIABLE
     assert "NVLink" in refused.message and "one PCIe switch" in refused.message
     unreported = Cluster()
     add_host(unreported, "old", 8)
     refused = place(unreported, demand(2, "socket"))
-    assert isinstance(refused, policy.Refusal) and refused.code is ErrorCode.UNSATISFIABLE
+    assert isinstance(refused, Refusal) and refused.code is ErrorCode.UNSATISFIABLE
     assert "reported how its GPUs are joined" in refused.message
 
 
@@ -131,26 +134,26 @@ def test_a_whole_host_keeps_its_gpus_in_the_containers_order():
     cluster = Cluster()
     add_host(cluster, "w", 4, preset="nvlink-pairs")
     got = place(cluster, demand(None))
-    assert isinstance(got, policy.Placement)
+    assert isinstance(got, Placement)
     assert set(got.gpu_uuids) == {"w-0", "w-1", "w-2", "w-3"}
     assert got.gpu_uuids == visible_order(cluster.nodes["w"].interconnect, got.gpu_uuids)  # type: ignore[arg-type]
-    assert isinstance(place(cluster, demand(None, "nvlink")), policy.Refusal)
-    assert isinstance(place(cluster, demand(None, "socket")), policy.Placement)
+    assert isinstance(place(cluster, demand(None, "nvlink")), Refusal)
+    assert isinstance(place(cluster, demand(None, "socket")), Placement)
 
 
 def test_the_container_gets_the_order_and_the_numa_nodes():
     cluster = Cluster()
     add_host(cluster, "h", 8, preset="hgx", taken=[0, 1, 2])
     got = place(cluster, demand(3))
-    assert isinstance(got, policy.Placement) and got.numa_nodes == (0, 1)
-    env = policy.lease_env(got, cluster, "lease-1")
+    assert isinstance(got, Placement) and got.numa_nodes == (0, 1)
+    env = lease_env(got, cluster, "lease-1")
     assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(got.gpu_uuids)
     assert env["SWARM_GPU_NUMA_NODES"] == "0,1"
     plain = Cluster()
     add_host(plain, "n", 2)
     bare = place(plain, demand(2))
-    assert isinstance(bare, policy.Placement)
-    assert "SWARM_GPU_NUMA_NODES" not in policy.lease_env(bare, plain, "lease-2")
+    assert isinstance(bare, Placement)
+    assert "SWARM_GPU_NUMA_NODES" not in lease_env(bare, plain, "lease-2")
 
 
 # --------------------------------------------------------------------------- properties
@@ -179,7 +182,7 @@ def eligible(cluster: Cluster, host: str, model: str) -> list[str]:
             if g.model == model and g.placeable and cluster.is_free(g)]
 
 
-def old_exclusive(cluster: Cluster, wanted: policy.Demand) -> tuple[str, tuple[str, ...]] | None:
+def old_exclusive(cluster: Cluster, wanted: Demand) -> tuple[str, tuple[str, ...]] | None:
     """The rule before links, written out: the fewest free GPUs on the host, its name, the
     model with the fewest free GPUs there; the lowest indices."""
     assert wanted.count is not None
@@ -204,15 +207,15 @@ def old_exclusive(cluster: Cluster, wanted: policy.Demand) -> tuple[str, tuple[s
 @settings(max_examples=300, deadline=None)
 @given(clusters(links=False), demands)
 def test_without_links_placement_is_what_it_was(cluster, wanted):
-    wanted = policy.Demand(**{**wanted.__dict__, "topology": None})
+    wanted = Demand(**{**wanted.__dict__, "topology": None})
     got = place(cluster, wanted)
     if wanted.count is None:
         return  # "all" is tests/placement/test_policy.py's
     expected = old_exclusive(cluster, wanted)
     if expected is None:
-        assert isinstance(got, policy.Refusal)
+        assert isinstance(got, Refusal)
     else:
-        assert isinstance(got, policy.Placement) and (got.host, got.gpu_uuids) == expected
+        assert isinstance(got, Placement) and (got.host, got.gpu_uuids) == expected
         assert got.numa_nodes == ()
 
 
@@ -220,7 +223,7 @@ def test_without_links_placement_is_what_it_was(cluster, wanted):
 @given(clusters(), demands)
 def test_never_a_worse_set_than_one_that_fits_on_the_chosen_host(cluster, wanted):
     got = place(cluster, wanted)
-    if not isinstance(got, policy.Placement) or wanted.count is None:
+    if not isinstance(got, Placement) or wanted.count is None:
         return
     links = cluster.nodes[got.host].interconnect
     if links is None:
@@ -239,7 +242,7 @@ def test_a_demanded_level_is_never_broken(cluster, wanted):
     if wanted.topology is None or wanted.count == 1:
         return
     level = DEMANDED_LEVEL[wanted.topology]
-    if isinstance(got, policy.Placement):
+    if isinstance(got, Placement):
         if len(got.gpu_uuids) == 1:
             return  # "all" of a host of one GPU: no link to keep
         links = cluster.nodes[got.host].interconnect
@@ -271,18 +274,18 @@ def test_the_index_narrows_to_the_same_answer_with_links(cluster, steps, depth):
     def usable(node: Node) -> bool:
         return node.is_up(NOW, DOWN_AFTER) and not node.drained
 
-    held: list[tuple[str, policy.Placement]] = []
+    held: list[tuple[str, Placement]] = []
     for n, (wanted, release_one) in enumerate(steps):
         expected = place(cluster, wanted)
         view = index.narrow(wanted, cluster, usable)
-        got: policy.Placement | policy.Refusal | None = None
+        got: Placement | Refusal | None = None
         if view is not None and view.nodes:
             got = policy.place(wanted, view, NOW, DOWN_AFTER)
-        if not isinstance(got, policy.Placement):
+        if not isinstance(got, Placement):
             got = place(cluster, wanted)
         assert got == expected
-        if isinstance(got, policy.Placement):
-            policy.apply_placement(cluster, got, f"l{n}", wanted)
+        if isinstance(got, Placement):
+            apply_placement(cluster, got, f"l{n}", wanted)
             index.refresh(cluster, got.host)
             held.append((f"l{n}", got))
         if release_one and held:

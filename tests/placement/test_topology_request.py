@@ -9,7 +9,8 @@ import pytest
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, LoadedState
+from allocator.ledger.changes import Changes
+from allocator.ledger.loaded import LoadedState
 from allocator.wire.protocol import (
     AllocateRequest,
     ErrorCode,

@@ -16,7 +16,8 @@ import pytest
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
 from allocator.engine.nodes import EventBudget
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.metrics.counters import Count
 from allocator.service import AllocatorService
 from allocator.wire.protocol import (

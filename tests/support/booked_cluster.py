@@ -10,7 +10,7 @@ from typing import Any
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes
+from allocator.ledger.changes import Changes
 from allocator.wire.protocol import (
     AllocateRequest,
     BookingReply,

@@ -12,7 +12,8 @@ from zoneinfo import ZoneInfo
 from allocator.bookings.local_time import instant_of
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.wire.protocol import (
     BookingReply,
     BookingRequest,

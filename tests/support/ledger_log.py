@@ -11,8 +11,9 @@ from typing import Any
 
 import aio_pika
 
+from allocator.ledger.changes import Changes
 from allocator.ledger.replication import ReplicatedLog
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.store import Ledger
 
 STREAM = "swarm-gpu.ledger-log"
 

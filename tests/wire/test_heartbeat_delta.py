@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from allocator.config import AllocatorSettings
 from allocator.engine import Engine
-from allocator.ledger.store import Changes, Ledger
+from allocator.ledger.changes import Changes
+from allocator.ledger.store import Ledger
 from allocator.metrics.counters import Count
 from allocator.wire.heartbeat_delta import EXACT, Thresholds, apply_delta, delta_between
 from allocator.wire.protocol import (
