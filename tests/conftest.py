@@ -23,12 +23,14 @@ Fixtures:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from allocator.logs import LIBRARY_LOGGERS
 from tests.support import services
 from tests.support.services import require_service
 
@@ -115,6 +117,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: work_unit_of(item.nodeid) != SHARED_ENGINE_GROUP)
 
 # ----------------------------------------------------------------------------- RabbitMQ
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A command's ``main`` run in this process sets logging up for a whole process
+    (``allocator.logs.configure_logging``: the root level, e.g. CRITICAL for ``gpu-ledger``, and
+    a stderr handler). Put the levels back and drop that handler after each test, so that a
+    later test's ``caplog`` still sees the warnings it looks for."""
+    root = logging.getLogger()
+    level = root.level
+    libraries = {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS}
+    yield
+    root.setLevel(level)
+    for handler in list(root.handlers):
+        if type(handler) is logging.StreamHandler:  # pytest's own handlers are subclasses
+            root.removeHandler(handler)
+    for name, library_level in libraries.items():
+        logging.getLogger(name).setLevel(library_level)
+    logging.captureWarnings(False)
 
 
 @pytest.fixture(scope="session")

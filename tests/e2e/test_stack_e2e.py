@@ -249,15 +249,17 @@ def test_the_trial_registry_serves_pulls_but_takes_no_push_or_delete(cluster: Cl
     digest = headers["Docker-Content-Digest"]
     assert registry_call("POST", f"/v2/{name}/blobs/uploads/")[0] == 405
     assert registry_call("DELETE", f"/v2/{name}/manifests/{digest}")[0] == 405
-    trojan = f"{REGISTRY}/{name}:trojan"
+    # A tag of this run's own: the registry's storage outlives `scripts/cluster down`.
+    tag = f"trojan-{secrets.token_hex(4)}"
+    trojan = f"{REGISTRY}/{name}:{tag}"
     cluster.manager("tag", image, trojan)
     push = cluster.manager("push", trojan, check=False, timeout=300)
     assert push.returncode != 0, push.stdout
-    assert registry_call("GET", f"/v2/{name}/manifests/trojan", {"Accept": MANIFESTS})[0] == 404
+    assert registry_call("GET", f"/v2/{name}/manifests/{tag}", {"Accept": MANIFESTS})[0] == 404
     # The script's own push goes through, and the registry is read-only again after it.
     pushed = cluster.script("push", trojan)
     assert pushed.returncode == 0, pushed.stderr
-    assert registry_call("GET", f"/v2/{name}/manifests/trojan", {"Accept": MANIFESTS})[0] == 200
+    assert registry_call("GET", f"/v2/{name}/manifests/{tag}", {"Accept": MANIFESTS})[0] == 200
     assert registry_call("POST", f"/v2/{name}/blobs/uploads/")[0] == 405
 
 
