@@ -24,6 +24,7 @@ from allocator.wire.protocol import (
     AGENT_COMMAND_ADAPTER,
     GPU_PROCESSES,
     INTERCONNECT,
+    LEASE_USAGE,
     AllocateRequest,
     AllocatorHello,
     GPUProcess,
@@ -92,7 +93,7 @@ async def test_the_hello_reaches_the_agent_and_outside_use_is_shown(
         message = await wait_until(delivered)
         assert message.user_id == broker.prefix + "allocator"
         assert AGENT_COMMAND_ADAPTER.validate_json(message.body) == AllocatorHello(
-            host=HOST, reads=[GPU_PROCESSES, INTERCONNECT])
+            host=HOST, reads=[GPU_PROCESSES, INTERCONNECT, LEASE_USAGE])
 
         async with AllocatorClient(broker.url("hub"), timeout_s=10) as hub:
             async def stray_gpu() -> GPUView | None:
