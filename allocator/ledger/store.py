@@ -50,7 +50,7 @@ from allocator.wire.protocol import Health, LeaseState
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The schema this code writes. Bump it and append to :data:`MIGRATIONS` together."""
 
 LEASE_JSON_COLUMNS = ("groups", "gpu_uuids", "env", "request")
@@ -258,6 +258,11 @@ _LEASES_V4: dict[str, type] = {
     "reclaim_stopped_at": float, "idle_since": float, "idle_gpu_s": float,
 }
 _LEASES_V6: dict[str, type] = {"owner": str}
+_LEASES_V8: dict[str, type] = {
+    "usage_since": float, "energy_j": float, "sm_s": float, "memory_s": float,
+    "peak_memory_mib": int, "usage_run_energy_j": float, "usage_run_sm_s": float,
+    "usage_run_memory_s": float,
+}
 _HISTORY_V1: dict[str, type] = {
     "id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str, "reason": str,
     "by": str,
@@ -278,7 +283,7 @@ _BOOKINGS_V7: dict[str, type] = {
 COLUMNS: dict[str, dict[str, type]] = {
     "nodes": _NODES_V1,
     "gpus": {**_GPUS_V1, **_GPUS_V2},
-    "leases": {**_LEASES_V1, **_LEASES_V4, **_LEASES_V6},
+    "leases": {**_LEASES_V1, **_LEASES_V4, **_LEASES_V6, **_LEASES_V8},
     "lease_history": _HISTORY_V1,
     "events": _EVENTS_V1,
     "log_position": {**_LOG_POSITION_V3, **_LOG_POSITION_V5},
@@ -407,10 +412,16 @@ def _migrate_v7(db: sqlite_utils.Database) -> None:
     _create_table(db, "bookings", _BOOKINGS_V7, "name")
 
 
+def _migrate_v8(db: sqlite_utils.Database) -> None:
+    """Each lease's usage as its node agent measured it (energy, SM- and memory-seconds, peak
+    memory) and the measurement folded in last (NULL for every lease before: not measured)."""
+    _add_columns(db, "leases", _LEASES_V8)
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
                                                              _migrate_v3, _migrate_v4,
                                                              _migrate_v5, _migrate_v6,
-                                                             _migrate_v7]
+                                                             _migrate_v7, _migrate_v8]
 """``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
 
 
@@ -515,19 +526,24 @@ class Changes:
     def to_json(self) -> dict[str, Any]:
         """The batch as plain JSON (rows are JSON-able already), for the replicated log: a
         lease's owner beside its row (:data:`LEASE_OWNERS`), never in it."""
-        leases, owners = [], {}
+        leases, owners, usage = [], {}, {}
         for row in self.leases.values():
-            if OWNER_COLUMN in row:
+            if OWNER_COLUMN in row or not USAGE_COLUMNS.isdisjoint(row):
                 row = dict(row)
-                owner = row.pop(OWNER_COLUMN)
+                owner = row.pop(OWNER_COLUMN, None)
                 if owner is not None:  # an owner is set once, at the lease's making
                     owners[row["lease_id"]] = owner
+                measured = {c: row.pop(c) for c in USAGE_COLUMNS if c in row}
+                if any(value is not None for value in measured.values()):
+                    usage[row["lease_id"]] = measured
             leases.append(row)
         data: dict[str, Any] = {"leases": leases, "nodes": list(self.nodes.values()),
                                 "gpus": list(self.gpus.values()), "history": self.history,
                                 "events": self.events}
         if owners:
             data[LEASE_OWNERS] = owners
+        if usage:  # a batch without measured usage is written as before (0.2.0 reads it)
+            data[LEASE_USAGE_BESIDE] = usage
         if self.bookings:  # a batch without bookings is written as before (0.2.0 reads it)
             data["bookings"] = list(self.bookings.values())
         return data
@@ -549,6 +565,18 @@ columns ``lease_id`` and ``owner``). Release 0.1.0 writes every key of a lease r
 column, and a column its schema lacks stops it; it reads only the lists of a change set and
 the tables of a snapshot it knows. So a 0.1.0 replica follows a log this release writes,
 with no owner in its ledger (owner unknown: any hub may release, as in 0.1.0)."""
+
+
+USAGE_COLUMNS = frozenset(_LEASES_V8)
+"""The lease columns of measured usage (schema 8), which travel beside the lease rows in the
+replicated log, as the owner does."""
+
+LEASE_USAGE_BESIDE = "lease_usage"
+"""Where a lease's measured usage travels in the replicated log: beside the lease rows (a
+change set's ``lease_usage``, lease id -> its usage columns; a snapshot's table of that name,
+columns ``lease_id`` and :data:`USAGE_COLUMNS`), so that a replica of 0.2.0, whose schema has
+no such column and which refuses a row with one, follows a log this release writes (without
+the usage) just as 0.1.0 does with owners."""
 
 
 class BrokenChanges(ValueError):
@@ -587,8 +615,12 @@ _INSERTED = ("lease_history", "events")
 own, never written)."""
 
 _ROW_MODELS = {table: _row_model(table, skip=("id",) if table in _INSERTED
-                                  else (OWNER_COLUMN,) if table == "leases" else ())
+                                  else (OWNER_COLUMN, *_LEASES_V8) if table == "leases"
+                                  else ())
                for table in _CHANGE_TABLES.values()}
+_USAGE_MODEL = create_model(
+    "lease_usage", __config__=ConfigDict(strict=True, extra="forbid", frozen=True),
+    **{column: (kind | None, None) for column, kind in _LEASES_V8.items()})  # type: ignore[call-overload]
 
 
 class ChangeSet(BaseModel):
@@ -613,6 +645,9 @@ class ChangeSet(BaseModel):
                        Annotated[str, Field(min_length=1)]] = {}
     """Lease id -> its owner, for lease rows of this set (:data:`LEASE_OWNERS`); written
     only when there is one."""
+    lease_usage: dict[Annotated[str, Field(min_length=1)], dict[str, Any]] = {}
+    """Lease id -> its measured usage columns, for lease rows of this set
+    (:data:`LEASE_USAGE_BESIDE`, 0.3.0); written only when there is some."""
 
     @field_validator("leases", "nodes", "gpus", "history", "events", "bookings")
     @classmethod
@@ -631,12 +666,25 @@ class ChangeSet(BaseModel):
             checked.append(valid.model_dump(exclude_unset=table not in _INSERTED))
         return checked
 
+    @field_validator("lease_usage")
+    @classmethod
+    def _usage_of_the_schema(cls, usage: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        checked = {}
+        for lease_id, columns in usage.items():
+            try:
+                valid = _USAGE_MODEL.model_validate(columns)
+            except ValidationError as exc:
+                raise ValueError(f"lease_usage of {lease_id}: {describe(exc)}") from None
+            checked[lease_id] = valid.model_dump(exclude_unset=True)
+        return checked
+
     @model_validator(mode="after")
     def _owners_of_leases_written(self) -> Self:
         written = {row["lease_id"] for row in self.leases}
-        stray = sorted(set(self.lease_owners) - written)
+        stray = sorted((set(self.lease_owners) | set(self.lease_usage)) - written)
         if stray:  # an owner alone would make a lease row of nothing but its owner
-            raise ValueError(f"lease_owners names leases the change set does not write: "
+            raise ValueError(f"lease_owners or lease_usage names leases the change set does "
+                             f"not write: "
                              f"{', '.join(stray[:5])}")
         return self
 
@@ -645,6 +693,8 @@ class ChangeSet(BaseModel):
         data: dict[str, Any] = write(self)
         if not self.lease_owners:
             data.pop(LEASE_OWNERS, None)  # a batch without owners is written as before
+        if not self.lease_usage:
+            data.pop(LEASE_USAGE_BESIDE, None)
         if not self.bookings:
             data.pop("bookings", None)
         return data
@@ -664,10 +714,16 @@ class ChangeSet(BaseModel):
 
     def to_changes(self) -> Changes:
         """The batch to commit."""
-        owners = self.lease_owners
-        return Changes(leases={row["lease_id"]: ({**row, OWNER_COLUMN: owners[row["lease_id"]]}
-                                                 if row["lease_id"] in owners else row)
-                               for row in self.leases},
+        owners, usage = self.lease_owners, self.lease_usage
+        leases = {}
+        for row in self.leases:
+            key = row["lease_id"]
+            if key in owners:
+                row = {**row, OWNER_COLUMN: owners[key]}
+            if key in usage:
+                row = {**row, **usage[key]}
+            leases[key] = row
+        return Changes(leases=leases,
                        nodes={row["host"]: row for row in self.nodes},
                        gpus={row["uuid"]: row for row in self.gpus},
                        history=list(self.history), events=list(self.events),
@@ -967,7 +1023,8 @@ class Ledger:
         the ledger thread).
 
         Every node, GPU and lease row is replaced by the snapshot's, with the leases' owners
-        from its table :data:`LEASE_OWNERS` (none in a snapshot of 0.1.0). The audit trail
+        from its table :data:`LEASE_OWNERS` (none in a snapshot of 0.1.0) and their measured
+        usage from :data:`LEASE_USAGE_BESIDE` (none before 0.3.0). The audit trail
         is kept and gets the snapshot's trail tables if it carries them (a log seeded from a ledger
         with data); without them and with ``loaded_at``, one event ``log_snapshot_loaded``
         says from where on this ledger's trail is whole.
@@ -1000,6 +1057,15 @@ class Ledger:
                                           f"columns {owners.columns}, not lease_id and owner")
                     conn.executemany('UPDATE leases SET "owner" = ? WHERE lease_id = ?',
                                      [(owner, lease_id) for lease_id, owner in owners.rows])
+                usage = tables.get(LEASE_USAGE_BESIDE)
+                if usage is not None and usage.rows:
+                    if usage.columns != ["lease_id", *_LEASES_V8]:
+                        raise LedgerError(f"the snapshot's table {LEASE_USAGE_BESIDE} has the "
+                                          f"columns {usage.columns}, not lease_id and "
+                                          f"{', '.join(_LEASES_V8)}")
+                    sets = ", ".join(f'"{column}" = ?' for column in _LEASES_V8)
+                    conn.executemany(f"UPDATE leases SET {sets} WHERE lease_id = ?",
+                                     [(*row[1:], row[0]) for row in usage.rows])
                 if loaded_at is not None and not any(t in tables for t in TRAIL_TABLES):
                     conn.execute(
                         "INSERT INTO events (at, kind, detail) VALUES (?, ?, ?)",
@@ -1147,17 +1213,26 @@ class Ledger:
                 keep = [i for i, column in enumerate(columns) if column != "id"]
                 rows = [[row[i] for i in keep] for row in rows]
                 columns = [columns[i] for i in keep]
-            owners = None
+            beside: dict[str, Table] = {}
             if name == "leases":
-                # The owners beside the leases (LEASE_OWNERS), so that 0.1.0 loads it.
-                at, key = columns.index(OWNER_COLUMN), columns.index("lease_id")
-                owners = Table(["lease_id", OWNER_COLUMN],
-                               [[row[key], row[at]] for row in rows if row[at] is not None])
-                rows = [row[:at] + row[at + 1:] for row in rows]
-                columns = columns[:at] + columns[at + 1:]
+                # The owners and the measured usage beside the leases (LEASE_OWNERS,
+                # LEASE_USAGE_BESIDE), so that 0.1.0 and 0.2.0 load it.
+                key = columns.index("lease_id")
+                at = columns.index(OWNER_COLUMN)
+                beside[LEASE_OWNERS] = Table(
+                    ["lease_id", OWNER_COLUMN],
+                    [[row[key], row[at]] for row in rows if row[at] is not None])
+                measured = [columns.index(column) for column in _LEASES_V8]
+                beside[LEASE_USAGE_BESIDE] = Table(
+                    ["lease_id", *_LEASES_V8],
+                    [[row[key], *(row[i] for i in measured)] for row in rows
+                     if any(row[i] is not None for i in measured)])
+                keep = [i for i, column in enumerate(columns)
+                        if column != OWNER_COLUMN and column not in USAGE_COLUMNS]
+                rows = [[row[i] for i in keep] for row in rows]
+                columns = [columns[i] for i in keep]
             tables[name] = Table(columns, rows)
-            if owners is not None:
-                tables[LEASE_OWNERS] = owners
+            tables.update(beside)
         return self.log_position(), tables
 
     def find_lease(self, lease_id: str) -> LeaseRecord | None:
