@@ -214,7 +214,8 @@ def holders_of(running: Sequence[LeaseContainer], measured: Mapping[str, Mapping
     """The running lease containers and the GPUs each holds: its grant's, or without one
     those it was measured on."""
     return [Holder(c.container_id, tuple(c.grant.gpu_uuids) if c.grant
-                   else tuple(sorted(measured.get(c.container_id, {}))))
+                   else tuple(sorted(measured.get(c.container_id, {}))),
+                   tuple(c.grant.groups) if c.grant else ())
             for c in running]
 
 

@@ -52,6 +52,8 @@ class Holder:
 
     container_id: str
     gpu_uuids: tuple[str, ...]
+    groups: tuple[str, ...] = ()
+    """The groups its grant was asked with (the metrics count it for each)."""
 
 
 @dataclass
@@ -103,6 +105,10 @@ class UsageMeter:
     _energy: dict[str, int] = field(default_factory=dict)
     """Per physical GPU uuid: its energy counter at the last reading."""
     _last_at: float | None = None
+    counted: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    """Since the agent started, per (group, GPU or MIG instance uuid): joules and SM-seconds
+    counted for lease containers (a container of no group under ``""``; one of several
+    groups for each): the metrics' counters, which never go back when a container ends."""
 
     def measure(self, now: float, samples: Sequence[GPUSample], holders: Iterable[Holder],
                 use: Mapping[str, Mapping[str, GpuUse]]) -> None:
@@ -139,9 +145,12 @@ class UsageMeter:
                 entry.peak_memory_mib = max(entry.peak_memory_mib, gpu_use.memory_mib)
             if first or interval <= 0:
                 continue
-            for gpu_use in mine.values():
-                entry.sm_s += (gpu_use.sm_pct or 0.0) / 100.0 * interval
+            groups = holder.groups or ("",)
+            for uuid, gpu_use in mine.items():
+                sm_s = (gpu_use.sm_pct or 0.0) / 100.0 * interval
+                entry.sm_s += sm_s
                 entry.memory_s += (gpu_use.memory_pct or 0.0) / 100.0 * interval
+                self._count(groups, uuid, 0.0, sm_s)
             physical_mine: dict[str, float] = {}
             for uuid, gpu_use in mine.items():
                 physical = parent_of.get(uuid, uuid)
@@ -161,6 +170,15 @@ class UsageMeter:
                 else:
                     share = 1.0 / len(sharers)
                 entry.energy_mj += delta * share
+                self._count(groups, physical, delta * share / 1000.0, 0.0)
+
+    def _count(self, groups: Sequence[str], uuid: str, energy_j: float, sm_s: float) -> None:
+        if energy_j <= 0 and sm_s <= 0:
+            return
+        for group in groups:
+            before = self.counted.get((group, uuid), (0.0, 0.0))
+            # A new tuple, never one changed in place: a scrape copies the dict from its thread.
+            self.counted[group, uuid] = (before[0] + energy_j, before[1] + sm_s)
 
     def _energy_deltas(self, samples: Sequence[GPUSample]) -> dict[str, float]:
         """Per physical GPU with a counter now and at the last reading: the counter's delta

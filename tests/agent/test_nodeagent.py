@@ -51,6 +51,7 @@ from allocator.wire.topology import AGENTS_EXCHANGE, NODES_EXCHANGE, command_rou
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
+from nodeagent.metrics import agent_families, read_figures
 from nodeagent.simulated import (
     make_gpu,
     preset_interconnect,
@@ -1016,6 +1017,12 @@ async def test_lease_usage_goes_out_once_the_allocator_reads_it_and_apportions_e
         _usage_inventory(inventory, host, 41_000_000, use)  # 40 kJ more
         stepped = await inbox.heartbeat(host, lambda b: sum(
             c.usage.energy_j for c in b.containers if c.usage is not None) >= 39_999)
+        # The metrics count the same energy, by group (none here) and GPU, DCGM's labels.
+        families = {f.name: f for f in agent_families(read_figures(agent, agent.metrics))}
+        [energy] = families["swarm_gpu_agent_lease_energy_joules"].samples
+        assert energy.labels["UUID"] == simulated_uuid(host, 1)
+        assert (energy.labels["group"], energy.labels["Hostname"]) == ("", host)
+        assert energy.value == pytest.approx(40_000)
     by_lease = {c.lease_id: c.usage for c in stepped.containers}
     first, second = by_lease[slices[0].lease_id], by_lease[slices[1].lease_id]
     assert first is not None and second is not None

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from allocator.wire.protocol import GPUInfo, Heartbeat
 from nodeagent.inventory import GPUSample, ProcessSample
+from nodeagent.metrics import usage_families
 from nodeagent.simulated import SimulatedSource, make_gpu, make_mig_gpu, write_inventory
 from nodeagent.usage import HOST, GpuUse, Holder, UsageMeter, use_by_container
 
@@ -138,3 +140,29 @@ def test_the_simulated_counter_is_the_files_or_counted_from_power(tmp_path: Path
     assert [s.energy_mj for s in first.values() if not s.is_mig_instance] == [5_000, 0, None]
     assert [s.energy_mj for s in second if s.is_mig_instance] == [None]
     assert by_index[0].processes == (ProcessSample(7, 10, 40.0, memory_utilization_pct=15.0),)
+
+
+def test_the_metrics_count_by_group_and_gpu_and_never_go_back() -> None:
+    """Counters per (group, GPU): a container of two groups counts for each; one that ends
+    leaves its counts; the families carry DCGM exporter's labels."""
+    meter = UsageMeter()
+    holders = [Holder("a", ("G0",), ("lab", "ops")), Holder("b", ("G0",))]
+    use = {"a": {"G0": GpuUse(sm_pct=60)}, "b": {"G0": GpuUse(sm_pct=20)}}
+    meter.measure(0.0, [gpu("G0", 0)], holders, use)
+    meter.measure(10.0, [gpu("G0", 8_000_000)], holders, use)
+    meter.measure(20.0, [gpu("G0", 8_000_000)], [], {})  # both ended
+    assert {key: (round(joules, 6), round(sm_s, 6))
+            for key, (joules, sm_s) in meter.counted.items()} == {
+        ("lab", "G0"): (6000.0, 6.0), ("ops", "G0"): (6000.0, 6.0), ("", "G0"): (2000.0, 2.0)}
+    beat = Heartbeat(host="h", agent_id="x", seq=0, sent_at=0.0, interval_s=5,
+                     gpus=[GPUInfo(uuid="G0", index=3, model="M", memory_total_mib=1000)])
+    energy, used = usage_families(beat, meter.counted)
+    assert energy.name == "swarm_gpu_agent_lease_energy_joules"
+    by_group = {s.labels["group"]: (s.labels["gpu"], s.labels["UUID"], s.labels["modelName"],
+                                    s.labels["Hostname"], round(s.value, 6))
+                for s in energy.samples}
+    assert by_group == {"": ("3", "G0", "M", "h", 2000.0), "lab": ("3", "G0", "M", "h", 6000.0),
+                        "ops": ("3", "G0", "M", "h", 6000.0)}
+    assert {s.labels["group"]: s.value for s in used.samples} == {
+        "": pytest.approx(2.0), "lab": pytest.approx(6.0), "ops": pytest.approx(6.0)}
+    assert [list(f.samples) for f in usage_families(None, meter.counted)] == [[], []]
