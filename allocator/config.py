@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, NonNegativeInt, model_validator
+from pydantic import Field, NonNegativeInt, StringConstraints, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from allocator.amqp.broker import DEFAULT_AMQP_URL, BrokerTLSSettings
@@ -414,6 +414,16 @@ class AllocatorSettings(PolicySettings, FileSettings, BrokerTLSSettings, LogSett
         "Slurm's PriorityDecayHalfLife): GPU-hours held, weighted by the model's scarcity. "
         "Waiters of equal priority are served least recent use first; among borrowed leases "
         "that are not idle, the heaviest recent user's is reclaimed first. 0: off.")
+    price_per_gpu_hour: dict[Annotated[str, StringConstraints(min_length=1)],
+                             Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict,
+        description="Showback (gpu-ledger usage): the price of one GPU-hour held, by model "
+        "(NVML's name, as the ledger records it: 'NVIDIA A100-SXM4-40GB'). A model not named "
+        "costs nothing per GPU-hour. With price_per_kwh unset too: no cost column.")
+    price_per_kwh: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description="Showback (gpu-ledger usage): the price of one kWh measured (the leases' "
+        "share of their GPUs' energy counters). None: energy costs nothing.")
     usage_history_s: float = Field(
         default=3 * 3600.0, ge=0, le=7 * 24 * 3600,
         description="Per-minute GPU use kept in memory per lease for the leases reply.")

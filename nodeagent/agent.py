@@ -48,6 +48,7 @@ from allocator.wire.interconnect import HostInterconnect
 from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
+    LEASE_USAGE,
     AllocatorHello,
     ContainerAction,
     ContainerEvent,
@@ -75,6 +76,7 @@ from nodeagent.metrics import AgentMetrics, serve
 from nodeagent.mig import MigLayout, inherit_parent_health
 from nodeagent.publisher import Publisher
 from nodeagent.simulated import SimulatedLeaseUse, SimulatedSource
+from nodeagent.usage import GpuUse, Holder, UsageMeter, use_by_container
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +192,33 @@ def simulated_use(running: Sequence[LeaseContainer], lease_use: Mapping[str, Sim
     return result
 
 
+def simulated_gpu_use(running: Sequence[LeaseContainer],
+                      lease_use: Mapping[str, SimulatedLeaseUse],
+                      host_gpu_uuids: Sequence[str]) -> dict[str, dict[str, GpuUse]]:
+    """Per container id, per GPU uuid: the use a simulated inventory sets for its lease, as
+    the usage meter counts it (see :func:`simulated_use`)."""
+    result: dict[str, dict[str, GpuUse]] = {}
+    for container in running:
+        use = lease_use.get(container.lease_id)
+        if use is None:
+            continue
+        gpu_uuids = container.grant.gpu_uuids if container.grant else host_gpu_uuids
+        result[container.container_id] = {
+            uuid: GpuUse(sm_pct=use.utilization_pct, memory_pct=use.memory_utilization_pct,
+                         memory_mib=use.memory_used_mib) for uuid in gpu_uuids}
+    return result
+
+
+def holders_of(running: Sequence[LeaseContainer], measured: Mapping[str, Mapping[str, GpuUse]]
+               ) -> list[Holder]:
+    """The running lease containers and the GPUs each holds: its grant's, or without one
+    those it was measured on."""
+    return [Holder(c.container_id, tuple(c.grant.gpu_uuids) if c.grant
+                   else tuple(sorted(measured.get(c.container_id, {}))),
+                   tuple(c.grant.groups) if c.grant else ())
+            for c in running]
+
+
 def held_gpu_uuids(running: list[LeaseContainer]) -> set[str]:
     """GPU (and MIG instance) uuids the running lease containers hold, from their grants."""
     return {uuid for c in running if c.grant is not None for uuid in c.grant.gpu_uuids}
@@ -244,6 +273,9 @@ class NodeAgent:
         self._last_samples: list[GPUSample] | None = None
         self._pending_read: asyncio.Future[_Snapshot] | None = None
         self._health: dict[str, Health] = {}
+        self.usage = UsageMeter(max_gap_s=3 * settings.interval_s)
+        """Each running lease container's use, counted at every heartbeat (see
+        nodeagent.usage); reported once the allocator reads it."""
         self.mig_layout = MigLayout()
         """Keeps held MIG instances reported through a re-partition (see nodeagent.mig)."""
         self._wake = asyncio.Event()
@@ -319,6 +351,12 @@ class NodeAgent:
         if mode == "auto":
             return self.allocator_reads is not None and GPU_PROCESSES in self.allocator_reads
         return mode == "on"
+
+    @property
+    def reports_usage(self) -> bool:
+        """Whether containers carry their usage (``ContainerInfo.usage``): once the newest
+        allocator hello said the allocator reads it (an older allocator refuses the field)."""
+        return self.allocator_reads is not None and LEASE_USAGE in self.allocator_reads
 
     @property
     def reports_interconnect(self) -> bool:
@@ -605,9 +643,14 @@ class NodeAgent:
             self._log_health_change(sample, verdicts[sample.uuid])
             gpus.append(gpu_info(sample, verdicts[sample.uuid], processes.get(sample.uuid)))
         use = gpu_use_by_container(samples, pid_containers)
+        measured = use_by_container(samples, pid_containers)
         if isinstance(self.source, SimulatedSource):
-            use.update(simulated_use(running, await asyncio.to_thread(self.source.lease_use),
-                                     [sample.uuid for sample in samples]))
+            lease_use = await asyncio.to_thread(self.source.lease_use)
+            host_uuids = [sample.uuid for sample in samples]
+            use.update(simulated_use(running, lease_use, host_uuids))
+            measured.update(simulated_gpu_use(running, lease_use, host_uuids))
+        self.usage.measure(now, samples, holders_of(running, measured), measured)
+        reports_usage = self.reports_usage
         containers = [
             ContainerInfo(
                 container_id=c.container_id,
@@ -616,6 +659,7 @@ class NodeAgent:
                 started_at=c.started_at,
                 gpu_use=use.get(c.container_id, []),
                 grant=c.grant,
+                usage=self.usage.usage(c.container_id) if reports_usage else None,
             )
             for c in running
         ]

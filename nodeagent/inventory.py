@@ -33,11 +33,14 @@ class ProcessSample:
     used_memory_mib: int | None = None
     """None when the driver does not say (e.g. without the right permissions)."""
     utilization_pct: float | None = None
+    """Its SM utilization, % of the GPU, over NVML's last sampling period; None: not known."""
     container_id: str | None = None
     """The container the source itself says it runs in (the simulated inventory's
     ``container_id``), taken over the cgroup lookup; None: look it up."""
     name: str | None = None
     """The command name the source itself gives it; None: read ``/proc/<pid>/comm``."""
+    memory_utilization_pct: float | None = None
+    """Its memory (bandwidth) utilization, % of the GPU; None: not known."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,10 @@ class GPUSample:
     utilization_pct: float | None = None
     temperature_c: float | None = None
     power_w: float | None = None
+    energy_mj: int | None = None
+    """The GPU's total energy counter, millijoules since the driver loaded (NVML's
+    ``nvmlDeviceGetTotalEnergyConsumption``; Volta and later); None where it has none. Not
+    set on a MIG instance: its energy is its parent's."""
     ecc_uncorrected: int | None = None
     """Volatile (since the driver loaded) uncorrected ECC errors."""
     retired_pages: int | None = None

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from nodeagent.containers import ContainerWatcher
     from nodeagent.cpu_pinning import CpuPinner
     from nodeagent.publisher import Publisher
+    from nodeagent.usage import UsageMeter
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class Observed(Protocol):
     last_heartbeat: Heartbeat | None
     deltas_sent: int
     xids_received: int
+    usage: UsageMeter
 
 
 # --------------------------------------------------------------------------- figures
@@ -191,12 +193,15 @@ class Figures:
     inventory_errors: int = 0
     docker_errors: dict[str, int] = field(default_factory=dict)
     heartbeat: Heartbeat | None = None
+    lease_usage: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    """Per (group, GPU uuid): joules and SM-seconds counted for lease containers."""
 
 
 def read_figures(agent: Observed, metrics: AgentMetrics) -> Figures:
     """Read the agent's counters and its newest heartbeat (from any thread)."""
     figures = Figures(host=agent.host, deltas_sent=agent.deltas_sent,
-                      xids=agent.xids_received, heartbeat=agent.last_heartbeat)
+                      xids=agent.xids_received, heartbeat=agent.last_heartbeat,
+                      lease_usage=dict(agent.usage.counted))  # one C-level copy
     publisher = agent.publisher
     if publisher is not None:
         figures.heartbeats_sent = publisher.heartbeats_sent
@@ -320,6 +325,37 @@ def gpu_families(heartbeat: Heartbeat | None) -> Iterator[Metric]:
     yield from (healthy, utilization, used, total, temperature, held, users, groups, containers)
 
 
+def usage_families(heartbeat: Heartbeat | None,
+                   counted: Mapping[tuple[str, str], tuple[float, float]]
+                   ) -> Iterator[Metric]:
+    """The lease containers' measured usage since the agent started (nodeagent.usage), by
+    group and GPU (DCGM exporter's labels; a MIG instance's SM time under its own, its energy
+    under its parent's): counters that a dashboard sums by ``group`` or ``modelName``.
+
+    Every family is yielded, empty before the first heartbeat; a GPU the newest heartbeat
+    does not list is left out."""
+    labels = ["group", *GPU_LABELS]
+    energy = CounterMetricFamily(
+        "swarm_gpu_agent_lease_energy_joules", "Energy the lease containers of a group used "
+        "on the GPU: their share of its energy counter (DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION, "
+        "in joules; a shared GPU split by SM utilization)", labels=labels)
+    used = CounterMetricFamily(
+        "swarm_gpu_agent_lease_used_gpu_seconds", "GPU-seconds the lease containers of a "
+        "group really used on the GPU (or MIG instance): SM utilization, a fraction of the "
+        "GPU, times seconds", labels=labels)
+    if heartbeat is not None:
+        values = gpu_label_values(heartbeat)
+        for (group, uuid), (joules, sm_s) in sorted(counted.items()):
+            label_values = values.get(uuid)
+            if label_values is None:
+                continue
+            if joules > 0:
+                energy.add_metric([group, *label_values], joules)
+            if sm_s > 0:
+                used.add_metric([group, *label_values], sm_s)
+    yield from (energy, used)
+
+
 def agent_families(figures: Figures) -> Iterator[Metric]:
     """The Prometheus families of one reading of the agent."""
     yield _counter("swarm_gpu_agent_heartbeats_sent", "Heartbeats (full or deltas) the broker "
@@ -389,6 +425,7 @@ def agent_families(figures: Figures) -> Iterator[Metric]:
     yield _counter("swarm_gpu_agent_xids", "XID events received from the driver (fatal or "
                    "not)", figures.xids)
     yield from gpu_families(figures.heartbeat)
+    yield from usage_families(figures.heartbeat, figures.lease_usage)
 
 
 # --------------------------------------------------------------------------- collector

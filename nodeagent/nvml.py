@@ -200,6 +200,7 @@ class NvmlSource:
                     nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU
                 ),
                 power_w=self._power(handle),
+                energy_mj=self._energy(handle),
                 ecc_uncorrected=self._optional(
                     nvml.nvmlDeviceGetTotalEccErrors,
                     handle,
@@ -367,6 +368,10 @@ class NvmlSource:
         milliwatts = self._optional(self._nvml.nvmlDeviceGetPowerUsage, handle)
         return None if milliwatts is None else milliwatts / 1000.0
 
+    def _energy(self, handle: Any) -> int | None:
+        millijoules = self._optional(self._nvml.nvmlDeviceGetTotalEnergyConsumption, handle)
+        return None if millijoules is None else int(millijoules)
+
     def _mig_mode(self, handle: Any) -> bool | None:
         modes = self._optional(self._nvml.nvmlDeviceGetMigMode, handle)
         return None if modes is None else modes[0] == self._nvml.NVML_DEVICE_MIG_ENABLE
@@ -425,11 +430,12 @@ class NvmlSource:
                 pid = int(proc.pid)
                 known = memory.get(pid)
                 memory[pid] = mib if known is None else max(known, mib or 0)
-        util_by_pid: dict[int, float] = {}
-        # Per-process SM utilisation over the last few seconds; unsupported on many boards.
+        util_by_pid: dict[int, tuple[float, float]] = {}
+        # Per-process SM and memory utilisation over the last few seconds (the newest sample
+        # of each pid); unsupported on many boards and on MIG devices.
         since_us = int((time.time() - 10) * 1_000_000)
         for sample in self._optional(nvml.nvmlDeviceGetProcessUtilization, handle, since_us) or []:
-            util_by_pid[int(sample.pid)] = float(sample.smUtil)
+            util_by_pid[int(sample.pid)] = (float(sample.smUtil), float(sample.memUtil))
         result = []
         for pid, used_mib in memory.items():
             util = util_by_pid.get(pid)
@@ -437,7 +443,9 @@ class NvmlSource:
                 ProcessSample(
                     pid=pid,
                     used_memory_mib=used_mib,
-                    utilization_pct=None if util is None else min(100.0, max(0.0, util)),
+                    utilization_pct=None if util is None else min(100.0, max(0.0, util[0])),
+                    memory_utilization_pct=(None if util is None
+                                            else min(100.0, max(0.0, util[1]))),
                 )
             )
         return tuple(result)

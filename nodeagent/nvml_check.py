@@ -1,8 +1,11 @@
 """``python -m nodeagent.nvml_check``: print what the NVML source reads on this machine.
 
 For checking the real NVML path on a machine with NVIDIA GPUs. Prints one JSON object:
-the driver version, every GPU sample (with its processes, each with its container from
-``/proc/<pid>/cgroup`` and its command name; its compute capability and architecture; and
+the driver version, every GPU sample (with its energy counter ``energy_mj``, to compare with
+``nvidia-smi --query-gpu=energy.total`` or its ``-q -d POWER``; its processes, each with its
+SM and memory utilization as the usage meter reads them, to compare with ``nvidia-smi pmon``,
+its container from ``/proc/<pid>/cgroup`` and its command name; its compute capability and
+architecture; and
 for a GPU in MIG mode each MIG instance as a sample of its own), the health
 verdict of each under the default health rules (or the agent's settings from the environment /
 ``--config``), the raw MIG reads per GPU (current and pending mode, MIG device slots, the GPU

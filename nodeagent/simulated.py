@@ -19,6 +19,12 @@ command name (``"name"``, taken over ``/proc/<pid>/comm``). A GPU (or MIG instan
 ``"processes_error": true`` has a process listing that fails, as NVML's call can: its
 processes are reported as not known. A lost GPU's are never known.
 
+Each GPU has an energy counter (``energy_mj``, millijoules, as NVML's total energy
+consumption): a test that sets it drives it; without it the source counts one from
+``power_w`` times the time between reads. A process may give its SM and memory utilization
+(``utilization_pct``, ``memory_utilization_pct``), as NVML's per-process utilization samples
+do: the agent measures each lease's use from them (:mod:`nodeagent.usage`).
+
 ``processes``, ``processes_error``, ``retired_pages``, ``remap_pending``, ``remap_failed``,
 ``mig_mode``, ``compute_capability`` (``"8.0"``), ``architecture`` (``"ampere"``) and
 ``mig_instances`` are optional. A GPU with ``"mig_mode": true`` lists its MIG instances, each
@@ -73,6 +79,7 @@ good content kept, since an editor may be halfway through saving it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -114,6 +121,7 @@ class SimulatedProcess(BaseModel):
     pid: int = Field(ge=1, le=(1 << 31) - 1)
     used_memory_mib: int | None = Field(default=None, ge=0, le=MAX_MIB)
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
+    memory_utilization_pct: float | None = Field(default=None, ge=0, le=100)
     container_id: str | None = Field(
         default=None, pattern=r"^[0-9a-f]{64}$",
         description="The container it runs in, taken over its /proc/<pid>/cgroup: so a "
@@ -154,6 +162,10 @@ class SimulatedGPU(BaseModel):
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
     temperature_c: float | None = None
     power_w: float | None = Field(default=None, ge=0)
+    energy_mj: int | None = Field(
+        default=None, ge=0, description="The energy counter (mJ) as the test sets it. "
+        "Absent: the source counts one itself from ``power_w`` over time, as a real GPU's "
+        "counter grows with its power draw.")
     ecc_uncorrected: int | None = Field(default=None, ge=0)
     retired_pages: int | None = Field(default=None, ge=0)
     remap_pending: bool | None = None
@@ -229,7 +241,7 @@ def _processes(processes: list[SimulatedProcess], *, failed: bool
     if failed:
         return None
     return tuple(ProcessSample(p.pid, p.used_memory_mib, p.utilization_pct, p.container_id,
-                               p.name) for p in processes)
+                               p.name, p.memory_utilization_pct) for p in processes)
 
 
 class SimulatedLeaseUse(BaseModel):
@@ -239,6 +251,7 @@ class SimulatedLeaseUse(BaseModel):
 
     utilization_pct: float = Field(ge=0, le=100)
     memory_used_mib: int = Field(default=0, ge=0)
+    memory_utilization_pct: float | None = Field(default=None, ge=0, le=100)
 
 
 TopologyPreset = Literal["hgx", "pcie-two-socket", "nvlink-pairs"]
@@ -339,6 +352,9 @@ class SimulatedSource:
         self._lease_use: dict[str, SimulatedLeaseUse] = {}
         self._interconnect: HostInterconnect | None = None
         self._xids_seen: dict[str, int] = {}
+        self._energy: dict[str, tuple[float, float]] = {}
+        """Per GPU uuid without ``energy_mj`` in the file: (clock at the last read, mJ
+        counted)."""
         self._pending: list[XidEvent] = []
         self._closed = False
         self.reloads = 0
@@ -354,10 +370,31 @@ class SimulatedSource:
             log.warning("simulated inventory %s lists no GPUs for host %r", self.path, host)
 
     def read_gpus(self) -> list[GPUSample]:
-        """This host's GPUs as the file says now."""
+        """This host's GPUs as the file says now, each physical GPU with its energy counter:
+        the file's ``energy_mj``, or else the one this source counts from ``power_w``."""
         with self._lock:
             self._refresh_locked(strict=False)
-            return [sample for gpu in self._gpus for sample in gpu.samples()]
+            now = self._clock()
+            samples = []
+            for gpu in self._gpus:
+                for sample in gpu.samples():
+                    if not sample.is_mig_instance and not sample.lost:
+                        energy = gpu.energy_mj
+                        if energy is None:
+                            energy = self._counted_energy(gpu.uuid, gpu.power_w, now)
+                        sample = dataclasses.replace(sample, energy_mj=energy)
+                    samples.append(sample)
+            return samples
+
+    def _counted_energy(self, uuid: str, power_w: float | None, now: float) -> int | None:
+        # Power (as the file says now) times the time since the last read, added up: the
+        # counter a GPU of that draw would show. None without a power reading.
+        if power_w is None:
+            return None
+        last_at, total = self._energy.get(uuid, (now, 0.0))
+        total += power_w * max(now - last_at, 0.0) * 1000.0
+        self._energy[uuid] = (now, total)
+        return int(total)
 
     def read_interconnect(self) -> HostInterconnect | None:
         """How this host's GPUs are joined as the file's ``topology`` says now; None where it

@@ -5,7 +5,8 @@
     gpu-ledger export   leases|events|gpus|usage [--ledger FILE] [--format csv|json|ndjson]
                         [--since T] [--until T] [--user U] [--model M] [--host H]
                         [--by user|group|host] [--output FILE]
-    gpu-ledger usage    [--ledger FILE] [--since T] [--until T] [--by user|group|host] [--json]
+    gpu-ledger usage    [--ledger FILE] [--from T] [--to T] [--by user|group|model|host]
+                        [--format table|csv|json] [--config FILE] [--right-size]
     gpu-ledger fairshare [--ledger FILE] [--half-life H] [--at T] [--json]
     gpu-ledger drain    HOST [--gpu UUID] [--reason TEXT]          (over RPC, admins)
     gpu-ledger undrain  HOST [--gpu UUID]
@@ -51,11 +52,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from allocator import __version__
-from allocator.admin import booking_cli, exports, reports
+from allocator.admin import booking_cli, exports, reports, showback
 from allocator.admin.fairshare_report import fairshare
 from allocator.admin.status import ClusterStatus, SlotHolder, ledger_status, live_status
 from allocator.amqp import broker
 from allocator.amqp.client import AllocatorClient, AllocatorError
+from allocator.config import load_settings
 from allocator.ledger import backup
 from allocator.ledger.invariants import NodeReport, Violation, check_ledger
 from allocator.ledger.log_position import LogPosition
@@ -115,9 +117,12 @@ def _parser() -> argparse.ArgumentParser:
                          help="seconds to wait for the allocator")
         broker.add_tls_arguments(sub)
 
-    def filter_options(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--since", type=_time_arg, metavar="T", help="start of the period")
-        sub.add_argument("--until", type=_time_arg, metavar="T",
+    def filter_options(sub: argparse.ArgumentParser, *, aliases: bool = False) -> None:
+        since, until = (("--since", "--from"), ("--until", "--to")) if aliases else (
+            ("--since",), ("--until",))
+        sub.add_argument(*since, type=_time_arg, metavar="T", dest="since",
+                         help="start of the period")
+        sub.add_argument(*until, type=_time_arg, metavar="T", dest="until",
                          help="end of the period (exclusive; default now)")
         sub.add_argument("--user", help="only this user")
         sub.add_argument("--model", help="only models containing this (e.g. 1070)")
@@ -154,11 +159,24 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--time-format", choices=("iso", "epoch"), default="iso")
     export.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    usage = commands.add_parser("usage", help="GPU-hours per user (or group) and model")
+    usage = commands.add_parser(
+        "usage", help="GPU-hours held and used, kWh, peak memory (and cost) per user, group, "
+                      "model or host",
+        description="Showback from the ledger: per row GPU-hours held, GPU-hours really used "
+                    "(measured SM time), idle share, kWh and peak memory; with prices in the "
+                    "settings (price_per_gpu_hour, price_per_kwh; --config), their cost.")
     ledger_option(usage)
-    filter_options(usage)
-    usage.add_argument("--by", choices=("user", "group", "host"), default="user")
-    usage.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    filter_options(usage, aliases=True)
+    usage.add_argument("--by", choices=("user", "group", "model", "host"), default="user")
+    usage.add_argument("--format", choices=("table", "csv", "json"), default="table",
+                       dest="output_format")
+    usage.add_argument("--json", action="store_true", help="the same as --format json")
+    usage.add_argument("--config", default=os.environ.get("SWARM_GPU_CONFIG") or None,
+                       help="the allocator's TOML settings, for the prices (default: "
+                            "$SWARM_GPU_CONFIG; none: no cost)")
+    usage.add_argument("--right-size", action="store_true",
+                       help="list the slices whose peak memory stayed under half their "
+                            "budget, with the budget that would have fit (suggestions only)")
 
     share = commands.add_parser(
         "fairshare", help="each user's and group's decayed usage (as Slurm's sshare)",
@@ -494,42 +512,63 @@ def _progress() -> Progress:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    """GPU-hours per user (group, host) and model, as a table or JSON."""
+    """Showback per user (group, model, host): a table, CSV or JSON; ``--right-size``: the
+    slices that could have had a smaller budget."""
     filters = _filters(args)
     now = time.time()
-    with _open_ledger(args) as conn:
-        rows = reports.usage(conn, filters, by=args.by, now=now)
+    prices = _prices(args.config)
+    fmt = "json" if args.json else args.output_format
     until = filters.until if filters.until is not None else now
-    if args.json:
+    with _open_ledger(args) as conn:
+        if args.right_size:
+            return _print_right_size(showback.right_size(conn, filters, until=until), fmt,
+                                     filters.since, until)
+        rows = showback.showback(reports.usage(conn, filters, by=args.by, now=now), prices)
+    names = showback.columns(args.by, prices)
+    if fmt == "json":
         json.dump({"since": filters.since, "until": until, "by": args.by,
-                   "rows": [{args.by: r.key, "model": r.model,
-                             "gpu_hours": round(r.gpu_hours, 6), "leases": r.leases,
-                             "idle_gpu_hours": round(r.idle_gpu_hours, 6),
-                             "reclaimed": r.reclaimed, "idle_released": r.idle_released}
+                   "rows": [dict(zip(names, showback.values(r, args.by, prices), strict=True))
                             for r in rows]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
+    if fmt == "csv":
+        exports.write(sys.stdout, "csv", names,
+                      (showback.values(r, args.by, prices) for r in rows))
+        return EXIT_OK
     since_text = reports.iso(filters.since) if filters.since is not None else "the beginning"
-    table = Table(title=f"GPU-hours from {since_text} to {reports.iso(until)}",
+    table = Table(title=f"GPU usage from {since_text} to {reports.iso(until)}",
                   title_justify="left")
     table.add_column(args.by)
-    table.add_column("model")
-    table.add_column("GPU-hours", justify="right")
-    table.add_column("idle GPU-hours", justify="right")
-    table.add_column("leases", justify="right")
-    table.add_column("reclaimed", justify="right")
-    table.add_column("idle released", justify="right")
+    if args.by != "model":
+        table.add_column("model")
+    for heading in ("GPU-h held", "GPU-h used", "idle", "kWh", "peak MiB", "leases"):
+        table.add_column(heading, justify="right")
+    if prices.any:
+        table.add_column("cost", justify="right")
+
+    def cells(row: showback.ShowbackRow) -> list[str]:
+        out = [escape(row.key)] + ([] if args.by == "model" else [escape(row.model)])
+        measured = row.measured_gpu_hours > 0
+        out += [f"{row.gpu_hours:.2f}", f"{row.used_gpu_hours:.2f}" if measured else "-",
+                f"{row.idle_share:.0%}", f"{row.kwh:.2f}" if measured else "-",
+                "-" if row.peak_memory_mib is None else str(row.peak_memory_mib),
+                str(row.leases)]
+        return out + ([f"{row.cost:.2f}"] if row.cost is not None else [])
+
     for row in rows:
-        table.add_row(escape(row.key), escape(row.model), f"{row.gpu_hours:.2f}",
-                      f"{row.idle_gpu_hours:.2f}", str(row.leases), str(row.reclaimed),
-                      str(row.idle_released))
-    if args.by != "group":
+        table.add_row(*cells(row))
+    if args.by != "group" and rows:
         # Group totals overlap (a user may be in several groups), so they get no total.
+        held = sum(r.gpu_hours for r in rows)
+        idle = sum(r.idle_share * r.gpu_hours for r in rows)
+        total = ["total"] + ([] if args.by == "model" else [""])
+        total += [f"{held:.2f}", f"{sum(r.used_gpu_hours for r in rows):.2f}",
+                  f"{idle / held:.0%}" if held else "0%", f"{sum(r.kwh for r in rows):.2f}",
+                  "", str(sum(r.leases for r in rows))]
+        if prices.any:
+            total.append(f"{sum(r.cost or 0.0 for r in rows):.2f}")
         table.add_section()
-        table.add_row("total", "", f"{sum(r.gpu_hours for r in rows):.2f}",
-                      f"{sum(r.idle_gpu_hours for r in rows):.2f}",
-                      str(sum(r.leases for r in rows)), str(sum(r.reclaimed for r in rows)),
-                      str(sum(r.idle_released for r in rows)))
+        table.add_row(*total)
     _console().print(table)
     return EXIT_OK
 
@@ -569,6 +608,42 @@ def cmd_fairshare(args: argparse.Namespace) -> int:
         for row in rows:
             table.add_row(escape(row.name), f"{row.usage:.2f}", f"{row.held:g}")
         console.print(table)
+    return EXIT_OK
+
+
+def _prices(config: str | None) -> showback.Prices:
+    """The showback prices of the settings file ``config`` (none: no prices); a file that is
+    not valid settings is an error, as for the allocator."""
+    if not config:
+        return showback.Prices()
+    try:
+        settings = load_settings(config, amqp_ca_file=None, amqp_cert_file=None,
+                                 amqp_key_file=None)
+    except (OSError, ValueError) as exc:  # ValueError: pydantic's and TOML's errors
+        raise CommandError(f"invalid settings: {settings_error_line(exc)}") from None
+    return showback.Prices(settings.price_per_gpu_hour, settings.price_per_kwh)
+
+
+def _print_right_size(found: list[showback.RightSize], fmt: str, since: float | None,
+                      until: float) -> int:
+    names = showback.RIGHT_SIZE_COLUMNS
+    if fmt == "json":
+        json.dump({"since": since, "until": until,
+                   "slices": [dict(zip(names, showback.right_size_values(f), strict=True))
+                              for f in found]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif fmt == "csv":
+        exports.write(sys.stdout, "csv", names, (showback.right_size_values(f) for f in found))
+    else:
+        table = Table(title="Slices whose peak memory stayed under half their budget "
+                            "(suggestions only)", title_justify="left")
+        for heading in ("lease", "user", "host", "model", "budget MiB", "peak MiB",
+                        "would fit MiB"):
+            table.add_column(heading, justify="right" if "MiB" in heading else "left")
+        for f in found:
+            table.add_row(escape(f.lease_id), escape(f.user), escape(f.host), escape(f.model),
+                          str(f.budget_mib), str(f.peak_memory_mib), str(f.suggested_mib))
+        _console().print(table)
     return EXIT_OK
 
 

@@ -29,7 +29,7 @@ HOLDING_STATES = tuple(s.value for s in LeaseState if s.holds_gpus)
 
 ExportKind = Literal["leases", "events", "gpus", "usage"]
 EXPORT_KINDS: tuple[ExportKind, ...] = ("leases", "events", "gpus", "usage")
-UsageBy = Literal["user", "group", "host"]
+UsageBy = Literal["user", "group", "model", "host"]
 TimeFormat = Literal["iso", "epoch"]
 
 NO_GROUP = "(no group)"
@@ -171,10 +171,14 @@ def usage_columns(by: UsageBy) -> tuple[Column, ...]:
     return (Column(by), Column("model"), Column("gpu_hours", "number"),
             Column("leases", "number"), Column("since", "time"), Column("until", "time"),
             Column("idle_gpu_hours", "number"), Column("reclaimed", "number"),
-            Column("idle_released", "number"))
+            Column("idle_released", "number"), Column("measured_gpu_hours", "number"),
+            Column("used_gpu_hours", "number"), Column("kwh", "number"),
+            Column("peak_memory_mib", "number"))
 
 
-def _lease_where(filters: Filters, *, holding_only: bool = False) -> _Where:
+def lease_where(filters: Filters, *, holding_only: bool = False) -> _Where:
+    """The WHERE of the leases that overlap the filters' period, user and host (with
+    ``holding_only``: only leases ever granted)."""
     where = _Where()
     if holding_only:
         where.add("granted_at IS NOT NULL")
@@ -215,7 +219,7 @@ def _select(columns: Sequence[Column], time_format: TimeFormat, alias: str = "")
 
 
 def _lease_query(filters: Filters, time_format: TimeFormat = "epoch") -> tuple[str, list[Any]]:
-    where = _lease_where(filters)
+    where = lease_where(filters)
     if filters.model is not None:
         where.add("model LIKE ? ESCAPE '\\'", _like(filters.model))
     columns = _select(LEASE_COLUMNS, time_format)
@@ -334,7 +338,9 @@ def export_rows(conn: sqlite3.Connection, kind: ExportKind, filters: Filters = F
         convert = _converter(columns, time_format, decode_json)
         return Export(columns, (convert((r.key, r.model, round(r.gpu_hours, 6), r.leases,
                                          since, until, round(r.idle_gpu_hours, 6), r.reclaimed,
-                                         r.idle_released)) for r in rows))
+                                         r.idle_released, round(r.measured_gpu_hours, 6),
+                                         round(r.used_gpu_hours, 6), round(r.kwh, 6),
+                                         r.peak_memory_mib)) for r in rows))
     if kind not in _QUERIES:
         raise ValueError(f"unknown export {kind!r}; choose one of {', '.join(EXPORT_KINDS)}")
     sql, params = _QUERIES[kind](filters, time_format)
@@ -380,6 +386,16 @@ class UsageRow:
     """Leases that ended in the period because they were reclaimed (borrowed)."""
     idle_released: int = 0
     """Leases that ended in the period because they were released as idle."""
+    measured_gpu_hours: float = 0.0
+    """Of ``gpu_hours``, those of leases whose node agent measured their usage (0.3.0 agents
+    reporting to a 0.3.0 allocator): what ``used_gpu_hours`` and ``kwh`` stand for."""
+    used_gpu_hours: float = 0.0
+    """GPU-hours really used: the measured SM-seconds (SM utilization as a fraction of one
+    GPU, times seconds) over 3,600."""
+    kwh: float = 0.0
+    """Energy measured, its share of the GPUs' energy counters (docs/operations.md, Usage)."""
+    peak_memory_mib: int | None = None
+    """The most GPU memory one lease's processes held on one GPU; None: none measured."""
 
 
 def idle_share(idle_gpu_s: float | None, idle_since: float | None, units: Fraction,
@@ -399,8 +415,13 @@ def idle_share(idle_gpu_s: float | None, idle_since: float | None, units: Fracti
 FAIRSHARE_COLUMNS = ("idle_gpu_s", "idle_since", "release_reason")
 """Lease columns usage reads that a ledger older than schema 4 lacks (read as NULL)."""
 
+MEASURED_COLUMNS = ("sm_s", "energy_j", "peak_memory_mib")
+"""Lease columns of measured usage that a ledger older than schema 8 lacks (read as NULL)."""
 
-def _lease_columns_or_null(conn: sqlite3.Connection, names: Sequence[str]) -> str:
+
+def lease_columns_or_null(conn: sqlite3.Connection, names: Sequence[str]) -> str:
+    """The select list of lease ``names``, each one the ledger lacks (an older schema) as
+    ``NULL AS name``."""
     present = {row[1] for row in conn.execute("PRAGMA table_info(leases)")}
     return ", ".join(name if name in present else f"NULL AS {name}" for name in names)
 
@@ -434,7 +455,9 @@ def held_interval(granted_at: float, released_at: float | None, state: str,
 
 def usage(conn: sqlite3.Connection, filters: Filters = Filters(), *, by: UsageBy = "user",
           now: float | None = None) -> list[UsageRow]:
-    """GPU-hours per ``by`` (user, group or host) and model over ``filters.since/until``.
+    """GPU-hours per ``by`` (user, group, model or host) and model over
+    ``filters.since/until``, with the usage measured on the leases (schema 8: used GPU-hours,
+    kWh, peak memory) where their agents measured it.
 
     An exclusive lease counts its GPUs times hours, a shared slice its share (1/slots) times hours.
     Leases still running count up to ``until`` (default: ``now``); every lease is clipped to
@@ -445,29 +468,35 @@ def usage(conn: sqlite3.Connection, filters: Filters = Filters(), *, by: UsageBy
     now = datetime.now(UTC).timestamp() if now is None else now
     until = filters.until if filters.until is not None else now
     gpu_models = {uuid: model for uuid, model in conn.execute("SELECT uuid, model FROM gpus")}
-    where = _lease_where(Filters(since=filters.since, until=until, user=filters.user,
+    where = lease_where(Filters(since=filters.since, until=until, user=filters.user,
                                  host=filters.host), holding_only=True)
     where.add("granted_at < ?", until)
     sql = ("SELECT user, groups, host, model, gpu_uuids, shared, units_num, units_den, state, "
-           f"granted_at, released_at, {_lease_columns_or_null(conn, FAIRSHARE_COLUMNS)} "
-           f"FROM leases{where.sql()}")
+           f"granted_at, released_at, {lease_columns_or_null(conn, FAIRSHARE_COLUMNS)}, "
+           f"{lease_columns_or_null(conn, MEASURED_COLUMNS)} FROM leases{where.sql()}")
     hours: dict[tuple[str, str], float] = {}
     idle_hours: dict[tuple[str, str], float] = {}
     counted: dict[tuple[str, str], int] = {}
     ended_by: dict[tuple[str, str, str], int] = {}
+    measured: dict[tuple[str, str], list[float]] = {}  # held, used GPU-hours, kWh
+    peaks: dict[tuple[str, str], int] = {}
     cursor = conn.execute(sql, where.params)
     cursor.arraysize = 1000
     for (user, groups_json, host, lease_model, uuids_json, shared, num, den, state,
-         granted_at, released_at, idle_gpu_s, idle_since, reason) in _fetch(cursor):
+         granted_at, released_at, idle_gpu_s, idle_since, reason, sm_s, energy_j,
+         peak_mib) in _fetch(cursor):
         seconds = held_interval(granted_at, released_at, state, filters.since, until)
         if seconds <= 0:
             continue
         uuids = json_list(uuids_json)
         units = lease_units(num, den, len(uuids), bool(shared))
         # The share is of the lease's whole holding (up to now for one still running).
-        idle = idle_share(idle_gpu_s, idle_since, units,
-                          held_interval(granted_at, released_at, state, None, now),
+        whole_s = held_interval(granted_at, released_at, state, None, now)
+        idle = idle_share(idle_gpu_s, idle_since, units, whole_s,
                           now if released_at is None else released_at)
+        # Measured usage is a total per lease, like idle time: a period that clips a lease
+        # counts the part of it that its share of the lease's holding is.
+        inside = min(seconds / whole_s, 1.0) if whole_s > 0 else 0.0
         ended_here = (released_at is not None and released_at < until
                       and reason in ("reclaimed", "idle"))
         per_model: dict[str, Fraction] = {}
@@ -481,23 +510,39 @@ def usage(conn: sqlite3.Connection, filters: Filters = Filters(), *, by: UsageBy
             keys = [user]
         elif by == "host":
             keys = [host or "(no host)"]
+        elif by == "model":
+            keys = []  # the model itself, below
         else:
             keys = [str(g) for g in json_list(groups_json)] or [NO_GROUP]
         for model, share in per_model.items():
             if not filters.model_matches(model):
                 continue
-            for key in keys:
+            # A lease of several models splits its measured usage as it splits its units.
+            part = inside * float(share / units) if units else 0.0
+            for key in keys or [model]:
                 held_h = float(share) * seconds / 3600
                 hours[key, model] = hours.get((key, model), 0.0) + held_h
                 idle_hours[key, model] = idle_hours.get((key, model), 0.0) + held_h * idle
                 counted[key, model] = counted.get((key, model), 0) + 1
                 if ended_here:
                     ended_by[key, model, reason] = ended_by.get((key, model, reason), 0) + 1
-    return [UsageRow(key, model, hours[key, model], counted[key, model],
-                     idle_gpu_hours=idle_hours[key, model],
-                     reclaimed=ended_by.get((key, model, "reclaimed"), 0),
-                     idle_released=ended_by.get((key, model, "idle"), 0))
-            for key, model in sorted(hours)]
+                if sm_s is not None or energy_j is not None:
+                    sums = measured.setdefault((key, model), [0.0, 0.0, 0.0])
+                    sums[0] += held_h
+                    sums[1] += float(sm_s or 0.0) * part / 3600
+                    sums[2] += float(energy_j or 0.0) * part / 3.6e6
+                if peak_mib is not None:
+                    peaks[key, model] = max(peaks.get((key, model), 0), int(peak_mib))
+    rows = []
+    for key, model in sorted(hours):
+        held_m, used_h, kwh = measured.get((key, model), (0.0, 0.0, 0.0))
+        rows.append(UsageRow(key, model, hours[key, model], counted[key, model],
+                             idle_gpu_hours=idle_hours[key, model],
+                             reclaimed=ended_by.get((key, model, "reclaimed"), 0),
+                             idle_released=ended_by.get((key, model, "idle"), 0),
+                             measured_gpu_hours=held_m, used_gpu_hours=used_h, kwh=kwh,
+                             peak_memory_mib=peaks.get((key, model))))
+    return rows
 
 
 def json_list(text: str | None) -> list[Any]:

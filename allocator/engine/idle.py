@@ -1,16 +1,23 @@
 """What a lease's containers use, measured on the GPU: each heartbeat's per-container use of a
-lease updates its ``idle_since`` (persisted only when it changes), its in-memory use history,
-and whether a shared slice is over its memory budget (warned, or stopped, after
-``over_budget_grace_s``)."""
+lease updates its ``idle_since`` (persisted only when it changes), its measured usage
+(energy, SM- and memory-seconds, peak memory; written at most every ``USAGE_WRITE_S``), its
+in-memory use history, and whether a shared slice is over its memory budget (warned, or
+stopped, after ``over_budget_grace_s``)."""
 
 from __future__ import annotations
 
 from allocator.config import AllocatorSettings
-from allocator.engine.lease_use import UseBook, is_idle, sample_of
+from allocator.engine.lease_use import UseBook, fold_usage, is_idle, sample_of
 from allocator.ledger.changes import Changes
 from allocator.ledger.lease import LeaseRecord
 from allocator.metrics.counters import Count, Counters
 from allocator.wire.protocol import ContainerInfo, LeaseState, UsageSample
+
+USAGE_WRITE_S = 60.0
+"""A lease's measured usage is written at most this often while it runs (and with its end):
+a write per lease per full report would be most of the ledger's writes. What a restart loses
+of it is not lost: the next report adds its growth over the counters last written
+(:func:`~allocator.engine.lease_use.fold_usage`)."""
 
 
 class IdleWatch:
@@ -30,6 +37,8 @@ class IdleWatch:
         (allocator time) without a break: one warning each time a lease goes over and stays
         over for ``over_budget_grace_s``."""
         self.warned: set[str] = set()
+        self.usage_written: dict[str, float] = {}
+        """Per lease: when its measured usage was last written (allocator time)."""
         """Leases of ``over_budget`` warned in their current spell (shown on the lease)."""
 
     def observe(self, record: LeaseRecord, info: ContainerInfo, now: float,
@@ -38,6 +47,11 @@ class IdleWatch:
         of an idle spell. Only bound leases are measured (a granted one has no container)."""
         if record.state is not LeaseState.BOUND:
             return
+        if info.usage is not None and fold_usage(record, info.usage):
+            written = self.usage_written.get(record.lease_id)
+            if written is None or now - written >= USAGE_WRITE_S:
+                self.usage_written[record.lease_id] = now
+                changes.lease(record)
         sample = sample_of(record.gpu_uuids, info.gpu_use)
         self.use.observe(record.lease_id, now, sample)
         idle = is_idle(sample, self.settings.idle_utilization_pct, self.settings.idle_memory_mib)
@@ -88,6 +102,7 @@ class IdleWatch:
         """The lease ends now: close its idle spell and forget its use."""
         self.close_spell(record, now)
         self.use.forget(record.lease_id)
+        self.usage_written.pop(record.lease_id, None)
         self.over_budget.pop(record.lease_id, None)
         self.warned.discard(record.lease_id)
 

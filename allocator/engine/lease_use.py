@@ -1,5 +1,6 @@
-"""A lease's own GPU use as heartbeats report it: the newest sample, per-minute history, and
-whether a sample is idle. Pure data, no I/O and no clock (times are passed in).
+"""A lease's own GPU use as heartbeats report it: the newest sample, per-minute history,
+whether a sample is idle, and the measured usage folded into the lease (:func:`fold_usage`).
+Pure data, no I/O and no clock (times are passed in).
 
 The node agent attributes NVML's per-process accounting to containers
 (``ContainerInfo.gpu_use``); a shared slice's use is that of its own container's processes,
@@ -12,7 +13,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from allocator.wire.protocol import ProcessUse, UsageSample
+from allocator.ledger.lease import LeaseRecord
+from allocator.wire.protocol import LeaseUsage, ProcessUse, UsageSample
 
 MINUTE_S = 60.0
 
@@ -107,3 +109,33 @@ class UseBook:
     def clear(self) -> None:
         """Drop everything (a reload from the ledger: the history is not in it)."""
         self._leases.clear()
+
+
+def fold_usage(record: LeaseRecord, usage: LeaseUsage) -> bool:
+    """Add what ``usage`` counted since the lease last took a report of its measurement; True
+    when the record changed.
+
+    A report of the measurement folded in last (the same ``since``) adds its growth over the
+    counters taken then (``usage_run_*``, kept with the lease, so a restart or takeover that
+    lost memory still adds only the growth); one of a newer measurement (the agent restarted,
+    or the lease was adopted) adds all it counted; one of an older measurement (a late
+    report) adds nothing. A counter that went back adds nothing. Peak memory is the highest
+    of all.
+    """
+    if record.usage_since is not None and usage.since < record.usage_since:
+        return False
+    same = record.usage_since is not None and usage.since == record.usage_since
+    before = ((record.usage_run_energy_j or 0.0, record.usage_run_sm_s or 0.0,
+               record.usage_run_memory_s or 0.0) if same else (0.0, 0.0, 0.0))
+    now = (usage.energy_j, usage.sm_s, usage.memory_s)
+    peak = max(record.peak_memory_mib or 0, usage.peak_memory_mib)
+    if same and now == before and peak == record.peak_memory_mib:
+        return False
+    grown = [max(new - old, 0.0) for new, old in zip(now, before, strict=True)]
+    record.energy_j = (record.energy_j or 0.0) + grown[0]
+    record.sm_s = (record.sm_s or 0.0) + grown[1]
+    record.memory_s = (record.memory_s or 0.0) + grown[2]
+    record.peak_memory_mib = peak
+    record.usage_since = usage.since
+    record.usage_run_energy_j, record.usage_run_sm_s, record.usage_run_memory_s = now
+    return True

@@ -17,6 +17,7 @@ from allocator.metrics.counters import Counters, Family
 from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
+    LEASE_USAGE,
     AgentCommand,
     AllocatorHello,
     StopContainer,
@@ -76,14 +77,15 @@ class CommandOutbox:
         """Tell the agent ``agent_id`` of ``host`` what this allocator reads, unless it has
         been told since the last :meth:`load`: the first message taken from each agent.
 
-        An agent sends ``GPUInfo.processes`` (and, from 0.3.0, ``Heartbeat.interconnect``)
-        only after such a hello, since an older allocator refuses a heartbeat with a field it
-        does not know.
+        An agent sends ``GPUInfo.processes`` (and, from 0.3.0, ``Heartbeat.interconnect`` and
+        ``ContainerInfo.usage``) only after such a hello, since an older allocator refuses a
+        heartbeat with a field it does not know.
         """
         if self.greeted.get(host) == agent_id:
             return
         self.greeted[host] = agent_id
-        self.hellos.append(AllocatorHello(host=host, reads=[GPU_PROCESSES, INTERCONNECT]))
+        self.hellos.append(AllocatorHello(host=host, reads=[GPU_PROCESSES, INTERCONNECT,
+                                                                  LEASE_USAGE]))
 
     def not_greeted(self, hosts: list[str]) -> None:
         """The hellos to these hosts' agents were not sent (the broker did not take them):

@@ -19,9 +19,9 @@ from pydantic import (
     model_validator,
 )
 
-from allocator.ledger.changes import LEASE_OWNERS, OWNER_COLUMN, Changes
+from allocator.ledger.changes import LEASE_OWNERS, LEASE_USAGE_BESIDE, OWNER_COLUMN, Changes
 from allocator.ledger.log_snapshot import describe
-from allocator.ledger.schema import COLUMNS, JSON_COLUMNS, PRIMARY_KEYS
+from allocator.ledger.schema import COLUMNS, JSON_COLUMNS, LEASES_V8, PRIMARY_KEYS
 
 
 class BrokenChanges(ValueError):
@@ -62,8 +62,12 @@ own, never written)."""
 
 
 _ROW_MODELS = {table: _row_model(table, skip=("id",) if table in INSERTED
-                                  else (OWNER_COLUMN,) if table == "leases" else ())
+                                  else (OWNER_COLUMN, *LEASES_V8) if table == "leases"
+                                  else ())
                for table in CHANGE_TABLES.values()}
+_USAGE_MODEL = create_model(
+    "lease_usage", __config__=ConfigDict(strict=True, extra="forbid", frozen=True),
+    **{column: (kind | None, None) for column, kind in LEASES_V8.items()})  # type: ignore[call-overload]
 
 
 class ChangeSet(BaseModel):
@@ -88,6 +92,9 @@ class ChangeSet(BaseModel):
                        Annotated[str, Field(min_length=1)]] = {}
     """Lease id -> its owner, for lease rows of this set (:data:`LEASE_OWNERS`); written
     only when there is one."""
+    lease_usage: dict[Annotated[str, Field(min_length=1)], dict[str, Any]] = {}
+    """Lease id -> its measured usage columns, for lease rows of this set
+    (:data:`LEASE_USAGE_BESIDE`, 0.3.0); written only when there is some."""
 
     @field_validator("leases", "nodes", "gpus", "history", "events", "bookings")
     @classmethod
@@ -106,13 +113,25 @@ class ChangeSet(BaseModel):
             checked.append(valid.model_dump(exclude_unset=table not in INSERTED))
         return checked
 
+    @field_validator("lease_usage")
+    @classmethod
+    def _usage_of_the_schema(cls, usage: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        checked = {}
+        for lease_id, columns in usage.items():
+            try:
+                valid = _USAGE_MODEL.model_validate(columns)
+            except ValidationError as exc:
+                raise ValueError(f"lease_usage of {lease_id}: {describe(exc)}") from None
+            checked[lease_id] = valid.model_dump(exclude_unset=True)
+        return checked
+
     @model_validator(mode="after")
     def _owners_of_leases_written(self) -> Self:
         written = {row["lease_id"] for row in self.leases}
-        stray = sorted(set(self.lease_owners) - written)
+        stray = sorted((set(self.lease_owners) | set(self.lease_usage)) - written)
         if stray:  # an owner alone would make a lease row of nothing but its owner
-            raise ValueError(f"lease_owners names leases the change set does not write: "
-                             f"{', '.join(stray[:5])}")
+            raise ValueError(f"lease_owners or lease_usage names leases the change set does "
+                             f"not write: {', '.join(stray[:5])}")
         return self
 
     @model_serializer(mode="wrap")
@@ -120,6 +139,8 @@ class ChangeSet(BaseModel):
         data: dict[str, Any] = write(self)
         if not self.lease_owners:
             data.pop(LEASE_OWNERS, None)  # a batch without owners is written as before
+        if not self.lease_usage:
+            data.pop(LEASE_USAGE_BESIDE, None)
         if not self.bookings:
             data.pop("bookings", None)
         return data
@@ -139,10 +160,16 @@ class ChangeSet(BaseModel):
 
     def to_changes(self) -> Changes:
         """The batch to commit."""
-        owners = self.lease_owners
-        return Changes(leases={row["lease_id"]: ({**row, OWNER_COLUMN: owners[row["lease_id"]]}
-                                                 if row["lease_id"] in owners else row)
-                               for row in self.leases},
+        owners, usage = self.lease_owners, self.lease_usage
+        leases = {}
+        for row in self.leases:
+            key = row["lease_id"]
+            if key in owners:
+                row = {**row, OWNER_COLUMN: owners[key]}
+            if key in usage:
+                row = {**row, **usage[key]}
+            leases[key] = row
+        return Changes(leases=leases,
                        nodes={row["host"]: row for row in self.nodes},
                        gpus={row["uuid"]: row for row in self.gpus},
                        history=list(self.history), events=list(self.events),

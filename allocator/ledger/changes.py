@@ -9,6 +9,7 @@ from typing import Any
 
 from allocator.ledger.lease import LeaseRecord
 from allocator.ledger.loaded import BookingRow
+from allocator.ledger.schema import LEASES_V8
 from allocator.placement.cluster import GPU, Node
 from allocator.wire.protocol import LeaseState
 
@@ -90,19 +91,24 @@ class Changes:
     def to_json(self) -> dict[str, Any]:
         """The batch as plain JSON (rows are JSON-able already), for the replicated log: a
         lease's owner beside its row (:data:`LEASE_OWNERS`), never in it."""
-        leases, owners = [], {}
+        leases, owners, usage = [], {}, {}
         for row in self.leases.values():
-            if OWNER_COLUMN in row:
+            if OWNER_COLUMN in row or not USAGE_COLUMNS.isdisjoint(row):
                 row = dict(row)
-                owner = row.pop(OWNER_COLUMN)
+                owner = row.pop(OWNER_COLUMN, None)
                 if owner is not None:  # an owner is set once, at the lease's making
                     owners[row["lease_id"]] = owner
+                measured = {c: row.pop(c) for c in USAGE_COLUMNS if c in row}
+                if any(value is not None for value in measured.values()):
+                    usage[row["lease_id"]] = measured
             leases.append(row)
         data: dict[str, Any] = {"leases": leases, "nodes": list(self.nodes.values()),
                                 "gpus": list(self.gpus.values()), "history": self.history,
                                 "events": self.events}
         if owners:
             data[LEASE_OWNERS] = owners
+        if usage:  # a batch without measured usage is written as before (0.2.0 reads it)
+            data[LEASE_USAGE_BESIDE] = usage
         if self.bookings:  # a batch without bookings is written as before (0.2.0 reads it)
             data["bookings"] = list(self.bookings.values())
         return data
@@ -130,3 +136,15 @@ columns ``lease_id`` and ``owner``). Release 0.1.0 writes every key of a lease r
 column, and a column its schema lacks stops it; it reads only the lists of a change set and
 the tables of a snapshot it knows. So a 0.1.0 replica follows a log this release writes,
 with no owner in its ledger (owner unknown: any hub may release, as in 0.1.0)."""
+
+
+USAGE_COLUMNS = frozenset(LEASES_V8)
+"""The lease columns of measured usage (schema 8), which travel beside the lease rows in the
+replicated log, as the owner does."""
+
+LEASE_USAGE_BESIDE = "lease_usage"
+"""Where a lease's measured usage travels in the replicated log: beside the lease rows (a
+change set's ``lease_usage``, lease id -> its usage columns; a snapshot's table of that name,
+columns ``lease_id`` and :data:`USAGE_COLUMNS`), so that a replica of 0.2.0, whose schema has
+no such column and which refuses a row with one, follows a log this release writes (without
+the usage) just as 0.1.0 does with owners."""

@@ -65,6 +65,25 @@ class LeaseRecord:
     """Since when its processes have stayed under the idle thresholds; None: busy or unmeasured."""
     idle_gpu_s: float = 0.0
     """GPU-seconds spent idle in finished idle spells (units x seconds), for accounting."""
+    usage_since: float | None = None
+    """Usage measured by its node agent (:class:`~allocator.wire.protocol.LeaseUsage`): when
+    the measurement last folded in began (node time); None: nothing measured yet. The totals
+    below add up every measurement of the lease; ``usage_run_*`` are what the current
+    measurement had reported when they were last folded in, so the next report adds only what
+    it counted since (:func:`allocator.engine.lease_use.fold_usage`), even after a restart or
+    takeover that lost the in-memory state."""
+    energy_j: float | None = None
+    """Joules measured (its share of its GPUs' energy counters)."""
+    sm_s: float | None = None
+    """SM-seconds measured (SM utilization as a fraction of one GPU, times seconds)."""
+    memory_s: float | None = None
+    """Memory-seconds measured (memory-bandwidth utilization, a fraction of one GPU, times
+    seconds)."""
+    peak_memory_mib: int | None = None
+    """The most GPU memory its processes held on one GPU at once, over every measurement."""
+    usage_run_energy_j: float | None = None
+    usage_run_sm_s: float | None = None
+    usage_run_memory_s: float | None = None
     owner: str | None = None
     """The broker user (AMQP ``user_id``, which the broker verifies) whose request made the
     lease: its hub. Only that user and ``admin_users`` may release it or see it

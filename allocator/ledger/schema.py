@@ -4,7 +4,7 @@ migrations that create it are :mod:`allocator.ledger.store`'s."""
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The schema this code writes. Bump it and append to
 :data:`allocator.ledger.store.MIGRATIONS` together."""
 
@@ -42,6 +42,11 @@ LEASES_V4: dict[str, type] = {
     "reclaim_stopped_at": float, "idle_since": float, "idle_gpu_s": float,
 }
 LEASES_V6: dict[str, type] = {"owner": str}
+LEASES_V8: dict[str, type] = {
+    "usage_since": float, "energy_j": float, "sm_s": float, "memory_s": float,
+    "peak_memory_mib": int, "usage_run_energy_j": float, "usage_run_sm_s": float,
+    "usage_run_memory_s": float,
+}
 HISTORY_V1: dict[str, type] = {
     "id": int, "lease_id": str, "at": float, "from_state": str, "to_state": str, "reason": str,
     "by": str,
@@ -61,7 +66,7 @@ BOOKINGS_V7: dict[str, type] = {
 COLUMNS: dict[str, dict[str, type]] = {
     "nodes": NODES_V1,
     "gpus": {**GPUS_V1, **GPUS_V2},
-    "leases": {**LEASES_V1, **LEASES_V4, **LEASES_V6},
+    "leases": {**LEASES_V1, **LEASES_V4, **LEASES_V6, **LEASES_V8},
     "lease_history": HISTORY_V1,
     "events": EVENTS_V1,
     "log_position": {**LOG_POSITION_V3, **LOG_POSITION_V5},

@@ -30,7 +30,13 @@ from typing import Any, Literal, TypeVar
 import sqlite_utils
 
 from allocator.ledger.change_set import INSERTED, BrokenChanges
-from allocator.ledger.changes import LEASE_OWNERS, OWNER_COLUMN, Changes
+from allocator.ledger.changes import (
+    LEASE_OWNERS,
+    LEASE_USAGE_BESIDE,
+    OWNER_COLUMN,
+    USAGE_COLUMNS,
+    Changes,
+)
 from allocator.ledger.lease import LeaseRecord, row_reader
 from allocator.ledger.loaded import BOOKING_ALERT_KINDS, BookingRow, LoadedState
 from allocator.ledger.log_position import LogPosition
@@ -45,6 +51,7 @@ from allocator.ledger.schema import (
     LEASES_V1,
     LEASES_V4,
     LEASES_V6,
+    LEASES_V8,
     LOG_POSITION_V3,
     LOG_POSITION_V5,
     NODES_V1,
@@ -332,10 +339,16 @@ def _migrate_v7(db: sqlite_utils.Database) -> None:
     _create_table(db, "bookings", BOOKINGS_V7, "name")
 
 
+def _migrate_v8(db: sqlite_utils.Database) -> None:
+    """Each lease's usage as its node agent measured it (energy, SM- and memory-seconds, peak
+    memory) and the measurement folded in last (NULL for every lease before: not measured)."""
+    _add_columns(db, "leases", LEASES_V8)
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_v1, _migrate_v2,
                                                              _migrate_v3, _migrate_v4,
                                                              _migrate_v5, _migrate_v6,
-                                                             _migrate_v7]
+                                                             _migrate_v7, _migrate_v8]
 """``MIGRATIONS[n]`` takes a ledger from schema ``n`` to ``n + 1``."""
 
 
@@ -599,7 +612,8 @@ class Ledger:
         the ledger thread).
 
         Every node, GPU and lease row is replaced by the snapshot's, with the leases' owners
-        from its table :data:`LEASE_OWNERS` (none in a snapshot of 0.1.0). The audit trail
+        from its table :data:`LEASE_OWNERS` (none in a snapshot of 0.1.0) and their measured
+        usage from :data:`LEASE_USAGE_BESIDE` (none before 0.3.0). The audit trail
         is kept and gets the snapshot's trail tables if it carries them (a log seeded from a ledger
         with data); without them and with ``loaded_at``, one event ``log_snapshot_loaded``
         says from where on this ledger's trail is whole.
@@ -632,6 +646,15 @@ class Ledger:
                                           f"columns {owners.columns}, not lease_id and owner")
                     conn.executemany('UPDATE leases SET "owner" = ? WHERE lease_id = ?',
                                      [(owner, lease_id) for lease_id, owner in owners.rows])
+                usage = tables.get(LEASE_USAGE_BESIDE)
+                if usage is not None and usage.rows:
+                    if usage.columns != ["lease_id", *LEASES_V8]:
+                        raise LedgerError(f"the snapshot's table {LEASE_USAGE_BESIDE} has the "
+                                          f"columns {usage.columns}, not lease_id and "
+                                          f"{', '.join(LEASES_V8)}")
+                    sets = ", ".join(f'"{column}" = ?' for column in LEASES_V8)
+                    conn.executemany(f"UPDATE leases SET {sets} WHERE lease_id = ?",
+                                     [(*row[1:], row[0]) for row in usage.rows])
                 if loaded_at is not None and not any(t in tables for t in TRAIL_TABLES):
                     conn.execute(
                         "INSERT INTO events (at, kind, detail) VALUES (?, ?, ?)",
@@ -779,17 +802,26 @@ class Ledger:
                 keep = [i for i, column in enumerate(columns) if column != "id"]
                 rows = [[row[i] for i in keep] for row in rows]
                 columns = [columns[i] for i in keep]
-            owners = None
+            beside: dict[str, Table] = {}
             if name == "leases":
-                # The owners beside the leases (LEASE_OWNERS), so that 0.1.0 loads it.
-                at, key = columns.index(OWNER_COLUMN), columns.index("lease_id")
-                owners = Table(["lease_id", OWNER_COLUMN],
-                               [[row[key], row[at]] for row in rows if row[at] is not None])
-                rows = [row[:at] + row[at + 1:] for row in rows]
-                columns = columns[:at] + columns[at + 1:]
+                # The owners and the measured usage beside the leases (LEASE_OWNERS,
+                # LEASE_USAGE_BESIDE), so that 0.1.0 and 0.2.0 load it.
+                key = columns.index("lease_id")
+                at = columns.index(OWNER_COLUMN)
+                beside[LEASE_OWNERS] = Table(
+                    ["lease_id", OWNER_COLUMN],
+                    [[row[key], row[at]] for row in rows if row[at] is not None])
+                measured = [columns.index(column) for column in LEASES_V8]
+                beside[LEASE_USAGE_BESIDE] = Table(
+                    ["lease_id", *LEASES_V8],
+                    [[row[key], *(row[i] for i in measured)] for row in rows
+                     if any(row[i] is not None for i in measured)])
+                keep = [i for i, column in enumerate(columns)
+                        if column != OWNER_COLUMN and column not in USAGE_COLUMNS]
+                rows = [[row[i] for i in keep] for row in rows]
+                columns = [columns[i] for i in keep]
             tables[name] = Table(columns, rows)
-            if owners is not None:
-                tables[LEASE_OWNERS] = owners
+            tables.update(beside)
         return self.log_position(), tables
 
     def find_lease(self, lease_id: str) -> LeaseRecord | None:

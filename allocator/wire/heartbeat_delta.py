@@ -21,7 +21,10 @@ The processes on a GPU (``GPUInfo.processes``) count as changed when they become
 known, when a pid comes or goes or runs in another container (or under another name), and when
 one pid's memory leaves its band (``memory_mib``); their order does not count. Anything else
 about a GPU (health and its reasons, XIDs, ECC, MIG, identity, ``processes_omitted``) or a
-container (its grant, name, start) counts at once.
+container (its grant, name, start) counts at once. A container's measured ``usage`` (0.3.0)
+never counts as a change: its counters grow at every heartbeat, and a delta per heartbeat for
+them would be a full report's cost; a delta carries it when it carries the container anyway,
+and every full report (``full_report_s``) carries all of it.
 """
 
 from __future__ import annotations

@@ -787,6 +787,36 @@ class ContainerGrant(BaseModel):
         return data
 
 
+class LeaseUsage(BaseModel):
+    """(0.3.0) What one lease container used, measured by its node agent from NVML: counters
+    that only grow over one measurement (``since``), so a lost report loses nothing and the
+    allocator adds up the measurements of successive agent runs (see docs/protocol.md,
+    Usage). Sent only to an allocator whose hello reads ``lease_usage``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    since: float = Field(
+        allow_inf_nan=False, description="Epoch seconds on the node when this measurement "
+        "began (the agent first saw the container, or started): the counters count from it, "
+        "and a new ``since`` is a new measurement.")
+    energy_j: float = Field(
+        ge=0, allow_inf_nan=False, description="Joules: the GPUs' energy-counter deltas, a "
+        "GPU shared with other leases (a slice, a MIG instance) apportioned by its processes' "
+        "share of the GPU's per-process utilization (docs/operations.md, Usage).")
+    sm_s: float = Field(
+        ge=0, allow_inf_nan=False, description="SM-seconds: its processes' SM utilization "
+        "(a fraction of one GPU) times seconds, summed over its GPUs.")
+    memory_s: float = Field(
+        ge=0, allow_inf_nan=False, description="Memory-seconds: its processes' memory "
+        "(bandwidth) utilization, a fraction of one GPU, times seconds, summed over its GPUs.")
+    peak_memory_mib: MiB = Field(
+        default=0, description="The most GPU memory its processes held at once on one GPU.")
+    energy_known: bool = Field(
+        default=True, description="False when some GPU of the lease has no energy counter "
+        "(NVML's NotSupported): ``energy_j`` then counts only the GPUs that have one.")
+
+
 class ContainerInfo(BaseModel):
     """A running container that carries the lease label."""
 
@@ -800,6 +830,10 @@ class ContainerInfo(BaseModel):
     grant: ContainerGrant | None = Field(
         default=None, description="The grant from the container's labels; None when the "
         "container carries only the lease label (a spawner of an older release).")
+    usage: LeaseUsage | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="(0.3.0) What the container used since its agent began measuring it; "
+        "sent only to an allocator whose hello reads ``lease_usage``, absent otherwise.")
 
 
 class Heartbeat(_Message):
@@ -995,6 +1029,11 @@ INTERCONNECT: Final = "interconnect"
 ``Heartbeat.interconnect``."""
 
 
+LEASE_USAGE: Final = "lease_usage"
+"""A part of node messages that an allocator may read (:class:`AllocatorHello`, 0.3.0):
+``ContainerInfo.usage``."""
+
+
 class AllocatorHello(_Message):
     """Sent by the allocator to one node agent: the parts of node messages it reads.
 
@@ -1011,8 +1050,9 @@ class AllocatorHello(_Message):
     reads: list[Name] = Field(
         default_factory=list, max_length=32,
         description="Optional parts of node messages this allocator reads (a name the agent "
-        "does not know is ignored): ``gpu_processes``, ``interconnect`` (0.3.0).",
-        examples=[["gpu_processes", "interconnect"]])
+        "does not know is ignored): ``gpu_processes``, ``interconnect`` (0.3.0), "
+        "``lease_usage`` (0.3.0).",
+        examples=[["gpu_processes", "interconnect", "lease_usage"]])
 
 
 AgentCommand = Annotated[StopContainer | AllocatorHello, Field(discriminator="kind")]

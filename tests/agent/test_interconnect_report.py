@@ -34,6 +34,7 @@ from allocator.wire.interconnect import (
 from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
+    LEASE_USAGE,
     AllocatorHello,
     GPUInfo,
     Heartbeat,
@@ -265,7 +266,7 @@ def test_the_allocator_keeps_the_reported_interconnect_on_the_node(tmp_path: Pat
     node = engine.cluster.nodes["a"]
     assert node.interconnect is None, "an agent before 0.3.0 reports none"
     assert engine.take_agent_commands() == [
-        AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT])]
+        AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT, LEASE_USAGE])]
     pairs = preset_interconnect("nvlink-pairs", UUIDS)
     engine.handle(_beat(2.0, pairs), NODE, 2.0, changes)
     assert node.interconnect == pairs
@@ -313,6 +314,6 @@ def test_a_reload_forgets_the_interconnect_and_greets_the_agent_again(tmp_path: 
     engine.handle(_beat(3.0), NODE, 3.0, changes)
     assert engine.cluster.nodes["a"].interconnect is None
     assert engine.take_agent_commands() == [
-        AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT])], "asked again"
+        AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT, LEASE_USAGE])], "asked again"
     engine.handle(_beat(4.0, pairs), NODE, 4.0, changes)
     assert engine.cluster.nodes["a"].interconnect == pairs

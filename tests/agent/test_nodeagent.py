@@ -32,6 +32,7 @@ from allocator.wire.lease_container import HOST_LABEL, LEASE_LABEL, MEMORY_LABEL
 from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
+    LEASE_USAGE,
     NODE_MESSAGE_ADAPTER,
     AllocatorHello,
     ContainerAction,
@@ -50,6 +51,7 @@ from allocator.wire.topology import AGENTS_EXCHANGE, NODES_EXCHANGE, command_rou
 from nodeagent.agent import NodeAgent
 from nodeagent.config import AgentSettings
 from nodeagent.containers import ContainerChange, ContainerWatcher, LeaseContainer
+from nodeagent.metrics import agent_families, read_figures
 from nodeagent.simulated import (
     make_gpu,
     preset_interconnect,
@@ -968,3 +970,64 @@ async def test_the_interconnect_goes_out_once_the_allocator_said_it_reads_it(
         _joined_as(inventory, host, "hgx")
         quiet = await _full_reports(inbox, host, 3)
         assert not any(_carries_interconnect(r) for r in inbox.messages[quiet:])
+
+
+# ------------------------------------------------------------------------------- lease usage
+
+
+def _usage_inventory(path: Path, host: str, energy_mj: int, leases: dict[str, Any]) -> None:
+    write_inventory(path, {host: [make_gpu(host, 0, "NVIDIA GeForce GTX 1070"),
+                                  make_gpu(host, 1, "NVIDIA GeForce GTX 1070",
+                                           energy_mj=energy_mj)]}, leases=leases)
+
+
+@pytest.mark.docker
+async def test_lease_usage_goes_out_once_the_allocator_reads_it_and_apportions_energy(
+        amqp_vhost: Any, inbox: Inbox, host: str, inventory: Path, docker_engine: str,
+        lease_containers: Callable[..., Awaitable[str]]) -> None:
+    """Two slices of one GPU: before a hello that reads ``lease_usage`` not a byte of usage
+    goes out; after it each container carries its counters, and a step of the GPU's energy
+    counter is apportioned by their SM shares (30 % and 10 %: 3/4 and 1/4); SM- and
+    memory-seconds follow the utilization the inventory sets (each since its own start)."""
+    slices = [Lease(lease_id=lease(), request_key=f"hub/u{i}/", user=f"u{i}",
+                    state=LeaseState.GRANTED, host=host, shared=True, memory_mib=3000,
+                    gpu_uuids=[simulated_uuid(host, 1)], created_at=1.0) for i in range(2)]
+    use = {slices[0].lease_id: {"utilization_pct": 30, "memory_used_mib": 900,
+                                "memory_utilization_pct": 12},
+           slices[1].lease_id: {"utilization_pct": 10, "memory_used_mib": 100}}
+    _usage_inventory(inventory, host, 1_000_000, use)
+    settings = agent_settings(host, amqp_vhost.url, inventory, docker=True,
+                              docker_url=docker_engine, command_users=["guest"],
+                              full_report_s=0.5)
+    async with running(settings) as agent:
+        for granted in slices:
+            await lease_containers(granted.lease_id, grant_labels(granted))
+        ids = {granted.lease_id for granted in slices}
+        await inbox.heartbeat(host, lambda b: {c.lease_id for c in b.containers} >= ids)
+        await _full_reports(inbox, host, 2)
+        assert not any(b'"usage"' in r.body for r in inbox.messages)
+
+        mark = inbox.mark()
+        await say_hello(amqp_vhost.url, host, [GPU_PROCESSES, LEASE_USAGE])
+        await eventually(lambda: agent.reports_usage, "the hello that reads usage")
+        await inbox.wait_for(
+            lambda r: isinstance(r.message, Heartbeat) and not r.delta
+            and sum(c.usage is not None for c in r.message.containers) == 2, after=mark,
+            what="a full report with both containers' usage")
+        _usage_inventory(inventory, host, 41_000_000, use)  # 40 kJ more
+        stepped = await inbox.heartbeat(host, lambda b: sum(
+            c.usage.energy_j for c in b.containers if c.usage is not None) >= 39_999)
+        # The metrics count the same energy, by group (none here) and GPU, DCGM's labels.
+        families = {f.name: f for f in agent_families(read_figures(agent, agent.metrics))}
+        [energy] = families["swarm_gpu_agent_lease_energy_joules"].samples
+        assert energy.labels["UUID"] == simulated_uuid(host, 1)
+        assert (energy.labels["group"], energy.labels["Hostname"]) == ("", host)
+        assert energy.value == pytest.approx(40_000)
+    by_lease = {c.lease_id: c.usage for c in stepped.containers}
+    first, second = by_lease[slices[0].lease_id], by_lease[slices[1].lease_id]
+    assert first is not None and second is not None
+    assert first.energy_j == pytest.approx(30_000) and second.energy_j == pytest.approx(10_000)
+    assert first.peak_memory_mib == 900 and second.peak_memory_mib == 100
+    assert 0 < first.sm_s <= 0.3 * (stepped.sent_at - first.since) + 1e-6
+    assert 0 < second.sm_s <= 0.1 * (stepped.sent_at - second.since) + 1e-6
+    assert first.memory_s == pytest.approx(first.sm_s * 12 / 30) and second.memory_s == 0

@@ -13,7 +13,7 @@ only features the release has are used (a log position from schema 3 on). The co
 the tests to check after the migration: two hosts, four GPUs, five leases (bound, a bound
 slice, granted, queued, released; owned by the broker user ``hub`` from schema 6 on), their
 history and three events (from schema 7 on, two bookings, one of them removed, and a fourth
-event); all times fixed.
+event; from schema 8 on, the released lease's measured usage); all times fixed.
 """
 
 from __future__ import annotations
@@ -96,7 +96,11 @@ def main() -> None:
         lease("L-done", "erin", LeaseState.RELEASED, host="gpu-b", gpu_uuids=("GPU-b1",),
               model=GTX1070, units=Fraction(1), granted_at=T0 + 1, bind_deadline=T0 + 61,
               bound_at=T0 + 3, container_id="c-erin", released_at=T0 + 50,
-              release_reason=ReleaseReason.CONTAINER_EXITED, released_by="node gpu-b"),
+              release_reason=ReleaseReason.CONTAINER_EXITED, released_by="node gpu-b",
+              # its measured usage (schema 8 on): 47 s of one GPU, 12 kJ, half of it busy
+              usage_since=T0 + 3, energy_j=12_000.0, sm_s=23.5, memory_s=4.7,
+              peak_memory_mib=3100, usage_run_energy_j=12_000.0, usage_run_sm_s=23.5,
+              usage_run_memory_s=4.7),
     ]
     for record in leases:
         changes.transition(record, None, record.created_at, "requested")

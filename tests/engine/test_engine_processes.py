@@ -28,6 +28,7 @@ from allocator.metrics import exporter as metrics
 from allocator.wire.protocol import (
     GPU_PROCESSES,
     INTERCONNECT,
+    LEASE_USAGE,
     AllocateRequest,
     AllocatorHello,
     ContainerAction,
@@ -464,7 +465,7 @@ def test_a_mig_parent_is_not_judged_its_instances_are(tmp_path: Path) -> None:
 def test_each_agent_is_told_once_what_the_allocator_reads(tmp_path: Path) -> None:
     engine = loaded(tmp_path)
     changes = Changes()
-    hello = AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT])
+    hello = AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT, LEASE_USAGE])
     engine.handle(beat(1.0), NODE, 1.0, changes)
     assert engine.take_agent_commands() == [hello]
     engine.handle(beat(2.0), NODE, 2.0, changes)
@@ -487,7 +488,7 @@ def test_a_hello_that_did_not_go_out_is_decided_again_at_the_agents_next_message
         tmp_path: Path) -> None:
     engine = loaded(tmp_path)
     changes = Changes()
-    hello = AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT])
+    hello = AllocatorHello(host="a", reads=[GPU_PROCESSES, INTERCONNECT, LEASE_USAGE])
     engine.handle(beat(1.0), NODE, 1.0, changes)
     assert engine.take_agent_commands() == [hello]
     engine.hellos_not_sent(["a"])  # the broker did not take it

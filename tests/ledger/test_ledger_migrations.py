@@ -24,6 +24,7 @@ from allocator.config import AllocatorSettings
 from allocator.engine import Engine, Sender
 from allocator.ledger.changes import Changes
 from allocator.ledger.invariants import check_ledger
+from allocator.ledger.lease import LeaseRecord
 from allocator.ledger.loaded import BookingRow
 from allocator.ledger.log_position import LogPosition
 from allocator.ledger.schema import SCHEMA_VERSION
@@ -46,13 +47,13 @@ T0 = 1_750_000_100.0
 """The fixtures' clock (``tests/data/make_ledger_fixture.py``: its T0 plus 100)."""
 
 FIXTURES = {1: "93c7617", 2: "40bfd06", 3: "25e3269", 4: "712b0e4", 5: "de14dc7",
-            6: "lease owners", 7: "bookings"}
+            6: "lease owners", 7: "bookings", 8: "lease usage"}
 """Schema version -> the commit whose code wrote ``tests/data/ledger-v<version>.db`` (with
 ``tests/data/make_ledger_fixture.py``): the last commit before schema 2 (MIG), the MIG commit,
 the merge that put the log position after MIG as schema 3, fair share, the last commit
 before migrations became atomic (schema 5 as release 0.1.0 writes it), and the change that
-recorded each lease's owner (schema 6, 0.2.0), and the change that kept bookings (schema 7,
-0.3.0)."""
+recorded each lease's owner (schema 6, 0.2.0), the change that kept bookings (schema 7,
+0.3.0), and the one that kept each lease's measured usage (schema 8, 0.3.0)."""
 
 
 def fixture(version: int, tmp_path: Path) -> Path:
@@ -295,6 +296,12 @@ def test_a_ledger_of_every_schema_is_migrated_whole_and_sound(version: int,
     assert [(row.name, row.booking["gpus"]["count"], row.created_by)
             for row in loaded.bookings] == ([("CS101 lab", 2, "admin (admin)")]
                                             if version >= 7 else [])
+    # Measured usage from schema 8 on; before, every lease reads as not measured.
+    done = loaded.finished[0]
+    assert (done.usage_since, done.energy_j, done.sm_s, done.memory_s, done.peak_memory_mib,
+            done.usage_run_energy_j) == ((T0 - 97, 12_000.0, 23.5, 4.7, 3100, 12_000.0)
+                                         if version >= 8 else (None,) * 6)
+    assert all(lease.energy_j is None for lease in loaded.leases)
     if version >= 3:
         assert position == LogPosition("log-fixture", 41, "entry-41", 2, "allocator-1")
     else:
@@ -456,7 +463,7 @@ def release_0_2_0_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return where
 
 
-def test_a_0_2_0_allocator_refuses_a_schema_7_ledger_in_one_line(
+def test_a_0_2_0_allocator_refuses_a_ledger_of_this_release_in_one_line(
         release_0_2_0_code: Path, tmp_path: Path) -> None:
     """Rolling back to 0.2.0 after this release migrated the ledger is refused, in one line,
     and the ledger (with its bookings) is left as it was."""
@@ -465,7 +472,7 @@ def test_a_0_2_0_allocator_refuses_a_schema_7_ledger_in_one_line(
     ledger.open()
     ledger.close()
     before = schema(path)
-    assert user_version(path) == 7
+    assert user_version(path) == SCHEMA_VERSION
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_GPU_")}
     env.update(SWARM_GPU_AMQP_URL=UNREACHABLE, SWARM_GPU_LEDGER_PATH=str(path),
                PYTHONPATH=str(release_0_2_0_code))
@@ -474,9 +481,10 @@ def test_a_0_2_0_allocator_refuses_a_schema_7_ledger_in_one_line(
     assert served.returncode == 1, served
     lines = served.stderr.strip().splitlines()
     assert len(lines) == 1, served.stderr
-    assert "schema version 7, newer than this release understands (6)" in lines[0]
+    assert (f"schema version {SCHEMA_VERSION}, newer than this release understands (6)"
+            in lines[0])
     assert "upgrade swarm-gpu" in lines[0]
-    assert user_version(path) == 7 and schema(path) == before
+    assert user_version(path) == SCHEMA_VERSION and schema(path) == before
 
 
 _OLD_REPLICA = """
@@ -496,9 +504,16 @@ ledger.close()
 
 def test_a_0_2_0_replica_follows_batches_and_snapshots_with_bookings(
         release_0_2_0_code: Path, tmp_path: Path) -> None:
-    """0.2.0's own ledger code on this release's batch and snapshot that carry bookings:
-    it writes the rest and ignores the bookings (its ledger has no table for them)."""
+    """0.2.0's own ledger code on this release's batch and snapshot that carry bookings and
+    a lease's measured usage: it writes the rest and ignores the bookings and the usage (its
+    ledger has no table or column for them)."""
     changes = Changes()
+    changes.lease(LeaseRecord(lease_id="L-used", request_key="hub/ann/", user="ann",
+                              groups=(), state=LeaseState.RELEASED, created_at=T0,
+                              request={}, owner="hub", usage_since=T0, energy_j=50.0,
+                              sm_s=4.0, memory_s=1.0, peak_memory_mib=128,
+                              usage_run_energy_j=50.0, usage_run_sm_s=4.0,
+                              usage_run_memory_s=1.0))
     changes.booking(BookingRow("CS101 lab", {"name": "CS101 lab"}, T0, "admin (admin)"))
     changes.event(T0, "booking_added", booking="CS101 lab", by="admin (admin)")
     source = fresh(tmp_path)
@@ -520,3 +535,5 @@ def test_a_0_2_0_replica_follows_batches_and_snapshots_with_bookings(
     assert user_version(old) == 6
     with contextlib.closing(sqlite3.connect(old)) as conn:
         assert conn.execute("SELECT kind FROM events").fetchall() == [("booking_added",)]
+        assert conn.execute("SELECT lease_id, owner FROM leases").fetchall() == [
+            ("L-used", "hub")]
