@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import re
 import urllib.parse
 from collections.abc import Iterator
@@ -82,8 +83,9 @@ def ready(broker: Broker, queue: str) -> int:
     return int(broker.rabbitmq.api("GET", path).get("messages_ready", 0))
 
 
-async def test_a_heartbeat_flood_fills_only_the_node_queue(bounded: Broker,
-                                                           tmp_path: Path) -> None:
+async def test_a_heartbeat_flood_fills_only_the_node_queue(
+        bounded: Broker, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="nodeagent.publisher")
     flooder = Publisher(bounded.url("agent-gpu-a"), "gpu-a", timeout_s=5)
     other = Publisher(bounded.url("agent-gpu-b"), "gpu-b", timeout_s=5)
     await flooder.start()
@@ -99,6 +101,10 @@ async def test_a_heartbeat_flood_fills_only_the_node_queue(bounded: Broker,
         # Another host's heartbeat is refused too while the queue is full, and its agent told.
         assert not await other.publish_heartbeat(beat("gpu-b", 2))
         assert other.publishes_refused == 1
+        refused_lines = [r.getMessage() for r in caplog.records
+                         if r.name == "nodeagent.publisher" and "refused" in r.getMessage()]
+        assert len(refused_lines) == 2, refused_lines  # one per agent
+        assert all("queue is full" in line for line in refused_lines), refused_lines
 
         settings = bounded.settings(tmp_path / "ledger.sqlite").model_copy(
             update={"start_fence_s": 0})
