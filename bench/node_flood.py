@@ -121,12 +121,13 @@ async def phase(hub: str, agent_b: str, seconds: float,
     await publisher.start()
     stop = asyncio.Event()
     beats = asyncio.create_task(other_host(publisher, stop))
-    workers: list[multiprocessing.Process] = []
-    results: Any = multiprocessing.get_context("spawn").Queue()
+    spawn = multiprocessing.get_context("spawn")
+    workers: list[Any] = []
+    results: Any = spawn.Queue()
     if flood_args is not None:
         url, user_id, count, window = flood_args
         for _ in range(count):
-            worker = multiprocessing.get_context("spawn").Process(
+            worker = spawn.Process(
                 target=flooder, args=(url, user_id, seconds, window, results))
             worker.start()
             workers.append(worker)

@@ -205,6 +205,12 @@ class BrokerLink:
         return channel, agents
 
     @property
+    def nodes_prefetch(self) -> int:
+        """The node queue consumer's prefetch: two batches of node messages (``batch_max``),
+        at most ``prefetch``."""
+        return min(self.settings.prefetch, 2 * self.settings.batch_max)
+
+    @property
     def nodes_apart(self) -> bool:
         """Whether node messages come on a queue of their own (else on the request queue:
         definitions of an older release)."""
@@ -234,7 +240,16 @@ class BrokerLink:
         if self._nodes_queue is None or self._nodes_tag is not None:
             return
         tag = f"{NODES_CONSUMER_PREFIX}{uuid.uuid4().hex}"
-        self._nodes_tag = await self._nodes_queue.consume(on_message, consumer_tag=tag)
+        channel = self._channel
+        assert channel is not None
+        # A prefetch of its own (basic.qos applies to the consumers started after it): the
+        # broker sends one channel's deliveries in order, so a request delivered behind
+        # thousands of node messages under a flood would wait for all of them to be read.
+        await channel.set_qos(prefetch_count=self.nodes_prefetch)
+        try:
+            self._nodes_tag = await self._nodes_queue.consume(on_message, consumer_tag=tag)
+        finally:
+            await channel.set_qos(prefetch_count=self.settings.prefetch)
 
     async def cancel_nodes(self) -> None:
         """Stop consuming the node queue (bounded, never raising): single-active-consumer
