@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import aio_pika
 import aio_pika.abc
+import aiormq.exceptions
 
 from allocator.amqp.declare import (
     OnRefusal,
@@ -60,7 +61,8 @@ async def declare_topology(
     binding to it (left by an older release or its definitions) removed, so no node message
     finds no queue meanwhile; those already in the request queue are consumed there. When the
     broker user may not declare the node queue, the request queue stays bound to the nodes
-    exchange, with an error in the log: node messages go on arriving as before.
+    exchange, with an error in the log: node messages go on arriving as before (the same
+    when it may declare it but not bind it).
 
     The agents exchange, where the allocator sends its commands, is declared apart on a channel
     of its own (:func:`declare_agents_exchange`); the agents' queues are declared by the agents.
@@ -79,7 +81,6 @@ async def declare_topology(
     if node_queue is None:
         await queue.bind(nodes, routing_key="#")
         return Inbound(queue, None)
-    await node_queue.bind(nodes, routing_key="#")
     await queue.unbind(nodes, routing_key="#")
     return Inbound(queue, node_queue)
 
@@ -87,22 +88,26 @@ async def declare_topology(
 async def _declare_nodes_queue(connection: aio_pika.abc.AbstractConnection,
                                channel: aio_pika.abc.AbstractChannel, queue_name: str,
                                ) -> aio_pika.abc.AbstractQueue | None:
-    """The node queue, declared on a channel of its own (a refusal closes the channel that
-    asked) and then again on ``channel`` (a robust channel restores only what was declared
-    on it); None when the broker user may not declare it."""
+    """The node queue, declared and bound to the nodes exchange on a channel of its own (a
+    refusal closes the channel that asked), then declared again on ``channel`` (a robust
+    channel restores only what was declared on it); None when the broker user may not
+    declare or bind it (older definitions, or permissions set by hand without it)."""
     spec = allocator_queue_spec(nodes_queue_name(queue_name))
-    declared = await declare_queue(connection.channel, spec,
-                                   tolerate=[Tolerate(Refusal.ACCESS, OnRefusal.REPORT)])
-    if declared.refusal is not None:
-        log.error("node messages share the request queue %s: the broker refused to declare "
-                  "%s (%s), so a flood of node messages can delay or refuse hub requests. "
+    trial = await connection.channel()
+    try:
+        queue = await trial.declare_queue(spec.name, durable=spec.durable,
+                                          arguments=spec.arguments)
+        await queue.bind(NODES_EXCHANGE_SPEC.name, routing_key="#")
+    except aiormq.exceptions.ChannelAccessRefused as exc:
+        log.error("node messages share the request queue %s: the broker refused %s to this "
+                  "user (%s), so a flood of node messages can delay or refuse hub requests. "
                   "Render the broker definitions again (compose/render_definitions.py): the "
-                  "allocator's user needs configure and read on it", queue_name, spec.name,
-                  declared.reason)
+                  "allocator's user needs configure, write and read on it", queue_name,
+                  spec.name, exc)
         return None
-    if declared.channel is not None:
+    finally:
         with contextlib.suppress(Exception):
-            await declared.channel.close()
+            await trial.close()
     return (await declare_queue(connection.channel, spec, channel=channel)).value
 
 
