@@ -141,6 +141,12 @@ class AllocatorService:
             asyncio.create_task(self.health.watch_loop(), name="allocator-health-watch"),
             asyncio.create_task(self._nodes_loop(), name="allocator-nodes"),
         ]
+        if self._link.nodes_apart and self._link.first_consumer and self.log is None:
+            # On one shared file: the node queue first, so that the first batch after a
+            # restart has the node reports that waited beside the requests (the start fence
+            # grants nothing on a host before its report).
+            self._intake.assume_elected()
+            await self._link.consume_nodes(self._intake.on_message)
         await self._link.consume(self._intake.on_message)
         await self._await_election()
         self.started.set()

@@ -131,6 +131,12 @@ class Intake:
         them too); None before the first."""
         return self._last_request_delivery
 
+    def assume_elected(self) -> None:
+        """Count the start of consuming as a delivery from the request queue: a replica that
+        found no consumer there is the one single-active-consumer elects (unless another
+        started at the same moment, which the next ``standby_after_s`` shows)."""
+        self._last_request_delivery = time.monotonic()
+
     async def on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         """The consumer's callback (of both queues): put ``message`` into its lane."""
         self._last_delivery = time.monotonic()
