@@ -34,15 +34,8 @@ from allocator.service.intake import Intake
 from allocator.service.memory import Memory
 from allocator.service.standby import Standby, serve_while_writable
 from allocator.tasks import cancel_and_wait
-from allocator.wire.topology import ACTIVITY_PROBE_S
 
 log = logging.getLogger(__name__)
-
-ELECTION_WAIT_S = 10.0
-"""How long a starting replica that found no consumer on the request queue waits for its
-activity probe to elect it before it says it has started (the node loop goes on after)."""
-ELECTION_POLL_S = 0.01
-"""How often that wait looks."""
 
 
 class AllocatorService:
@@ -129,7 +122,7 @@ class AllocatorService:
         self._answers.attach(channel)
         self._commands.attach(agents)
         self._standby = Standby(self.settings, self.stats, self._memory, self._intake,
-                                self._answers, self.log, release_nodes=self._link.cancel_nodes)
+                                self._answers, self.log)
         self._batches = Batches(self.settings, self.stats, self.metrics, intake=self._intake,
                                 standby=self._standby, decider=self._decider,
                                 memory=self._memory, answers=self._answers,
@@ -139,24 +132,15 @@ class AllocatorService:
             asyncio.create_task(self._tick_loop(), name="allocator-tick"),
             asyncio.create_task(self.pruner.run(), name="allocator-prune"),
             asyncio.create_task(self.health.watch_loop(), name="allocator-health-watch"),
-            asyncio.create_task(self._nodes_loop(), name="allocator-nodes"),
         ]
-        if self._link.nodes_apart and self._link.first_consumer and self.log is None:
-            # On one shared file: the node queue first, so that the first batch after a
-            # restart has the node reports that waited beside the requests (the start fence
-            # grants nothing on a host before its report).
-            self._intake.assume_elected()
-            await self._link.consume_nodes(self._intake.on_message)
         await self._link.consume(self._intake.on_message)
-        await self._await_election()
         self.started.set()
         if self.settings.metrics_port is not None:
             self.metrics_server = exporter.serve(self, self.settings.metrics_port,
                                                 token=self.settings.metrics_token,
                                                 health=self.health)
-        log.info("allocator consuming %s%s; ledger %s", self.settings.queue_name,
-                 " (and its node queue while it serves requests)" if self._link.nodes_apart
-                 else "", self.settings.ledger_path)
+        log.info("allocator consuming %s; ledger %s", self.settings.queue_name,
+                 self.settings.ledger_path)
 
     async def stop(self) -> None:
         """Stop consuming, finish the batch in hand, close the broker and the ledger.
@@ -194,12 +178,6 @@ class AllocatorService:
         (:meth:`allocator.service.standby.Standby.is_active`); False before it consumes."""
         return self._standby is not None and self._standby.is_active()
 
-    @property
-    def consuming_nodes(self) -> bool:
-        """Whether this replica consumes the node queue now (only while it serves requests:
-        docs/design.md, "Two inbound queues, one active replica")."""
-        return self._link.consuming_nodes
-
     async def is_standby(self) -> bool:
         """Whether another allocator is the active one, as far as this one can tell
         (:meth:`allocator.service.standby.Standby.is_standby`)."""
@@ -231,52 +209,6 @@ class AllocatorService:
             await asyncio.sleep(self.settings.tick_s)
             if not await standby.is_standby():
                 self._intake.put_tick()
-
-    async def _await_election(self) -> None:
-        """At start, when the request queue had no consumer (so this replica is about to be
-        the active one): wait, at most :data:`ELECTION_WAIT_S`, until an activity probe has
-        shown it is, and consume the node queue from then on; node messages published
-        before the start are not left waiting behind requests published after it. A
-        replica that starts beside an active one does not wait (it is a standby)."""
-        link, standby = self._link, self._running_standby()
-        if not (link.nodes_apart and link.first_consumer):
-            return
-        await link.publish_probe()
-        deadline = time.monotonic() + ELECTION_WAIT_S
-        # Polled: a delivery and, with the log, the claim that follows it have no one event.
-        while not standby.serves_requests() and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(ELECTION_POLL_S)
-        if standby.serves_requests():
-            await link.consume_nodes(self._intake.on_message)
-
-    async def _nodes_loop(self) -> None:
-        """Publish an activity probe into the request queue every few seconds, and consume
-        the node queue exactly while this replica serves requests
-        (:meth:`~allocator.service.standby.Standby.serves_requests`; docs/design.md, "Two
-        inbound queues, one active replica"). Nothing to do where node messages come on the
-        request queue (definitions of an older release)."""
-        link, standby = self._link, self._running_standby()
-        if not link.nodes_apart:
-            return
-        every = min(ACTIVITY_PROBE_S, self.settings.standby_after_s / 3)
-        next_probe = 0.0
-        while True:
-            now = time.monotonic()
-            if now >= next_probe:
-                await link.publish_probe()
-                next_probe = now + every
-            wanted = link.consuming_requests and standby.serves_requests()
-            if wanted and not link.consuming_nodes:
-                try:
-                    await link.consume_nodes(self._intake.on_message)
-                    log.info("consuming the node queue: this replica serves requests")
-                except Exception as exc:  # the link is being restored: the next round tries
-                    log.warning("cannot consume the node queue yet (%s)",
-                                exc or type(exc).__name__)
-            elif not wanted and link.consuming_nodes:
-                await link.cancel_nodes()
-                log.info("stopped consuming the node queue: this replica serves no requests")
-            await asyncio.sleep(min(self.settings.tick_s, every))
 
     async def _may_prune(self) -> bool:
         """Whether this process prunes its ledger now: with the replicated log every replica

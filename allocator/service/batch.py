@@ -47,7 +47,7 @@ from allocator.metrics.counters import Count, ServiceStats
 from allocator.metrics.exporter import AllocatorMetrics
 from allocator.service.answers import Answers, Pending
 from allocator.service.commands import Commands
-from allocator.service.decide import PROBE_KIND, Decider, Poisoned, wants_reply
+from allocator.service.decide import Decider, Poisoned, wants_reply
 from allocator.service.intake import Intake
 from allocator.service.memory import Memory
 from allocator.service.standby import Standby
@@ -220,8 +220,7 @@ class Batches:
         """After the commit: the commands it decided, then the replies and acknowledgements,
         then the pushes of the leases that left the queue; then the batch's metrics."""
         committed_at = phases.committed_at
-        if any(entry.kind != PROBE_KIND for entry in pending):
-            # A batch of timer ticks or activity probes alone is no batch of messages.
+        if pending:  # a batch of timer ticks alone is no batch of messages
             self._stats.counters.add(Count.BATCHES)
         self._decider.committed(pending, committed_at)
         log_lease_changes(changes)
@@ -236,8 +235,7 @@ class Batches:
         answered_at = time.monotonic()
         elapsed = answered_at - phases.began
         for entry in pending:
-            if entry.kind != PROBE_KIND:
-                self._metrics.observe_request(entry.kind, elapsed)
+            self._metrics.observe_request(entry.kind, elapsed)
         if pending:
             self._metrics.observe_batch(phases.deciding, phases.committing,
                                         answered_at - committed_at, write_s=phases.writing)

@@ -1,9 +1,8 @@
 """The allocator's way onto the broker: connecting with retries, going round the broker nodes
 of ``amqp_url``, following the replicated ledger log, declaring, consuming, closing.
 
-:class:`BrokerLink` owns the connection, the inbound channel, the two inbound queues and their
-consumers (both on the one channel, so every delivery is settled there); the parts that
-publish get the channel or exchange they publish on from it once, at start.
+:class:`BrokerLink` owns the connection, the inbound channel and queue and the consumer; the
+parts that publish get the channel or exchange they publish on from it once, at start.
 """
 
 from __future__ import annotations
@@ -12,10 +11,8 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 
-import aio_pika
 import aio_pika.abc
 from aiormq.exceptions import AMQPError
 
@@ -26,9 +23,6 @@ from allocator.ledger.replication import LogNotHere, ReplicatedLog
 from allocator.ledger.store import Ledger
 from allocator.service.declare import declare_agents_exchange, declare_topology
 from allocator.tasks import Backoff
-from allocator.wire.topology import ACTIVITY_PROBE_TYPE, NODES_CONSUMER_PREFIX
-
-OnMessage = Callable[[aio_pika.abc.AbstractIncomingMessage], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +121,9 @@ class BrokerLink:
         self._ledger = ledger
         """Written by the replicated log this link follows (its entries go into it)."""
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
-        self._channel: aio_pika.abc.AbstractChannel | None = None
         self._queue: aio_pika.abc.AbstractQueue | None = None
         self._consumer_tag: str | None = None
-        """The consumer of the request queue while it consumes; None before and after."""
-        self._nodes_queue: aio_pika.abc.AbstractQueue | None = None
-        self._nodes_tag: str | None = None
-        """The consumer of the node queue while it consumes; None otherwise."""
-        self.first_consumer = False
-        """Whether the request queue had no consumer when this link declared it: this
-        replica is then about to be the active one (single-active-consumer elects the first
-        consumer), unless another one started at the same moment."""
+        """The consumer of the inbound queue while it consumes; None before and after."""
 
     async def connect(self) -> None:
         """Connect to the first broker node that answers, waiting up to ``broker_wait_s``."""
@@ -191,98 +177,31 @@ class BrokerLink:
 
     async def declare(self) -> tuple[aio_pika.abc.AbstractChannel,
                                      aio_pika.abc.AbstractExchange | None]:
-        """Declare the topology; the channel replies go out on (the inbound queues', with
+        """Declare the topology; the channel replies go out on (the inbound queue's, with
         the prefetch), and the agents exchange on a channel of its own (None: the broker
         user may not use it, and stop commands are off)."""
         connection = self._open()
         channel = await connection.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.settings.prefetch)
-        inbound = await declare_topology(connection, self.settings.queue_name, channel=channel)
-        self._channel, self._queue, self._nodes_queue = channel, inbound.requests, inbound.nodes
-        result = getattr(inbound.requests, "declaration_result", None)
-        self.first_consumer = getattr(result, "consumer_count", None) == 0
+        self._queue = await declare_topology(connection, self.settings.queue_name,
+                                             channel=channel)
         agents = await declare_agents_exchange(connection)
         return channel, agents
 
-    @property
-    def nodes_prefetch(self) -> int:
-        """The node queue consumer's prefetch: two batches of node messages (``batch_max``),
-        at most ``prefetch``."""
-        return min(self.settings.prefetch, 2 * self.settings.batch_max)
-
-    @property
-    def nodes_apart(self) -> bool:
-        """Whether node messages come on a queue of their own (else on the request queue:
-        definitions of an older release)."""
-        return self._nodes_queue is not None
-
-    @property
-    def consuming_requests(self) -> bool:
-        """Whether this link consumes the request queue now."""
-        return self._consumer_tag is not None
-
-    @property
-    def consuming_nodes(self) -> bool:
-        """Whether this link consumes the node queue now."""
-        return self._nodes_tag is not None
-
-    async def consume(self, on_message: OnMessage) -> None:
-        """Start consuming the request queue declared by :meth:`declare`."""
+    async def consume(self, on_message: Callable[[aio_pika.abc.AbstractIncomingMessage],
+                                                 Awaitable[None]]) -> None:
+        """Start consuming the inbound queue declared by :meth:`declare`."""
         if self._queue is None:
             raise RuntimeError("consume before declare")
         self._consumer_tag = await self._queue.consume(on_message)
 
-    async def consume_nodes(self, on_message: OnMessage) -> None:
-        """Start consuming the node queue (only while this replica is the active one for
-        requests: docs/design.md, "Two inbound queues, one active replica"). Its consumer
-        tag starts with :data:`~allocator.wire.topology.NODES_CONSUMER_PREFIX`, which is how a
-        delivery tells where it came from."""
-        if self._nodes_queue is None or self._nodes_tag is not None:
-            return
-        tag = f"{NODES_CONSUMER_PREFIX}{uuid.uuid4().hex}"
-        channel = self._channel
-        assert channel is not None
-        # A prefetch of its own (basic.qos applies to the consumers started after it): the
-        # broker sends one channel's deliveries in order, so a request delivered behind
-        # thousands of node messages under a flood would wait for all of them to be read.
-        await channel.set_qos(prefetch_count=self.nodes_prefetch)
-        try:
-            self._nodes_tag = await self._nodes_queue.consume(on_message, consumer_tag=tag)
-        finally:
-            await channel.set_qos(prefetch_count=self.settings.prefetch)
-
-    async def cancel_nodes(self) -> None:
-        """Stop consuming the node queue (bounded, never raising): single-active-consumer
-        gives it to the next consumer, the replica that is active for requests."""
-        if self._nodes_queue is not None and self._nodes_tag is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(STOP_STEP_S):
-                    await self._nodes_queue.cancel(self._nodes_tag)
-        self._nodes_tag = None
-
     async def cancel_consumer(self) -> None:
-        """Stop consuming both queues (bounded, never raising); nothing more is delivered."""
-        await self.cancel_nodes()
+        """Stop consuming (bounded, never raising); nothing more is delivered here."""
         if self._queue is not None and self._consumer_tag is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(STOP_STEP_S):
                     await self._queue.cancel(self._consumer_tag)
         self._consumer_tag = None
-
-    async def publish_probe(self) -> None:
-        """Publish an activity probe into the request queue (through the default exchange,
-        which the allocator's user may write to): the replica that single-active-consumer
-        gives it to learns that it is the active one. Never raises (the next one is sent
-        a few seconds later)."""
-        if self._channel is None or self._queue is None or self._consumer_tag is None:
-            return  # a replica that does not consume would leave its probes to the others
-        # No expiration: an expired message is dead-lettered (the queue's argument), and one
-        # left in the queue is taken by the next replica to consume, which it tells the same.
-        message = aio_pika.Message(b"{}", type=ACTIVITY_PROBE_TYPE)
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(STOP_STEP_S):
-                await self._channel.default_exchange.publish(message,
-                                                             routing_key=self._queue.name)
 
     async def close(self) -> None:
         """Close the connection (bounded, never raising). Closing twice is harmless."""

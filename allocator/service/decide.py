@@ -24,7 +24,7 @@ from allocator.ledger.changes import Changes
 from allocator.metrics.counters import Count, Family, ServiceStats
 from allocator.service.answers import Pending
 from allocator.service.decided import DecidedRequests, RequestId
-from allocator.service.intake import TICK, is_probe
+from allocator.service.intake import TICK
 from allocator.wire.protocol import (
     MAX_BODY_BYTES,
     MAX_NAME,
@@ -43,10 +43,6 @@ from allocator.wire.protocol import (
 from allocator.wire.topology import NODES_EXCHANGE, is_direct_reply_to
 
 log = logging.getLogger(__name__)
-
-PROBE_KIND = "activity_probe"
-"""The :attr:`~allocator.service.answers.Pending.kind` of an activity probe: acknowledged,
-never answered, decided or timed."""
 
 
 def request_id(message: aio_pika.abc.AbstractIncomingMessage) -> RequestId:
@@ -156,9 +152,6 @@ class Decider:
 
     def _message(self, message: aio_pika.abc.AbstractIncomingMessage, now: float,
                  changes: Changes) -> Pending:
-        if is_probe(message):
-            # Its delivery alone said what it had to: this replica is the active one.
-            return Pending(message, None, kind=PROBE_KIND)
         self._stats.counters.add(Count.RECEIVED)
         replies = wants_reply(message)
         if replies and message.redelivered and request_id(message) in self._decided:

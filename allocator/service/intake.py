@@ -27,12 +27,7 @@ from aiormq.exceptions import ChannelInvalidStateError
 from allocator.config import AllocatorSettings
 from allocator.metrics.counters import Count, ServiceStats
 from allocator.service.inbox import Inbox
-from allocator.wire.topology import (
-    ACTIVITY_PROBE_TYPE,
-    HEARTBEAT_ROUTING_PREFIX,
-    NODES_CONSUMER_PREFIX,
-    NODES_EXCHANGE,
-)
+from allocator.wire.topology import HEARTBEAT_ROUTING_PREFIX, NODES_EXCHANGE
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +47,6 @@ def delivery_of(message: aio_pika.abc.AbstractIncomingMessage) -> Delivery | Non
         return message.channel, message.delivery_tag
     except ChannelInvalidStateError:
         return None
-
-
-def from_nodes_queue(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
-    """Whether ``message`` came from the node queue (by its consumer's tag), not the request
-    queue. Only a delivery from the request queue shows that single-active-consumer made this
-    replica the active one (docs/design.md, "Two inbound queues, one active replica")."""
-    return (message.consumer_tag or "").startswith(NODES_CONSUMER_PREFIX)
-
-
-def is_probe(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
-    """Whether ``message`` is an activity probe from the request queue (nothing to decide)."""
-    return message.type == ACTIVITY_PROBE_TYPE and not from_nodes_queue(message)
 
 
 def channel_closed(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
@@ -114,8 +97,6 @@ class Intake:
         """Set when a message arrives that must not wait out a heartbeat batch's linger."""
         self._last_delivery: float | None = None
         """``time.monotonic()`` of the newest delivery; None before the first."""
-        self._last_request_delivery: float | None = None
-        """``time.monotonic()`` of the newest delivery from the request queue."""
         self._delivery_channel: aiormq.abc.AbstractChannel | None = None
         """The channel of the newest delivery."""
 
@@ -124,24 +105,9 @@ class Intake:
         """When (``time.monotonic()``) the newest delivery arrived; None before the first."""
         return self._last_delivery
 
-    @property
-    def last_request_delivery(self) -> float | None:
-        """When (``time.monotonic()``) the newest delivery from the request queue arrived
-        (a request, an activity probe, or a node message where the request queue takes
-        them too); None before the first."""
-        return self._last_request_delivery
-
-    def assume_elected(self) -> None:
-        """Count the start of consuming as a delivery from the request queue: a replica that
-        found no consumer there is the one single-active-consumer elects (unless another
-        started at the same moment, which the next ``standby_after_s`` shows)."""
-        self._last_request_delivery = time.monotonic()
-
     async def on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        """The consumer's callback (of both queues): put ``message`` into its lane."""
+        """The consumer's callback: put ``message`` into its lane."""
         self._last_delivery = time.monotonic()
-        if not from_nodes_queue(message):
-            self._last_request_delivery = self._last_delivery
         delivery = delivery_of(message)
         if delivery is not None and delivery[0] is not self._delivery_channel:
             if self._delivery_channel is not None:

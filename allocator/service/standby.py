@@ -8,15 +8,9 @@ gets deliveries; so:
   over when its commit finds the file written by another allocator: it rebuilds its memory
   from the file and applies the batch again (:meth:`Standby.took_over_file`).
 - *The replicated ledger log*: the writer is whoever made the newest accepted claim. A
-  replica that gets a batch while not the writer claims the log, but only on a delivery from
-  the request queue that the broker still stands behind (:meth:`Standby.may_write`), then
-  rebuilds its memory from its ledger, which holds every entry before its claim.
-
-Node messages come on a queue of their own, which single-active-consumer may give to another
-replica than the request queue: so a replica consumes it only while it serves requests
-(:meth:`Standby.serves_requests`), a delivery from it never elects a replica, and a replica
-given node messages while it is no writer stops consuming them and gives them back, for the
-replica that serves requests (docs/design.md, "Two inbound queues, one active replica").
+  replica that gets a batch while not the writer claims the log, but only on a delivery the
+  broker still stands behind (:meth:`Standby.may_write`), then rebuilds its memory from its
+  ledger, which holds every entry before its claim.
 
 A replica whose ledger cannot apply the log's next entry (disk full or read-only) is a
 standby until it can: it stops consuming requests, so that another replica is given them,
@@ -44,7 +38,7 @@ from allocator.ledger.replication import LogFenced, LogMismatch, LogUnavailable,
 from allocator.ledger.store import LedgerError
 from allocator.metrics.counters import Count, ServiceStats
 from allocator.service.answers import Answers
-from allocator.service.intake import Intake, delivery_of, from_nodes_queue
+from allocator.service.intake import Intake, delivery_of
 from allocator.service.memory import Memory
 
 log = logging.getLogger(__name__)
@@ -63,8 +57,7 @@ class Standby:
     """Whether this allocator is a standby, and its takeover when it is given a batch."""
 
     def __init__(self, settings: AllocatorSettings, stats: ServiceStats, memory: Memory,
-                 intake: Intake, answers: Answers, replicated: ReplicatedLog | None,
-                 release_nodes: Callable[[], Awaitable[None]] | None = None) -> None:
+                 intake: Intake, answers: Answers, replicated: ReplicatedLog | None) -> None:
         self.settings = settings
         self._stats = stats
         self._memory = memory
@@ -74,8 +67,6 @@ class Standby:
         """Gives stale deliveries and unclaimed batches back to the queue."""
         self._log = replicated
         """The replicated ledger log, or None: one shared ledger file."""
-        self._release_nodes = release_nodes
-        """Stops consuming the node queue (a replica that is not the active one)."""
 
     async def is_standby(self) -> bool:
         """Whether another allocator is the active one, as far as this one can tell.
@@ -107,16 +98,6 @@ class Standby:
         if self._log is not None and not self._log.is_writer:
             return False
         last = self._intake.last_delivery
-        return last is not None and time.monotonic() - last < self.settings.standby_after_s
-
-    def serves_requests(self) -> bool:
-        """Whether this replica is the active one for requests, so that it may consume the
-        node queue: the broker gave it a delivery from the request queue within
-        ``standby_after_s`` (activity probes bring one every few seconds to the active
-        replica only) and, with the replicated log, it is the log's writer."""
-        if self._log is not None and not self._log.is_writer:
-            return False
-        last = self._intake.last_request_delivery
         return last is not None and time.monotonic() - last < self.settings.standby_after_s
 
     async def may_write(self, batch: list[object]) -> list[object]:
@@ -190,18 +171,7 @@ class Standby:
         if stale:
             self._intake.drop_stale(len(stale))
             await self._answers.requeue(stale.values())
-        fresh = [message for message in messages if id(message) not in stale]
-        if not any(not from_nodes_queue(message) for message in fresh):
-            # Node messages alone show only that this replica is active on the node queue,
-            # which elects apart from the request queue: stop consuming it, so that the
-            # broker gives it to the replica that serves requests, and give them back.
-            if fresh:
-                log.info("given %d node message(s) while another replica serves requests: "
-                         "they go back to the node queue, which this one stops consuming",
-                         len(fresh))
-                if self._release_nodes is not None:
-                    await self._release_nodes()
-                await self._answers.requeue(fresh)
+        if len(stale) == len(messages):
             return []
         return [item for item in batch if id(item) not in stale]
 

@@ -1,19 +1,11 @@
 """The broker topology every part agrees on: exchange, queue and routing-key names and arguments.
 
-Traffic into the allocator lands on **two** quorum queues with single-active-consumer: requests
-from hubs (through :data:`RPC_EXCHANGE`) on :data:`ALLOCATOR_QUEUE`, and node messages from
-agents (through :data:`NODES_EXCHANGE`) on :data:`ALLOCATOR_NODES_QUEUE`. Two queues, each
-bounded by a policy of its own, so that a flood of node messages (one agent credential
-publishing as fast as it can) fills only the node queue and never delays or refuses a hub's
-request. Separate exchanges keep the broker permissions narrow: a hub may write only to the
-RPC exchange, an agent only to the nodes exchange.
-
-Single-active-consumer elects the active consumer per queue, so two replicas could each be
-active on one of the two queues. The allocator therefore consumes the node queue only while
-it is the active one *for requests* (docs/design.md, "Two inbound queues, one active
-replica"): requests alone elect it, and an :data:`ACTIVITY_PROBE_TYPE` message that every
-replica publishes into the request queue now and then tells the elected one so while no hub
-calls.
+All traffic into the allocator lands on **one** quorum queue with single-active-consumer:
+requests from hubs (through :data:`RPC_EXCHANGE`) and node messages from agents (through
+:data:`NODES_EXCHANGE`). One queue, not two, because single-active-consumer elects the active
+consumer per queue: with two queues a standby could become active on one and not the other,
+and two allocators would then both write. Separate exchanges keep the broker permissions
+narrow: a hub may write only to the RPC exchange, an agent only to the nodes exchange.
 
 The other way, the allocator sends commands to node agents (stop a lease container) through
 :data:`AGENTS_EXCHANGE`, routing key ``stop.<host>``; each agent consumes a queue of its own,
@@ -33,28 +25,7 @@ NODES_EXCHANGE = "swarm-gpu.nodes"
 """Topic exchange for node agents: ``heartbeat.<host>`` and ``event.<host>``."""
 
 ALLOCATOR_QUEUE = "swarm-gpu.allocator"
-"""The allocator's inbound queue of requests (quorum, single-active-consumer)."""
-
-NODES_QUEUE_SUFFIX = ".nodes"
-"""The node queue's name is the request queue's followed by this."""
-
-ALLOCATOR_NODES_QUEUE = ALLOCATOR_QUEUE + NODES_QUEUE_SUFFIX
-"""The allocator's inbound queue of node messages (quorum, single-active-consumer), bound to
-:data:`NODES_EXCHANGE` with ``#``."""
-
-NODES_CONSUMER_PREFIX = "swarm-gpu-nodes-"
-"""What the consumer tag of the allocator's consumer of the node queue starts with: how a
-delivery tells which of the two queues it came from."""
-
-ACTIVITY_PROBE_TYPE = "swarm-gpu.activity-probe"
-"""The AMQP ``type`` of the message each allocator replica publishes into the request queue
-(through the default exchange) every :data:`ACTIVITY_PROBE_S`: whichever replica
-single-active-consumer gives it to learns that it is the active one, with no hub calling.
-It carries nothing, is acknowledged and never answered."""
-
-ACTIVITY_PROBE_S = 5.0
-"""How often each replica publishes an activity probe (at most a third of its
-``standby_after_s``)."""
+"""The allocator's inbound queue (quorum, single-active-consumer)."""
 
 DEAD_LETTER_EXCHANGE = "swarm-gpu.dead"
 """Fanout exchange that receives messages the allocator could not decode."""
@@ -107,34 +78,6 @@ def allocator_queue_policy() -> dict[str, Any]:
     return {"max-length": ALLOCATOR_QUEUE_MAX_LENGTH,
             "max-length-bytes": ALLOCATOR_QUEUE_MAX_BYTES,
             "overflow": "reject-publish"}
-
-
-NODES_QUEUE_POLICY = "swarm-gpu-allocator-nodes-bounded"
-"""The broker policy that bounds the node queue (in ``compose/rabbitmq-definitions.json``)."""
-
-NODES_QUEUE_MAX_LENGTH = 10_000
-"""Node messages ready in the node queue beyond which the broker refuses publishes
-(``reject-publish``: the agent is told, logs "queue is full" and sends its next heartbeat
-as usual). A thousand hosts beating every 10 s send 100 a second: this is 100 s of them,
-more than they are worth (heartbeats expire after two intervals)."""
-
-NODES_QUEUE_MAX_BYTES = 256 * 1024 * 1024
-"""Bytes of node messages ready in the node queue beyond which publishes are refused
-(1,024 bodies at the body limit; a 16-GPU host's full heartbeat is about 20 KiB)."""
-
-
-def nodes_queue_policy() -> dict[str, Any]:
-    """The definition of :data:`NODES_QUEUE_POLICY`: the node queue's bounds, past which the
-    broker refuses an agent's publish (the flooding agent's and, while the queue is full,
-    every other agent's) and never a hub's."""
-    return {"max-length": NODES_QUEUE_MAX_LENGTH,
-            "max-length-bytes": NODES_QUEUE_MAX_BYTES,
-            "overflow": "reject-publish"}
-
-
-def nodes_queue_name(queue_name: str = ALLOCATOR_QUEUE) -> str:
-    """The node queue that goes with the request queue ``queue_name``."""
-    return queue_name + NODES_QUEUE_SUFFIX
 
 
 DELIVERY_LIMIT = 5
@@ -210,8 +153,7 @@ class QueueSpec:
 
 
 def allocator_queue_spec(name: str = ALLOCATOR_QUEUE) -> QueueSpec:
-    """An inbound queue (of requests, or of node messages: :func:`nodes_queue_name`):
-    quorum, single-active-consumer, dead-lettering after the limit."""
+    """The inbound queue: quorum, single-active-consumer, dead-lettering after the limit."""
     return QueueSpec(
         name=name,
         arguments={

@@ -77,7 +77,6 @@ async def fill(broker: Broker) -> int:
 
 async def test_a_full_queue_refuses_publishes_and_the_client_says_so(
         bounded: Broker, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="nodeagent.publisher")
     # No allocator consumes: the queue (declared by the definitions) only fills.
     taken = await fill(bounded)
     assert BOUND <= taken <= BOUND + 1  # RabbitMQ refuses once the count is over the bound
@@ -90,19 +89,21 @@ async def test_a_full_queue_refuses_publishes_and_the_client_says_so(
     assert f"queue {ALLOCATOR_QUEUE} is full ({taken} messages wait" in str(full.value)
     assert time.monotonic() - began < 5, "told at once, not after the call's whole timeout"
 
-    # Node messages have a queue of their own: a full request queue refuses no heartbeat
-    # (tests/broker/test_node_flood.py fills that one).
+    caplog.set_level(logging.INFO, logger="nodeagent.publisher")
     agent = Publisher(bounded.url("agent-gpu-a"), "gpu-a", timeout_s=5)
     await agent.start()
     try:
         assert agent.connected
         for _ in range(4):
-            await agent.publish_heartbeat(heartbeat("gpu-a", gpus("gpu-a", GTX1070, 1)))
+            beat = heartbeat("gpu-a", gpus("gpu-a", GTX1070, 1))
+            assert not await agent.publish_heartbeat(beat)
     finally:
         await agent.stop()
-    assert agent.publishes_refused == 0
-    assert not [r for r in caplog.records
-                if r.name == "nodeagent.publisher" and "refused" in r.getMessage()]
+    assert agent.publishes_refused == agent.heartbeat_failures == 4
+    refused_lines = [r for r in caplog.records
+                     if r.name == "nodeagent.publisher" and "refused" in r.getMessage()]
+    assert len(refused_lines) == 1, [r.getMessage() for r in refused_lines]
+    assert "queue is full" in refused_lines[0].getMessage()
 
 
 async def test_an_agent_user_is_held_to_its_connection_and_channel_limits(

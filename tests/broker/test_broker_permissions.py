@@ -58,7 +58,6 @@ from allocator.wire.topology import (
     dead_letter_queue_spec,
     event_routing_key,
     heartbeat_routing_key,
-    nodes_queue_name,
 )
 from nodeagent.commands import CommandConsumer
 from nodeagent.containers import StopOutcome
@@ -84,8 +83,7 @@ def test_topology_is_exactly_what_the_allocator_declares():
     """Same names, types and arguments as allocator.wire.topology (a mismatch would make the
     allocator's own declaration fail with PRECONDITION_FAILED at start)."""
     queues = {q["name"]: q for q in TEMPLATE["queues"]}
-    for spec in (allocator_queue_spec(), allocator_queue_spec(nodes_queue_name()),
-                 dead_letter_queue_spec()):
+    for spec in (allocator_queue_spec(), dead_letter_queue_spec()):
         assert queues[spec.name]["arguments"] == spec.arguments
         assert queues[spec.name]["durable"] is spec.durable
         assert queues[spec.name]["auto_delete"] is False
@@ -97,7 +95,7 @@ def test_topology_is_exactly_what_the_allocator_declares():
                          DEAD_LETTER_EXCHANGE: ("fanout", True, False, False)}
     bindings = {(b["source"], b["destination"], b["routing_key"]) for b in TEMPLATE["bindings"]}
     assert bindings == {(RPC_EXCHANGE, allocator_queue_spec().name, RPC_ROUTING_KEY),
-                        (NODES_EXCHANGE, nodes_queue_name(), "#"),
+                        (NODES_EXCHANGE, allocator_queue_spec().name, "#"),
                         (DEAD_LETTER_EXCHANGE, DEAD_LETTER_QUEUE, "")}
     assert all(u["password_hash"] == "" for u in TEMPLATE["users"]), \
         "the committed file carries no password"
